@@ -1,0 +1,19 @@
+# Sourced by the other scripts: makes the project-local venv (which provides libtorch) the one
+# torch-sys builds against. Creates it on first use.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+REQ="$ROOT/scripts/requirements.txt"
+STAMP="$VENV/.lockstep-requirements"
+if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$REQ" "$STAMP"; then
+  echo "lockstep: installing the Python side (torch, transformers) into $VENV; first time only, ~3 min" >&2
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -r "$REQ"
+  cp "$REQ" "$STAMP"
+fi
+export VIRTUAL_ENV="$VENV"
+export PATH="$VENV/bin:$PATH"
+export LIBTORCH_USE_PYTORCH=1
+# Two-core machines are the norm here; a passive OpenMP wait keeps idle threads from spinning.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
