@@ -1,0 +1,208 @@
+//! Config resolution: schema defaults < preset < `--config FILE.json` < `--set key=value` <
+//! named flags. Every layer is checked against `schema::KEYS` before it is merged, so an error
+//! names the layer (file, preset or flag) the bad key came from.
+
+pub mod presets;
+pub mod schema;
+mod types;
+mod validate;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+pub use types::*;
+
+/// A config problem the user must fix; `main` maps it to exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// Everything on the command line that shapes the config.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    pub preset: Option<String>,
+    pub config_file: Option<PathBuf>,
+    pub sets: Vec<String>,
+    pub max_steps: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub config: Config,
+    pub preset: String,
+}
+
+impl Resolved {
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(&self.config).expect("config serializes")
+    }
+}
+
+pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
+    let preset = src.preset.clone().unwrap_or_else(|| presets::DEFAULT.to_string());
+    let mut merged = defaults();
+
+    let preset_json = presets::get(&preset)?;
+    let layer = parse_json(preset_json, &format!("preset {preset}"))?;
+    merge(&mut merged, checked_layer(layer, &format!("preset {preset}"))?);
+
+    if let Some(file) = &src.config_file {
+        let origin = file.display().to_string();
+        let text = read_config_file(file)?;
+        let layer = parse_json(&text, &origin)?;
+        merge(&mut merged, checked_layer(layer, &origin)?);
+    }
+
+    for set in &src.sets {
+        let (key, value) = parse_set(set)?;
+        set_path(&mut merged, key, value);
+    }
+    if let Some(n) = src.max_steps {
+        set_path(&mut merged, "training.max_steps", Value::from(n));
+    }
+
+    let config: Config = serde_json::from_value(merged)
+        .map_err(|e| ConfigError(format!("internal: resolved config does not match its schema: {e}")))?;
+    validate::check(&config)?;
+    Ok(Resolved { config, preset })
+}
+
+fn read_config_file(file: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(file).map_err(|e| {
+        ConfigError(format!("--config {}: cannot read the file ({e}); check the path", file.display()))
+    })
+}
+
+fn parse_json(text: &str, origin: &str) -> Result<Value, ConfigError> {
+    serde_json::from_str(text).map_err(|e| {
+        ConfigError(format!(
+            "{origin}: not valid JSON at line {}, column {}: {e}; fix the syntax (JSON allows no comments or trailing commas)",
+            e.line(),
+            e.column()
+        ))
+    })
+}
+
+/// Nested object of every key's schema default.
+fn defaults() -> Value {
+    let mut root = Value::Object(Map::new());
+    for k in schema::KEYS {
+        let v: Value = serde_json::from_str(k.default).expect("schema defaults are valid JSON");
+        set_path(&mut root, k.key, v);
+    }
+    root
+}
+
+/// Checks every key of one layer (known, right type) and rewrites aliases to canonical keys.
+fn checked_layer(layer: Value, origin: &str) -> Result<Value, ConfigError> {
+    let Value::Object(sections) = layer else {
+        return err(format!("{origin}: the top level must be a JSON object with sections {}", schema::SECTIONS.join(", ")));
+    };
+    let mut out = Value::Object(Map::new());
+    for (section, body) in sections {
+        let Value::Object(entries) = body else {
+            let hint = match schema::suggest(&section) {
+                Some(s) => format!(" (did you mean \"{s}\" inside a section?)"),
+                None => String::new(),
+            };
+            return err(format!(
+                "{origin}: \"{section}\" must be a section object {{...}}; sections are {}{hint}",
+                schema::SECTIONS.join(", ")
+            ));
+        };
+        if !schema::SECTIONS.contains(&section.as_str()) {
+            return err(format!(
+                "{origin}: unknown section \"{section}\"; known sections: {}{}",
+                schema::SECTIONS.join(", "),
+                suggestion_suffix(&section)
+            ));
+        }
+        for (leaf, value) in entries {
+            let full = format!("{section}.{leaf}");
+            let key = schema::canonical(&full);
+            let spec = known_key(key, origin)?;
+            check_kind(spec, &value, origin)?;
+            set_path(&mut out, spec.key, value);
+        }
+    }
+    Ok(out)
+}
+
+fn known_key(key: &str, origin: &str) -> Result<&'static schema::KeySpec, ConfigError> {
+    schema::find(key).ok_or_else(|| {
+        ConfigError(format!(
+            "{origin}: unknown config key \"{key}\"{}; `lockstep config --keys` lists all keys",
+            suggestion_suffix(key)
+        ))
+    })
+}
+
+fn suggestion_suffix(key: &str) -> String {
+    schema::suggest(key).map_or_else(String::new, |s| format!(" (did you mean \"{s}\"?)"))
+}
+
+fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(), ConfigError> {
+    if spec.kind.accepts(value) {
+        return Ok(());
+    }
+    err(format!(
+        "{origin}: {} = {value} is not allowed; expected {}",
+        spec.key,
+        spec.kind.describe()
+    ))
+}
+
+/// `--set section.key=value`: the value is JSON where it parses as such, else a plain string,
+/// so `--set data.path=corpus.txt` needs no quotes.
+fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
+    let origin = format!("--set {set}");
+    let Some((key, raw)) = set.split_once('=') else {
+        return err(format!("{origin}: expected section.key=value, e.g. --set training.learning_rate=3e-4"));
+    };
+    let spec = known_key(schema::canonical(key.trim()), &origin)?;
+    let raw = raw.trim();
+    let value = match spec.kind {
+        schema::Kind::Str | schema::Kind::Choice(_) => Value::String(unquote(raw)),
+        schema::Kind::OptStr if raw == "null" => Value::Null,
+        schema::Kind::OptStr => Value::String(unquote(raw)),
+        _ => serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string())),
+    };
+    check_kind(spec, &value, &origin)?;
+    Ok((spec.key, value))
+}
+
+fn unquote(raw: &str) -> String {
+    serde_json::from_str::<String>(raw).unwrap_or_else(|_| raw.to_string())
+}
+
+fn set_path(root: &mut Value, key: &str, value: Value) {
+    let (section, leaf) = key.split_once('.').expect("keys are section.key");
+    let obj = root.as_object_mut().expect("root is an object");
+    let sec = obj.entry(section).or_insert_with(|| Value::Object(Map::new()));
+    sec.as_object_mut().expect("sections are objects").insert(leaf.to_string(), value);
+}
+
+/// Deep merge: objects merge key by key, anything else replaces.
+fn merge(base: &mut Value, overlay: Value) {
+    match (base, overlay) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                match b.get_mut(&k) {
+                    Some(slot) => merge(slot, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,182 @@
+//! The one table of config keys: type, default, meaning. Validation, typo suggestions, defaults
+//! and `docs/CONFIG.md` are all derived from it, so a key is added in exactly one place (plus
+//! its typed field in `types.rs`, which a test keeps in sync with this table).
+
+use serde_json::Value;
+
+/// What a key accepts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Kind {
+    /// A whole number >= 0.
+    UInt,
+    /// Any finite number.
+    Float,
+    Bool,
+    Str,
+    /// One of a fixed set of strings.
+    Choice(&'static [&'static str]),
+    /// A string, or null for "not set".
+    OptStr,
+    /// A whole number >= 0, or null for "not set".
+    OptUInt,
+}
+
+impl Kind {
+    pub fn describe(self) -> String {
+        match self {
+            Kind::UInt => "integer >= 0".into(),
+            Kind::Float => "number".into(),
+            Kind::Bool => "true or false".into(),
+            Kind::Str => "string".into(),
+            Kind::Choice(c) => format!("one of {}", c.join(" | ")),
+            Kind::OptStr => "string or null".into(),
+            Kind::OptUInt => "integer >= 0 or null".into(),
+        }
+    }
+
+    /// Whether `v` has this kind. Integral floats count as integers (JSON writers emit `8.0`).
+    pub fn accepts(self, v: &Value) -> bool {
+        let uint = |v: &Value| {
+            v.as_u64().is_some()
+                || v.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0 && f < 9.0e15)
+        };
+        match self {
+            Kind::UInt => uint(v),
+            Kind::Float => v.as_f64().is_some_and(f64::is_finite),
+            Kind::Bool => v.is_boolean(),
+            Kind::Str => v.is_string(),
+            Kind::Choice(c) => v.as_str().is_some_and(|s| c.contains(&s)),
+            Kind::OptStr => v.is_null() || v.is_string(),
+            Kind::OptUInt => v.is_null() || uint(v),
+        }
+    }
+}
+
+pub struct KeySpec {
+    /// `section.key`.
+    pub key: &'static str,
+    pub kind: Kind,
+    /// Default as JSON text (before any preset).
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// Old or alternative names that users' files carry: (alias, canonical key).
+pub const ALIASES: &[(&str, &str)] = &[
+    ("training.grad_accum_steps", "training.grad_accum_nums"),
+    ("training.gradient_accumulation_steps", "training.grad_accum_nums"),
+    ("model.init_from", "model.model_path"),
+];
+
+pub const SECTIONS: &[&str] = &["model", "data", "training", "system", "logging", "checkpoint"];
+
+macro_rules! keys {
+    ($($key:literal, $kind:expr, $default:literal, $doc:literal;)*) => {
+        pub const KEYS: &[KeySpec] = &[$(KeySpec { key: $key, kind: $kind, default: $default, doc: $doc },)*];
+    };
+}
+
+keys! {
+    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama directory (config.json + model.safetensors or a sharded index) to start from; its config.json sets the model shape. Alias: model.init_from.";
+    "model.num_layers", Kind::UInt, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
+    "model.hidden_size", Kind::UInt, "4096", "Residual stream width.";
+    "model.num_attention_heads", Kind::UInt, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";
+    "model.num_key_value_heads", Kind::UInt, "8", "Key/value heads (grouped-query attention); must divide num_attention_heads.";
+    "model.intermediate_size", Kind::UInt, "14336", "SwiGLU MLP width.";
+    "model.vocab_size", Kind::OptUInt, "null", "Embedding rows; null = the tokenizer's vocabulary size. Must be >= the tokenizer's.";
+    "model.max_position_embeddings", Kind::UInt, "131072", "Longest context the model supports; training.context_length may not exceed it.";
+    "model.rope_theta", Kind::Float, "500000.0", "RoPE base frequency.";
+    "model.rms_norm_eps", Kind::Float, "1e-5", "RMSNorm epsilon.";
+    "model.tie_word_embeddings", Kind::Bool, "false", "Share the token embedding with the LM head.";
+    "model.attention_backend", Kind::Choice(&["sdpa", "flash_attention_2", "math", "eager"]), "\"sdpa\"", "sdpa (alias flash_attention_2) = libtorch scaled_dot_product_attention, which picks flash/memory-efficient kernels; math (alias eager) = explicit softmax(QK^T/sqrt(d))V, for debugging.";
+    "model.init_std", Kind::Float, "0.02", "Standard deviation of the normal init of linear and embedding weights (RMSNorm weights start at 1).";
+    "data.path", Kind::Str, "\"data/shakespeare\"", "Corpus: a .txt/.jsonl file or a directory of them (relative to the working directory), or a prepared .tok / nanoGPT .bin / llm.c shard.";
+    "data.tokenizer", Kind::Str, "\"gpt2\"", "gpt2 (= r50k_base), p50k_base, cl100k_base, o200k_base (embedded, offline), or a path to a tokenizer.json.";
+    "data.text_field", Kind::Str, "\"text\"", "Field holding the document text in .jsonl files.";
+    "data.val_fraction", Kind::Float, "0.05", "Fraction of the token stream held out for validation (0 = none).";
+    "data.num_samples", Kind::OptUInt, "null", "Use only the first N documents of the corpus; null = all.";
+    "data.cache_dir", Kind::Str, "\".lockstep/cache\"", "Where prepared token files are cached, keyed by tokenizer, dataset files, context length and sample count.";
+    "training.batch_size", Kind::UInt, "1", "Sequences per micro-batch per rank.";
+    "training.learning_rate", Kind::Float, "1e-5", "Peak learning rate (after warmup).";
+    "training.min_lr", Kind::Float, "1e-6", "Floor of the cosine decay; must be <= learning_rate.";
+    "training.warmup_steps", Kind::UInt, "10", "Linear warmup steps from 0 to learning_rate.";
+    "training.max_steps", Kind::UInt, "100", "Optimizer steps to train for.";
+    "training.context_length", Kind::UInt, "8192", "Tokens per sequence; <= model.max_position_embeddings.";
+    "training.grad_accum_nums", Kind::UInt, "1", "Micro-batches per optimizer step. Alias: grad_accum_steps.";
+    "training.num_workers", Kind::UInt, "0", "Threads that tokenize in `prepare` (0 = all cores). Batches come straight from the memory-mapped token file and need no workers.";
+    "training.dtype", Kind::Choice(&["auto", "fp32", "bf16"]), "\"auto\"", "Compute precision; bf16 keeps fp32 master weights and AdamW moments. auto = bf16 on CUDA, fp32 on CPU.";
+    "training.weight_decay", Kind::Float, "0.1", "Decoupled AdamW weight decay, applied to matrices and embeddings only (not norms or biases).";
+    "training.beta1", Kind::Float, "0.9", "AdamW beta1.";
+    "training.beta2", Kind::Float, "0.95", "AdamW beta2.";
+    "training.adam_eps", Kind::Float, "1e-8", "AdamW epsilon.";
+    "training.max_grad_norm", Kind::Float, "1.0", "Clip the global gradient norm to this (0 = no clipping).";
+    "training.eval_interval", Kind::UInt, "0", "Validation loss every N steps and at the end (0 = only at the end).";
+    "training.eval_batches", Kind::UInt, "4", "Batches of the held-out split per validation (0 = no validation).";
+    "training.nan_check", Kind::Bool, "true", "Stop on a non-finite loss or gradient norm, with a per-tensor report of where NaN/Inf appear.";
+    "system.device", Kind::Choice(&["auto", "cpu", "cuda"]), "\"auto\"", "auto = CUDA when available, else CPU.";
+    "system.device_id", Kind::UInt, "0", "CUDA device index for a single-process run.";
+    "system.seed", Kind::UInt, "1337", "Seed of the initial weights and the data order.";
+    "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores).";
+    "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
+    "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
+    "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";
+    "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
+    "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
+    "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
+    "checkpoint.dir", Kind::OptStr, "null", "Checkpoint directory; null = <logging.dir>/<run>/checkpoints.";
+}
+
+pub fn find(key: &str) -> Option<&'static KeySpec> {
+    KEYS.iter().find(|k| k.key == key)
+}
+
+pub fn canonical(key: &str) -> &str {
+    ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == key)
+        .map_or(key, |(_, canon)| canon)
+}
+
+/// The known key closest to a misspelt one, if any is close enough to be a plausible typo.
+pub fn suggest(key: &str) -> Option<&'static str> {
+    let leaf = key.rsplit('.').next().unwrap_or(key);
+    KEYS.iter()
+        .map(|k| k.key)
+        .chain(ALIASES.iter().map(|(a, _)| *a))
+        .map(|cand| {
+            let cand_leaf = cand.rsplit('.').next().unwrap_or(cand);
+            // A right leaf in the wrong section is the commonest mistake; score it as close.
+            let d = strsim::levenshtein(key, cand).min(strsim::levenshtein(leaf, cand_leaf) + 1);
+            (d, cand)
+        })
+        .min_by_key(|(d, _)| *d)
+        .filter(|(d, _)| *d <= 3.max(leaf.len() / 3))
+        .map(|(_, c)| c)
+}
+
+/// The markdown table in docs/CONFIG.md.
+pub fn markdown_table() -> String {
+    let mut out = String::from(
+        "<!-- generated by `lockstep config --markdown`; a test checks it is current -->\n\
+         # Configuration keys\n\n\
+         Resolution order: preset (`--preset`, default `production`; `--debug` = `--preset debug`) < \
+         `--config FILE.json` (deep merge) < `--set section.key=value` < named flags (`--max-steps`). \
+         Unknown keys are errors that suggest the nearest known key.\n\n\
+         | key | type | default | meaning |\n|---|---|---|---|\n",
+    );
+    for k in KEYS {
+        out.push_str(&format!("| `{}` | {} | `{}` | {} |\n", k.key, k.kind.describe(), k.default, k.doc));
+    }
+    out.push_str("\nAliases accepted in files and `--set`: ");
+    let aliases: Vec<String> = ALIASES.iter().map(|(a, c)| format!("`{a}` → `{c}`")).collect();
+    out.push_str(&aliases.join(", "));
+    out.push_str(".\n\nPresets (`config/presets/*.json`) override these defaults:\n\n");
+    for (name, text) in super::presets::PRESETS {
+        out.push_str(&format!("- `{name}`: `{}`\n", compact(text)));
+    }
+    out
+}
+
+fn compact(json: &str) -> String {
+    serde_json::from_str::<Value>(json).map_or_else(|_| json.to_string(), |v| v.to_string())
+}

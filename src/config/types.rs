@@ -1,0 +1,92 @@
+//! The resolved, typed config. Field names are the keys of `schema::KEYS` (a test checks the two
+//! agree), so `grep -rn "training.batch_size\|batch_size:"` finds both the doc and the field.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub training: TrainingConfig,
+    pub system: SystemConfig,
+    pub logging: LoggingConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub model_path: Option<String>,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: Option<usize>,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub attention_backend: String,
+    pub init_std: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub path: String,
+    pub tokenizer: String,
+    pub text_field: String,
+    pub val_fraction: f64,
+    pub num_samples: Option<u64>,
+    pub cache_dir: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub min_lr: f64,
+    pub warmup_steps: usize,
+    pub max_steps: usize,
+    pub context_length: usize,
+    pub grad_accum_nums: usize,
+    pub num_workers: usize,
+    pub dtype: String,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub adam_eps: f64,
+    pub max_grad_norm: f64,
+    pub eval_interval: usize,
+    pub eval_batches: usize,
+    pub nan_check: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SystemConfig {
+    pub device: String,
+    pub device_id: usize,
+    pub seed: u64,
+    pub num_threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingConfig {
+    pub interval: usize,
+    pub dir: String,
+    pub verbose: bool,
+    pub run_name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    pub interval: usize,
+    pub keep_last: usize,
+    pub dir: Option<String>,
+}

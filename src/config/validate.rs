@@ -1,0 +1,104 @@
+//! Checks that need more than one key or a range: each error names the key(s), the value(s) and
+//! what would be allowed.
+
+use super::{Config, ConfigError};
+
+pub fn check(c: &Config) -> Result<(), ConfigError> {
+    let mut problems = Vec::new();
+    let mut bad = |msg: String| problems.push(msg);
+    let m = &c.model;
+    let t = &c.training;
+
+    for (key, v) in [
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_key_value_heads", m.num_key_value_heads),
+        ("model.intermediate_size", m.intermediate_size),
+        ("training.batch_size", t.batch_size),
+        ("training.max_steps", t.max_steps),
+        ("training.context_length", t.context_length),
+        ("training.grad_accum_nums", t.grad_accum_nums),
+        ("logging.interval", c.logging.interval),
+        ("checkpoint.keep_last", c.checkpoint.keep_last),
+    ] {
+        if v == 0 {
+            bad(format!("{key} = 0: must be at least 1"));
+        }
+    }
+    if m.num_attention_heads > 0 && m.hidden_size % m.num_attention_heads != 0 {
+        bad(format!(
+            "model.num_attention_heads = {} does not divide model.hidden_size = {}; pick a head count that divides it (e.g. {})",
+            m.num_attention_heads,
+            m.hidden_size,
+            nearest_divisor(m.hidden_size, m.num_attention_heads)
+        ));
+    } else if m.num_attention_heads > 0 && (m.hidden_size / m.num_attention_heads) % 2 != 0 {
+        bad(format!(
+            "model.hidden_size / model.num_attention_heads = {} / {} = {} is odd; RoPE needs an even head dimension",
+            m.hidden_size,
+            m.num_attention_heads,
+            m.hidden_size / m.num_attention_heads
+        ));
+    }
+    if m.num_key_value_heads > 0 && m.num_attention_heads % m.num_key_value_heads != 0 {
+        bad(format!(
+            "model.num_key_value_heads = {} does not divide model.num_attention_heads = {}; pick one that divides it (e.g. {})",
+            m.num_key_value_heads,
+            m.num_attention_heads,
+            nearest_divisor(m.num_attention_heads, m.num_key_value_heads)
+        ));
+    }
+    if t.context_length > m.max_position_embeddings {
+        bad(format!(
+            "training.context_length = {} exceeds model.max_position_embeddings = {}; lower the context or raise the model maximum",
+            t.context_length, m.max_position_embeddings
+        ));
+    }
+    for (key, v) in [
+        ("model.rope_theta", m.rope_theta),
+        ("model.rms_norm_eps", m.rms_norm_eps),
+        ("model.init_std", m.init_std),
+        ("training.learning_rate", t.learning_rate),
+        ("training.adam_eps", t.adam_eps),
+    ] {
+        if v <= 0.0 {
+            bad(format!("{key} = {v}: must be > 0"));
+        }
+    }
+    if t.min_lr < 0.0 || t.min_lr > t.learning_rate {
+        bad(format!(
+            "training.min_lr = {} must be between 0 and training.learning_rate = {}",
+            t.min_lr, t.learning_rate
+        ));
+    }
+    for (key, v) in [("training.beta1", t.beta1), ("training.beta2", t.beta2)] {
+        if !(0.0..1.0).contains(&v) {
+            bad(format!("{key} = {v}: must be in [0, 1)"));
+        }
+    }
+    for (key, v) in [("training.weight_decay", t.weight_decay), ("training.max_grad_norm", t.max_grad_norm)] {
+        if v < 0.0 {
+            bad(format!("{key} = {v}: must be >= 0"));
+        }
+    }
+    if !(0.0..1.0).contains(&c.data.val_fraction) {
+        bad(format!("data.val_fraction = {}: must be in [0, 1)", c.data.val_fraction));
+    }
+    if let Some(path) = &m.model_path {
+        if path.trim().is_empty() {
+            bad("model.model_path is an empty string; use null for a randomly initialised model".into());
+        }
+    }
+
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError(format!("invalid config:\n  - {}", problems.join("\n  - "))))
+    }
+}
+
+/// The divisor of `n` closest to `want`, for a concrete suggestion in an error.
+fn nearest_divisor(n: usize, want: usize) -> usize {
+    (1..=n.max(1)).filter(|d| n % d == 0).min_by_key(|d| d.abs_diff(want)).unwrap_or(1)
+}

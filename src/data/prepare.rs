@@ -1,0 +1,711 @@
+//! Tokenize a text dataset once into `.tok` files kept in a content-addressed
+//! cache directory, so every later run (and every rank) just memory-maps them.
+
+use std::fs;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+use super::sources::{dataset_fingerprint, list_files, read_documents};
+use super::tokenizer::Tokenizer;
+use super::tokfile::{
+    dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
+};
+
+/// Bumped whenever the cache contents for the same inputs would change.
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+
+/// Text accumulated before a parallel tokenization pass.
+const BATCH_BYTES: usize = 16 << 20;
+/// Large documents are cut into pieces of about this size for parallelism.
+const SEGMENT_BYTES: usize = 256 << 10;
+
+/// What to tokenize and where to cache it.
+#[derive(Debug, Clone)]
+pub struct PrepareSpec {
+    /// Tokenizer name or `tokenizer.json` path (see [`Tokenizer::load`]).
+    pub tokenizer: String,
+    /// A text file, a directory of text files, or a ready token file.
+    pub path: PathBuf,
+    /// JSON key holding the document text in `.jsonl` files.
+    pub text_field: String,
+    /// Share of tokens (taken from the end) used for validation, in `[0, 1)`.
+    pub val_fraction: f64,
+    /// Training context length; both splits get at least one full window
+    /// when the corpus is large enough.
+    pub context_length: usize,
+    /// Only the first N documents; `None` = all.
+    pub num_samples: Option<u64>,
+    /// Root of the tokenized-data cache.
+    pub cache_dir: PathBuf,
+    /// Tokenization threads; 0 = all cores.
+    pub num_threads: usize,
+    /// Show a progress bar (only when stderr is a terminal).
+    pub progress: bool,
+}
+
+/// Where the prepared token files are and what they contain.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The cache entry directory (or the token file's directory).
+    pub dir: PathBuf,
+    /// Training tokens.
+    pub train: PathBuf,
+    /// Validation tokens, if a split was requested.
+    pub val: Option<PathBuf>,
+    /// True when nothing had to be tokenized.
+    pub cache_hit: bool,
+    /// [`Tokenizer::id`] of the tokenizer used.
+    pub tokenizer_id: String,
+    /// Tokenizer vocabulary size, special tokens included.
+    pub vocab_size: usize,
+    /// End-of-document token id.
+    pub eos_id: u32,
+    /// Tokens in `train`.
+    pub train_tokens: u64,
+    /// Tokens in `val` (0 without one).
+    pub val_tokens: u64,
+}
+
+/// Returns token files for `spec`, tokenizing only when the cache has no
+/// valid entry for exactly these inputs. Prints nothing but the progress bar.
+pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
+    if !(0.0..1.0).contains(&spec.val_fraction) {
+        bail!(
+            "data.val_fraction is {} but must be at least 0 and below 1",
+            spec.val_fraction
+        );
+    }
+    if spec.context_length == 0 {
+        bail!("training.context_length must be at least 1");
+    }
+    if spec.num_samples == Some(0) {
+        bail!("data.num_samples is 0; leave it unset to use every document");
+    }
+    let tok = Tokenizer::load(&spec.tokenizer)?;
+    if is_token_file(&spec.path) {
+        return use_token_file(&spec.path, &tok);
+    }
+
+    let files = list_files(&spec.path)?;
+    let canonical = spec
+        .path
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve the dataset path", spec.path.display()))?;
+    let root = if canonical.is_dir() {
+        canonical.clone()
+    } else {
+        canonical
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    let files: Vec<PathBuf> = files
+        .iter()
+        .map(|f| f.canonicalize().unwrap_or_else(|_| f.clone()))
+        .collect();
+    let inputs = json!({
+        "format_version": CACHE_FORMAT_VERSION,
+        "tokenizer": tok.id(),
+        "tokenizer_hash": blake3::Hash::from(tok.definition_hash()).to_hex().as_str(),
+        "dataset": canonical.display().to_string(),
+        "files": dataset_fingerprint(&root, &files)?,
+        "text_field": spec.text_field,
+        "val_fraction": spec.val_fraction,
+        "context_length": spec.context_length,
+        "num_samples": spec.num_samples,
+    });
+    let key = blake3::hash(&serde_json::to_vec(&inputs)?).to_hex();
+    let short = &key.as_str()[..16];
+
+    fs::create_dir_all(&spec.cache_dir).with_context(|| {
+        format!(
+            "{}: cannot create the data cache directory; set data.cache_dir to a writable place",
+            spec.cache_dir.display()
+        )
+    })?;
+    let dir = spec.cache_dir.join(short);
+    if let Some(hit) = cached(&dir, key.as_str(), &tok, spec.val_fraction > 0.0) {
+        return Ok(hit);
+    }
+
+    remove_stale_builds(&spec.cache_dir, short);
+    let tmp = spec
+        .cache_dir
+        .join(format!("{short}.tmp-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    let built = build(spec, &tok, &files, &tmp, key.as_str(), inputs);
+    let built = match built {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    // A leftover invalid entry (or one a concurrent run just finished, which
+    // holds identical data) is replaced: rename cannot overwrite a non-empty
+    // directory.
+    if dir.exists() {
+        fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot replace", dir.display()))?;
+    }
+    fs::rename(&tmp, &dir)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    sync_parent_dir(&dir);
+    Ok(Prepared {
+        train: dir.join("train.tok"),
+        val: (spec.val_fraction > 0.0).then(|| dir.join("val.tok")),
+        dir,
+        cache_hit: false,
+        tokenizer_id: tok.id(),
+        vocab_size: tok.vocab_size(),
+        eos_id: tok.eos_id(),
+        train_tokens: built.0,
+        val_tokens: built.1,
+    })
+}
+
+/// A ready token file is used in place: no cache, no validation split.
+fn use_token_file(path: &Path, tok: &Tokenizer) -> Result<Prepared> {
+    let tf = TokenFile::open(path)?;
+    if let Some(h) = tf.tokenizer_hash() {
+        if h != tok.definition_hash() {
+            bail!(
+                "{}: was tokenized with a different tokenizer than `{}`; set data.tokenizer to \
+                 the one used by `lockstep prepare`, or prepare the text again",
+                path.display(),
+                tok.id()
+            );
+        }
+    }
+    Ok(Prepared {
+        dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+        train: path.to_path_buf(),
+        val: None,
+        cache_hit: true,
+        tokenizer_id: tok.id(),
+        vocab_size: tok.vocab_size(),
+        eos_id: tok.eos_id(),
+        train_tokens: tf.num_tokens(),
+        val_tokens: 0,
+    })
+}
+
+/// The cache entry in `dir` if it is complete, made from `key` and readable.
+fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Option<Prepared> {
+    let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json")).ok()?).ok()?;
+    if meta.get("key")?.as_str()? != key {
+        return None;
+    }
+    let open = |name: &str| -> Option<u64> {
+        let tf = TokenFile::open(&dir.join(name)).ok()?;
+        (tf.tokenizer_hash()? == tok.definition_hash()).then(|| tf.num_tokens())
+    };
+    let train_tokens = open("train.tok")?;
+    let val_tokens = if want_val { open("val.tok")? } else { 0 };
+    Some(Prepared {
+        dir: dir.to_path_buf(),
+        train: dir.join("train.tok"),
+        val: want_val.then(|| dir.join("val.tok")),
+        cache_hit: true,
+        tokenizer_id: tok.id(),
+        vocab_size: tok.vocab_size(),
+        eos_id: tok.eos_id(),
+        train_tokens,
+        val_tokens,
+    })
+}
+
+/// Removes `<short>.tmp-<pid>` directories left by crashed runs; directories
+/// of processes still alive (a concurrent prepare) are left alone.
+fn remove_stale_builds(cache_dir: &Path, short: &str) {
+    let Ok(entries) = fs::read_dir(cache_dir) else {
+        return;
+    };
+    let prefix = format!("{short}.tmp-");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let have_proc = Path::new("/proc/self").exists();
+        let alive = have_proc && Path::new("/proc").join(pid).exists();
+        if !alive || pid == std::process::id().to_string() {
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// The whole corpus as one token stream, EOS after each document.
+struct Tokenized {
+    tokens: Vec<u32>,
+    doc_starts: Vec<u64>,
+    input_bytes: u64,
+}
+
+/// Marks the early end of reading once `num_samples` documents are in.
+#[derive(Debug)]
+struct EnoughDocuments;
+
+impl std::fmt::Display for EnoughDocuments {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("document limit reached")
+    }
+}
+
+impl std::error::Error for EnoughDocuments {}
+
+fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, files: &[PathBuf]) -> Result<Tokenized> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(spec.num_threads)
+        .build()
+        .map_err(|e| anyhow!("cannot start {} tokenizer threads: {e}", spec.num_threads))?;
+    let total_bytes: u64 = files
+        .iter()
+        .map(|f| fs::metadata(f).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    let bar = progress_bar(spec.progress, total_bytes);
+    let mut out = Tokenized {
+        tokens: Vec::new(),
+        doc_starts: Vec::new(),
+        input_bytes: 0,
+    };
+    let limit = spec.num_samples.unwrap_or(u64::MAX);
+    let mut pending: Vec<String> = Vec::new();
+    let mut pending_bytes = 0usize;
+    let mut docs = 0u64;
+    for file in files {
+        let read = read_documents(file, &spec.text_field, |doc| {
+            if docs == limit {
+                return Err(EnoughDocuments.into());
+            }
+            docs += 1;
+            pending_bytes += doc.len();
+            pending.push(doc);
+            if pending_bytes >= BATCH_BYTES {
+                flush(&pool, tok, &mut pending, &mut out, &bar)?;
+                pending_bytes = 0;
+            }
+            Ok(())
+        });
+        match read {
+            Err(e) if e.is::<EnoughDocuments>() => break,
+            other => other?,
+        }
+    }
+    flush(&pool, tok, &mut pending, &mut out, &bar)?;
+    bar.finish_and_clear();
+    if out.doc_starts.is_empty() {
+        bail!(
+            "{}: the dataset has no documents (all .jsonl files are empty); add text",
+            spec.path.display()
+        );
+    }
+    Ok(out)
+}
+
+/// Tokenizes the pending documents in parallel, appending them in order.
+fn flush(
+    pool: &rayon::ThreadPool,
+    tok: &Tokenizer,
+    pending: &mut Vec<String>,
+    out: &mut Tokenized,
+    bar: &ProgressBar,
+) -> Result<()> {
+    let segments: Vec<(usize, &str)> = pending
+        .iter()
+        .enumerate()
+        .flat_map(|(i, d)| {
+            let pieces = tok.split_for_parallel(d, SEGMENT_BYTES);
+            pieces.into_iter().map(move |p| (i, p))
+        })
+        .collect();
+    let encoded: Vec<Result<Vec<u32>>> = pool.install(|| {
+        segments
+            .par_iter()
+            .map(|(_, s)| tok.try_encode(s))
+            .collect()
+    });
+    let mut current = None;
+    for ((doc, _), ids) in segments.iter().zip(encoded) {
+        if current != Some(*doc) {
+            if current.is_some() {
+                out.tokens.push(tok.eos_id());
+            }
+            out.doc_starts.push(out.tokens.len() as u64);
+            current = Some(*doc);
+        }
+        out.tokens.extend_from_slice(&ids?);
+    }
+    // Empty documents have one empty segment each, so every document above
+    // opened exactly one entry and only the last still lacks its EOS.
+    if current.is_some() {
+        out.tokens.push(tok.eos_id());
+    }
+    let bytes: usize = pending.iter().map(String::len).sum();
+    out.input_bytes += bytes as u64;
+    bar.inc(bytes as u64);
+    pending.clear();
+    Ok(())
+}
+
+fn progress_bar(wanted: bool, total: u64) -> ProgressBar {
+    if !wanted || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    if let Ok(style) = ProgressStyle::with_template(
+        "tokenizing [{bar:30}] {binary_bytes}/{binary_total_bytes} \
+         {binary_bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Where the validation part starts in a stream of `total` tokens whose
+/// documents start at `doc_starts`, and whether that is a document boundary.
+///
+/// The target is the last `val_fraction` of tokens, at least `context + 1`
+/// tokens on each side when the corpus allows it (so both splits can form a
+/// sample). The nearest document start is used if it leaves both sides that
+/// large and moves the validation size by at most half; otherwise the cut
+/// falls inside a document, so a corpus of one big file still gets a split.
+fn choose_cut(doc_starts: &[u64], total: u64, val_fraction: f64, context: u64) -> (u64, bool) {
+    let min_part = if total >= 2 * (context + 1) {
+        context + 1
+    } else {
+        1
+    };
+    let wanted = (total as f64 * val_fraction).round() as u64;
+    let val = wanted.clamp(min_part, total - min_part);
+    let target = total - val;
+    let tolerance = val / 2;
+    let ok = |b: u64| b >= min_part && total - b >= min_part && b.abs_diff(target) <= tolerance;
+    let i = doc_starts.partition_point(|&s| s < target);
+    let below = i.checked_sub(1).map(|j| doc_starts[j]);
+    let above = doc_starts.get(i).copied();
+    let best = [below, above]
+        .into_iter()
+        .flatten()
+        .filter(|&b| ok(b))
+        .min_by_key(|&b| b.abs_diff(target));
+    match best {
+        Some(b) => (b, true),
+        None => (target, false),
+    }
+}
+
+/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`;
+/// returns (train tokens, val tokens).
+fn build(
+    spec: &PrepareSpec,
+    tok: &Tokenizer,
+    files: &[PathBuf],
+    tmp: &Path,
+    key: &str,
+    inputs: Value,
+) -> Result<(u64, u64)> {
+    let corpus = tokenize_corpus(spec, tok, files)?;
+    let total = corpus.tokens.len() as u64;
+    let want_val = spec.val_fraction > 0.0;
+    if want_val && total < 2 {
+        bail!(
+            "{}: the dataset has only {total} token(s), too few to split off validation data; \
+             set data.val_fraction to 0 or add text",
+            spec.path.display()
+        );
+    }
+    let (cut, at_boundary) = if want_val {
+        choose_cut(
+            &corpus.doc_starts,
+            total,
+            spec.val_fraction,
+            spec.context_length as u64,
+        )
+    } else {
+        (total, true)
+    };
+    let dtype = dtype_for_vocab(tok.vocab_size());
+    let hash = tok.definition_hash();
+    let ends: Vec<u64> = corpus.doc_starts[1..]
+        .iter()
+        .copied()
+        .chain([total])
+        .collect();
+    let docs = || corpus.doc_starts.iter().copied().zip(ends.iter().copied());
+
+    let mut train = TokFileWriter::create(&tmp.join("train.tok"), dtype, hash)?;
+    for (s, e) in docs().filter(|&(s, _)| s < cut) {
+        if e <= cut {
+            train.push_document(&corpus.tokens[s as usize..e as usize])?;
+        } else {
+            // The document cut in two: its train part gets its own EOS so every
+            // document in a .tok file still ends with one.
+            let mut head = corpus.tokens[s as usize..cut as usize].to_vec();
+            head.push(tok.eos_id());
+            train.push_document(&head)?;
+        }
+    }
+    let train = train.finish()?;
+
+    let val = if want_val {
+        let mut val = TokFileWriter::create(&tmp.join("val.tok"), dtype, hash)?;
+        for (s, e) in docs().filter(|&(_, e)| e > cut) {
+            val.push_document(&corpus.tokens[s.max(cut) as usize..e as usize])?;
+        }
+        Some(val.finish()?)
+    } else {
+        None
+    };
+
+    let part =
+        |info: &TokFileInfo| json!({ "tokens": info.num_tokens, "documents": info.num_docs });
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let meta = json!({
+        "key": key,
+        "inputs": inputs,
+        "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
+        "dtype_bytes": dtype,
+        "documents": corpus.doc_starts.len(),
+        "input_bytes": corpus.input_bytes,
+        "split_at_document_boundary": at_boundary,
+        "train": part(&train),
+        "val": val.as_ref().map(part),
+        "created_unix_s": created,
+    });
+    let meta_path = tmp.join("meta.json");
+    fs::write(&meta_path, serde_json::to_vec_pretty(&meta)?)
+        .with_context(|| format!("{}: cannot write", meta_path.display()))?;
+    Ok((train.num_tokens, val.map_or(0, |v| v.num_tokens)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(path: &Path, cache: &Path) -> PrepareSpec {
+        PrepareSpec {
+            tokenizer: "gpt2".into(),
+            path: path.to_path_buf(),
+            text_field: "text".into(),
+            val_fraction: 0.1,
+            context_length: 8,
+            num_samples: None,
+            cache_dir: cache.to_path_buf(),
+            num_threads: 2,
+            progress: false,
+        }
+    }
+
+    fn corpus(dir: &Path) -> PathBuf {
+        let data = dir.join("corpus");
+        fs::create_dir_all(data.join("more")).unwrap();
+        for i in 0..6 {
+            let text = format!("Document {i}. ").repeat(40 + i * 7);
+            fs::write(data.join(format!("d{i}.txt")), text).unwrap();
+        }
+        fs::write(data.join("more/e.txt"), "Last one, short.").unwrap();
+        data
+    }
+
+    fn all_tokens(path: &Path) -> Vec<u32> {
+        let f = TokenFile::open(path).unwrap();
+        (0..f.num_tokens()).map(|i| f.get(i)).collect()
+    }
+
+    fn docs_end_with_eos(path: &Path, eos: u32) {
+        let f = TokenFile::open(path).unwrap();
+        assert!(f.num_docs() > 0);
+        for d in 0..f.num_docs() {
+            let end = if d + 1 < f.num_docs() {
+                f.doc_offset(d + 1)
+            } else {
+                f.num_tokens()
+            };
+            assert_eq!(f.get(end - 1), eos, "document {d} of {}", path.display());
+        }
+    }
+
+    #[test]
+    fn second_run_is_a_cache_hit() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus(dir.path());
+        let s = spec(&data, &dir.path().join("cache"));
+        let a = prepare(&s).unwrap();
+        assert!(!a.cache_hit);
+        assert_eq!(a.eos_id, 50256);
+        let train = fs::read(&a.train).unwrap();
+        let val = fs::read(a.val.as_ref().unwrap()).unwrap();
+        assert!(a.dir.join("meta.json").is_file());
+
+        let b = prepare(&s).unwrap();
+        assert!(b.cache_hit);
+        assert_eq!(b.dir, a.dir);
+        assert_eq!(
+            (b.train_tokens, b.val_tokens),
+            (a.train_tokens, a.val_tokens)
+        );
+        assert_eq!(fs::read(&b.train).unwrap(), train);
+        assert_eq!(fs::read(b.val.unwrap()).unwrap(), val);
+        // Only the entry itself is left in the cache, no temporary builds.
+        assert_eq!(fs::read_dir(dir.path().join("cache")).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn changed_file_is_a_miss() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus(dir.path());
+        let s = spec(&data, &dir.path().join("cache"));
+        let a = prepare(&s).unwrap();
+        fs::write(data.join("d0.txt"), "Document changed. ".repeat(40)).unwrap();
+        let b = prepare(&s).unwrap();
+        assert!(!b.cache_hit);
+        assert_ne!(a.dir, b.dir);
+        assert_ne!(all_tokens(&a.train), all_tokens(&b.train));
+        // Same size, new mtime only.
+        let f = fs::File::options()
+            .write(true)
+            .open(data.join("d0.txt"))
+            .unwrap();
+        f.set_modified(UNIX_EPOCH + std::time::Duration::from_secs(12345))
+            .unwrap();
+        assert!(!prepare(&s).unwrap().cache_hit);
+    }
+
+    #[test]
+    fn split_adds_up_and_documents_end_with_eos() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus(dir.path());
+        let tok = Tokenizer::load("gpt2").unwrap();
+        let mut expected = Vec::new();
+        for f in list_files(&data).unwrap() {
+            expected.extend(tok.encode(&fs::read_to_string(f).unwrap()));
+            expected.push(50256);
+        }
+        let s = spec(&data, &dir.path().join("cache"));
+        let p = prepare(&s).unwrap();
+        let (train, val) = (all_tokens(&p.train), all_tokens(p.val.as_ref().unwrap()));
+        docs_end_with_eos(&p.train, 50256);
+        docs_end_with_eos(p.val.as_ref().unwrap(), 50256);
+        let total = expected.len() as u64;
+        let meta: Value =
+            serde_json::from_slice(&fs::read(p.dir.join("meta.json")).unwrap()).unwrap();
+        if meta["split_at_document_boundary"].as_bool().unwrap() {
+            assert_eq!(p.train_tokens + p.val_tokens, total);
+            assert_eq!([train, val].concat(), expected);
+        } else {
+            assert_eq!(p.train_tokens + p.val_tokens, total + 1);
+        }
+        let share = p.val_tokens as f64 / total as f64;
+        assert!((0.05..=0.15).contains(&share), "val share {share}");
+    }
+
+    #[test]
+    fn one_document_is_split_inside() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("one.txt");
+        fs::write(&file, "word ".repeat(1000)).unwrap();
+        let p = prepare(&spec(&file, &dir.path().join("cache"))).unwrap();
+        let whole = Tokenizer::load("gpt2")
+            .unwrap()
+            .encode(&"word ".repeat(1000));
+        let total = whole.len() as u64 + 1;
+        // One extra EOS closes the train half of the split document.
+        assert_eq!(p.train_tokens + p.val_tokens, total + 1);
+        assert_eq!(p.val_tokens, (total as f64 * 0.1).round() as u64);
+        let train = all_tokens(&p.train);
+        let val = all_tokens(p.val.as_ref().unwrap());
+        assert_eq!(
+            [&train[..train.len() - 1], &val[..]].concat(),
+            [whole, vec![50256]].concat()
+        );
+        docs_end_with_eos(&p.train, 50256);
+    }
+
+    #[test]
+    fn jsonl_text_field_and_sample_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("d.jsonl");
+        let lines: Vec<String> = (0..50)
+            .map(|i| format!("{{\"id\": {i}, \"content\": \"row {i} says hello\"}}"))
+            .collect();
+        fs::write(&file, lines.join("\n")).unwrap();
+        let mut s = spec(&file, &dir.path().join("cache"));
+        s.text_field = "content".into();
+        s.val_fraction = 0.0;
+        s.num_samples = Some(3);
+        let p = prepare(&s).unwrap();
+        assert!(p.val.is_none());
+        let tok = Tokenizer::load("gpt2").unwrap();
+        let mut expected = Vec::new();
+        for i in 0..3 {
+            expected.extend(tok.encode(&format!("row {i} says hello")));
+            expected.push(50256);
+        }
+        assert_eq!(all_tokens(&p.train), expected);
+        assert_eq!(TokenFile::open(&p.train).unwrap().num_docs(), 3);
+
+        s.text_field = "text".into();
+        s.num_samples = None;
+        let err = prepare(&s).unwrap_err().to_string();
+        assert!(
+            err.contains("d.jsonl:1") && err.contains("content"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn token_file_is_used_directly() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus(dir.path());
+        let p = prepare(&spec(&data, &dir.path().join("cache"))).unwrap();
+        let direct = prepare(&spec(&p.train, &dir.path().join("other"))).unwrap();
+        assert!(direct.cache_hit && direct.val.is_none());
+        assert_eq!(
+            (direct.train.clone(), direct.train_tokens),
+            (p.train.clone(), p.train_tokens)
+        );
+        assert!(!dir.path().join("other").exists());
+
+        let mut s = spec(&p.train, &dir.path().join("other"));
+        s.tokenizer = "cl100k_base".into();
+        let err = prepare(&s).unwrap_err().to_string();
+        assert!(err.contains("different tokenizer"), "{err}");
+    }
+
+    #[test]
+    fn stale_builds_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus(dir.path());
+        let cache = dir.path().join("cache");
+        let first = prepare(&spec(&data, &cache)).unwrap();
+        let short = first.dir.file_name().unwrap().to_str().unwrap().to_string();
+        fs::remove_dir_all(&first.dir).unwrap();
+        // pid 0 is never a live user process.
+        let stale = cache.join(format!("{short}.tmp-0"));
+        fs::create_dir_all(&stale).unwrap();
+        let again = prepare(&spec(&data, &cache)).unwrap();
+        assert!(!again.cache_hit && !stale.exists());
+    }
+
+    #[test]
+    fn cut_rules() {
+        // Boundary close to the 10% target is taken.
+        assert_eq!(choose_cut(&[0, 50, 88, 95], 100, 0.1, 3), (88, true));
+        // Far boundaries are not: the cut falls inside the document.
+        assert_eq!(choose_cut(&[0, 50], 100, 0.1, 3), (90, false));
+        // Both sides keep a full window when possible.
+        assert_eq!(choose_cut(&[0], 100, 0.01, 9), (90, false));
+        // Tiny corpora still split.
+        assert_eq!(choose_cut(&[0], 2, 0.5, 100), (1, false));
+    }
+}

@@ -1,0 +1,362 @@
+//! Raw text documents: which files make up a dataset and how each one is
+//! split into documents.
+
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+
+/// File extensions read as text sources.
+pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl"];
+
+fn has_text_extension(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| TEXT_EXTENSIONS.contains(&e))
+}
+
+fn is_hidden(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with('.'))
+}
+
+/// The text files of a dataset: `path` itself if it is a file, otherwise every
+/// `.txt`/`.jsonl` file below it, recursively, skipping hidden entries, sorted
+/// by path so the document order is the same on every machine.
+pub fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let meta = fs::metadata(path).map_err(|e| {
+        anyhow!(
+            "{}: cannot read the dataset ({e}); check `data.path` in the config",
+            path.display()
+        )
+    })?;
+    if meta.is_file() {
+        if !has_text_extension(path) {
+            bail!(
+                "{}: unsupported dataset file; accepted text files end in .{}, token files in \
+                 .tok or .bin",
+                path.display(),
+                TEXT_EXTENSIONS.join(" or .")
+            );
+        }
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    walk(path, &mut files)?;
+    files.sort();
+    if files.is_empty() {
+        bail!(
+            "{}: no dataset files found (looked recursively for .{}, hidden files skipped); \
+             check `data.path`",
+            path.display(),
+            TEXT_EXTENSIONS.join(" and .")
+        );
+    }
+    Ok(files)
+}
+
+fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
+    let entries =
+        fs::read_dir(dir).with_context(|| format!("{}: cannot list directory", dir.display()))?;
+    for entry in entries {
+        let path = entry
+            .with_context(|| format!("{}: cannot list directory", dir.display()))?
+            .path();
+        if is_hidden(&path) {
+            continue;
+        }
+        // fs::metadata follows symlinks, so linked-in corpora are included.
+        let Ok(meta) = fs::metadata(&path) else {
+            continue;
+        };
+        if meta.is_dir() {
+            walk(&path, files)?;
+        } else if meta.is_file() && has_text_extension(&path) {
+            files.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// Calls `f` with every document of `file`, in order.
+///
+/// A `.txt` file is one document (a leading UTF-8 BOM is dropped). A `.jsonl`
+/// file holds one JSON object per line whose `text_field` string is the
+/// document; blank lines are skipped.
+pub fn read_documents(
+    file: &Path,
+    text_field: &str,
+    mut f: impl FnMut(String) -> Result<()>,
+) -> Result<()> {
+    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match ext {
+        "txt" => {
+            let bytes =
+                fs::read(file).with_context(|| format!("{}: cannot read", file.display()))?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                anyhow!(
+                    "{}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
+                     `iconv -f latin1 -t utf-8`)",
+                    file.display(),
+                    e.utf8_error().valid_up_to()
+                )
+            })?;
+            let text = match text.strip_prefix('\u{feff}') {
+                Some(rest) => rest.to_string(),
+                None => text,
+            };
+            f(text)
+        }
+        "jsonl" => read_jsonl(file, text_field, f),
+        _ => bail!(
+            "{}: unsupported extension; text sources must end in .{}",
+            file.display(),
+            TEXT_EXTENSIONS.join(" or .")
+        ),
+    }
+}
+
+fn read_jsonl(
+    file: &Path,
+    text_field: &str,
+    mut f: impl FnMut(String) -> Result<()>,
+) -> Result<()> {
+    let p = file.display();
+    let handle = File::open(file).with_context(|| format!("{p}: cannot open"))?;
+    let mut reader = BufReader::with_capacity(1 << 20, handle);
+    let mut line = Vec::new();
+    let mut line_no = 0u64;
+    let mut offset = 0u64;
+    loop {
+        line.clear();
+        let n = reader
+            .read_until(b'\n', &mut line)
+            .with_context(|| format!("{p}: read error after line {line_no}"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        line_no += 1;
+        let text = std::str::from_utf8(&line).map_err(|e| {
+            anyhow!(
+                "{p}:{line_no}: invalid UTF-8 at byte offset {}; convert the file to UTF-8",
+                offset + e.valid_up_to() as u64
+            )
+        })?;
+        offset += n as u64;
+        if text.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+            anyhow!(
+                "{p}:{line_no}: not valid JSON ({e}); each line of a .jsonl file must be one \
+                     JSON object"
+            )
+        })?;
+        let serde_json::Value::Object(mut obj) = value else {
+            bail!("{p}:{line_no}: expected a JSON object with a \"{text_field}\" string field");
+        };
+        match obj.remove(text_field) {
+            Some(serde_json::Value::String(s)) => f(s)?,
+            other => {
+                let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+                let problem = match other {
+                    None => "has no".to_string(),
+                    Some(v) => format!("has a non-string ({})", json_type(&v)),
+                };
+                bail!(
+                    "{p}:{line_no}: line {problem} field \"{text_field}\" (its other keys: [{}]); \
+                     set `data.text_field` to the key holding the text",
+                    keys.join(", ")
+                );
+            }
+        }
+    }
+}
+
+fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "boolean",
+        serde_json::Value::Number(_) => "number",
+        serde_json::Value::String(_) => "string",
+        serde_json::Value::Array(_) => "array",
+        serde_json::Value::Object(_) => "object",
+    }
+}
+
+/// Identity of one input file for the cache key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FileFingerprint {
+    /// Path relative to the dataset root, `/`-separated.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time in nanoseconds since the Unix epoch (negative
+    /// before it). Serialized as a string because JSON numbers lose i128.
+    #[serde(serialize_with = "as_string")]
+    pub mtime_ns: i128,
+}
+
+fn as_string<S: serde::Serializer>(v: &i128, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&v.to_string())
+}
+
+/// (relative path, size, mtime) of each file. Paths are relative to `root`
+/// (the dataset directory, or the file's parent when the dataset is a single
+/// file) so moving a dataset keeps only its canonical root in the key.
+pub fn dataset_fingerprint(root: &Path, files: &[PathBuf]) -> Result<Vec<FileFingerprint>> {
+    files
+        .iter()
+        .map(|file| {
+            let meta = fs::metadata(file)
+                .with_context(|| format!("{}: cannot read file metadata", file.display()))?;
+            let mtime = meta
+                .modified()
+                .with_context(|| format!("{}: no modification time", file.display()))?;
+            let mtime_ns = match mtime.duration_since(UNIX_EPOCH) {
+                Ok(d) => d.as_nanos() as i128,
+                Err(e) => -(e.duration().as_nanos() as i128),
+            };
+            let rel = file.strip_prefix(root).unwrap_or(file);
+            let path = rel
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join("/");
+            Ok(FileFingerprint {
+                path,
+                size: meta.len(),
+                mtime_ns,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect(file: &Path, field: &str) -> Result<Vec<String>> {
+        let mut docs = Vec::new();
+        read_documents(file, field, |d| {
+            docs.push(d);
+            Ok(())
+        })?;
+        Ok(docs)
+    }
+
+    #[test]
+    fn lists_recursively_sorted_and_filtered() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::create_dir_all(d.join("b/sub")).unwrap();
+        fs::create_dir_all(d.join(".git")).unwrap();
+        for f in [
+            "z.txt",
+            "a.jsonl",
+            "b/sub/c.txt",
+            "b/x.md",
+            ".hidden.txt",
+            ".git/y.txt",
+        ] {
+            fs::write(d.join(f), "x").unwrap();
+        }
+        let got = list_files(d).unwrap();
+        let rel: Vec<_> = got.iter().map(|p| p.strip_prefix(d).unwrap()).collect();
+        assert_eq!(
+            rel,
+            [
+                Path::new("a.jsonl"),
+                Path::new("b/sub/c.txt"),
+                Path::new("z.txt")
+            ]
+        );
+        assert_eq!(list_files(&d.join("z.txt")).unwrap(), vec![d.join("z.txt")]);
+    }
+
+    #[test]
+    fn list_errors_are_helpful() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = list_files(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("no dataset files") && err.contains(".txt"),
+            "{err}"
+        );
+        let missing = dir.path().join("nope");
+        let err = list_files(&missing).unwrap_err().to_string();
+        assert!(err.contains("nope") && err.contains("data.path"), "{err}");
+        fs::write(dir.path().join("x.csv"), "a").unwrap();
+        let err = list_files(&dir.path().join("x.csv"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unsupported"), "{err}");
+    }
+
+    #[test]
+    fn txt_is_one_document_and_bad_utf8_is_located() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.txt");
+        fs::write(&path, "\u{feff}line one\nline two\n").unwrap();
+        assert_eq!(
+            collect(&path, "text").unwrap(),
+            vec!["line one\nline two\n"]
+        );
+        fs::write(&path, b"caf\xe9 au lait").unwrap();
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(
+            err.contains("byte offset 3") && err.contains("a.txt"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn jsonl_documents_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        fs::write(
+            &path,
+            "{\"body\": \"first\", \"id\": 1}\n\n  \n{\"body\": \"sec\\nond\"}\n",
+        )
+        .unwrap();
+        assert_eq!(collect(&path, "body").unwrap(), vec!["first", "sec\nond"]);
+
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(
+            err.contains("d.jsonl:1") && err.contains("\"text\""),
+            "{err}"
+        );
+        assert!(err.contains("[body, id]"), "{err}");
+
+        fs::write(&path, "{\"text\": \"ok\"}\n{\"text\": 5}\n").unwrap();
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(err.contains("d.jsonl:2") && err.contains("number"), "{err}");
+
+        fs::write(&path, "{\"text\": \"ok\"}\nnot json\n").unwrap();
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(
+            err.contains("d.jsonl:2") && err.contains("not valid JSON"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn fingerprint_tracks_size_and_mtime() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("s")).unwrap();
+        let file = dir.path().join("s/a.txt");
+        fs::write(&file, "hello").unwrap();
+        let a = dataset_fingerprint(dir.path(), std::slice::from_ref(&file)).unwrap();
+        assert_eq!(a[0].path, "s/a.txt");
+        assert_eq!(a[0].size, 5);
+        let f = File::options().write(true).open(&file).unwrap();
+        f.set_modified(UNIX_EPOCH + std::time::Duration::from_secs(1_000_000))
+            .unwrap();
+        let b = dataset_fingerprint(dir.path(), std::slice::from_ref(&file)).unwrap();
+        assert_eq!(b[0].mtime_ns, 1_000_000_000_000_000);
+        assert_ne!(a, b);
+    }
+}

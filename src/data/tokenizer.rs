@@ -1,0 +1,440 @@
+//! Text tokenizers: the OpenAI BPE encodings embedded in tiktoken-rs (offline)
+//! and Hugging Face `tokenizer.json` files.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{anyhow, bail, Context, Result};
+use tiktoken_rs::CoreBPE;
+
+/// Names accepted by [`Tokenizer::load`] besides a path to a `tokenizer.json`.
+pub const BUILTIN_NAMES: &[&str] = &[
+    "gpt2",
+    "r50k_base",
+    "p50k_base",
+    "cl100k_base",
+    "o200k_base",
+];
+
+/// Special-token spellings tried, in order, to find the end-of-sequence id of
+/// a Hugging Face tokenizer.
+const HF_EOS_CANDIDATES: &[&str] = &[
+    "</s>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<eos>",
+];
+
+/// A text tokenizer shared (read-only) by all tokenization threads.
+pub struct Tokenizer {
+    kind: Kind,
+    vocab_size: usize,
+    eos_id: u32,
+    hash: OnceLock<[u8; 32]>,
+}
+
+enum Kind {
+    Tiktoken {
+        name: &'static str,
+        bpe: &'static CoreBPE,
+    },
+    HuggingFace {
+        path: PathBuf,
+        inner: Box<tokenizers::Tokenizer>,
+    },
+}
+
+/// Static facts about a tiktoken encoding. tiktoken-rs keeps its vocabulary
+/// private, so the sizes (`n_vocab` in Python tiktoken: highest id + 1) are
+/// tabulated here and checked against the encoder when loading.
+struct TiktokenSpec {
+    name: &'static str,
+    vocab_size: usize,
+    eos_id: u32,
+    get: fn() -> &'static CoreBPE,
+}
+
+const TIKTOKEN_SPECS: &[TiktokenSpec] = &[
+    TiktokenSpec {
+        name: "r50k_base",
+        vocab_size: 50257,
+        eos_id: 50256,
+        get: tiktoken_rs::r50k_base_singleton,
+    },
+    TiktokenSpec {
+        name: "p50k_base",
+        vocab_size: 50281,
+        eos_id: 50256,
+        get: tiktoken_rs::p50k_base_singleton,
+    },
+    TiktokenSpec {
+        name: "cl100k_base",
+        vocab_size: 100277,
+        eos_id: 100257,
+        get: tiktoken_rs::cl100k_base_singleton,
+    },
+    TiktokenSpec {
+        name: "o200k_base",
+        vocab_size: 200019,
+        eos_id: 199999,
+        get: tiktoken_rs::o200k_base_singleton,
+    },
+];
+
+impl Tokenizer {
+    /// Loads a tokenizer from a built-in encoding name (`gpt2`, `r50k_base`,
+    /// `p50k_base`, `cl100k_base`, `o200k_base`) or a path to a Hugging Face
+    /// `tokenizer.json`.
+    pub fn load(spec: &str) -> Result<Tokenizer> {
+        let name = if spec == "gpt2" { "r50k_base" } else { spec };
+        if let Some(t) = TIKTOKEN_SPECS.iter().find(|t| t.name == name) {
+            return Self::load_tiktoken(t);
+        }
+        let path = Path::new(spec);
+        if path.is_file() {
+            return Self::load_hf(path);
+        }
+        bail!(
+            "unknown tokenizer `{spec}`: it is neither a built-in encoding nor an existing file; \
+             use one of {} or the path to a Hugging Face tokenizer.json",
+            BUILTIN_NAMES.join(", ")
+        )
+    }
+
+    fn load_tiktoken(t: &TiktokenSpec) -> Result<Tokenizer> {
+        let bpe = (t.get)();
+        // Guards the hand-written table above against a tiktoken-rs upgrade
+        // that changes an encoding.
+        let last = u32::try_from(t.vocab_size - 1)?;
+        let eos = bpe.decode_bytes(&[t.eos_id]).ok();
+        if bpe.decode_bytes(&[last]).is_err()
+            || bpe.decode_bytes(&[last + 1]).is_ok()
+            || eos.as_deref() != Some(b"<|endoftext|>".as_slice())
+        {
+            bail!(
+                "tiktoken encoding {} does not have the expected vocabulary size {} and \
+                 <|endoftext|> id {}; the tiktoken-rs version is incompatible with lockstep",
+                t.name,
+                t.vocab_size,
+                t.eos_id
+            );
+        }
+        Ok(Tokenizer {
+            kind: Kind::Tiktoken { name: t.name, bpe },
+            vocab_size: t.vocab_size,
+            eos_id: t.eos_id,
+            hash: OnceLock::new(),
+        })
+    }
+
+    fn load_hf(path: &Path) -> Result<Tokenizer> {
+        let path = path
+            .canonicalize()
+            .with_context(|| format!("{}: cannot resolve the tokenizer path", path.display()))?;
+        let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
+            anyhow!(
+                "{}: not a valid Hugging Face tokenizer.json ({e}); point data.tokenizer at a \
+                 tokenizer.json or use one of {}",
+                path.display(),
+                BUILTIN_NAMES.join(", ")
+            )
+        })?;
+        // Training text that happens to contain "</s>" must stay ordinary text,
+        // as with tiktoken's encode_ordinary.
+        inner.set_encode_special_tokens(true);
+        let eos_id = HF_EOS_CANDIDATES
+            .iter()
+            .find_map(|t| inner.token_to_id(t))
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: the tokenizer has no EOS token (looked for {}); add one of them to its \
+                     vocabulary",
+                    path.display(),
+                    HF_EOS_CANDIDATES.join(" ")
+                )
+            })?;
+        let vocab_size = inner.get_vocab_size(true);
+        Ok(Tokenizer {
+            kind: Kind::HuggingFace {
+                path,
+                inner: Box::new(inner),
+            },
+            vocab_size,
+            eos_id,
+            hash: OnceLock::new(),
+        })
+    }
+
+    /// A stable name: `tiktoken:<encoding>` or `hf:<canonical path>`.
+    pub fn id(&self) -> String {
+        match &self.kind {
+            Kind::Tiktoken { name, .. } => format!("tiktoken:{name}"),
+            Kind::HuggingFace { path, .. } => format!("hf:{}", path.display()),
+        }
+    }
+
+    /// BLAKE3 of the tokenizer definition, stored in `.tok` headers so a
+    /// token file is never read with a different tokenizer.
+    ///
+    /// For a `tokenizer.json` it is the hash of the file bytes. For tiktoken it
+    /// hashes the encoding name, the vocabulary size, the EOS id and then every
+    /// id in `0..vocab_size` that exists with its byte string (as
+    /// `id u32 LE, len u32 LE, bytes`), i.e. the whole vocabulary; it is
+    /// computed once (tens of milliseconds) on first use.
+    pub fn definition_hash(&self) -> [u8; 32] {
+        *self.hash.get_or_init(|| match &self.kind {
+            Kind::Tiktoken { name, bpe } => {
+                let mut h = blake3::Hasher::new();
+                h.update(b"tiktoken\0");
+                h.update(name.as_bytes());
+                h.update(&(self.vocab_size as u64).to_le_bytes());
+                h.update(&self.eos_id.to_le_bytes());
+                for id in 0..self.vocab_size as u32 {
+                    if let Ok(bytes) = bpe.decode_bytes(&[id]) {
+                        h.update(&id.to_le_bytes());
+                        h.update(&(bytes.len() as u32).to_le_bytes());
+                        h.update(&bytes);
+                    }
+                }
+                *h.finalize().as_bytes()
+            }
+            // The file was read successfully moments ago in load(); if it has
+            // vanished since, hashing the path still identifies it.
+            Kind::HuggingFace { path, .. } => match std::fs::read(path) {
+                Ok(bytes) => *blake3::hash(&bytes).as_bytes(),
+                Err(_) => *blake3::hash(path.to_string_lossy().as_bytes()).as_bytes(),
+            },
+        })
+    }
+
+    /// Number of ids, special tokens included (the model's minimum vocab size).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The end-of-sequence id appended after every document.
+    pub fn eos_id(&self) -> u32 {
+        self.eos_id
+    }
+
+    /// Encodes ordinary text: special-token spellings such as `<|endoftext|>`
+    /// inside `text` are tokenized as plain characters, never as special ids.
+    ///
+    /// Never fails for tiktoken. A Hugging Face model that cannot represent
+    /// some text (e.g. WordLevel without an unk token) yields an empty vector
+    /// here; use [`Tokenizer::try_encode`] to get the error instead.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.try_encode(text).unwrap_or_default()
+    }
+
+    /// Like [`Tokenizer::encode`] but reports Hugging Face encoding failures.
+    pub fn try_encode(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.kind {
+            Kind::Tiktoken { bpe, .. } => Ok(bpe.encode_ordinary(text)),
+            Kind::HuggingFace { path, inner } => inner
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| anyhow!("{}: cannot encode text: {e}", path.display())),
+        }
+    }
+
+    /// Splits `text` into consecutive pieces of roughly `target_bytes` whose
+    /// separate encodings concatenate to `encode(text)`, so one huge document
+    /// can be tokenized on several threads.
+    ///
+    /// Cuts are placed only right after a `\n` that follows a non-whitespace
+    /// character and precedes a non-whitespace character: none of the tiktoken
+    /// pre-tokenizer patterns lets a piece span such a newline, and none has a
+    /// look-behind. Hugging Face pipelines (prefix spaces, normalizers) give no
+    /// such guarantee, so their text is never split.
+    pub fn split_for_parallel<'a>(&self, text: &'a str, target_bytes: usize) -> Vec<&'a str> {
+        if matches!(self.kind, Kind::HuggingFace { .. }) || text.len() <= target_bytes {
+            return vec![text];
+        }
+        let bytes = text.as_bytes();
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        while text.len() - start > target_bytes {
+            // Byte-wise search: '\n' is ASCII, so every hit is a char boundary.
+            let from = start + target_bytes.max(1);
+            let cut = (from..bytes.len().saturating_sub(1))
+                .find(|&nl| bytes[nl] == b'\n' && !is_ws(bytes[nl - 1]) && !is_ws(bytes[nl + 1]))
+                .map(|nl| nl + 1);
+            match cut {
+                Some(c) => {
+                    pieces.push(&text[start..c]);
+                    start = c;
+                }
+                None => break,
+            }
+        }
+        pieces.push(&text[start..]);
+        pieces
+    }
+
+    /// Decodes ids back to text; fails on unknown ids or invalid UTF-8.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match &self.kind {
+            Kind::Tiktoken { name, bpe } => bpe
+                .decode(ids)
+                .map_err(|e| anyhow!("tiktoken {name}: cannot decode ids: {e}")),
+            Kind::HuggingFace { path, inner } => inner
+                .decode(ids, false)
+                .map_err(|e| anyhow!("{}: cannot decode ids: {e}", path.display())),
+        }
+    }
+}
+
+/// Whether byte `b` may belong to a whitespace character. Conservative: every
+/// non-ASCII byte counts, because U+0085, U+00A0 and U+2000.. are `\s` for the
+/// pre-tokenizer regexes and a cut next to them could merge differently.
+fn is_ws(b: u8) -> bool {
+    b.is_ascii_whitespace() || b == 0x0B || b >= 0x80
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_hello_world() {
+        let t = Tokenizer::load("gpt2").unwrap();
+        assert_eq!(t.encode("Hello world"), vec![15496, 995]);
+        assert_eq!(t.id(), "tiktoken:r50k_base");
+        assert_eq!(t.vocab_size(), 50257);
+    }
+
+    #[test]
+    fn unicode_round_trip() {
+        let text = "Ünïcödé — 日本語のテキスト, emoji 🦀🚀, Ελληνικά.\n\tTabs and  spaces.";
+        for name in ["gpt2", "cl100k_base", "o200k_base"] {
+            let t = Tokenizer::load(name).unwrap();
+            assert_eq!(t.decode(&t.encode(text)).unwrap(), text, "{name}");
+        }
+    }
+
+    #[test]
+    fn eos_ids_and_sizes() {
+        for (name, eos, vocab) in [
+            ("gpt2", 50256, 50257),
+            ("p50k_base", 50256, 50281),
+            ("cl100k_base", 100257, 100277),
+            ("o200k_base", 199999, 200019),
+        ] {
+            let t = Tokenizer::load(name).unwrap();
+            assert_eq!(t.eos_id(), eos, "{name}");
+            assert_eq!(t.vocab_size(), vocab, "{name}");
+            assert_eq!(t.decode(&[eos]).unwrap(), "<|endoftext|>");
+        }
+    }
+
+    #[test]
+    fn special_strings_stay_ordinary() {
+        let t = Tokenizer::load("gpt2").unwrap();
+        let ids = t.encode("a<|endoftext|>b");
+        assert!(!ids.contains(&50256));
+        assert_eq!(t.decode(&ids).unwrap(), "a<|endoftext|>b");
+    }
+
+    #[test]
+    fn hashes_differ_and_are_stable() {
+        let a = Tokenizer::load("gpt2").unwrap();
+        let b = Tokenizer::load("r50k_base").unwrap();
+        let c = Tokenizer::load("p50k_base").unwrap();
+        assert_eq!(a.definition_hash(), b.definition_hash());
+        assert_ne!(a.definition_hash(), c.definition_hash());
+    }
+
+    #[test]
+    fn unknown_name_lists_choices() {
+        let err = Tokenizer::load("gpt5-ultra").err().unwrap().to_string();
+        assert!(
+            err.contains("cl100k_base") && err.contains("gpt5-ultra"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn parallel_split_matches_whole_encoding() {
+        let t = Tokenizer::load("cl100k_base").unwrap();
+        let mut text = String::new();
+        for i in 0..400 {
+            text.push_str(&format!("Line {i}:  some words, punct.!\n"));
+            if i % 7 == 0 {
+                text.push_str("   \n\n  indented\r\n");
+            }
+            if i % 11 == 0 {
+                text.push_str("ünï\ncödé\n\n\n");
+            }
+        }
+        let pieces = t.split_for_parallel(&text, 512);
+        assert!(pieces.len() > 10);
+        assert_eq!(pieces.concat(), text);
+        let joined: Vec<u32> = pieces.iter().flat_map(|p| t.encode(p)).collect();
+        assert_eq!(joined, t.encode(&text));
+    }
+
+    /// A minimal WordLevel tokenizer.json, written the way `tokenizers` saves one.
+    pub(crate) fn write_wordlevel_json(dir: &Path) -> PathBuf {
+        let json = r###"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [
+    {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+    {"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+  ],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "Whitespace"},
+  "post_processor": null,
+  "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3, "to": 4, "be": 5, "or": 6, "not": 7},
+    "unk_token": "<unk>"
+  }
+}"###;
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        path
+    }
+
+    #[test]
+    fn hf_tokenizer_json_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_wordlevel_json(dir.path());
+        let t = Tokenizer::load(path.to_str().unwrap()).unwrap();
+        assert_eq!(t.vocab_size(), 8);
+        assert_eq!(t.eos_id(), 1);
+        assert!(t.id().starts_with("hf:") && t.id().ends_with("tokenizer.json"));
+        let ids = t.encode("to be or not to be");
+        assert_eq!(ids, vec![4, 5, 6, 7, 4, 5]);
+        assert_eq!(t.decode(&ids).unwrap(), "to be or not to be");
+        // The special-token spelling in text is not mapped to the EOS id.
+        assert!(!t.encode("hello </s> world").contains(&1));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(t.definition_hash(), *blake3::hash(&bytes).as_bytes());
+    }
+
+    #[test]
+    fn hf_without_eos_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_wordlevel_json(dir.path());
+        let json = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("</s>", "<pad>");
+        std::fs::write(&path, json).unwrap();
+        let err = Tokenizer::load(path.to_str().unwrap())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("no EOS token"), "{err}");
+    }
+
+    #[test]
+    fn is_send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+    }
+}

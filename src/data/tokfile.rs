@@ -1,0 +1,670 @@
+//! Token files: lockstep's own `.tok` format (written and read) and, for
+//! reading only, nanoGPT `.bin` arrays and llm.c shards.
+//!
+//! `.tok` layout, little-endian: a 64-byte header (magic `LSTOK\0\0\x01`,
+//! u32 version = 1, u32 dtype = bytes per token (2 or 4), u64 token count,
+//! u64 document count, 32-byte BLAKE3 of the tokenizer definition), the
+//! tokens, then one u64 start offset (token index) per document.
+
+use std::fmt;
+use std::fs::{self, File};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+
+/// First 8 bytes of every `.tok` file.
+pub const TOK_MAGIC: [u8; 8] = *b"LSTOK\0\0\x01";
+/// Current `.tok` format version.
+pub const TOK_VERSION: u32 = 1;
+/// Size of the `.tok` header in bytes.
+pub const TOK_HEADER_BYTES: u64 = 64;
+
+/// llm.c shard magic for GPT-2 shards (u16 tokens).
+const LLMC_MAGIC_U16: i32 = 20240520;
+/// llm.c shard magic for Llama 3 shards (u32 tokens).
+const LLMC_MAGIC_U32: i32 = 20240801;
+const LLMC_HEADER_BYTES: u64 = 1024;
+
+/// Bytes per token needed to store ids below `vocab_size`.
+pub fn dtype_for_vocab(vocab_size: usize) -> u32 {
+    if vocab_size <= 1 << 16 {
+        2
+    } else {
+        4
+    }
+}
+
+/// Counts written by [`TokFileWriter::finish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokFileInfo {
+    /// Where the file now lives.
+    pub path: PathBuf,
+    /// Total tokens, EOS included.
+    pub num_tokens: u64,
+    /// Number of documents.
+    pub num_docs: u64,
+    /// Bytes per token.
+    pub dtype_bytes: u32,
+}
+
+/// Streams documents into a `.tok` file, atomically: data goes to
+/// `<final>.tmp-<pid>` and is renamed into place by [`TokFileWriter::finish`];
+/// a writer dropped before that removes its temporary file.
+pub struct TokFileWriter {
+    out: Option<BufWriter<File>>,
+    tmp_path: PathBuf,
+    final_path: PathBuf,
+    dtype_bytes: u32,
+    tokenizer_hash: [u8; 32],
+    num_tokens: u64,
+    doc_starts: Vec<u64>,
+}
+
+fn tok_header(dtype: u32, tokens: u64, docs: u64, hash: &[u8; 32]) -> [u8; 64] {
+    let mut h = [0u8; 64];
+    h[0..8].copy_from_slice(&TOK_MAGIC);
+    h[8..12].copy_from_slice(&TOK_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&dtype.to_le_bytes());
+    h[16..24].copy_from_slice(&tokens.to_le_bytes());
+    h[24..32].copy_from_slice(&docs.to_le_bytes());
+    h[32..64].copy_from_slice(hash);
+    h
+}
+
+impl TokFileWriter {
+    /// Starts a file that will appear at `final_path` on `finish`.
+    pub fn create(final_path: &Path, dtype_bytes: u32, tokenizer_hash: [u8; 32]) -> Result<Self> {
+        if dtype_bytes != 2 && dtype_bytes != 4 {
+            bail!(
+                "{}: token dtype must be 2 or 4 bytes, got {dtype_bytes}",
+                final_path.display()
+            );
+        }
+        let mut tmp_name = final_path.as_os_str().to_owned();
+        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        let tmp_path = PathBuf::from(tmp_name);
+        let file = File::create(&tmp_path)
+            .with_context(|| format!("{}: cannot create token file", tmp_path.display()))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        // Placeholder; the real counts are only known in finish().
+        out.write_all(&tok_header(dtype_bytes, 0, 0, &tokenizer_hash))?;
+        Ok(TokFileWriter {
+            out: Some(out),
+            tmp_path,
+            final_path: final_path.to_path_buf(),
+            dtype_bytes,
+            tokenizer_hash,
+            num_tokens: 0,
+            doc_starts: Vec::new(),
+        })
+    }
+
+    /// Appends one document (the caller has already appended EOS).
+    pub fn push_document(&mut self, tokens: &[u32]) -> Result<()> {
+        let out = self.out.as_mut().expect("writer used after finish");
+        if self.dtype_bytes == 2 {
+            if let Some(&bad) = tokens.iter().find(|&&t| t > u16::MAX as u32) {
+                bail!(
+                    "{}: token id {bad} does not fit in 2 bytes; the tokenizer's vocabulary needs \
+                     dtype 4 (use dtype_for_vocab)",
+                    self.final_path.display()
+                );
+            }
+            for &t in tokens {
+                out.write_all(&(t as u16).to_le_bytes())?;
+            }
+        } else {
+            for &t in tokens {
+                out.write_all(&t.to_le_bytes())?;
+            }
+        }
+        self.doc_starts.push(self.num_tokens);
+        self.num_tokens += tokens.len() as u64;
+        Ok(())
+    }
+
+    /// Writes the offsets and final header, syncs, and renames into place.
+    pub fn finish(mut self) -> Result<TokFileInfo> {
+        let mut out = self.out.take().expect("finish called twice");
+        let ctx = || format!("{}: cannot write token file", self.tmp_path.display());
+        for &s in &self.doc_starts {
+            out.write_all(&s.to_le_bytes()).with_context(ctx)?;
+        }
+        let docs = self.doc_starts.len() as u64;
+        let header = tok_header(
+            self.dtype_bytes,
+            self.num_tokens,
+            docs,
+            &self.tokenizer_hash,
+        );
+        let mut file = out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(ctx)?;
+        file.seek(SeekFrom::Start(0)).with_context(ctx)?;
+        file.write_all(&header).with_context(ctx)?;
+        file.sync_all().with_context(ctx)?;
+        drop(file);
+        fs::rename(&self.tmp_path, &self.final_path).with_context(|| {
+            format!(
+                "cannot rename {} to {}",
+                self.tmp_path.display(),
+                self.final_path.display()
+            )
+        })?;
+        sync_parent_dir(&self.final_path);
+        Ok(TokFileInfo {
+            path: self.final_path.clone(),
+            num_tokens: self.num_tokens,
+            num_docs: docs,
+            dtype_bytes: self.dtype_bytes,
+        })
+    }
+}
+
+impl Drop for TokFileWriter {
+    fn drop(&mut self) {
+        if self.out.take().is_some() {
+            let _ = fs::remove_file(&self.tmp_path);
+        }
+    }
+}
+
+/// Makes a rename durable. Best effort: some filesystems refuse to fsync a
+/// directory, and the data itself is already synced.
+pub(crate) fn sync_parent_dir(path: &Path) {
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+}
+
+/// Which on-disk format a [`TokenFile`] was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// lockstep `.tok` (with document offsets and tokenizer hash).
+    Lockstep,
+    /// nanoGPT `.bin`: raw little-endian u16 tokens, no header.
+    NanoGpt,
+    /// llm.c shard: 1024-byte header then u16 (GPT-2) or u32 (Llama 3) tokens.
+    LlmC {
+        /// The header's version field.
+        version: i32,
+    },
+}
+
+impl fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourceKind::Lockstep => write!(f, "lockstep .tok"),
+            SourceKind::NanoGpt => write!(f, "nanoGPT .bin (raw u16)"),
+            SourceKind::LlmC { version } => write!(f, "llm.c shard (version {version})"),
+        }
+    }
+}
+
+/// A read-only, memory-mapped token file.
+pub struct TokenFile {
+    map: Mmap,
+    kind: SourceKind,
+    dtype: u32,
+    data_start: usize,
+    num_tokens: u64,
+    num_docs: u64,
+    offsets_start: usize,
+    tokenizer_hash: Option<[u8; 32]>,
+}
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Whether `path` looks like a token file [`TokenFile::open`] can read
+/// (by magic, or by the `.tok`/`.bin` extension).
+pub fn is_token_file(path: &Path) -> bool {
+    if !path.is_file() {
+        return false;
+    }
+    if matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("tok" | "bin")
+    ) {
+        return true;
+    }
+    let mut magic = [0u8; 8];
+    match File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)) {
+        Ok(()) => magic == TOK_MAGIC || is_llmc_magic(&magic),
+        Err(_) => false,
+    }
+}
+
+fn is_llmc_magic(head: &[u8]) -> bool {
+    head.len() >= 4 && {
+        let m = i32::from_le_bytes(head[0..4].try_into().unwrap());
+        m == LLMC_MAGIC_U16 || m == LLMC_MAGIC_U32
+    }
+}
+
+impl TokenFile {
+    /// Maps and validates a `.tok` file, an llm.c shard (detected by magic) or
+    /// a nanoGPT `.bin` (any other file ending in `.bin`).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path)
+            .with_context(|| format!("{}: cannot open token file", path.display()))?;
+        // SAFETY: the file is only read. Token files are written to a temporary
+        // name and renamed into place, so nothing lockstep does modifies a
+        // mapped file; external truncation would be a user error.
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("{}: cannot memory-map token file", path.display()))?;
+        let p = path.display();
+        if map.len() >= 8 && map[0..8] == TOK_MAGIC {
+            return Self::open_tok(map, path);
+        }
+        if map.len() >= LLMC_HEADER_BYTES as usize && is_llmc_magic(&map) {
+            return Self::open_llmc(map, path);
+        }
+        if path.extension().is_some_and(|e| e == "bin") {
+            if map.len() % 2 != 0 || map.is_empty() {
+                bail!(
+                    "{p}: read as a nanoGPT .bin (raw u16 tokens) but its size {} is {}; the file \
+                     is truncated or not a token file, regenerate it",
+                    map.len(),
+                    if map.is_empty() { "zero" } else { "odd" }
+                );
+            }
+            let num_tokens = map.len() as u64 / 2;
+            return Ok(TokenFile {
+                map,
+                kind: SourceKind::NanoGpt,
+                dtype: 2,
+                data_start: 0,
+                num_tokens,
+                num_docs: 0,
+                offsets_start: 0,
+                tokenizer_hash: None,
+            });
+        }
+        bail!(
+            "{p}: not a lockstep token file (no LSTOK magic); token files are recognised by \
+             content (lockstep .tok, llm.c shards with magic {LLMC_MAGIC_U16}/{LLMC_MAGIC_U32}) \
+             or by the .bin extension (nanoGPT raw u16); point data.path at text (.txt/.jsonl) \
+             or at such a file"
+        )
+    }
+
+    fn open_tok(map: Mmap, path: &Path) -> Result<Self> {
+        let p = path.display();
+        let fix = "delete it and run `lockstep prepare` again";
+        if map.len() < TOK_HEADER_BYTES as usize {
+            bail!(
+                "{p}: file is {} bytes, shorter than the 64-byte header; the file is truncated, \
+                 {fix}",
+                map.len()
+            );
+        }
+        let version = le_u32(&map, 8);
+        if version != TOK_VERSION {
+            bail!(
+                "{p}: .tok format version {version} is not supported (expected {TOK_VERSION}); \
+                 {fix} with this lockstep"
+            );
+        }
+        let dtype = le_u32(&map, 12);
+        if dtype != 2 && dtype != 4 {
+            bail!(
+                "{p}: header says {dtype} bytes per token, only 2 and 4 are valid; the file is \
+                 corrupt, {fix}"
+            );
+        }
+        let num_tokens = le_u64(&map, 16);
+        let num_docs = le_u64(&map, 24);
+        let expected = num_tokens
+            .checked_mul(dtype as u64)
+            .and_then(|t| num_docs.checked_mul(8).and_then(|d| t.checked_add(d)))
+            .and_then(|x| x.checked_add(TOK_HEADER_BYTES));
+        let actual = map.len() as u64;
+        if expected != Some(actual) {
+            let shown = expected.map_or("overflow".to_string(), |e| e.to_string());
+            let what = if expected.is_some_and(|e| actual < e) {
+                "truncated"
+            } else {
+                "corrupt (size does not match its header)"
+            };
+            bail!(
+                "{p}: file is {actual} bytes but its header says \
+                 64+{dtype}*{num_tokens}+8*{num_docs} = {shown}; the file is {what}, {fix}"
+            );
+        }
+        let mut hash = [0u8; 32];
+        hash.copy_from_slice(&map[32..64]);
+        let data_start = TOK_HEADER_BYTES as usize;
+        let tf = TokenFile {
+            offsets_start: data_start + (num_tokens * dtype as u64) as usize,
+            map,
+            kind: SourceKind::Lockstep,
+            dtype,
+            data_start,
+            num_tokens,
+            num_docs,
+            tokenizer_hash: Some(hash),
+        };
+        let mut prev = None;
+        for i in 0..num_docs {
+            let o = tf.doc_offset(i);
+            let ok = match prev {
+                None => o == 0,
+                Some(prev) => o > prev,
+            } && o < num_tokens;
+            if !ok {
+                bail!(
+                    "{p}: document offset {i} is {o}, which is not increasing within \
+                     0..{num_tokens}; the file is corrupt, {fix}"
+                );
+            }
+            prev = Some(o);
+        }
+        Ok(tf)
+    }
+
+    fn open_llmc(map: Mmap, path: &Path) -> Result<Self> {
+        let p = path.display();
+        let field = |i: usize| i32::from_le_bytes(map[i * 4..i * 4 + 4].try_into().unwrap());
+        let magic = field(0);
+        let version = field(1);
+        let count = field(2);
+        let dtype = if magic == LLMC_MAGIC_U16 { 2 } else { 4 };
+        if count < 0 {
+            bail!(
+                "{p}: llm.c shard header has a negative token count {count}; the file is \
+                 corrupt, regenerate it"
+            );
+        }
+        let expected = LLMC_HEADER_BYTES + count as u64 * dtype as u64;
+        let actual = map.len() as u64;
+        if expected != actual {
+            let what = if actual < expected {
+                "truncated"
+            } else {
+                "corrupt (larger than its header says)"
+            };
+            bail!(
+                "{p}: llm.c shard is {actual} bytes but its header says \
+                 1024+{dtype}*{count} = {expected}; the file is {what}, regenerate it"
+            );
+        }
+        Ok(TokenFile {
+            map,
+            kind: SourceKind::LlmC { version },
+            dtype,
+            data_start: LLMC_HEADER_BYTES as usize,
+            num_tokens: count as u64,
+            num_docs: 0,
+            offsets_start: 0,
+            tokenizer_hash: None,
+        })
+    }
+
+    /// Number of tokens.
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
+    }
+
+    /// Number of documents (0 for formats without document offsets).
+    pub fn num_docs(&self) -> u64 {
+        self.num_docs
+    }
+
+    /// Bytes per token (2 or 4).
+    pub fn dtype_bytes(&self) -> u32 {
+        self.dtype
+    }
+
+    /// BLAKE3 of the tokenizer that wrote the file (`.tok` only).
+    pub fn tokenizer_hash(&self) -> Option<[u8; 32]> {
+        self.tokenizer_hash
+    }
+
+    /// Token index where document `i` starts. Panics if `i >= num_docs()`.
+    pub fn doc_offset(&self, i: u64) -> u64 {
+        assert!(
+            i < self.num_docs,
+            "document {i} out of range 0..{}",
+            self.num_docs
+        );
+        le_u64(&self.map, self.offsets_start + 8 * i as usize)
+    }
+
+    /// Token `i`. Panics if `i >= num_tokens()`.
+    pub fn get(&self, i: u64) -> u32 {
+        assert!(
+            i < self.num_tokens,
+            "token {i} out of range 0..{}",
+            self.num_tokens
+        );
+        let at = self.data_start + (i * self.dtype as u64) as usize;
+        match self.dtype {
+            2 => u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32,
+            _ => le_u32(&self.map, at),
+        }
+    }
+
+    /// Copies tokens `start..start + out.len()` into `out` as i64 (the index
+    /// dtype the model consumes). Panics if the range exceeds the file.
+    pub fn copy_window(&self, start: u64, len: usize, out: &mut [i64]) {
+        assert!(
+            start
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= self.num_tokens),
+            "window {start}+{len} exceeds {} tokens",
+            self.num_tokens
+        );
+        let out = &mut out[..len];
+        let d = self.dtype as usize;
+        let from = self.data_start + start as usize * d;
+        let bytes = &self.map[from..from + len * d];
+        match self.dtype {
+            2 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = u16::from_le_bytes([c[0], c[1]]) as i64;
+                }
+            }
+            _ => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64;
+                }
+            }
+        }
+    }
+
+    /// The format this file was read as.
+    pub fn source_kind(&self) -> SourceKind {
+        self.kind
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, dtype: u32, docs: &[Vec<u32>]) -> TokFileInfo {
+        let mut w = TokFileWriter::create(path, dtype, [7u8; 32]).unwrap();
+        for d in docs {
+            w.push_document(d).unwrap();
+        }
+        w.finish().unwrap()
+    }
+
+    #[test]
+    fn dtype_choice() {
+        assert_eq!(dtype_for_vocab(50257), 2);
+        assert_eq!(dtype_for_vocab(65536), 2);
+        assert_eq!(dtype_for_vocab(65537), 4);
+    }
+
+    #[test]
+    fn round_trip_u16_and_u32() {
+        let dir = tempfile::tempdir().unwrap();
+        for (dtype, big) in [(2u32, 65535u32), (4, 200_018)] {
+            let path = dir.path().join(format!("t{dtype}.tok"));
+            let docs = vec![vec![1, 2, 3, 9], vec![big, 9], vec![9]];
+            let info = write(&path, dtype, &docs);
+            assert_eq!((info.num_tokens, info.num_docs), (7, 3));
+            let len = fs::metadata(&path).unwrap().len();
+            assert_eq!(len, 64 + 7 * dtype as u64 + 8 * 3);
+            let f = TokenFile::open(&path).unwrap();
+            assert_eq!(f.source_kind(), SourceKind::Lockstep);
+            assert_eq!(
+                (f.num_tokens(), f.num_docs(), f.dtype_bytes()),
+                (7, 3, dtype)
+            );
+            assert_eq!(f.tokenizer_hash(), Some([7u8; 32]));
+            assert_eq!(
+                [f.doc_offset(0), f.doc_offset(1), f.doc_offset(2)],
+                [0, 4, 6]
+            );
+            let all: Vec<u32> = (0..7).map(|i| f.get(i)).collect();
+            assert_eq!(all, docs.concat());
+            let mut out = vec![0i64; 3];
+            f.copy_window(3, 3, &mut out);
+            assert_eq!(out, vec![9, big as i64, 9]);
+        }
+    }
+
+    #[test]
+    fn too_large_token_for_u16_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = TokFileWriter::create(&dir.path().join("x.tok"), 2, [0; 32]).unwrap();
+        let err = w.push_document(&[1, 70_000]).unwrap_err().to_string();
+        assert!(err.contains("70000") && err.contains("dtype 4"), "{err}");
+    }
+
+    #[test]
+    fn truncated_file_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.tok");
+        write(&path, 2, &[vec![1, 2, 3], vec![4, 5]]);
+        let bytes = fs::read(&path).unwrap();
+        fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+        let err = TokenFile::open(&path).err().unwrap().to_string();
+        assert!(err.contains("truncated"), "{err}");
+        assert!(
+            err.contains("t.tok") && err.contains("= 90") && err.contains("85 bytes"),
+            "{err}"
+        );
+        assert!(err.contains("lockstep prepare"), "{err}");
+        fs::write(&path, &bytes[..10]).unwrap();
+        let err = TokenFile::open(&path).err().unwrap().to_string();
+        assert!(err.contains("truncated"), "{err}");
+        fs::write(&path, b"").unwrap();
+        assert!(TokenFile::open(&path).is_err());
+    }
+
+    #[test]
+    fn foreign_file_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notes.tok");
+        fs::write(
+            &path,
+            b"hello, this is plain text and not tokens at all............",
+        )
+        .unwrap();
+        let err = TokenFile::open(&path).err().unwrap().to_string();
+        assert!(err.contains("not a lockstep token file"), "{err}");
+        assert!(err.contains("nanoGPT") && err.contains("llm.c"), "{err}");
+    }
+
+    #[test]
+    fn temp_file_removed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.tok");
+        {
+            let mut w = TokFileWriter::create(&path, 2, [0; 32]).unwrap();
+            w.push_document(&[1, 2, 3]).unwrap();
+            assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+        }
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn nanogpt_bin_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("train.bin");
+        let toks: Vec<u16> = vec![50256, 15496, 995, 0, 65535];
+        let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        fs::write(&path, &bytes).unwrap();
+        assert!(is_token_file(&path));
+        let f = TokenFile::open(&path).unwrap();
+        assert_eq!(f.source_kind(), SourceKind::NanoGpt);
+        assert_eq!(
+            (f.num_tokens(), f.num_docs(), f.tokenizer_hash()),
+            (5, 0, None)
+        );
+        let mut out = vec![0i64; 5];
+        f.copy_window(0, 5, &mut out);
+        assert_eq!(out, vec![50256, 15496, 995, 0, 65535]);
+        fs::write(&path, &bytes[..9]).unwrap();
+        assert!(TokenFile::open(&path)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("odd"));
+    }
+
+    fn llmc_shard(magic: i32, version: i32, toks: &[u32], dtype: usize) -> Vec<u8> {
+        let mut header = [0i32; 256];
+        header[0] = magic;
+        header[1] = version;
+        header[2] = toks.len() as i32;
+        let mut bytes: Vec<u8> = header.iter().flat_map(|h| h.to_le_bytes()).collect();
+        for &t in toks {
+            bytes.extend_from_slice(&t.to_le_bytes()[..dtype]);
+        }
+        bytes
+    }
+
+    #[test]
+    fn llmc_shards_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard_000.bin");
+        fs::write(&path, llmc_shard(20240520, 1, &[10, 20, 50256], 2)).unwrap();
+        let f = TokenFile::open(&path).unwrap();
+        assert_eq!(f.source_kind(), SourceKind::LlmC { version: 1 });
+        assert_eq!((f.num_tokens(), f.dtype_bytes()), (3, 2));
+        assert_eq!(f.get(2), 50256);
+
+        fs::write(&path, llmc_shard(20240801, 7, &[128_000, 5, 128_001], 4)).unwrap();
+        let f = TokenFile::open(&path).unwrap();
+        assert_eq!(f.source_kind(), SourceKind::LlmC { version: 7 });
+        let mut out = vec![0i64; 3];
+        f.copy_window(0, 3, &mut out);
+        assert_eq!(out, vec![128_000, 5, 128_001]);
+
+        let mut bytes = llmc_shard(20240520, 1, &[1, 2, 3], 2);
+        bytes.truncate(bytes.len() - 2);
+        fs::write(&path, bytes).unwrap();
+        let err = TokenFile::open(&path).err().unwrap().to_string();
+        assert!(
+            err.contains("truncated") && err.contains("1024+2*3 = 1030"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn is_send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<TokenFile>();
+    }
+}

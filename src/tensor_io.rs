@@ -1,0 +1,128 @@
+//! safetensors files ⇄ tch tensors through the `safetensors` crate (tch bundles an older copy
+//! whose types do not mix with ours). Files are memory-mapped for reading; tensors are written
+//! from contiguous CPU copies.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use tch::{Device, Kind, Tensor};
+
+pub fn kind_to_dtype(kind: Kind) -> Result<Dtype> {
+    Ok(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Half => Dtype::F16,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Int8 => Dtype::I8,
+        Kind::Bool => Dtype::BOOL,
+        k => bail!("tensor kind {k:?} has no safetensors dtype"),
+    })
+}
+
+pub fn dtype_to_kind(dtype: Dtype) -> Result<Kind> {
+    Ok(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F16 => Kind::Half,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::I16 => Kind::Int16,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::I8 => Kind::Int8,
+        Dtype::BOOL => Kind::Bool,
+        d => bail!("safetensors dtype {d:?} is not supported"),
+    })
+}
+
+/// Contiguous CPU bytes of a tensor.
+pub fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.detach().to_device(Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut buf = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut buf, numel);
+    buf
+}
+
+/// Writes `tensors` to `path` (not atomically: callers that need atomicity write into a
+/// temporary directory and rename it).
+pub fn save(path: &Path, tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<()> {
+    let owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, t)| {
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            Ok((name.clone(), kind_to_dtype(t.kind())?, shape, tensor_bytes(t)))
+        })
+        .collect::<Result<_>>()?;
+    let views: Vec<(String, TensorView)> = owned
+        .iter()
+        .map(|(name, dtype, shape, bytes)| Ok((name.clone(), TensorView::new(*dtype, shape.clone(), bytes)?)))
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(views, metadata, path)
+        .with_context(|| format!("{}: cannot write safetensors file", path.display()))
+}
+
+/// A memory-mapped safetensors file.
+pub struct SafeFile {
+    mmap: memmap2::Mmap,
+    path: std::path::PathBuf,
+}
+
+impl SafeFile {
+    pub fn open(path: &Path) -> Result<SafeFile> {
+        let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        // SAFETY: read-only map; a concurrent writer would be a user error we cannot prevent,
+        // and our own writers never modify a file in place (they write a new file and rename).
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", path.display()))?;
+        let sf = SafeFile { mmap, path: path.to_path_buf() };
+        sf.parsed()?;
+        Ok(sf)
+    }
+
+    fn parsed(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.mmap).with_context(|| {
+            format!("{}: not a valid safetensors file (truncated or corrupt?)", self.path.display())
+        })
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.parsed().map(|s| s.names().into_iter().map(str::to_string).collect()).unwrap_or_default()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.parsed().is_ok_and(|s| s.tensor(name).is_ok())
+    }
+
+    /// Shape of `name` without materialising it.
+    pub fn shape(&self, name: &str) -> Result<Vec<i64>> {
+        let st = self.parsed()?;
+        let view = st.tensor(name).with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
+        Ok(view.shape().iter().map(|&d| d as i64).collect())
+    }
+
+    /// A CPU tensor copied out of the map.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        let st = self.parsed()?;
+        let view = st.tensor(name).with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
+        let kind = dtype_to_kind(view.dtype()).with_context(|| format!("{}: tensor {name}", self.path.display()))?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        Ok(Tensor::from_data_size(view.data(), &shape, kind))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Every tensor of a file, in the file's order.
+pub fn load_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    let f = SafeFile::open(path)?;
+    let names = f.names();
+    names.into_iter().map(|n| Ok((n.clone(), f.tensor(&n)?))).collect()
+}
