@@ -1,0 +1,13 @@
+//! `lockstep`: parse, dispatch, map errors to exit codes (documented in README.md):
+//! 0 success, 1 runtime failure, 2 bad config or usage.
+
+use clap::Parser;
+
+fn main() {
+    let cli = lockstep::cli::Cli::parse();
+    if let Err(e) = lockstep::cli::run(cli) {
+        let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() { 2 } else { 1 };
+        eprintln!("error: {e:#}");
+        std::process::exit(code);
+    }
+}

@@ -1,0 +1,187 @@
+//! The LLaMA decoder: embedding, N × (RMSNorm → GQA attention with RoPE → residual, RMSNorm →
+//! SwiGLU MLP → residual), final RMSNorm, LM head. Variables live in a `tch::nn::VarStore` under
+//! Hugging Face names (`model.layers.3.self_attn.q_proj.weight`), so a checkpoint is a
+//! transformers checkpoint.
+//!
+//! Precision: master weights are fp32. With `compute = BFloat16` every matmul runs on bf16 casts
+//! of the weights and activations (autocast semantics), while RMSNorm statistics, the residual
+//! stream and the loss stay fp32.
+
+use tch::nn::{Init, Path};
+use tch::{Kind, Reduction, Tensor};
+
+use super::rope::Rope;
+use super::shape::{AttentionBackend, LlamaShape};
+
+struct Layer {
+    input_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    post_attention_layernorm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+pub struct Llama {
+    pub shape: LlamaShape,
+    embed_tokens: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// None when tied to `embed_tokens`.
+    lm_head: Option<Tensor>,
+    rope: Rope,
+    compute: Kind,
+}
+
+fn linear_weight(p: &Path, name: &str, out: usize, inp: usize, std: f64) -> Tensor {
+    (p / name).var("weight", &[out as i64, inp as i64], Init::Randn { mean: 0.0, stdev: std })
+}
+
+fn norm_weight(p: &Path, name: &str, dim: usize) -> Tensor {
+    (p / name).var("weight", &[dim as i64], Init::Const(1.0))
+}
+
+impl Llama {
+    /// Creates the variables under `root` (normal(0, init_std) for matrices, ones for norms) and
+    /// precomputes RoPE tables for `max_seq` positions.
+    pub fn new(root: &Path, shape: &LlamaShape, max_seq: usize, compute: Kind) -> Llama {
+        let s = shape;
+        let std = s.init_std;
+        let (d, hd) = (s.hidden_size, s.head_dim());
+        let model = root / "model";
+        let embed_tokens = (&model / "embed_tokens").var(
+            "weight",
+            &[s.vocab_size as i64, d as i64],
+            Init::Randn { mean: 0.0, stdev: std },
+        );
+        let layers = (0..s.num_layers)
+            .map(|i| {
+                let l = &model / "layers" / i;
+                let attn = &l / "self_attn";
+                let mlp = &l / "mlp";
+                Layer {
+                    input_layernorm: norm_weight(&l, "input_layernorm", d),
+                    q_proj: linear_weight(&attn, "q_proj", s.num_heads * hd, d, std),
+                    k_proj: linear_weight(&attn, "k_proj", s.num_kv_heads * hd, d, std),
+                    v_proj: linear_weight(&attn, "v_proj", s.num_kv_heads * hd, d, std),
+                    o_proj: linear_weight(&attn, "o_proj", d, s.num_heads * hd, std),
+                    post_attention_layernorm: norm_weight(&l, "post_attention_layernorm", d),
+                    gate_proj: linear_weight(&mlp, "gate_proj", s.intermediate_size, d, std),
+                    up_proj: linear_weight(&mlp, "up_proj", s.intermediate_size, d, std),
+                    down_proj: linear_weight(&mlp, "down_proj", d, s.intermediate_size, std),
+                }
+            })
+            .collect();
+        let norm = norm_weight(&model, "norm", d);
+        let lm_head = (!s.tie_word_embeddings)
+            .then(|| linear_weight(root, "lm_head", s.vocab_size, d, std));
+        let rope = Rope::new(hd, s.rope_theta, max_seq, root.device());
+        Llama { shape: s.clone(), embed_tokens, layers, norm, lm_head, rope, compute }
+    }
+
+    /// Logits [batch, seq, vocab] for token ids [batch, seq] (int64), in the compute dtype.
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let seq = tokens.size()[1] as usize;
+        assert!(seq <= self.rope.max_len(), "sequence {seq} longer than the RoPE table");
+        let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
+        for layer in &self.layers {
+            let h = self.rms_norm(&x, &layer.input_layernorm);
+            x = x + self.attention(&h, layer);
+            let h = self.rms_norm(&x, &layer.post_attention_layernorm);
+            let gate = self.linear(&h, &layer.gate_proj).silu();
+            x = x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
+        }
+        let x = self.rms_norm(&x, &self.norm);
+        self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+    }
+
+    /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s].
+    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.forward(inputs);
+        let vocab = logits.size()[2];
+        logits.view([-1, vocab]).to_kind(Kind::Float).cross_entropy_loss::<Tensor>(
+            &targets.reshape([-1]),
+            None,
+            Reduction::Mean,
+            -100,
+            0.0,
+        )
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if self.compute == Kind::Float {
+            x.linear::<Tensor>(weight, None)
+        } else {
+            x.to_kind(self.compute).linear::<Tensor>(&weight.to_kind(self.compute), None)
+        }
+    }
+
+    /// transformers' LlamaRMSNorm: statistics in fp32, weight applied after the cast back.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = xf * (var + self.shape.rms_norm_eps).rsqrt();
+        weight * normed.to_kind(x.kind())
+    }
+
+    fn attention(&self, h: &Tensor, layer: &Layer) -> Tensor {
+        let s = &self.shape;
+        let (b, t) = (h.size()[0], h.size()[1]);
+        let hd = s.head_dim() as i64;
+        let heads = |w: &Tensor, n: usize| {
+            self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2)
+        };
+        let q = self.rope.apply(&heads(&layer.q_proj, s.num_heads));
+        let k = self.rope.apply(&heads(&layer.k_proj, s.num_kv_heads));
+        let v = heads(&layer.v_proj, s.num_kv_heads);
+        // Query head h reads kv head h / group (transformers' repeat_kv).
+        let group = (s.num_heads / s.num_kv_heads) as i64;
+        let (k, v) = if group > 1 {
+            (k.repeat_interleave_self_int(group, 1, None), v.repeat_interleave_self_int(group, 1, None))
+        } else {
+            (k, v)
+        };
+        let y = match s.attention {
+            AttentionBackend::Sdpa => {
+                Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false)
+            }
+            AttentionBackend::Math => math_attention(&q, &k, &v),
+        };
+        let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
+        self.linear(&y, &layer.o_proj)
+    }
+
+    /// Every parameter with its HF name, in creation order.
+    pub fn named_parameters(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        v.sort_by(|a, b| param_order(&a.0).cmp(&param_order(&b.0)));
+        v
+    }
+}
+
+/// Sorts names the way HF lists them: embeddings, layers by number, norm, head.
+fn param_order(name: &str) -> (usize, usize, String) {
+    let layer = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse::<usize>().ok());
+    match (name, layer) {
+        (n, _) if n.starts_with("model.embed_tokens") => (0, 0, n.to_string()),
+        (n, Some(i)) => (1, i, n.to_string()),
+        (n, None) if n.starts_with("lm_head") => (3, 0, n.to_string()),
+        (n, None) => (2, 0, n.to_string()),
+    }
+}
+
+/// softmax(QK^T / sqrt(d) + causal mask) V with fp32 softmax, as transformers' eager path.
+fn math_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    let t = q.size()[2];
+    let scale = 1.0 / (q.size()[3] as f64).sqrt();
+    let scores = q.matmul(&k.transpose(-2, -1)) * scale;
+    let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
+    let scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
+    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v)
+}

@@ -1,0 +1,45 @@
+//! Rotary position embedding exactly as transformers' Llama computes it: `rotate_half` pairs
+//! dimension j with j + head_dim/2 (not interleaved pairs), and cos/sin are built in fp32 and cast
+//! to the activation dtype at use.
+
+use tch::{Device, Kind, Tensor};
+
+pub struct Rope {
+    /// [max_len, head_dim], fp32.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64, max_len: usize, device: Device) -> Rope {
+        let opts = (Kind::Float, device);
+        // Same op sequence as transformers: theta ** (arange(0, d, 2) / d), then its reciprocal.
+        let exponent = Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, device))
+            .to_kind(Kind::Float)
+            / head_dim as f64;
+        let inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
+        let positions = Tensor::arange(max_len as i64, opts);
+        let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        Rope { cos: emb.cos(), sin: emb.sin() }
+    }
+
+    /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions 0..seq.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
+        let seq = x.size()[2];
+        let cos = self.cos.narrow(0, 0, seq).to_kind(x.kind());
+        let sin = self.sin.narrow(0, 0, seq).to_kind(x.kind());
+        x * cos + rotate_half(x) * sin
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.cos.size()[0] as usize
+    }
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let x1 = x.narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    Tensor::cat(&[&(-x2), &x1], -1)
+}

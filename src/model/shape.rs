@@ -1,0 +1,90 @@
+//! The model's shape, resolved from the config (or from a Hugging Face config.json when
+//! `model.model_path` is set) and the tokenizer's vocabulary.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    Sdpa,
+    Math,
+}
+
+impl AttentionBackend {
+    pub fn from_config(name: &str) -> AttentionBackend {
+        match name {
+            "math" | "eager" => AttentionBackend::Math,
+            _ => AttentionBackend::Sdpa,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaShape {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub intermediate_size: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub init_std: f64,
+    pub attention: AttentionBackend,
+}
+
+impl LlamaShape {
+    /// Shape from the config keys; `tokenizer_vocab` fills a null `model.vocab_size`.
+    pub fn from_config(m: &ModelConfig, tokenizer_vocab: usize) -> anyhow::Result<LlamaShape> {
+        let vocab_size = m.vocab_size.unwrap_or(tokenizer_vocab);
+        anyhow::ensure!(
+            vocab_size >= tokenizer_vocab,
+            "model.vocab_size = {vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab} ids); \
+             set it to at least {tokenizer_vocab} or null"
+        );
+        Ok(LlamaShape {
+            vocab_size,
+            hidden_size: m.hidden_size,
+            num_layers: m.num_layers,
+            num_heads: m.num_attention_heads,
+            num_kv_heads: m.num_key_value_heads,
+            intermediate_size: m.intermediate_size,
+            max_position_embeddings: m.max_position_embeddings,
+            rope_theta: m.rope_theta,
+            rms_norm_eps: m.rms_norm_eps,
+            tie_word_embeddings: m.tie_word_embeddings,
+            init_std: m.init_std,
+            attention: AttentionBackend::from_config(&m.attention_backend),
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Weights of one decoder layer's matrices (the norms are negligible and not matmuls).
+    fn layer_matrix_params(&self) -> usize {
+        let (d, hd) = (self.hidden_size, self.head_dim());
+        d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.intermediate_size
+    }
+
+    /// Trainable parameters (the LM head counted once when tied).
+    pub fn num_parameters(&self) -> usize {
+        let d = self.hidden_size;
+        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * d };
+        self.vocab_size * d + self.num_layers * (self.layer_matrix_params() + 2 * d) + d + head
+    }
+
+    /// Training FLOPs per token: 6 per matmul weight (forward + backward; the embedding lookup is
+    /// no matmul, the LM head is) plus causal attention scores and values, 6·L·seq·d (PaLM's
+    /// 12·L·seq·d halved by the causal mask).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        let d = self.hidden_size;
+        let matmul = self.num_layers * self.layer_matrix_params() + self.vocab_size * d;
+        6.0 * matmul as f64 + 6.0 * (self.num_layers * seq * d) as f64
+    }
+}
