@@ -1,0 +1,60 @@
+"""PyTorch eager on the same tiny shape as benches/train_step.rs: transformers' LlamaForCausalLM
+(sdpa attention), torch.optim.AdamW (default implementation), clip_grad_norm_, fp32, batch 8 × 256.
+
+usage: train_step.py [--steps N] [--threads T]
+"""
+import argparse
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=10)
+ap.add_argument("--threads", type=int, default=0)
+a = ap.parse_args()
+if a.threads:
+    torch.set_num_threads(a.threads)
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa")
+model = LlamaForCausalLM(cfg).float().train()
+decay = [p for p in model.parameters() if p.dim() >= 2]
+no_decay = [p for p in model.parameters() if p.dim() < 2]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+tokens = torch.randint(0, 4096, (8, 257))
+x, y = tokens[:, :-1], tokens[:, 1:]
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def step():
+    logits = model(input_ids=x).logits
+    loss = F.cross_entropy(logits.reshape(-1, 4096), y.reshape(-1))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), norm.item()
+
+
+first, _ = step()
+step()
+tok_s, cpus = [], []
+for _ in range(a.steps):
+    t0, c0 = time.perf_counter(), cpu()
+    step()
+    tok_s.append(8 * 256 / (time.perf_counter() - t0))
+    cpus.append(cpu() - c0)
+tok_s.sort()
+cpus.sort()
+n = a.steps
+print(f"pytorch tiny step: median {tok_s[n // 2]:.0f} tok/s over {n} steps (min {tok_s[0]:.0f}, max {tok_s[-1]:.0f}); "
+      f"CPU {cpus[n // 2]:.3f} s/step; threads {torch.get_num_threads()}; first loss {first:.4f}")

@@ -1,0 +1,100 @@
+//! lockstep's LLaMA against transformers' LlamaForCausalLM on the same weights and batch: loss,
+//! every gradient norm, and parameters after 3 AdamW steps with clipping, within 1e-5 relative.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use lockstep::config::{self, Sources};
+use lockstep::model::{hf, Llama};
+use lockstep::tensor_io::{self, SafeFile};
+use lockstep::train::optim::{clip_grad_norm, AdamW, AdamWParams};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+fn load_model(dir: &Path, backend: &str) -> (VarStore, Llama) {
+    let mut m = config::resolve(&Sources::default()).unwrap().config.model;
+    m.num_layers = 2;
+    m.attention_backend = backend.into();
+    let shape = hf::shape_from_dir(&dir.join("model"), &m).unwrap();
+    assert_eq!((shape.num_heads, shape.num_kv_heads), (8, 2), "the reference uses GQA");
+    let vs = VarStore::new(Device::Cpu);
+    let model = Llama::new(&vs.root(), &shape, 64, Kind::Float);
+    hf::load_weights(&dir.join("model"), &vs).unwrap();
+    (vs, model)
+}
+
+fn batch(dir: &Path) -> (Tensor, Tensor) {
+    let tokens = SafeFile::open(&dir.join("batch.safetensors")).unwrap().tensor("tokens").unwrap();
+    let t = tokens.size()[1];
+    (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1))
+}
+
+fn check_against_reference(tied: bool) {
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut args = vec![dir.to_str().unwrap()];
+    if tied {
+        args.push("--tied");
+    }
+    common::run_python("tests/reference/hf_llama.py", &args);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let (x, y) = batch(dir);
+
+    let (vs, model) = load_model(dir, "sdpa");
+    let loss = model.loss(&x, &y);
+    let want = reference["loss"].as_f64().unwrap();
+    assert!(rel(loss.double_value(&[]), want) < 1e-5, "loss {} vs transformers {want}", loss.double_value(&[]));
+    assert!(want > 5.0, "a random model's loss is near ln(vocab)");
+    loss.backward();
+    let grad_norms = reference["grad_norms"].as_object().unwrap();
+    let params = Llama::named_parameters(&vs);
+    assert_eq!(params.len(), grad_norms.len(), "same parameter set as transformers");
+    for (name, p) in &params {
+        let got = p.grad().norm().double_value(&[]);
+        let want = grad_norms[name].as_f64().unwrap_or_else(|| panic!("transformers has no {name}"));
+        assert!(rel(got, want) < 1e-5, "{name}: grad norm {got} vs transformers {want}");
+    }
+
+    // The math backend is the same function.
+    let (_, math) = load_model(dir, "math");
+    assert!(rel(math.loss(&x, &y).double_value(&[]), want) < 1e-5);
+
+    let hp = AdamWParams { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let mut opt = AdamW::new(params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect(), hp);
+    opt.zero_grad();
+    for step in 0..3 {
+        let l = model.loss(&x, &y);
+        l.backward();
+        let norm = clip_grad_norm(&opt.gradients(), 1.0).double_value(&[]);
+        opt.step(1e-3);
+        opt.zero_grad();
+        let want_l = reference["step_losses"][step].as_f64().unwrap();
+        let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
+        assert!(rel(l.double_value(&[]), want_l) < 1e-5, "step {step} loss");
+        assert!(rel(norm, want_n) < 1e-5, "step {step} grad norm {norm} vs {want_n}");
+    }
+    let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors")).unwrap().into_iter().collect();
+    for (name, p) in &params {
+        let want = &after[name];
+        let err = (p - want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+        assert!(err < 1e-5, "{name}: parameters after 3 AdamW steps differ by {err:e} (relative to max)");
+    }
+}
+
+#[test]
+fn untied_llama_matches_transformers() {
+    check_against_reference(false);
+}
+
+#[test]
+fn tied_llama_matches_transformers() {
+    check_against_reference(true);
+}
