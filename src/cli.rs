@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, schema, Resolved, Sources};
-use crate::train::{self, Resume, Topology};
+use crate::train::{self, Resume, RunOptions, Topology};
 
 #[derive(Parser, Debug)]
 #[command(name = "lockstep", version, about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks")]
@@ -26,6 +26,9 @@ pub enum Command {
         /// `auto` = the latest complete checkpoint (fresh start if none), or a checkpoint directory.
         #[arg(long, value_name = "auto|DIR")]
         resume: Option<Resume>,
+        /// Save a checkpoint and exit 0 after step N (the LR schedule still spans max_steps).
+        #[arg(long, value_name = "N")]
+        stop_at_step: Option<usize>,
     },
     /// Print the resolved config, the table of keys, or the docs/CONFIG.md markdown.
     Config {
@@ -77,9 +80,10 @@ pub fn run(cli: Cli) -> Result<()> {
             train::trainer::prepare_data(&resolved.config, "[CPU0]")?;
             Ok(())
         }
-        Command::Train { config, resume } => {
+        Command::Train { config, resume, stop_at_step } => {
             let resolved = config.resolve()?;
-            train::train(&resolved, resume, Topology { rank: 0, world: 1 })?;
+            let opts = RunOptions { resume, stop_at_step };
+            train::train(&resolved, &opts, Topology { rank: 0, world: 1 })?;
             Ok(())
         }
         Command::Config { config, keys, markdown } => {

@@ -67,6 +67,7 @@ fn check_against_reference(tied: bool) {
     let (_, math) = load_model(dir, "math");
     assert!(rel(math.loss(&x, &y).double_value(&[]), want) < 1e-5);
 
+    let before: HashMap<String, Tensor> = params.iter().map(|(n, p)| (n.clone(), p.detach().copy())).collect();
     let hp = AdamWParams { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
     let mut opt = AdamW::new(params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect(), hp);
     opt.zero_grad();
@@ -84,8 +85,13 @@ fn check_against_reference(tied: bool) {
     let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors")).unwrap().into_iter().collect();
     for (name, p) in &params {
         let want = &after[name];
-        let err = (p - want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
-        assert!(err < 1e-5, "{name}: parameters after 3 AdamW steps differ by {err:e} (relative to max)");
+        let diff = p - want;
+        let err = diff.norm().double_value(&[]) / want.norm().double_value(&[]);
+        let moved = (p - &before[name]).norm().double_value(&[]) / want.norm().double_value(&[]);
+        // Per-tensor L2: Adam's m/(sqrt(v)+eps) amplifies rounding in near-zero gradient
+        // elements, so single elements are ill-conditioned while the update as a whole is not.
+        assert!(err < 1e-5, "{name}: parameters after 3 AdamW steps differ by {err:e} (relative, L2)");
+        assert!(moved > 1e-3, "{name}: 3 AdamW steps at lr 1e-3 should move the tensor, moved {moved:e}");
     }
 }
 

@@ -107,7 +107,8 @@ fn resume_is_bitwise_identical_to_an_uninterrupted_run() {
         ok(tmp.path(), &a)
     };
     train("straight", &["--max-steps", "20"]);
-    train("resumed", &["--max-steps", "10"]);
+    let first = train("resumed", &["--max-steps", "20", "--stop-at-step", "10"]);
+    assert!(first.contains("Checkpoint saved") && first.contains("step_10"), "{first}");
     let out = train("resumed", &["--max-steps", "20", "--resume", "auto"]);
     assert!(out.contains("Resumed from") && out.contains("at step 10"), "{out}");
 

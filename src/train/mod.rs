@@ -6,4 +6,4 @@ pub mod guard;
 pub mod optim;
 pub mod trainer;
 
-pub use trainer::{train, Resume, Summary, Topology};
+pub use trainer::{train, Resume, RunOptions, Summary, Topology};

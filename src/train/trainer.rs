@@ -156,7 +156,15 @@ fn evaluate(model: &Llama, val: &TokenFile, cfg: &Config, device: Device) -> Res
     Ok(Some(total / n as f64))
 }
 
-pub fn train(resolved: &Resolved, resume: Option<Resume>, topo: Topology) -> Result<Summary> {
+/// Per-invocation choices that are not part of the run's config.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub resume: Option<Resume>,
+    /// Checkpoint and exit after this step (time-sliced jobs); the schedule still spans max_steps.
+    pub stop_at_step: Option<usize>,
+}
+
+pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<Summary> {
     let cfg = &resolved.config;
     let t = &cfg.training;
     if cfg.system.num_threads > 0 {
@@ -168,7 +176,7 @@ pub fn train(resolved: &Resolved, resume: Option<Resume>, topo: Topology) -> Res
     let ckpt_root = checkpoint_dir(resolved);
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("logging.dir: cannot create run directory {}; choose a writable logging.dir", run_dir.display()))?;
-    let resume_dir = resume_target(&ckpt_root, resume.as_ref(), &tag)?;
+    let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
 
     let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
     println!("{tag} Resolved config (preset {}):\n{config_json}", resolved.preset);
@@ -234,7 +242,8 @@ pub fn train(resolved: &Resolved, resume: Option<Resume>, topo: Topology) -> Res
     let mut window_steps = 0usize;
     let (mut data_s, mut compute_s, mut opt_s) = (0.0, 0.0, 0.0);
 
-    for step in state.step..t.max_steps {
+    let last_step = opts.stop_at_step.map_or(t.max_steps, |s| s.min(t.max_steps));
+    for step in state.step..last_step {
         let lr = schedule.lr(step);
         // Forward/backward over the micro-batches; this rank's share of the global order.
         let phase = Instant::now();
@@ -272,7 +281,7 @@ pub fn train(resolved: &Resolved, resume: Option<Resume>, topo: Topology) -> Res
         summary.losses.push(loss);
         window_steps += 1;
 
-        let done = state.step == t.max_steps;
+        let done = state.step == last_step;
         let eval_now = val.is_some() && (done || (t.eval_interval > 0 && state.step % t.eval_interval == 0));
         let val_loss = if eval_now { evaluate(&model, val.as_ref().unwrap(), cfg, device)? } else { None };
         if val_loss.is_some() {

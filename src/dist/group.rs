@@ -1,0 +1,123 @@
+//! The collective-communication interface the trainer programs against.
+
+use anyhow::Result;
+
+/// Collectives over a fixed set of ranks. Every rank must call the same collectives in the same
+/// order with the same buffer lengths (and the same `root`); implementations detect violations
+/// where they cheaply can, but the contract is the caller's.
+///
+/// Methods take `&mut self` because a group owns stateful connections: one collective at a
+/// time per group.
+pub trait ProcessGroup: Send {
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// In-place element-wise sum across ranks. Every rank ends with bitwise identical contents,
+    /// and the summation order depends only on the world size, so results are reproducible.
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<()>;
+
+    /// In-place element-wise mean across ranks: the sum divided by the world size (a division,
+    /// not a multiplication by the reciprocal, so a world of 1 is exact and identical ranks
+    /// average to themselves whenever the sum is exact).
+    fn all_reduce_avg_f32(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.all_reduce_sum_f32(buf)?;
+        let w = self.world_size();
+        if w > 1 {
+            let w = w as f32;
+            for x in buf.iter_mut() {
+                *x /= w;
+            }
+        }
+        Ok(())
+    }
+
+    /// Overwrites `buf` on every rank with `root`'s contents.
+    fn broadcast_f32(&mut self, buf: &mut [f32], root: usize) -> Result<()>;
+
+    /// Maximum of one scalar across ranks, for small agreements such as "did any rank see a
+    /// non-finite loss". NaN wins: if any rank passes NaN, every rank gets NaN.
+    fn all_reduce_max_f64(&mut self, x: f64) -> Result<f64>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<()>;
+}
+
+/// NaN-propagating, order-independent maximum (the result does not depend on which rank's value
+/// came first, even for -0.0 vs +0.0, so every rank agrees bitwise).
+pub(crate) fn max_f64(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if a.total_cmp(&b).is_ge() {
+        a
+    } else {
+        b
+    }
+}
+
+/// The trivial group of a single-process run: every collective is the identity.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SingleProcess;
+
+impl ProcessGroup for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn all_reduce_sum_f32(&mut self, _buf: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+
+    fn broadcast_f32(&mut self, _buf: &mut [f32], root: usize) -> Result<()> {
+        anyhow::ensure!(
+            root == 0,
+            "broadcast root {root} out of range for a world of 1"
+        );
+        Ok(())
+    }
+
+    fn all_reduce_max_f64(&mut self, x: f64) -> Result<f64> {
+        // Canonicalise NaN payloads like the multi-rank path does.
+        Ok(max_f64(x, x))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_process_is_identity() -> Result<()> {
+        let mut g = SingleProcess;
+        let mut b = vec![1.5f32, -2.0, 3.25];
+        g.all_reduce_sum_f32(&mut b)?;
+        g.all_reduce_avg_f32(&mut b)?;
+        g.broadcast_f32(&mut b, 0)?;
+        assert_eq!(b, [1.5, -2.0, 3.25]);
+        assert!(g.broadcast_f32(&mut b, 1).is_err());
+        assert_eq!(g.all_reduce_max_f64(2.5)?, 2.5);
+        assert!(g.all_reduce_max_f64(f64::NAN)?.is_nan());
+        g.barrier()?;
+        assert_eq!((g.rank(), g.world_size()), (0, 1));
+        Ok(())
+    }
+
+    #[test]
+    fn max_is_nan_propagating_and_symmetric() {
+        assert!(max_f64(f64::NAN, 1.0).is_nan());
+        assert!(max_f64(1.0, f64::NAN).is_nan());
+        assert_eq!(max_f64(1.0, 2.0), 2.0);
+        assert_eq!(max_f64(-0.0, 0.0).to_bits(), max_f64(0.0, -0.0).to_bits());
+        assert_eq!(max_f64(f64::NEG_INFINITY, -1.0), -1.0);
+    }
+}

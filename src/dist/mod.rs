@@ -1,0 +1,160 @@
+//! Distributed communication: rendezvous, rank layout and CPU collectives.
+//!
+//! Design:
+//! - **Rendezvous** goes through libtorch's own `c10d::TCPStore` (C++ shim in
+//!   `csrc/c10d_store.cpp`, wrapped by [`store::Store`]). Using the real TCPStore rather than a
+//!   home-grown key-value server means torchrun's elastic agent store
+//!   (`TORCHELASTIC_USE_AGENT_STORE=True`) works unchanged: every rank is then a client of the
+//!   store the agent already hosts. Otherwise rank 0 hosts it at `MASTER_ADDR:MASTER_PORT`.
+//! - **CPU collectives** are a ring over plain TCP written in Rust ([`ring::RingGroup`]). The
+//!   PyPI torch wheel ships no gloo headers, and Debian's `libgloo-dev` is an older gloo than
+//!   the one compiled into torch 2.11, so building `ProcessGroupGloo` against it would risk ODR
+//!   / ABI mismatches inside one process. A ring all-reduce is bandwidth-optimal, small, and
+//!   lets every failure name the rank responsible.
+//! - **CUDA collectives** (NCCL via `ProcessGroupNCCL`, whose headers the wheel does ship) are
+//!   a later step; they will implement the same [`group::ProcessGroup`] trait and reuse the
+//!   store for the NCCL unique id.
+//!
+//! Entry point: [`env::DistEnv::from_env`] then [`init`].
+
+pub mod env;
+pub mod group;
+pub mod ring;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+pub use env::DistEnv;
+pub use group::{ProcessGroup, SingleProcess};
+pub use ring::{RingConfig, RingGroup};
+pub use store::{free_port, Store, StoreError, StoreErrorKind};
+
+/// Builds the process group for `env`: [`SingleProcess`] for a world of one; otherwise rank 0
+/// hosts the store at `MASTER_ADDR:MASTER_PORT` (unless torchrun's agent hosts it), the other
+/// ranks connect to it, and all join a [`RingGroup`]. `timeout` bounds the rendezvous, each
+/// blocking store read, and how long a collective may wait without progress.
+///
+/// The store lives as long as the returned group; rank 0's group must outlive the others' use
+/// of the store, so end a run with a final `barrier()` before dropping the group.
+pub fn init(env: &DistEnv, timeout: Duration) -> Result<Box<dyn ProcessGroup>> {
+    if env.world_size == 1 {
+        return Ok(Box::new(SingleProcess));
+    }
+    let (addr, port) = (env.master_addr.as_str(), env.master_port);
+    let host_here = env.rank == 0 && !env.agent_store;
+    let store = if host_here {
+        Store::server(addr, port, env.world_size, timeout)?
+    } else {
+        Store::client(addr, port, timeout).with_context(|| {
+            format!(
+                "rank {} cannot reach the rendezvous store at {addr}:{port}; is {} running?",
+                env.rank,
+                if env.agent_store {
+                    "the torchrun agent"
+                } else {
+                    "rank 0"
+                }
+            )
+        })?
+    };
+    let cfg = RingConfig {
+        // The agent store outlives worker restarts; namespacing by restart keeps a new attempt
+        // from reading the dead attempt's addresses and sequence numbers.
+        key_prefix: format!("lockstep/{}/ring/", env.restart_count),
+        store_owner: if env.agent_store {
+            format!("the torchrun agent on {addr}")
+        } else {
+            format!("rank 0 on {addr}")
+        },
+    };
+    let ring = RingGroup::with_config(Arc::new(store), env.rank, env.world_size, timeout, cfg)?;
+    Ok(Box::new(ring))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_builds_a_working_group_per_rank() {
+        let port = free_port();
+        let world = 3;
+        let sums = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let env = DistEnv {
+                            rank,
+                            world_size: world,
+                            local_rank: rank,
+                            local_world_size: world,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            agent_store: false,
+                            restart_count: 0,
+                        };
+                        let mut g = init(&env, Duration::from_secs(10)).unwrap();
+                        assert_eq!((g.rank(), g.world_size()), (rank, world));
+                        let mut v = vec![rank as f32; 5];
+                        g.all_reduce_sum_f32(&mut v).unwrap();
+                        g.barrier().unwrap();
+                        v
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for v in sums {
+            assert_eq!(v, [3.0; 5]);
+        }
+    }
+
+    #[test]
+    fn init_single_process() {
+        let env = DistEnv::from_lookup(|k| match k {
+            "RANK" => Some("0".into()),
+            "WORLD_SIZE" => Some("1".into()),
+            _ => None,
+        })
+        .unwrap()
+        .unwrap();
+        let g = init(&env, Duration::from_secs(1)).unwrap();
+        assert_eq!(g.world_size(), 1);
+    }
+
+    #[test]
+    fn init_with_agent_store_makes_rank0_a_client() {
+        // Simulate torchrun's agent: someone else hosts the store; rank 0 must not try to.
+        let agent = Store::server("127.0.0.1", 0, 2, Duration::from_secs(10)).unwrap();
+        let port = agent.port();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let env = DistEnv {
+                            rank,
+                            world_size: 2,
+                            local_rank: rank,
+                            local_world_size: 2,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            agent_store: true,
+                            restart_count: 1,
+                        };
+                        let mut g = init(&env, Duration::from_secs(10)).unwrap();
+                        g.all_reduce_max_f64(rank as f64).unwrap()
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap(), 1.0);
+            }
+        });
+        assert!(agent.check(&["lockstep/1/ring/nonce"]).unwrap());
+    }
+}

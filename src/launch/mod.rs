@@ -1,0 +1,229 @@
+//! `lockstep run`: starts one worker process per rank and supervises them.
+//!
+//! The launcher is deliberately small and torchrun-like:
+//! - `port` resolves the rendezvous port (a free one for `0`, a busy check otherwise);
+//! - `spawn` starts each worker with the rank environment, in its own process group and
+//!   with a parent-death signal, so no worker outlives the launcher;
+//! - `output` prefixes, filters and logs every line the workers print;
+//! - `supervise` waits for the workers, tears the group down when one fails and forwards
+//!   SIGINT/SIGTERM (handlers from `signals`);
+//! - `gpus` finds GPUs through NVML loaded at run time and parses `--gpus` lists.
+//!
+//! Everything here is Linux-specific (process groups, `prctl`, `/proc`).
+
+mod gpus;
+mod output;
+mod port;
+mod signals;
+mod spawn;
+mod supervise;
+#[cfg(test)]
+mod tests;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+pub use gpus::{detect_gpus, parse_gpu_list, pick_free_gpus, GpuInfo};
+pub use supervise::{ExitKind, RankFailure};
+
+/// Which devices the workers of this node run on; one worker per entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Devices {
+    /// `n` CPU workers; each gets `CUDA_VISIBLE_DEVICES=""` so it never touches a GPU.
+    Cpu(usize),
+    /// One worker per physical GPU index (PCI bus order, as `nvidia-smi` lists them);
+    /// local rank `i` gets `CUDA_VISIBLE_DEVICES=<ids[i]>`.
+    Gpus(Vec<usize>),
+}
+
+impl Devices {
+    /// Number of workers on this node.
+    pub fn local_world(&self) -> usize {
+        match self {
+            Devices::Cpu(n) => *n,
+            Devices::Gpus(ids) => ids.len(),
+        }
+    }
+}
+
+/// Everything the launcher needs to start this node's workers.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    /// Devices of this node (decides the number of local workers).
+    pub devices: Devices,
+    /// Number of nodes taking part; every node runs the same number of workers.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of node 0, exported as `MASTER_ADDR`.
+    pub master_addr: String,
+    /// Rendezvous port exported as `MASTER_PORT`; 0 picks a free one (single node only).
+    pub master_port: u16,
+    /// Directory for `rank_<global rank>.log`, usually `logs/<run-id>/`; created if missing.
+    pub log_dir: PathBuf,
+    /// Time between SIGTERM and SIGKILL when the workers are stopped, after a worker failed
+    /// or the launcher got SIGINT/SIGTERM (a second SIGINT/SIGTERM skips the wait).
+    pub grace: Duration,
+    /// Show every rank's lines on the console; otherwise rank 0 of node 0 in full and only
+    /// warning/error-looking lines of the other ranks.
+    pub log_all_ranks: bool,
+}
+
+/// A writer shared between the output threads; each holder locks it for one whole line.
+pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
+
+/// Where the launcher writes: `console` gets the workers' (prefixed) lines, `diag` the
+/// launcher's own messages (failure reports, signal notes).
+#[derive(Clone)]
+pub struct Sinks {
+    /// Workers' lines; stdout for the CLI.
+    pub console: SharedWriter,
+    /// Launcher messages; stderr for the CLI.
+    pub diag: SharedWriter,
+}
+
+impl Sinks {
+    /// stdout for worker lines, stderr for launcher messages.
+    pub fn stdio() -> Self {
+        Sinks {
+            console: Arc::new(Mutex::new(std::io::stdout())),
+            diag: Arc::new(Mutex::new(std::io::stderr())),
+        }
+    }
+}
+
+/// What happened to a launch, for callers that want more than the exit code.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The code the launcher should exit with: 0, the first failing worker's code
+    /// (128 + signal for a signal), or 130/143 after SIGINT/SIGTERM.
+    pub exit_code: i32,
+    /// The port exported as `MASTER_PORT` (the picked one when the plan said 0).
+    pub master_port: u16,
+    /// The first worker that failed on its own (not one stopped by the launcher).
+    pub failure: Option<RankFailure>,
+    /// SIGINT/SIGTERM that made the launcher stop the workers, if any.
+    pub interrupted_by: Option<i32>,
+    /// Process ids the workers had; all of them are reaped when `launch` returns.
+    pub pids: Vec<u32>,
+}
+
+/// Starts the workers of `plan` running `program args...`, supervises them and returns the
+/// code the launcher should exit with. Worker lines go to stdout, launcher messages to stderr.
+pub fn launch(plan: &LaunchPlan, program: &Path, args: &[String]) -> Result<i32> {
+    Ok(launch_with(plan, program, args, &Sinks::stdio())?.exit_code)
+}
+
+/// [`launch`] with injectable sinks and the full [`Outcome`].
+///
+/// SIGINT/SIGTERM handlers are installed for the duration of the call (process-wide) and the
+/// previous ones restored before it returns. Every worker is reaped, and each worker's process
+/// group is swept with SIGKILL once the worker has exited, so nothing it started survives.
+/// Must be called from a thread that lives until it returns: the workers' parent-death signal
+/// is tied to the thread that spawned them.
+pub fn launch_with(
+    plan: &LaunchPlan,
+    program: &Path,
+    args: &[String],
+    sinks: &Sinks,
+) -> Result<Outcome> {
+    validate(plan)?;
+    if let Devices::Gpus(ids) = &plan.devices {
+        check_gpu_ids(ids, &detect_gpus())?;
+        warn_inherited_cuda_visible(sinks);
+    }
+    let master_port = port::resolve(plan)?;
+    std::fs::create_dir_all(&plan.log_dir)
+        .with_context(|| format!("creating log directory {}", plan.log_dir.display()))?;
+
+    // Handlers go in before the first fork so a Ctrl-C during start-up is forwarded too.
+    let signals = signals::Watch::install()?;
+    let mut workers = spawn::spawn_all(plan, master_port, program, args, sinks)?;
+    let pids = workers.iter().map(|w| w.pid()).collect();
+    let result = supervise::supervise(&mut workers, plan.grace, sinks, &signals);
+    // Drain what the workers printed last; bounded because a process that escaped its group
+    // could hold a pipe open forever.
+    for w in &workers {
+        w.output.wait_closed(Duration::from_secs(2));
+    }
+    drop(signals);
+    Ok(Outcome {
+        exit_code: result.exit_code,
+        master_port,
+        failure: result.failure,
+        interrupted_by: result.interrupted_by,
+        pids,
+    })
+}
+
+/// Rejects plans that cannot work before anything is started.
+fn validate(plan: &LaunchPlan) -> Result<()> {
+    if plan.nnodes == 0 {
+        bail!("--nnodes must be at least 1");
+    }
+    if plan.node_rank >= plan.nnodes {
+        bail!(
+            "--node-rank {} is out of range for --nnodes {} (expected 0..={})",
+            plan.node_rank,
+            plan.nnodes,
+            plan.nnodes - 1
+        );
+    }
+    match &plan.devices {
+        Devices::Cpu(0) => bail!("--nproc must be at least 1"),
+        Devices::Gpus(ids) if ids.is_empty() => bail!("--gpus needs at least one GPU index"),
+        Devices::Gpus(ids) => gpus::check_unique(ids)?,
+        Devices::Cpu(_) => {}
+    }
+    if plan.master_port == 0 && plan.nnodes > 1 {
+        bail!(
+            "--master-port 0 (pick a free port) only works with one node; with --nnodes {} \
+             every node must be given the same explicit --master-port",
+            plan.nnodes
+        );
+    }
+    if plan.master_addr.trim().is_empty() {
+        bail!("--master-addr must not be empty");
+    }
+    Ok(())
+}
+
+/// With NVML available, a GPU id past the last device is caught here instead of as a
+/// confusing "no CUDA device" inside every worker. Without NVML nothing can be checked.
+fn check_gpu_ids(ids: &[usize], found: &[GpuInfo]) -> Result<()> {
+    if found.is_empty() {
+        return Ok(());
+    }
+    if let Some(bad) = ids.iter().find(|&&id| !found.iter().any(|g| g.index == id)) {
+        bail!(
+            "--gpus: GPU {bad} does not exist; this machine has {} GPU(s): {}",
+            found.len(),
+            found
+                .iter()
+                .map(|g| g.index.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+    }
+    Ok(())
+}
+
+/// `--gpus` ids are physical indices, so an inherited `CUDA_VISIBLE_DEVICES` is replaced;
+/// say so, because under a scheduler that set it this may not be what the user meant.
+fn warn_inherited_cuda_visible(sinks: &Sinks) {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        if !v.trim().is_empty() {
+            output::write_line(
+                &sinks.diag,
+                &format!(
+                    "lockstep run: note: replacing CUDA_VISIBLE_DEVICES={v} from the environment; \
+                     --gpus ids are physical indices as nvidia-smi lists them"
+                ),
+            );
+        }
+    }
+}

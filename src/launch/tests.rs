@@ -1,0 +1,562 @@
+//! End-to-end tests with real `/bin/sh` workers.
+//!
+//! Tests that signal the launcher itself run it in a child process (this test binary
+//! re-executed on [`child_launcher`]), so signals never hit the test harness.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// Console and diagnostics captured in memory.
+struct Captured {
+    console: Arc<Mutex<Vec<u8>>>,
+    diag: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Captured {
+    fn new() -> (Captured, Sinks) {
+        let console = Arc::new(Mutex::new(Vec::new()));
+        let diag = Arc::new(Mutex::new(Vec::new()));
+        let sinks = Sinks {
+            console: console.clone(),
+            diag: diag.clone(),
+        };
+        (Captured { console, diag }, sinks)
+    }
+    fn console(&self) -> String {
+        String::from_utf8(self.console.lock().unwrap().clone()).unwrap()
+    }
+    fn diag(&self) -> String {
+        String::from_utf8(self.diag.lock().unwrap().clone()).unwrap()
+    }
+}
+
+fn plan(devices: Devices, dir: &Path) -> LaunchPlan {
+    LaunchPlan {
+        devices,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        log_dir: dir.join("logs"),
+        grace: Duration::from_secs(2),
+        log_all_ranks: true,
+    }
+}
+
+fn sh(script: &str) -> Vec<String> {
+    vec!["-c".into(), script.into()]
+}
+
+/// Runs `script` under `/bin/sh` for every worker of `plan`.
+fn run(plan: &LaunchPlan, script: &str) -> (Outcome, Captured) {
+    let (cap, sinks) = Captured::new();
+    let outcome = launch_with(plan, Path::new("/bin/sh"), &sh(script), &sinks).unwrap();
+    (outcome, cap)
+}
+
+fn read(path: impl AsRef<Path>) -> String {
+    std::fs::read_to_string(path.as_ref())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.as_ref().display()))
+}
+
+/// Whether `pid` is a running process (a zombie someone else has to reap counts as gone).
+fn alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(") ")
+        .and_then(|(_, rest)| rest.chars().next());
+    !matches!(state, Some('Z') | Some('X'))
+}
+
+/// Whether `pid` still has a /proc entry whose parent is this test process: a zombie we failed
+/// to reap, or a live child.
+fn our_child(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let ppid = stat
+        .rsplit_once(") ")
+        .and_then(|(_, rest)| rest.split(' ').nth(1))
+        .and_then(|p| p.parse::<u32>().ok());
+    ppid == Some(std::process::id())
+}
+
+fn assert_all_gone(pids: &[u32]) {
+    for &pid in pids {
+        assert!(!alive(pid), "process {pid} survived");
+        assert!(!our_child(pid), "process {pid} was not reaped");
+    }
+}
+
+/// Pids that workers wrote to `<dir>/<prefix><rank>` (a worker stopped before writing its
+/// file has none).
+fn pid_files(dir: &Path, prefix: &str, ranks: usize) -> Vec<u32> {
+    (0..ranks)
+        .filter_map(|r| std::fs::read_to_string(dir.join(format!("{prefix}{r}"))).ok())
+        .map(|s| s.trim().parse().unwrap())
+        .collect()
+}
+
+fn wait_for(path: &Path, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn cpu_workers_get_rank_env_tags_and_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(Devices::Cpu(2), dir.path());
+    let (out, cap) = run(
+        &p,
+        "echo \"env RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK \
+         LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK MASTER_ADDR=$MASTER_ADDR \
+         MASTER_PORT=$MASTER_PORT CVD=[${CUDA_VISIBLE_DEVICES-unset}] L=$LOCKSTEP_LAUNCHER \
+         TAG=$LOCKSTEP_TAG\"; echo \"[CPU$RANK] self-tagged\"; echo \"to stderr $RANK\" >&2",
+    );
+    assert_eq!(out.exit_code, 0);
+    assert!(out.failure.is_none() && out.interrupted_by.is_none());
+    assert_ne!(out.master_port, 0);
+    let console = cap.console();
+    for r in 0..2 {
+        let env = format!(
+            "[CPU{r}] env RANK={r} WORLD_SIZE=2 LOCAL_RANK={r} LOCAL_WORLD_SIZE=2 GROUP_RANK=0 \
+             MASTER_ADDR=127.0.0.1 MASTER_PORT={} CVD=[] L=1 TAG=[CPU{r}]",
+            out.master_port
+        );
+        assert!(console.contains(&env), "missing {env:?} in:\n{console}");
+        assert!(
+            console
+                .lines()
+                .any(|l| l == format!("[CPU{r}] self-tagged")),
+            "{console}"
+        );
+        assert!(
+            !console.contains(&format!("[CPU{r}] [CPU{r}]")),
+            "double tag:\n{console}"
+        );
+        assert!(console.contains(&format!("[CPU{r}] to stderr {r}")));
+        let log = read(p.log_dir.join(format!("rank_{r}.log")));
+        assert!(log.contains(&env), "{log}");
+        assert!(
+            log.lines().any(|l| l == format!("[CPU{r}] self-tagged")),
+            "{log}"
+        );
+        assert!(log.contains(&format!("[CPU{r}] to stderr {r}")));
+        assert!(
+            !log.contains(&format!("[CPU{}]", 1 - r)),
+            "other rank in {log}"
+        );
+    }
+    assert_eq!(console.lines().count(), 6, "{console}");
+    assert!(cap.diag().is_empty(), "{}", cap.diag());
+    assert_all_gone(&out.pids);
+}
+
+#[test]
+fn console_shows_rank0_and_other_ranks_warnings_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = plan(Devices::Cpu(3), dir.path());
+    p.log_all_ranks = false;
+    let (out, cap) = run(
+        &p,
+        "echo \"step from $RANK\"; echo \"WARNING: slow from $RANK\"; echo \"Loss: NaN at $RANK\"",
+    );
+    assert_eq!(out.exit_code, 0);
+    let console = cap.console();
+    assert!(console.contains("[CPU0] step from 0"));
+    for r in 1..3 {
+        assert!(!console.contains(&format!("step from {r}")), "{console}");
+        assert!(console.contains(&format!("[CPU{r}] WARNING: slow from {r}")));
+        assert!(console.contains(&format!("[CPU{r}] Loss: NaN at {r}")));
+        // The log keeps everything regardless of the console filter.
+        let log = read(p.log_dir.join(format!("rank_{r}.log")));
+        assert!(log.contains(&format!("[CPU{r}] step from {r}")), "{log}");
+    }
+}
+
+#[test]
+fn second_node_gets_global_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = plan(Devices::Cpu(2), dir.path());
+    p.nnodes = 2;
+    p.node_rank = 1;
+    p.master_addr = "10.1.2.3".into();
+    // Not checked on node 1: node 0 is the one listening.
+    p.master_port = 29555;
+    let (out, cap) = run(
+        &p,
+        "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK GROUP_RANK=$GROUP_RANK \
+         MASTER=$MASTER_ADDR:$MASTER_PORT\"",
+    );
+    assert_eq!(out.exit_code, 0);
+    let console = cap.console();
+    for (local, rank) in [(0, 2), (1, 3)] {
+        let line = format!(
+            "[CPU{rank}] RANK={rank} WORLD_SIZE=4 LOCAL_RANK={local} GROUP_RANK=1 \
+             MASTER=10.1.2.3:29555"
+        );
+        assert!(console.contains(&line), "missing {line:?} in:\n{console}");
+        assert!(read(p.log_dir.join(format!("rank_{rank}.log"))).contains(&line));
+    }
+    assert!(!p.log_dir.join("rank_0.log").exists());
+}
+
+#[test]
+fn gpu_workers_see_exactly_their_device() {
+    if !detect_gpus().is_empty() {
+        // The ids below are made up; on a GPU machine they would be rejected.
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(Devices::Gpus(vec![3, 5]), dir.path());
+    let (out, cap) = run(&p, "echo \"CVD=$CUDA_VISIBLE_DEVICES RANK=$RANK\"");
+    assert_eq!(out.exit_code, 0);
+    let console = cap.console();
+    assert!(console.contains("[GPU3] CVD=3 RANK=0"), "{console}");
+    assert!(console.contains("[GPU5] CVD=5 RANK=1"), "{console}");
+    assert!(read(p.log_dir.join("rank_1.log")).contains("[GPU5] CVD=5"));
+}
+
+#[test]
+fn killed_rank_stops_the_others_and_returns_128_plus_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(Devices::Cpu(2), dir.path());
+    let d = dir.path().display();
+    let started = Instant::now();
+    let (out, cap) = run(
+        &p,
+        &format!(
+            "echo $$ > {d}/pid_$RANK; if [ $RANK = 1 ]; then echo dying; kill -9 $$; fi; \
+             exec sleep 60"
+        ),
+    );
+    assert_eq!(out.exit_code, 137);
+    assert!(started.elapsed() < p.grace + Duration::from_secs(5));
+    let failure = out.failure.as_ref().unwrap();
+    assert_eq!(failure.rank, 1);
+    assert_eq!(failure.exit, ExitKind::Signal(9));
+    let diag = cap.diag();
+    assert!(
+        diag.contains("lockstep run: rank 1 (CPU) failed: killed by signal SIGKILL (9)"),
+        "{diag}"
+    );
+    assert!(diag.contains("    [CPU1] dying"), "{diag}");
+    // Rank 0 was stopped by the launcher: not a failure of its own.
+    assert!(!diag.contains("rank 0 (CPU) failed"), "{diag}");
+    assert_all_gone(&out.pids);
+    assert_all_gone(&pid_files(dir.path(), "pid_", 2));
+}
+
+#[test]
+fn failing_rank_code_is_returned_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(Devices::Cpu(2), dir.path());
+    let (out, cap) = run(
+        &p,
+        "if [ $RANK = 1 ]; then for i in $(seq 1 30); do echo line $i; done; \
+         echo 'Error: bad batch' >&2; exit 3; fi; exec sleep 60",
+    );
+    assert_eq!(out.exit_code, 3);
+    assert_eq!(out.failure.as_ref().unwrap().rank, 1);
+    let diag = cap.diag();
+    assert!(diag.contains("rank 1 (CPU) failed: exit code 3"), "{diag}");
+    assert!(diag.contains("rank_1.log"), "{diag}");
+    // Only the tail: 20 lines ending with the error.
+    assert!(diag.contains("    [CPU1] Error: bad batch"), "{diag}");
+    assert!(diag.contains("    [CPU1] line 30\n"), "{diag}");
+    assert!(!diag.contains("    [CPU1] line 11\n"), "{diag}");
+    assert!(diag.contains("    [CPU1] line 12\n"), "{diag}");
+    assert_all_gone(&out.pids);
+}
+
+#[test]
+fn worker_ignoring_sigterm_is_killed_after_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = plan(Devices::Cpu(2), dir.path());
+    p.grace = Duration::from_secs(1);
+    let d = dir.path().display();
+    let started = Instant::now();
+    let (out, cap) = run(
+        &p,
+        &format!(
+            "if [ $RANK = 1 ]; then while [ ! -e {d}/ready ]; do sleep 0.05; done; exit 1; fi; \
+             trap '' TERM; echo $$ > {d}/sh; sleep 60 & echo $! > {d}/sleep; touch {d}/ready; \
+             wait; wait; wait"
+        ),
+    );
+    let took = started.elapsed();
+    assert_eq!(out.exit_code, 1);
+    assert!(took >= p.grace, "killed too early: {took:?}");
+    assert!(
+        took < p.grace + Duration::from_secs(5),
+        "too slow: {took:?}"
+    );
+    let diag = cap.diag();
+    assert!(diag.contains("rank 1 (CPU) failed: exit code 1"), "{diag}");
+    assert!(
+        diag.contains("rank(s) 0 still running 1.0s after SIGTERM; sending SIGKILL"),
+        "{diag}"
+    );
+    let sh: u32 = read(dir.path().join("sh")).trim().parse().unwrap();
+    let sleep: u32 = read(dir.path().join("sleep")).trim().parse().unwrap();
+    assert_all_gone(&[sh, sleep]);
+    assert_all_gone(&out.pids);
+}
+
+#[test]
+fn busy_explicit_port_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let mut p = plan(Devices::Cpu(1), dir.path());
+    p.master_port = port;
+    let (_, sinks) = Captured::new();
+    let err = launch_with(&p, Path::new("/bin/true"), &[], &sinks).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "--master-port {port}: address 127.0.0.1:{port} is already in use; choose another \
+             port or 0 for a free one"
+        )
+    );
+    drop(busy);
+    // The same port once freed is accepted and exported.
+    let (out, cap) = run(&p, "echo port=$MASTER_PORT");
+    assert_eq!(out.exit_code, 0);
+    assert!(cap.console().contains(&format!("port={port}")));
+}
+
+#[test]
+fn impossible_plans_are_rejected_before_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, sinks) = Captured::new();
+    let check = |p: LaunchPlan, want: &str| {
+        let err = launch_with(&p, Path::new("/bin/true"), &[], &sinks).unwrap_err();
+        assert!(err.to_string().contains(want), "{err:#} lacks {want:?}");
+    };
+    let base = plan(Devices::Cpu(1), dir.path());
+    check(
+        LaunchPlan {
+            nnodes: 2,
+            ..base.clone()
+        },
+        "--master-port 0",
+    );
+    check(
+        LaunchPlan {
+            nnodes: 2,
+            node_rank: 2,
+            master_port: 1234,
+            ..base.clone()
+        },
+        "--node-rank 2 is out of range",
+    );
+    check(
+        LaunchPlan {
+            devices: Devices::Cpu(0),
+            ..base.clone()
+        },
+        "--nproc",
+    );
+    check(
+        LaunchPlan {
+            devices: Devices::Gpus(vec![1, 1]),
+            ..base.clone()
+        },
+        "listed twice",
+    );
+    check(
+        LaunchPlan {
+            devices: Devices::Gpus(vec![]),
+            ..base.clone()
+        },
+        "at least one GPU",
+    );
+    assert!(
+        !base.log_dir.exists(),
+        "nothing may be created for a rejected plan"
+    );
+}
+
+#[test]
+fn missing_program_is_an_error_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(Devices::Cpu(2), dir.path());
+    let (_, sinks) = Captured::new();
+    let err = launch_with(&p, Path::new("/nonexistent/lockstep"), &[], &sinks).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("starting rank 0: /nonexistent/lockstep"),
+        "{err:#}"
+    );
+}
+
+// --- Signals to the launcher: run it in a child process. ---
+
+/// Not a test: the launcher process for the tests below, configured through the environment.
+#[test]
+#[ignore = "entry point for tests that signal the launcher; runs only when they start it"]
+fn child_launcher() {
+    let Ok(dir) = std::env::var("LOCKSTEP_LAUNCH_TEST_DIR") else {
+        return;
+    };
+    let script = std::env::var("LOCKSTEP_LAUNCH_TEST_SCRIPT").unwrap();
+    let mut p = plan(Devices::Cpu(2), Path::new(&dir));
+    p.grace = Duration::from_secs(30);
+    let before = [handler(libc::SIGINT), handler(libc::SIGTERM)];
+    let code = launch(&p, Path::new("/bin/sh"), &sh(&script)).unwrap();
+    std::io::stdout().flush().unwrap();
+    // Alone in this process, the launcher must leave the dispositions as it found them.
+    if before != [handler(libc::SIGINT), handler(libc::SIGTERM)] {
+        eprintln!("signal handlers were not restored");
+        std::process::exit(99);
+    }
+    std::process::exit(code);
+}
+
+fn handler(sig: libc::c_int) -> libc::sighandler_t {
+    // SAFETY: a query only (null new action) into a zeroed sigaction we own.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old);
+        old.sa_sigaction
+    }
+}
+
+/// Starts [`child_launcher`] in a new process with `script` as the workers' shell script.
+fn start_child_launcher(dir: &Path, script: &str) -> Child {
+    let path = module_path!()
+        .split_once("::")
+        .map_or(module_path!(), |(_, p)| p);
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            &format!("{path}::child_launcher"),
+            "--exact",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("LOCKSTEP_LAUNCH_TEST_DIR", dir)
+        .env("LOCKSTEP_LAUNCH_TEST_SCRIPT", script)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(dir.join("launcher.out")).unwrap())
+        .stderr(std::fs::File::create(dir.join("launcher.err")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_child(child: &mut Child, limit: Duration, dir: &Path) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "launcher did not exit in {limit:?}; stderr:\n{}",
+                read(dir.join("launcher.err"))
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn send(child: &Child, sig: libc::c_int) {
+    // SAFETY: plain kill(2) to our own, not yet reaped, child.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+}
+
+fn wait_ready(dir: &Path) -> Vec<u32> {
+    for r in 0..2 {
+        wait_for(&dir.join(format!("ready_{r}")), Duration::from_secs(10));
+    }
+    pid_files(dir, "pid_", 2)
+}
+
+#[test]
+fn sigint_is_forwarded_as_sigterm_and_returns_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let mut child = start_child_launcher(
+        dir.path(),
+        &format!(
+            "trap 'echo saved > {d}/term_$RANK; exit 0' TERM; echo $$ > {d}/pid_$RANK; \
+             touch {d}/ready_$RANK; sleep 60 & wait $!"
+        ),
+    );
+    let pids = wait_ready(dir.path());
+    send(&child, libc::SIGINT);
+    let status = wait_child(&mut child, Duration::from_secs(10), dir.path());
+    let err = read(dir.path().join("launcher.err"));
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("got SIGINT; asking the workers to stop"),
+        "{err}"
+    );
+    for r in 0..2 {
+        // Each worker ran its SIGTERM handler (where a trainer saves its checkpoint).
+        assert_eq!(read(dir.path().join(format!("term_{r}"))).trim(), "saved");
+    }
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn second_sigterm_kills_at_once_and_returns_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let mut child = start_child_launcher(
+        dir.path(),
+        &format!("trap '' TERM; echo $$ > {d}/pid_$RANK; touch {d}/ready_$RANK; exec sleep 60"),
+    );
+    let pids = wait_ready(dir.path());
+    let started = Instant::now();
+    send(&child, libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        pids.iter().all(|&p| alive(p)),
+        "workers ignoring SIGTERM must still run"
+    );
+    send(&child, libc::SIGTERM);
+    // The grace is 30 s: returning quickly proves the second signal killed them.
+    let status = wait_child(&mut child, Duration::from_secs(5), dir.path());
+    let err = read(dir.path().join("launcher.err"));
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(err.contains("got SIGTERM; killing the workers"), "{err}");
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn killed_launcher_leaves_no_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let mut child = start_child_launcher(
+        dir.path(),
+        &format!("echo $$ > {d}/pid_$RANK; touch {d}/ready_$RANK; exec sleep 60"),
+    );
+    let pids = wait_ready(dir.path());
+    send(&child, libc::SIGKILL);
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "workers outlived a SIGKILLed launcher"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
