@@ -53,12 +53,17 @@ fn main() {
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);
     let model = Llama::new(&vs.root(), &shape, seq as usize, Kind::Float);
-    let hp = AdamWParams { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let hp = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
     let mut opt = AdamW::new(Llama::named_parameters(&vs), hp);
     let tokens = Tensor::randint(4096, [batch, seq + 1], (Kind::Int64, Device::Cpu));
     let (x, y) = (tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
 
-    let mut step = |opt: &mut AdamW| {
+    let step = |opt: &mut AdamW| {
         let loss = model.loss(&x, &y);
         loss.backward();
         let norm = clip_grad_norm(&opt.gradients(), 1.0);

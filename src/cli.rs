@@ -9,7 +9,11 @@ use crate::config::{self, schema, Resolved, Sources};
 use crate::train::{self, Resume, RunOptions, Topology};
 
 #[derive(Parser, Debug)]
-#[command(name = "lockstep", version, about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks")]
+#[command(
+    name = "lockstep",
+    version,
+    about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -65,7 +69,11 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn resolve(&self) -> Result<Resolved, config::ConfigError> {
         config::resolve(&Sources {
-            preset: if self.debug { Some("debug".into()) } else { self.preset.clone() },
+            preset: if self.debug {
+                Some("debug".into())
+            } else {
+                self.preset.clone()
+            },
             config_file: self.config.clone(),
             sets: self.sets.clone(),
             max_steps: self.max_steps,
@@ -80,21 +88,41 @@ pub fn run(cli: Cli) -> Result<()> {
             train::trainer::prepare_data(&resolved.config, "[CPU0]")?;
             Ok(())
         }
-        Command::Train { config, resume, stop_at_step } => {
+        Command::Train {
+            config,
+            resume,
+            stop_at_step,
+        } => {
             let resolved = config.resolve()?;
-            let opts = RunOptions { resume, stop_at_step };
+            let opts = RunOptions {
+                resume,
+                stop_at_step,
+            };
             train::train(&resolved, &opts, Topology { rank: 0, world: 1 })?;
             Ok(())
         }
-        Command::Config { config, keys, markdown } => {
+        Command::Config {
+            config,
+            keys,
+            markdown,
+        } => {
             if markdown {
                 print!("{}", schema::markdown_table());
             } else if keys {
                 for k in schema::KEYS {
-                    println!("{:<34} {:<28} default {:<22} {}", k.key, k.kind.describe(), k.default, k.doc);
+                    println!(
+                        "{:<34} {:<28} default {:<22} {}",
+                        k.key,
+                        k.kind.describe(),
+                        k.default,
+                        k.doc
+                    );
                 }
             } else {
-                println!("{}", serde_json::to_string_pretty(&config.resolve()?.to_json())?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&config.resolve()?.to_json())?
+                );
             }
             Ok(())
         }

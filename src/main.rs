@@ -6,7 +6,11 @@ use clap::Parser;
 fn main() {
     let cli = lockstep::cli::Cli::parse();
     if let Err(e) = lockstep::cli::run(cli) {
-        let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() { 2 } else { 1 };
+        let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() {
+            2
+        } else {
+            1
+        };
         eprintln!("error: {e:#}");
         std::process::exit(code);
     }

@@ -52,17 +52,28 @@ pub fn tensor_bytes(t: &Tensor) -> Vec<u8> {
 
 /// Writes `tensors` to `path` (not atomically: callers that need atomicity write into a
 /// temporary directory and rename it).
-pub fn save(path: &Path, tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<()> {
+pub fn save(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
     let owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| {
             let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((name.clone(), kind_to_dtype(t.kind())?, shape, tensor_bytes(t)))
+            Ok((
+                name.clone(),
+                kind_to_dtype(t.kind())?,
+                shape,
+                tensor_bytes(t),
+            ))
         })
         .collect::<Result<_>>()?;
     let views: Vec<(String, TensorView)> = owned
         .iter()
-        .map(|(name, dtype, shape, bytes)| Ok((name.clone(), TensorView::new(*dtype, shape.clone(), bytes)?)))
+        .map(|(name, dtype, shape, bytes)| {
+            Ok((name.clone(), TensorView::new(*dtype, shape.clone(), bytes)?))
+        })
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, metadata, path)
         .with_context(|| format!("{}: cannot write safetensors file", path.display()))
@@ -76,23 +87,33 @@ pub struct SafeFile {
 
 impl SafeFile {
     pub fn open(path: &Path) -> Result<SafeFile> {
-        let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("{}: cannot open", path.display()))?;
         // SAFETY: read-only map; a concurrent writer would be a user error we cannot prevent,
         // and our own writers never modify a file in place (they write a new file and rename).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", path.display()))?;
-        let sf = SafeFile { mmap, path: path.to_path_buf() };
+        let mmap = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("{}: cannot map", path.display()))?;
+        let sf = SafeFile {
+            mmap,
+            path: path.to_path_buf(),
+        };
         sf.parsed()?;
         Ok(sf)
     }
 
     fn parsed(&self) -> Result<SafeTensors<'_>> {
         SafeTensors::deserialize(&self.mmap).with_context(|| {
-            format!("{}: not a valid safetensors file (truncated or corrupt?)", self.path.display())
+            format!(
+                "{}: not a valid safetensors file (truncated or corrupt?)",
+                self.path.display()
+            )
         })
     }
 
     pub fn names(&self) -> Vec<String> {
-        self.parsed().map(|s| s.names().into_iter().map(str::to_string).collect()).unwrap_or_default()
+        self.parsed()
+            .map(|s| s.names().into_iter().map(str::to_string).collect())
+            .unwrap_or_default()
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -102,15 +123,20 @@ impl SafeFile {
     /// Shape of `name` without materialising it.
     pub fn shape(&self, name: &str) -> Result<Vec<i64>> {
         let st = self.parsed()?;
-        let view = st.tensor(name).with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
+        let view = st
+            .tensor(name)
+            .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
         Ok(view.shape().iter().map(|&d| d as i64).collect())
     }
 
     /// A CPU tensor copied out of the map.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let st = self.parsed()?;
-        let view = st.tensor(name).with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
-        let kind = dtype_to_kind(view.dtype()).with_context(|| format!("{}: tensor {name}", self.path.display()))?;
+        let view = st
+            .tensor(name)
+            .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
+        let kind = dtype_to_kind(view.dtype())
+            .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         Ok(Tensor::from_data_size(view.data(), &shape, kind))
     }
@@ -124,5 +150,8 @@ impl SafeFile {
 pub fn load_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let f = SafeFile::open(path)?;
     let names = f.names();
-    names.into_iter().map(|n| Ok((n.clone(), f.tensor(&n)?))).collect()
+    names
+        .into_iter()
+        .map(|n| Ok((n.clone(), f.tensor(&n)?)))
+        .collect()
 }

@@ -22,7 +22,11 @@ fn load_model(dir: &Path, backend: &str) -> (VarStore, Llama) {
     m.num_layers = 2;
     m.attention_backend = backend.into();
     let shape = hf::shape_from_dir(&dir.join("model"), &m).unwrap();
-    assert_eq!((shape.num_heads, shape.num_kv_heads), (8, 2), "the reference uses GQA");
+    assert_eq!(
+        (shape.num_heads, shape.num_kv_heads),
+        (8, 2),
+        "the reference uses GQA"
+    );
     let vs = VarStore::new(Device::Cpu);
     let model = Llama::new(&vs.root(), &shape, 64, Kind::Float);
     hf::load_weights(&dir.join("model"), &vs).unwrap();
@@ -30,7 +34,10 @@ fn load_model(dir: &Path, backend: &str) -> (VarStore, Llama) {
 }
 
 fn batch(dir: &Path) -> (Tensor, Tensor) {
-    let tokens = SafeFile::open(&dir.join("batch.safetensors")).unwrap().tensor("tokens").unwrap();
+    let tokens = SafeFile::open(&dir.join("batch.safetensors"))
+        .unwrap()
+        .tensor("tokens")
+        .unwrap();
     let t = tokens.size()[1];
     (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1))
 }
@@ -45,31 +52,59 @@ fn check_against_reference(tied: bool) {
     }
     common::run_python("tests/reference/hf_llama.py", &args);
     let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
     let (x, y) = batch(dir);
 
     let (vs, model) = load_model(dir, "sdpa");
     let loss = model.loss(&x, &y);
     let want = reference["loss"].as_f64().unwrap();
-    assert!(rel(loss.double_value(&[]), want) < 1e-5, "loss {} vs transformers {want}", loss.double_value(&[]));
+    assert!(
+        rel(loss.double_value(&[]), want) < 1e-5,
+        "loss {} vs transformers {want}",
+        loss.double_value(&[])
+    );
     assert!(want > 5.0, "a random model's loss is near ln(vocab)");
     loss.backward();
     let grad_norms = reference["grad_norms"].as_object().unwrap();
     let params = Llama::named_parameters(&vs);
-    assert_eq!(params.len(), grad_norms.len(), "same parameter set as transformers");
+    assert_eq!(
+        params.len(),
+        grad_norms.len(),
+        "same parameter set as transformers"
+    );
     for (name, p) in &params {
         let got = p.grad().norm().double_value(&[]);
-        let want = grad_norms[name].as_f64().unwrap_or_else(|| panic!("transformers has no {name}"));
-        assert!(rel(got, want) < 1e-5, "{name}: grad norm {got} vs transformers {want}");
+        let want = grad_norms[name]
+            .as_f64()
+            .unwrap_or_else(|| panic!("transformers has no {name}"));
+        assert!(
+            rel(got, want) < 1e-5,
+            "{name}: grad norm {got} vs transformers {want}"
+        );
     }
 
     // The math backend is the same function.
     let (_, math) = load_model(dir, "math");
     assert!(rel(math.loss(&x, &y).double_value(&[]), want) < 1e-5);
 
-    let before: HashMap<String, Tensor> = params.iter().map(|(n, p)| (n.clone(), p.detach().copy())).collect();
-    let hp = AdamWParams { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-    let mut opt = AdamW::new(params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect(), hp);
+    let before: HashMap<String, Tensor> = params
+        .iter()
+        .map(|(n, p)| (n.clone(), p.detach().copy()))
+        .collect();
+    let hp = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = AdamW::new(
+        params
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .collect(),
+        hp,
+    );
     opt.zero_grad();
     for step in 0..3 {
         let l = model.loss(&x, &y);
@@ -80,9 +115,15 @@ fn check_against_reference(tied: bool) {
         let want_l = reference["step_losses"][step].as_f64().unwrap();
         let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
         assert!(rel(l.double_value(&[]), want_l) < 1e-5, "step {step} loss");
-        assert!(rel(norm, want_n) < 1e-5, "step {step} grad norm {norm} vs {want_n}");
+        assert!(
+            rel(norm, want_n) < 1e-5,
+            "step {step} grad norm {norm} vs {want_n}"
+        );
     }
-    let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors")).unwrap().into_iter().collect();
+    let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
     for (name, p) in &params {
         let want = &after[name];
         let diff = p - want;
@@ -90,8 +131,14 @@ fn check_against_reference(tied: bool) {
         let moved = (p - &before[name]).norm().double_value(&[]) / want.norm().double_value(&[]);
         // Per-tensor L2: Adam's m/(sqrt(v)+eps) amplifies rounding in near-zero gradient
         // elements, so single elements are ill-conditioned while the update as a whole is not.
-        assert!(err < 1e-5, "{name}: parameters after 3 AdamW steps differ by {err:e} (relative, L2)");
-        assert!(moved > 1e-3, "{name}: 3 AdamW steps at lr 1e-3 should move the tensor, moved {moved:e}");
+        assert!(
+            err < 1e-5,
+            "{name}: parameters after 3 AdamW steps differ by {err:e} (relative, L2)"
+        );
+        assert!(
+            moved > 1e-3,
+            "{name}: 3 AdamW steps at lr 1e-3 should move the tensor, moved {moved:e}"
+        );
     }
 }
 

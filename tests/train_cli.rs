@@ -11,14 +11,36 @@ use common::{lockstep, output_text, write_corpus};
 /// A small model on a small corpus: seconds per run on two cores.
 fn small(corpus: &Path) -> Vec<String> {
     [
-        "--preset", "tiny",
-        "--set", "model.hidden_size=64", "--set", "model.num_attention_heads=4",
-        "--set", "model.num_key_value_heads=2", "--set", "model.intermediate_size=128",
-        "--set", "model.num_layers=2", "--set", "training.context_length=64",
-        "--set", "training.batch_size=4", "--set", "training.learning_rate=1e-2",
-        "--set", "training.min_lr=1e-3", "--set", "training.warmup_steps=3",
-        "--set", "training.eval_interval=0", "--set", "training.eval_batches=2",
-        "--set", "system.num_threads=1", "--set", "checkpoint.interval=5",
+        "--preset",
+        "tiny",
+        "--set",
+        "model.hidden_size=64",
+        "--set",
+        "model.num_attention_heads=4",
+        "--set",
+        "model.num_key_value_heads=2",
+        "--set",
+        "model.intermediate_size=128",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "training.context_length=64",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.learning_rate=1e-2",
+        "--set",
+        "training.min_lr=1e-3",
+        "--set",
+        "training.warmup_steps=3",
+        "--set",
+        "training.eval_interval=0",
+        "--set",
+        "training.eval_batches=2",
+        "--set",
+        "system.num_threads=1",
+        "--set",
+        "checkpoint.interval=5",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -47,7 +69,10 @@ fn losses(metrics: &Path) -> Vec<(u64, f64)> {
 }
 
 fn args(base: &[String], extra: &[&str]) -> Vec<String> {
-    base.iter().cloned().chain(extra.iter().map(|s| s.to_string())).collect()
+    base.iter()
+        .cloned()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect()
 }
 
 #[test]
@@ -62,23 +87,42 @@ fn prepare_caches_and_training_loss_falls() {
     let second = ok(tmp.path(), &prep);
     assert!(second.contains("Data: cache hit"), "{second}");
 
-    let out = ok(tmp.path(), &args(&["train".into()], &[]).into_iter().chain(base.clone()).chain(["--max-steps".into(), "40".into()]).collect::<Vec<_>>());
+    let out = ok(
+        tmp.path(),
+        &args(&["train".into()], &[])
+            .into_iter()
+            .chain(base.clone())
+            .chain(["--max-steps".into(), "40".into()])
+            .collect::<Vec<_>>(),
+    );
     let step_line = regex_like_step_line(&out);
     assert!(step_line, "no step line in:\n{out}");
     assert!(out.contains("Validation | Step [40/40]"), "{out}");
     let l = losses(&tmp.path().join("runs/tiny/metrics.jsonl"));
     let (first, last) = (l.first().unwrap().1, l.last().unwrap().1);
     assert!(first > 10.0, "starts near ln(50257) = 10.8, got {first}");
-    assert!(first - last > 3.0, "loss should fall by > 3 nats in 40 steps: {first} -> {last}");
+    assert!(
+        first - last > 3.0,
+        "loss should fall by > 3 nats in 40 steps: {first} -> {last}"
+    );
     // The run's directory has the resolved config and the final checkpoint.
     let ckpt = tmp.path().join("runs/tiny/checkpoints/step_40");
-    for f in ["model.safetensors", "optimizer.safetensors", "trainer.json", "config.json"] {
+    for f in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer.json",
+        "config.json",
+    ] {
         assert!(ckpt.join(f).is_file(), "missing {f}");
     }
-    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer.json")).unwrap()).unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer.json")).unwrap()).unwrap();
     assert_eq!(saved["config"]["training"]["context_length"], 64);
     // keep_last = 3 of steps 5..40 every 5.
-    let kept: Vec<String> = std::fs::read_dir(tmp.path().join("runs/tiny/checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let kept: Vec<String> = std::fs::read_dir(tmp.path().join("runs/tiny/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     assert_eq!(kept.len(), 3, "{kept:?}");
 }
 
@@ -108,9 +152,15 @@ fn resume_is_bitwise_identical_to_an_uninterrupted_run() {
     };
     train("straight", &["--max-steps", "20"]);
     let first = train("resumed", &["--max-steps", "20", "--stop-at-step", "10"]);
-    assert!(first.contains("Checkpoint saved") && first.contains("step_10"), "{first}");
+    assert!(
+        first.contains("Checkpoint saved") && first.contains("step_10"),
+        "{first}"
+    );
     let out = train("resumed", &["--max-steps", "20", "--resume", "auto"]);
-    assert!(out.contains("Resumed from") && out.contains("at step 10"), "{out}");
+    assert!(
+        out.contains("Resumed from") && out.contains("at step 10"),
+        "{out}"
+    );
 
     let runs = tmp.path().join("runs");
     let a = losses(&runs.join("straight/metrics.jsonl"));
@@ -132,30 +182,72 @@ fn existing_checkpoints_are_never_silently_overwritten() {
     a.extend(small(&corpus));
     a.extend(["--max-steps".to_string(), "5".to_string()]);
     ok(tmp.path(), &a);
-    let before = std::fs::read(tmp.path().join("runs/tiny/checkpoints/step_5/model.safetensors")).unwrap();
+    let before = std::fs::read(
+        tmp.path()
+            .join("runs/tiny/checkpoints/step_5/model.safetensors"),
+    )
+    .unwrap();
     let out = run(tmp.path(), &a);
     assert_eq!(out.status.code(), Some(1));
     let text = output_text(&out);
-    assert!(text.contains("already holds checkpoints") && text.contains("--resume auto"), "{text}");
-    let after = std::fs::read(tmp.path().join("runs/tiny/checkpoints/step_5/model.safetensors")).unwrap();
+    assert!(
+        text.contains("already holds checkpoints") && text.contains("--resume auto"),
+        "{text}"
+    );
+    let after = std::fs::read(
+        tmp.path()
+            .join("runs/tiny/checkpoints/step_5/model.safetensors"),
+    )
+    .unwrap();
     assert!(before == after);
 }
 
 #[test]
 fn config_errors_exit_2_and_name_the_key() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = run(tmp.path(), &["train".into(), "--set".into(), "training.lerning_rate=1e-3".into()]);
+    let out = run(
+        tmp.path(),
+        &[
+            "train".into(),
+            "--set".into(),
+            "training.lerning_rate=1e-3".into(),
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let text = output_text(&out);
-    assert!(text.contains("unknown config key \"training.lerning_rate\"") && text.contains("training.learning_rate"), "{text}");
+    assert!(
+        text.contains("unknown config key \"training.lerning_rate\"")
+            && text.contains("training.learning_rate"),
+        "{text}"
+    );
 
-    let out = run(tmp.path(), &["train".into(), "--set".into(), "model.num_key_value_heads=3".into()]);
+    let out = run(
+        tmp.path(),
+        &[
+            "train".into(),
+            "--set".into(),
+            "model.num_key_value_heads=3".into(),
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     assert!(output_text(&out).contains("model.num_key_value_heads = 3 does not divide"));
 
-    let out = run(tmp.path(), &["train".into(), "--preset".into(), "tiny".into(), "--set".into(), "data.path=missing/dir".into()]);
+    let out = run(
+        tmp.path(),
+        &[
+            "train".into(),
+            "--preset".into(),
+            "tiny".into(),
+            "--set".into(),
+            "data.path=missing/dir".into(),
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
-    assert!(output_text(&out).contains("missing/dir"), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("missing/dir"),
+        "{}",
+        output_text(&out)
+    );
 }
 
 #[test]

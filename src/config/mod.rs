@@ -44,12 +44,18 @@ impl Resolved {
 }
 
 pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
-    let preset = src.preset.clone().unwrap_or_else(|| presets::DEFAULT.to_string());
+    let preset = src
+        .preset
+        .clone()
+        .unwrap_or_else(|| presets::DEFAULT.to_string());
     let mut merged = defaults();
 
     let preset_json = presets::get(&preset)?;
     let layer = parse_json(preset_json, &format!("preset {preset}"))?;
-    merge(&mut merged, checked_layer(layer, &format!("preset {preset}"))?);
+    merge(
+        &mut merged,
+        checked_layer(layer, &format!("preset {preset}"))?,
+    );
 
     if let Some(file) = &src.config_file {
         let origin = file.display().to_string();
@@ -66,15 +72,21 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
         set_path(&mut merged, "training.max_steps", Value::from(n));
     }
 
-    let config: Config = serde_json::from_value(merged)
-        .map_err(|e| ConfigError(format!("internal: resolved config does not match its schema: {e}")))?;
+    let config: Config = serde_json::from_value(merged).map_err(|e| {
+        ConfigError(format!(
+            "internal: resolved config does not match its schema: {e}"
+        ))
+    })?;
     validate::check(&config)?;
     Ok(Resolved { config, preset })
 }
 
 fn read_config_file(file: &Path) -> Result<String, ConfigError> {
     std::fs::read_to_string(file).map_err(|e| {
-        ConfigError(format!("--config {}: cannot read the file ({e}); check the path", file.display()))
+        ConfigError(format!(
+            "--config {}: cannot read the file ({e}); check the path",
+            file.display()
+        ))
     })
 }
 
@@ -101,7 +113,10 @@ fn defaults() -> Value {
 /// Checks every key of one layer (known, right type) and rewrites aliases to canonical keys.
 fn checked_layer(layer: Value, origin: &str) -> Result<Value, ConfigError> {
     let Value::Object(sections) = layer else {
-        return err(format!("{origin}: the top level must be a JSON object with sections {}", schema::SECTIONS.join(", ")));
+        return err(format!(
+            "{origin}: the top level must be a JSON object with sections {}",
+            schema::SECTIONS.join(", ")
+        ));
     };
     let mut out = Value::Object(Map::new());
     for (section, body) in sections {
@@ -162,7 +177,9 @@ fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(),
 fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
     let origin = format!("--set {set}");
     let Some((key, raw)) = set.split_once('=') else {
-        return err(format!("{origin}: expected section.key=value, e.g. --set training.learning_rate=3e-4"));
+        return err(format!(
+            "{origin}: expected section.key=value, e.g. --set training.learning_rate=3e-4"
+        ));
     };
     let spec = known_key(schema::canonical(key.trim()), &origin)?;
     let raw = raw.trim();
@@ -183,8 +200,12 @@ fn unquote(raw: &str) -> String {
 fn set_path(root: &mut Value, key: &str, value: Value) {
     let (section, leaf) = key.split_once('.').expect("keys are section.key");
     let obj = root.as_object_mut().expect("root is an object");
-    let sec = obj.entry(section).or_insert_with(|| Value::Object(Map::new()));
-    sec.as_object_mut().expect("sections are objects").insert(leaf.to_string(), value);
+    let sec = obj
+        .entry(section)
+        .or_insert_with(|| Value::Object(Map::new()));
+    sec.as_object_mut()
+        .expect("sections are objects")
+        .insert(leaf.to_string(), value);
 }
 
 /// Deep merge: objects merge key by key, anything else replaces.

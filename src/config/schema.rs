@@ -38,7 +38,8 @@ impl Kind {
     pub fn accepts(self, v: &Value) -> bool {
         let uint = |v: &Value| {
             v.as_u64().is_some()
-                || v.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0 && f < 9.0e15)
+                || v.as_f64()
+                    .is_some_and(|f| f >= 0.0 && f.fract() == 0.0 && f < 9.0e15)
         };
         match self {
             Kind::UInt => uint(v),
@@ -64,11 +65,21 @@ pub struct KeySpec {
 /// Old or alternative names that users' files carry: (alias, canonical key).
 pub const ALIASES: &[(&str, &str)] = &[
     ("training.grad_accum_steps", "training.grad_accum_nums"),
-    ("training.gradient_accumulation_steps", "training.grad_accum_nums"),
+    (
+        "training.gradient_accumulation_steps",
+        "training.grad_accum_nums",
+    ),
     ("model.init_from", "model.model_path"),
 ];
 
-pub const SECTIONS: &[&str] = &["model", "data", "training", "system", "logging", "checkpoint"];
+pub const SECTIONS: &[&str] = &[
+    "model",
+    "data",
+    "training",
+    "system",
+    "logging",
+    "checkpoint",
+];
 
 macro_rules! keys {
     ($($key:literal, $kind:expr, $default:literal, $doc:literal;)*) => {
@@ -165,10 +176,19 @@ pub fn markdown_table() -> String {
          | key | type | default | meaning |\n|---|---|---|---|\n",
     );
     for k in KEYS {
-        out.push_str(&format!("| `{}` | {} | `{}` | {} |\n", k.key, k.kind.describe(), k.default, k.doc));
+        out.push_str(&format!(
+            "| `{}` | {} | `{}` | {} |\n",
+            k.key,
+            k.kind.describe(),
+            k.default,
+            k.doc
+        ));
     }
     out.push_str("\nAliases accepted in files and `--set`: ");
-    let aliases: Vec<String> = ALIASES.iter().map(|(a, c)| format!("`{a}` → `{c}`")).collect();
+    let aliases: Vec<String> = ALIASES
+        .iter()
+        .map(|(a, c)| format!("`{a}` → `{c}`"))
+        .collect();
     out.push_str(&aliases.join(", "));
     out.push_str(".\n\nPresets (`config/presets/*.json`) override these defaults:\n\n");
     for (name, text) in super::presets::PRESETS {

@@ -6,7 +6,10 @@ use super::*;
 fn with_file(json: &str) -> (tempfile::NamedTempFile, Sources) {
     let mut f = tempfile::NamedTempFile::new().unwrap();
     f.write_all(json.as_bytes()).unwrap();
-    let src = Sources { config_file: Some(f.path().to_path_buf()), ..Default::default() };
+    let src = Sources {
+        config_file: Some(f.path().to_path_buf()),
+        ..Default::default()
+    };
     (f, src)
 }
 
@@ -19,26 +22,75 @@ fn presets_have_the_documented_shapes() {
     let prod = resolve(&Sources::default()).unwrap();
     assert_eq!(prod.preset, "production");
     let m = &prod.config.model;
-    assert_eq!((m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads), (4, 4096, 32, 8));
+    assert_eq!(
+        (
+            m.num_layers,
+            m.hidden_size,
+            m.num_attention_heads,
+            m.num_key_value_heads
+        ),
+        (4, 4096, 32, 8)
+    );
     assert_eq!((m.intermediate_size, m.rope_theta), (14336, 500000.0));
-    assert_eq!((prod.config.training.context_length, prod.config.training.max_steps), (8192, 100));
+    assert_eq!(
+        (
+            prod.config.training.context_length,
+            prod.config.training.max_steps
+        ),
+        (8192, 100)
+    );
     assert_eq!(prod.config.training.learning_rate, 1e-5);
 
-    let debug = resolve(&Sources { preset: Some("debug".into()), ..Default::default() }).unwrap().config;
-    assert_eq!((debug.model.num_layers, debug.training.max_steps, debug.training.context_length), (2, 10, 512));
+    let debug = resolve(&Sources {
+        preset: Some("debug".into()),
+        ..Default::default()
+    })
+    .unwrap()
+    .config;
+    assert_eq!(
+        (
+            debug.model.num_layers,
+            debug.training.max_steps,
+            debug.training.context_length
+        ),
+        (2, 10, 512)
+    );
     assert_eq!(debug.training.learning_rate, 1e-7);
     assert!(debug.training.nan_check && debug.logging.verbose);
 
-    let tiny = resolve(&Sources { preset: Some("tiny".into()), ..Default::default() }).unwrap().config;
-    assert_eq!((tiny.model.hidden_size, tiny.model.num_layers, tiny.model.intermediate_size), (256, 4, 688));
+    let tiny = resolve(&Sources {
+        preset: Some("tiny".into()),
+        ..Default::default()
+    })
+    .unwrap()
+    .config;
+    assert_eq!(
+        (
+            tiny.model.hidden_size,
+            tiny.model.num_layers,
+            tiny.model.intermediate_size
+        ),
+        (256, 4, 688)
+    );
 }
 
 #[test]
 fn layers_apply_in_order_file_then_set_then_flags() {
-    let (_f, mut src) = with_file(r#"{"training": {"batch_size": 3, "max_steps": 7, "learning_rate": 2e-4}}"#);
-    src.sets = vec!["training.max_steps=9".into(), "data.path=corpus dir/a.txt".into()];
+    let (_f, mut src) =
+        with_file(r#"{"training": {"batch_size": 3, "max_steps": 7, "learning_rate": 2e-4}}"#);
+    src.sets = vec![
+        "training.max_steps=9".into(),
+        "data.path=corpus dir/a.txt".into(),
+    ];
     let c = resolve(&src).unwrap().config;
-    assert_eq!((c.training.batch_size, c.training.max_steps, c.training.learning_rate), (3, 9, 2e-4));
+    assert_eq!(
+        (
+            c.training.batch_size,
+            c.training.max_steps,
+            c.training.learning_rate
+        ),
+        (3, 9, 2e-4)
+    );
     assert_eq!(c.data.path, "corpus dir/a.txt");
     // Untouched keys keep the preset's value (deep merge, not replacement of the section).
     assert_eq!(c.training.context_length, 8192);
@@ -48,13 +100,17 @@ fn layers_apply_in_order_file_then_set_then_flags() {
 
 #[test]
 fn aliases_map_to_canonical_keys() {
-    let (_f, src) = with_file(r#"{"training": {"grad_accum_steps": 4}, "model": {"init_from": "hf/llama"}}"#);
+    let (_f, src) =
+        with_file(r#"{"training": {"grad_accum_steps": 4}, "model": {"init_from": "hf/llama"}}"#);
     let c = resolve(&src).unwrap().config;
     assert_eq!(c.training.grad_accum_nums, 4);
     assert_eq!(c.model.model_path.as_deref(), Some("hf/llama"));
-    let c = resolve(&Sources { sets: vec!["training.grad_accum_steps=2".into()], ..Default::default() })
-        .unwrap()
-        .config;
+    let c = resolve(&Sources {
+        sets: vec!["training.grad_accum_steps=2".into()],
+        ..Default::default()
+    })
+    .unwrap()
+    .config;
     assert_eq!(c.training.grad_accum_nums, 2);
 }
 
@@ -63,13 +119,22 @@ fn unknown_keys_name_the_file_and_suggest_the_nearest() {
     let (f, src) = with_file(r#"{"training": {"batch_sise": 4}}"#);
     let e = error_of(&src);
     assert!(e.contains(&f.path().display().to_string()), "{e}");
-    assert!(e.contains("training.batch_sise") && e.contains("did you mean \"training.batch_size\""), "{e}");
+    assert!(
+        e.contains("training.batch_sise") && e.contains("did you mean \"training.batch_size\""),
+        "{e}"
+    );
 
     let (_f, src) = with_file(r#"{"model": {"learning_rate": 1e-3}}"#);
     assert!(error_of(&src).contains("training.learning_rate"));
 
-    let e = error_of(&Sources { sets: vec!["trainig.max_steps=3".into()], ..Default::default() });
-    assert!(e.contains("--set trainig.max_steps=3") && e.contains("training.max_steps"), "{e}");
+    let e = error_of(&Sources {
+        sets: vec!["trainig.max_steps=3".into()],
+        ..Default::default()
+    });
+    assert!(
+        e.contains("--set trainig.max_steps=3") && e.contains("training.max_steps"),
+        "{e}"
+    );
 
     let (_f, src) = with_file(r#"{"optimizer": {"lr": 1}}"#);
     assert!(error_of(&src).contains("unknown section \"optimizer\""));
@@ -79,12 +144,24 @@ fn unknown_keys_name_the_file_and_suggest_the_nearest() {
 fn wrong_types_name_key_value_and_expectation() {
     let (_f, src) = with_file(r#"{"training": {"batch_size": "eight"}}"#);
     let e = error_of(&src);
-    assert!(e.contains("training.batch_size = \"eight\"") && e.contains("integer >= 0"), "{e}");
-    let e = error_of(&Sources { sets: vec!["training.batch_size=-1".into()], ..Default::default() });
+    assert!(
+        e.contains("training.batch_size = \"eight\"") && e.contains("integer >= 0"),
+        "{e}"
+    );
+    let e = error_of(&Sources {
+        sets: vec!["training.batch_size=-1".into()],
+        ..Default::default()
+    });
     assert!(e.contains("training.batch_size = -1"), "{e}");
-    let e = error_of(&Sources { sets: vec!["system.device=tpu".into()], ..Default::default() });
+    let e = error_of(&Sources {
+        sets: vec!["system.device=tpu".into()],
+        ..Default::default()
+    });
     assert!(e.contains("one of auto | cpu | cuda"), "{e}");
-    let e = error_of(&Sources { sets: vec!["training.max_steps".into()], ..Default::default() });
+    let e = error_of(&Sources {
+        sets: vec!["training.max_steps".into()],
+        ..Default::default()
+    });
     assert!(e.contains("expected section.key=value"), "{e}");
 }
 
@@ -93,24 +170,45 @@ fn malformed_json_reports_line_and_column() {
     let (_f, src) = with_file("{\n  \"training\": {\"batch_size\": 4,}\n}");
     let e = error_of(&src);
     assert!(e.contains("not valid JSON at line 2"), "{e}");
-    let missing = Sources { config_file: Some("/nonexistent/cfg.json".into()), ..Default::default() };
+    let missing = Sources {
+        config_file: Some("/nonexistent/cfg.json".into()),
+        ..Default::default()
+    };
     assert!(error_of(&missing).contains("/nonexistent/cfg.json: cannot read"));
 }
 
 #[test]
 fn impossible_shapes_are_rejected_with_a_fix() {
-    let set = |s: &[&str]| Sources { sets: s.iter().map(|x| x.to_string()).collect(), ..Default::default() };
+    let set = |s: &[&str]| Sources {
+        sets: s.iter().map(|x| x.to_string()).collect(),
+        ..Default::default()
+    };
     let e = error_of(&set(&["model.num_attention_heads=30"]));
-    assert!(e.contains("model.num_attention_heads = 30 does not divide model.hidden_size = 4096"), "{e}");
+    assert!(
+        e.contains("model.num_attention_heads = 30 does not divide model.hidden_size = 4096"),
+        "{e}"
+    );
     assert!(e.contains("e.g. 32"), "{e}");
     let e = error_of(&set(&["model.num_key_value_heads=5"]));
-    assert!(e.contains("model.num_key_value_heads = 5 does not divide model.num_attention_heads = 32"), "{e}");
+    assert!(
+        e.contains("model.num_key_value_heads = 5 does not divide model.num_attention_heads = 32"),
+        "{e}"
+    );
     let e = error_of(&set(&["training.context_length=200000"]));
-    assert!(e.contains("exceeds model.max_position_embeddings = 131072"), "{e}");
+    assert!(
+        e.contains("exceeds model.max_position_embeddings = 131072"),
+        "{e}"
+    );
     let e = error_of(&set(&["training.min_lr=1"]));
     assert!(e.contains("training.min_lr"), "{e}");
-    let e = error_of(&Sources { preset: Some("huge".into()), ..Default::default() });
-    assert!(e.contains("available presets: production, debug, tiny"), "{e}");
+    let e = error_of(&Sources {
+        preset: Some("huge".into()),
+        ..Default::default()
+    });
+    assert!(
+        e.contains("available presets: production, debug, tiny"),
+        "{e}"
+    );
 }
 
 #[test]

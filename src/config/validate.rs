@@ -26,14 +26,14 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             bad(format!("{key} = 0: must be at least 1"));
         }
     }
-    if m.num_attention_heads > 0 && m.hidden_size % m.num_attention_heads != 0 {
+    if m.num_attention_heads > 0 && !m.hidden_size.is_multiple_of(m.num_attention_heads) {
         bad(format!(
             "model.num_attention_heads = {} does not divide model.hidden_size = {}; pick a head count that divides it (e.g. {})",
             m.num_attention_heads,
             m.hidden_size,
             nearest_divisor(m.hidden_size, m.num_attention_heads)
         ));
-    } else if m.num_attention_heads > 0 && (m.hidden_size / m.num_attention_heads) % 2 != 0 {
+    } else if m.num_attention_heads > 0 && !(m.hidden_size / m.num_attention_heads).is_multiple_of(2) {
         bad(format!(
             "model.hidden_size / model.num_attention_heads = {} / {} = {} is odd; RoPE needs an even head dimension",
             m.hidden_size,
@@ -41,7 +41,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             m.hidden_size / m.num_attention_heads
         ));
     }
-    if m.num_key_value_heads > 0 && m.num_attention_heads % m.num_key_value_heads != 0 {
+    if m.num_key_value_heads > 0 && !m.num_attention_heads.is_multiple_of(m.num_key_value_heads) {
         bad(format!(
             "model.num_key_value_heads = {} does not divide model.num_attention_heads = {}; pick one that divides it (e.g. {})",
             m.num_key_value_heads,
@@ -77,28 +77,43 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             bad(format!("{key} = {v}: must be in [0, 1)"));
         }
     }
-    for (key, v) in [("training.weight_decay", t.weight_decay), ("training.max_grad_norm", t.max_grad_norm)] {
+    for (key, v) in [
+        ("training.weight_decay", t.weight_decay),
+        ("training.max_grad_norm", t.max_grad_norm),
+    ] {
         if v < 0.0 {
             bad(format!("{key} = {v}: must be >= 0"));
         }
     }
     if !(0.0..1.0).contains(&c.data.val_fraction) {
-        bad(format!("data.val_fraction = {}: must be in [0, 1)", c.data.val_fraction));
+        bad(format!(
+            "data.val_fraction = {}: must be in [0, 1)",
+            c.data.val_fraction
+        ));
     }
     if let Some(path) = &m.model_path {
         if path.trim().is_empty() {
-            bad("model.model_path is an empty string; use null for a randomly initialised model".into());
+            bad(
+                "model.model_path is an empty string; use null for a randomly initialised model"
+                    .into(),
+            );
         }
     }
 
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(ConfigError(format!("invalid config:\n  - {}", problems.join("\n  - "))))
+        Err(ConfigError(format!(
+            "invalid config:\n  - {}",
+            problems.join("\n  - ")
+        )))
     }
 }
 
 /// The divisor of `n` closest to `want`, for a concrete suggestion in an error.
 fn nearest_divisor(n: usize, want: usize) -> usize {
-    (1..=n.max(1)).filter(|d| n % d == 0).min_by_key(|d| d.abs_diff(want)).unwrap_or(1)
+    (1..=n.max(1))
+        .filter(|d| n.is_multiple_of(*d))
+        .min_by_key(|d| d.abs_diff(want))
+        .unwrap_or(1)
 }

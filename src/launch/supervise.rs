@@ -85,6 +85,18 @@ struct Stopping {
     killed: bool,
 }
 
+/// The supervision loop's state.
+struct Supervisor<'a> {
+    workers: &'a mut [Worker],
+    /// How each worker ended, once reaped.
+    exits: Vec<Option<ExitKind>>,
+    grace: Duration,
+    sinks: &'a Sinks,
+    failure: Option<RankFailure>,
+    interrupted_by: Option<i32>,
+    stop: Option<Stopping>,
+}
+
 /// Runs until every worker has exited and been reaped.
 pub(super) fn supervise(
     workers: &mut [Worker],
@@ -92,104 +104,136 @@ pub(super) fn supervise(
     sinks: &Sinks,
     signals: &Watch,
 ) -> Supervision {
-    let mut exits: Vec<Option<ExitKind>> = vec![None; workers.len()];
-    let mut failure: Option<RankFailure> = None;
-    let mut interrupted_by = None;
-    let mut stop: Option<Stopping> = None;
-
+    let mut s = Supervisor {
+        exits: vec![None; workers.len()],
+        workers,
+        grace,
+        sinks,
+        failure: None,
+        interrupted_by: None,
+        stop: None,
+    };
     loop {
         if let Some((count, sig)) = signals.take() {
-            let mut repeats = count;
-            if stop.is_none() {
-                interrupted_by = Some(sig);
-                note(
-                    sinks,
-                    &format!(
-                        "got {}; asking the workers to stop (send it again to kill them now)",
-                        signal_name(sig)
-                    ),
-                );
-                signal_running(workers, &exits, libc::SIGTERM);
-                stop = Some(Stopping {
-                    kill_at: Instant::now() + grace,
-                    killed: false,
-                });
-                repeats -= 1;
-            }
-            // Any signal during a stop (ours or a failure's) means "now".
-            let stopping = stop.as_mut().expect("a stop is in progress");
-            if repeats > 0 && !stopping.killed {
-                note(
-                    sinks,
-                    &format!("got {}; killing the workers", signal_name(sig)),
-                );
-                signal_running(workers, &exits, libc::SIGKILL);
-                stopping.killed = true;
-            }
+            s.on_signals(count, sig);
         }
-
-        for i in 0..workers.len() {
-            if exits[i].is_some() {
-                continue;
-            }
-            let Some(exit) = reap(&mut workers[i]) else {
-                continue;
-            };
-            exits[i] = Some(exit);
-            if exit.success() || stop.is_some() {
-                // Exits after a stop began are consequences of the stop, not failures.
-                continue;
-            }
-            let w = &workers[i];
-            failure = Some(RankFailure {
-                rank: w.rank,
-                device: w.device(),
-                exit,
-            });
-            // Stop the others first so they start shutting down while we report.
-            signal_running(workers, &exits, libc::SIGTERM);
-            stop = Some(Stopping {
-                kill_at: Instant::now() + grace,
-                killed: false,
-            });
-            report_failure(&workers[i], exit, sinks);
-        }
-
-        if exits.iter().all(Option::is_some) {
+        s.reap_exited();
+        if s.exits.iter().all(Option::is_some) {
             break;
         }
-        if let Some(s) = stop.as_mut() {
-            if !s.killed && Instant::now() >= s.kill_at {
-                let left: Vec<String> = workers
-                    .iter()
-                    .zip(&exits)
-                    .filter(|(_, e)| e.is_none())
-                    .map(|(w, _)| w.rank.to_string())
-                    .collect();
-                note(
-                    sinks,
-                    &format!(
-                        "rank(s) {} still running {:.1}s after SIGTERM; sending SIGKILL",
-                        left.join(","),
-                        grace.as_secs_f64()
-                    ),
-                );
-                signal_running(workers, &exits, libc::SIGKILL);
-                s.killed = true;
-            }
-        }
+        s.kill_after_grace();
         std::thread::sleep(POLL);
     }
-
-    let exit_code = match (&failure, interrupted_by) {
+    let exit_code = match (&s.failure, s.interrupted_by) {
         (Some(f), _) => f.exit.exit_code(),
         (None, Some(sig)) => 128 + sig,
         (None, None) => 0,
     };
     Supervision {
         exit_code,
-        failure,
-        interrupted_by,
+        failure: s.failure,
+        interrupted_by: s.interrupted_by,
+    }
+}
+
+impl Supervisor<'_> {
+    /// `count` SIGINT/SIGTERMs arrived, the last being `sig`: the first one starts a graceful
+    /// stop; any further one (or one during a failure's stop) kills at once.
+    fn on_signals(&mut self, count: usize, sig: i32) {
+        let mut repeats = count;
+        if self.stop.is_none() {
+            self.interrupted_by = Some(sig);
+            self.note(&format!(
+                "got {}; asking the workers to stop (send it again to kill them now)",
+                signal_name(sig)
+            ));
+            self.begin_stop();
+            repeats -= 1;
+        }
+        let killed = self.stop.as_ref().is_some_and(|s| s.killed);
+        if repeats > 0 && !killed {
+            self.note(&format!("got {}; killing the workers", signal_name(sig)));
+            self.kill_now();
+        }
+    }
+
+    /// Reaps whatever has exited; the first worker to fail before any stop began is the
+    /// failure, and makes everyone else stop.
+    fn reap_exited(&mut self) {
+        for i in 0..self.workers.len() {
+            if self.exits[i].is_some() {
+                continue;
+            }
+            let Some(exit) = reap(&mut self.workers[i]) else {
+                continue;
+            };
+            self.exits[i] = Some(exit);
+            if exit.success() || self.stop.is_some() {
+                // Exits after a stop began are consequences of the stop, not failures.
+                continue;
+            }
+            let w = &self.workers[i];
+            self.failure = Some(RankFailure {
+                rank: w.rank,
+                device: w.device(),
+                exit,
+            });
+            // Stop the others first so they start shutting down while we report.
+            self.begin_stop();
+            report_failure(&self.workers[i], exit, self.sinks);
+        }
+    }
+
+    /// SIGKILLs what is still running once the grace has passed.
+    fn kill_after_grace(&mut self) {
+        let due = self
+            .stop
+            .as_ref()
+            .is_some_and(|s| !s.killed && Instant::now() >= s.kill_at);
+        if !due {
+            return;
+        }
+        let left: Vec<String> = self
+            .workers
+            .iter()
+            .zip(&self.exits)
+            .filter(|(_, e)| e.is_none())
+            .map(|(w, _)| w.rank.to_string())
+            .collect();
+        self.note(&format!(
+            "rank(s) {} still running {:.1}s after SIGTERM; sending SIGKILL",
+            left.join(","),
+            self.grace.as_secs_f64()
+        ));
+        self.kill_now();
+    }
+
+    fn begin_stop(&mut self) {
+        self.signal_running(libc::SIGTERM);
+        self.stop = Some(Stopping {
+            kill_at: Instant::now() + self.grace,
+            killed: false,
+        });
+    }
+
+    fn kill_now(&mut self) {
+        self.signal_running(libc::SIGKILL);
+        if let Some(s) = self.stop.as_mut() {
+            s.killed = true;
+        }
+    }
+
+    /// Sends `sig` to the process group of every worker not yet reaped.
+    fn signal_running(&self, sig: libc::c_int) {
+        for (w, e) in self.workers.iter().zip(&self.exits) {
+            if e.is_none() {
+                kill_group(w.pid(), sig);
+            }
+        }
+    }
+
+    fn note(&self, msg: &str) {
+        output::write_line(&self.sinks.diag, &format!("lockstep run: {msg}"));
     }
 }
 
@@ -219,15 +263,6 @@ fn reap(w: &mut Worker) -> Option<ExitKind> {
         Ok(None) => None,
         // Already reaped elsewhere: nothing to wait for, report it as failed.
         Err(_) => Some(ExitKind::Code(1)),
-    }
-}
-
-/// Sends `sig` to the process group of every worker not yet reaped.
-fn signal_running(workers: &[Worker], exits: &[Option<ExitKind>], sig: libc::c_int) {
-    for (w, e) in workers.iter().zip(exits) {
-        if e.is_none() {
-            kill_group(w.pid(), sig);
-        }
     }
 }
 
@@ -261,12 +296,8 @@ fn report_failure(w: &Worker, exit: ExitKind, sinks: &Sinks) {
     output::write_line(&sinks.diag, &msg);
 }
 
-fn note(sinks: &Sinks, msg: &str) {
-    output::write_line(&sinks.diag, &format!("lockstep run: {msg}"));
-}
-
 /// Conventional name of a signal, for messages.
-pub(super) fn signal_name(sig: i32) -> String {
+fn signal_name(sig: i32) -> String {
     let name = match sig {
         libc::SIGHUP => "SIGHUP",
         libc::SIGINT => "SIGINT",

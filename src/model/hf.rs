@@ -18,9 +18,13 @@ use crate::tensor_io::SafeFile;
 pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
-        format!("model.model_path: cannot read {}; point it at a Hugging Face Llama directory", path.display())
+        format!(
+            "model.model_path: cannot read {}; point it at a Hugging Face Llama directory",
+            path.display()
+        )
     })?;
-    let c: Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let c: Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
     let model_type = c["model_type"].as_str().unwrap_or("");
     ensure!(
         model_type == "llama",
@@ -29,7 +33,10 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         c["model_type"]
     );
     let uint = |key: &str| -> Result<usize> {
-        c[key].as_u64().map(|v| v as usize).with_context(|| format!("{}: missing integer {key}", path.display()))
+        c[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .with_context(|| format!("{}: missing integer {key}", path.display()))
     };
     let hidden_size = uint("hidden_size")?;
     let num_heads = uint("num_attention_heads")?;
@@ -49,17 +56,27 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
     }
     // transformers v4 writes rope_theta at the top level; v5 nests it in rope_parameters.
     let rope = &c["rope_parameters"];
-    let rope_theta = c["rope_theta"].as_f64().or_else(|| rope["rope_theta"].as_f64()).unwrap_or(10000.0);
-    let rope_type = rope["rope_type"].as_str().or_else(|| c["rope_scaling"]["rope_type"].as_str());
+    let rope_theta = c["rope_theta"]
+        .as_f64()
+        .or_else(|| rope["rope_theta"].as_f64())
+        .unwrap_or(10000.0);
+    let rope_type = rope["rope_type"]
+        .as_str()
+        .or_else(|| c["rope_scaling"]["rope_type"].as_str());
     if let Some(t) = rope_type.filter(|t| *t != "default") {
-        bail!("{}: rope_type \"{t}\" (RoPE scaling) is not supported yet; only default RoPE", path.display());
+        bail!(
+            "{}: rope_type \"{t}\" (RoPE scaling) is not supported yet; only default RoPE",
+            path.display()
+        );
     }
     Ok(LlamaShape {
         vocab_size: uint("vocab_size")?,
         hidden_size,
         num_layers: m.num_layers,
         num_heads,
-        num_kv_heads: c["num_key_value_heads"].as_u64().map_or(num_heads, |v| v as usize),
+        num_kv_heads: c["num_key_value_heads"]
+            .as_u64()
+            .map_or(num_heads, |v| v as usize),
         intermediate_size: uint("intermediate_size")?,
         max_position_embeddings: uint("max_position_embeddings")?,
         rope_theta,
@@ -76,7 +93,9 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if index.exists() {
         let v: Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
             .with_context(|| format!("{}: invalid JSON", index.display()))?;
-        let map = v["weight_map"].as_object().with_context(|| format!("{}: no weight_map", index.display()))?;
+        let map = v["weight_map"]
+            .as_object()
+            .with_context(|| format!("{}: no weight_map", index.display()))?;
         let files: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
     }
@@ -91,7 +110,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Copies every variable of `vs` from the directory's weights (converted to the variable's dtype).
 pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
-    let files = weight_files(dir)?.iter().map(|p| SafeFile::open(p)).collect::<Result<Vec<_>>>()?;
+    let files = weight_files(dir)?
+        .iter()
+        .map(|p| SafeFile::open(p))
+        .collect::<Result<Vec<_>>>()?;
     let mut owner: BTreeMap<String, usize> = BTreeMap::new();
     for (i, f) in files.iter().enumerate() {
         for name in f.names() {
@@ -106,7 +128,7 @@ pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
                 missing.push(name.clone());
                 continue;
             };
-            let src = files[i].tensor(&name)?;
+            let src = files[i].tensor(name)?;
             ensure!(
                 src.size() == var.size(),
                 "{}: tensor {name} has shape {:?}, the model expects {:?}; config.json and the weights disagree",
@@ -114,7 +136,8 @@ pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
                 src.size(),
                 var.size()
             );
-            var.shallow_clone().copy_(&src.to_kind(Kind::Float).to_device(var.device()));
+            var.shallow_clone()
+                .copy_(&src.to_kind(Kind::Float).to_device(var.device()));
         }
         Ok(())
     })?;
@@ -122,7 +145,11 @@ pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
     if missing == ["lm_head.weight"] {
         let i = owner["model.embed_tokens.weight"];
         let src = files[i].tensor("model.embed_tokens.weight")?;
-        tch::no_grad(|| vars["lm_head.weight"].shallow_clone().copy_(&src.to_kind(Kind::Float)));
+        tch::no_grad(|| {
+            vars["lm_head.weight"]
+                .shallow_clone()
+                .copy_(&src.to_kind(Kind::Float))
+        });
         missing.clear();
     }
     ensure!(

@@ -37,7 +37,14 @@ pub struct Llama {
 }
 
 fn linear_weight(p: &Path, name: &str, out: usize, inp: usize, std: f64) -> Tensor {
-    (p / name).var("weight", &[out as i64, inp as i64], Init::Randn { mean: 0.0, stdev: std })
+    (p / name).var(
+        "weight",
+        &[out as i64, inp as i64],
+        Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+    )
 }
 
 fn norm_weight(p: &Path, name: &str, dim: usize) -> Tensor {
@@ -55,7 +62,10 @@ impl Llama {
         let embed_tokens = (&model / "embed_tokens").var(
             "weight",
             &[s.vocab_size as i64, d as i64],
-            Init::Randn { mean: 0.0, stdev: std },
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
         );
         let layers = (0..s.num_layers)
             .map(|i| {
@@ -76,23 +86,34 @@ impl Llama {
             })
             .collect();
         let norm = norm_weight(&model, "norm", d);
-        let lm_head = (!s.tie_word_embeddings)
-            .then(|| linear_weight(root, "lm_head", s.vocab_size, d, std));
+        let lm_head =
+            (!s.tie_word_embeddings).then(|| linear_weight(root, "lm_head", s.vocab_size, d, std));
         let rope = Rope::new(hd, s.rope_theta, max_seq, root.device());
-        Llama { shape: s.clone(), embed_tokens, layers, norm, lm_head, rope, compute }
+        Llama {
+            shape: s.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            compute,
+        }
     }
 
     /// Logits [batch, seq, vocab] for token ids [batch, seq] (int64), in the compute dtype.
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let seq = tokens.size()[1] as usize;
-        assert!(seq <= self.rope.max_len(), "sequence {seq} longer than the RoPE table");
+        assert!(
+            seq <= self.rope.max_len(),
+            "sequence {seq} longer than the RoPE table"
+        );
         let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
         for layer in &self.layers {
             let h = self.rms_norm(&x, &layer.input_layernorm);
-            x = x + self.attention(&h, layer);
+            x += self.attention(&h, layer);
             let h = self.rms_norm(&x, &layer.post_attention_layernorm);
             let gate = self.linear(&h, &layer.gate_proj).silu();
-            x = x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
+            x += self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
         }
         let x = self.rms_norm(&x, &self.norm);
         self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
@@ -102,20 +123,18 @@ impl Llama {
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(inputs);
         let vocab = logits.size()[2];
-        logits.view([-1, vocab]).to_kind(Kind::Float).cross_entropy_loss::<Tensor>(
-            &targets.reshape([-1]),
-            None,
-            Reduction::Mean,
-            -100,
-            0.0,
-        )
+        logits
+            .view([-1, vocab])
+            .to_kind(Kind::Float)
+            .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Mean, -100, 0.0)
     }
 
     fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         if self.compute == Kind::Float {
             x.linear::<Tensor>(weight, None)
         } else {
-            x.to_kind(self.compute).linear::<Tensor>(&weight.to_kind(self.compute), None)
+            x.to_kind(self.compute)
+                .linear::<Tensor>(&weight.to_kind(self.compute), None)
         }
     }
 
@@ -131,23 +150,25 @@ impl Llama {
         let s = &self.shape;
         let (b, t) = (h.size()[0], h.size()[1]);
         let hd = s.head_dim() as i64;
-        let heads = |w: &Tensor, n: usize| {
-            self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2)
-        };
+        let heads =
+            |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
         let q = self.rope.apply(&heads(&layer.q_proj, s.num_heads));
         let k = self.rope.apply(&heads(&layer.k_proj, s.num_kv_heads));
         let v = heads(&layer.v_proj, s.num_kv_heads);
         // Query head h reads kv head h / group (transformers' repeat_kv).
         let group = (s.num_heads / s.num_kv_heads) as i64;
         let (k, v) = if group > 1 {
-            (k.repeat_interleave_self_int(group, 1, None), v.repeat_interleave_self_int(group, 1, None))
+            (
+                k.repeat_interleave_self_int(group, 1, None),
+                v.repeat_interleave_self_int(group, 1, None),
+            )
         } else {
             (k, v)
         };
         let y = match s.attention {
-            AttentionBackend::Sdpa => {
-                Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false)
-            }
+            AttentionBackend::Sdpa => Tensor::scaled_dot_product_attention::<Tensor>(
+                &q, &k, &v, None, 0.0, true, None, false,
+            ),
             AttentionBackend::Math => math_attention(&q, &k, &v),
         };
         let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
@@ -157,7 +178,7 @@ impl Llama {
     /// Every parameter with its HF name, in creation order.
     pub fn named_parameters(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
         let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        v.sort_by(|a, b| param_order(&a.0).cmp(&param_order(&b.0)));
+        v.sort_by_key(|(name, _)| param_order(name));
         v
     }
 }

@@ -21,7 +21,10 @@ impl Rope {
         let positions = Tensor::arange(max_len as i64, opts);
         let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        Rope { cos: emb.cos(), sin: emb.sin() }
+        Rope {
+            cos: emb.cos(),
+            sin: emb.sin(),
+        }
     }
 
     /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions 0..seq.

@@ -75,7 +75,11 @@ impl LlamaShape {
     /// Trainable parameters (the LM head counted once when tied).
     pub fn num_parameters(&self) -> usize {
         let d = self.hidden_size;
-        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * d };
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * d
+        };
         self.vocab_size * d + self.num_layers * (self.layer_matrix_params() + 2 * d) + d + head
     }
 

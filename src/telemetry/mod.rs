@@ -75,8 +75,15 @@ impl Metrics {
             .create(true)
             .append(true)
             .open(path)
-            .with_context(|| format!("{}: cannot open the metrics file; is logging.dir writable?", path.display()))?;
-        Ok(Metrics { out: BufWriter::new(file) })
+            .with_context(|| {
+                format!(
+                    "{}: cannot open the metrics file; is logging.dir writable?",
+                    path.display()
+                )
+            })?;
+        Ok(Metrics {
+            out: BufWriter::new(file),
+        })
     }
 
     pub fn record(&mut self, record: &Value) -> Result<()> {
@@ -108,7 +115,12 @@ mod tests {
             line.to_string(),
             "[CPU0] Step [120/10000] | Loss: 3.2141 | LR: 2.95e-04 | Grad Norm: 0.8123 | Tok/s: 5123 | ETA: 0:05:30"
         );
-        let gpu = StepLine { tag: "[GPU0]", mfu: Some(0.412), eta_s: 19812.0, ..line };
+        let gpu = StepLine {
+            tag: "[GPU0]",
+            mfu: Some(0.412),
+            eta_s: 19812.0,
+            ..line
+        };
         assert!(gpu.to_string().ends_with("| ETA: 5:30:12 | MFU: 41.2%"));
     }
 

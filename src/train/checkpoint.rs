@@ -48,12 +48,18 @@ pub fn versions() -> Value {
 }
 
 fn step_of(path: &Path) -> Option<usize> {
-    path.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok()
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("step_")?
+        .parse()
+        .ok()
 }
 
 /// Complete checkpoints under `root`, oldest first.
 pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = fs::read_dir(root) else { return Vec::new() };
+    let Ok(entries) = fs::read_dir(root) else {
+        return Vec::new();
+    };
     let mut found: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("trainer.json").is_file())
@@ -65,11 +71,20 @@ pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
 
 /// Directories a crash left behind mid-save (`*.tmp`), which resume ignores.
 pub fn incomplete(root: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = fs::read_dir(root) else { return Vec::new() };
+    let Ok(entries) = fs::read_dir(root) else {
+        return Vec::new();
+    };
     entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir() && (p.extension().is_some_and(|e| e == "tmp") || !p.join("trainer.json").exists()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step_")))
+        .filter(|p| {
+            p.is_dir()
+                && (p.extension().is_some_and(|e| e == "tmp") || !p.join("trainer.json").exists())
+        })
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("step_"))
+        })
         .collect()
 }
 
@@ -85,7 +100,9 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     fs::write(path, bytes).with_context(|| format!("{}: cannot write", path.display()))?;
-    File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("{}: cannot fsync", path.display()))
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", path.display()))
 }
 
 /// Saves a complete checkpoint as `root/<name>` and deletes complete ones beyond `keep_last`
@@ -99,68 +116,98 @@ pub fn save(
     keep_last: usize,
 ) -> Result<PathBuf> {
     fs::create_dir_all(root).with_context(|| {
-        format!("checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir", root.display())
+        format!(
+            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
+            root.display()
+        )
     })?;
     let final_dir = root.join(name);
     let tmp = root.join(format!("{name}.tmp"));
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).with_context(|| format!("{}: cannot remove a stale partial save", tmp.display()))?;
+        fs::remove_dir_all(&tmp)
+            .with_context(|| format!("{}: cannot remove a stale partial save", tmp.display()))?;
     }
     fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
     let written = write_contents(&tmp, params, opt, state);
     if let Err(e) = written {
         // Leave the previous checkpoints untouched and no half-written directory behind.
         let _ = fs::remove_dir_all(&tmp);
-        return Err(e.context(format!("saving checkpoint {} failed; earlier checkpoints are intact", final_dir.display())));
+        return Err(e.context(format!(
+            "saving checkpoint {} failed; earlier checkpoints are intact",
+            final_dir.display()
+        )));
     }
     fsync_dir(&tmp)?;
     if final_dir.exists() {
-        fs::remove_dir_all(&final_dir).with_context(|| format!("{}: cannot replace", final_dir.display()))?;
+        fs::remove_dir_all(&final_dir)
+            .with_context(|| format!("{}: cannot replace", final_dir.display()))?;
     }
-    fs::rename(&tmp, &final_dir).with_context(|| format!("{}: cannot rename into place", tmp.display()))?;
+    fs::rename(&tmp, &final_dir)
+        .with_context(|| format!("{}: cannot rename into place", tmp.display()))?;
     fsync_dir(root)?;
     prune(root, keep_last)?;
     Ok(final_dir)
 }
 
-fn write_contents(dir: &Path, params: &[(String, Tensor)], opt: &AdamW, state: &TrainerState) -> Result<()> {
+fn write_contents(
+    dir: &Path,
+    params: &[(String, Tensor)],
+    opt: &AdamW,
+    state: &TrainerState,
+) -> Result<()> {
     let model_path = dir.join("model.safetensors");
     tensor_io::save(&model_path, params, Some(format_metadata()))?;
     File::open(&model_path)?.sync_all()?;
     let config = hf::config_json(&state.model_shape, "float32");
-    write_synced(&dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())?;
+    write_synced(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
 
     let mut moments = Vec::with_capacity(2 * opt.params.len());
     for p in &opt.params {
         moments.push((format!("{}.exp_avg", p.name), p.exp_avg.shallow_clone()));
-        moments.push((format!("{}.exp_avg_sq", p.name), p.exp_avg_sq.shallow_clone()));
+        moments.push((
+            format!("{}.exp_avg_sq", p.name),
+            p.exp_avg_sq.shallow_clone(),
+        ));
     }
     let opt_path = dir.join("optimizer.safetensors");
     tensor_io::save(&opt_path, &moments, None)?;
     File::open(&opt_path)?.sync_all()?;
-    write_synced(&dir.join("trainer.json"), serde_json::to_string_pretty(state)?.as_bytes())
+    write_synced(
+        &dir.join("trainer.json"),
+        serde_json::to_string_pretty(state)?.as_bytes(),
+    )
 }
 
 fn format_metadata() -> std::collections::HashMap<String, String> {
     // transformers checks this key to accept the file as PyTorch weights.
-    [("format".to_string(), "pt".to_string())].into_iter().collect()
+    [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect()
 }
 
 fn prune(root: &Path, keep_last: usize) -> Result<()> {
     let all = list(root);
     let excess = all.len().saturating_sub(keep_last);
     for (_, path) in all.into_iter().take(excess) {
-        fs::remove_dir_all(&path).with_context(|| format!("{}: cannot delete an old checkpoint", path.display()))?;
+        fs::remove_dir_all(&path)
+            .with_context(|| format!("{}: cannot delete an old checkpoint", path.display()))?;
     }
     Ok(())
 }
 
 pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let path = dir.join("trainer.json");
-    let text = fs::read_to_string(&path)
-        .with_context(|| format!("{}: not a complete checkpoint (no readable trainer.json)", dir.display()))?;
-    let state: TrainerState =
-        serde_json::from_str(&text).with_context(|| format!("{}: unreadable trainer.json", path.display()))?;
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!(
+            "{}: not a complete checkpoint (no readable trainer.json)",
+            dir.display()
+        )
+    })?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: unreadable trainer.json", path.display()))?;
     ensure!(
         state.format == FORMAT_VERSION,
         "{}: checkpoint format {} is not supported (this lockstep reads format {FORMAT_VERSION})",
@@ -172,7 +219,12 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
 
 /// Restores parameters and moments from `dir` after checking that the checkpoint's model shape
 /// is the one being trained.
-pub fn load(dir: &Path, shape: &LlamaShape, params: &[(String, Tensor)], opt: &mut AdamW) -> Result<TrainerState> {
+pub fn load(
+    dir: &Path,
+    shape: &LlamaShape,
+    params: &[(String, Tensor)],
+    opt: &mut AdamW,
+) -> Result<TrainerState> {
     let state = read_state(dir)?;
     if &state.model_shape != shape {
         let saved = serde_json::to_value(&state.model_shape)?;
@@ -182,7 +234,12 @@ pub fn load(dir: &Path, shape: &LlamaShape, params: &[(String, Tensor)], opt: &m
             .into_iter()
             .flatten()
             .filter(|(k, v)| saved.get(k.as_str()) != Some(v))
-            .map(|(k, v)| format!("{k}: checkpoint {} vs config {v}", saved.get(k.as_str()).unwrap_or(&Value::Null)))
+            .map(|(k, v)| {
+                format!(
+                    "{k}: checkpoint {} vs config {v}",
+                    saved.get(k.as_str()).unwrap_or(&Value::Null)
+                )
+            })
             .collect();
         bail!(
             "{}: the checkpoint is of another model shape ({}); resume with the config it was trained with",
@@ -207,7 +264,11 @@ pub fn load(dir: &Path, shape: &LlamaShape, params: &[(String, Tensor)], opt: &m
 }
 
 fn copy_checked(file: &SafeFile, name: &str, dst: &Tensor) -> Result<()> {
-    ensure!(file.contains(name), "{}: missing tensor {name}", file.path().display());
+    ensure!(
+        file.contains(name),
+        "{}: missing tensor {name}",
+        file.path().display()
+    );
     let src = file.tensor(name)?;
     ensure!(
         src.size() == dst.size() && src.kind() == Kind::Float,

@@ -29,7 +29,14 @@ pub fn inspect(name: &str, t: &Tensor) -> Option<Finding> {
     let flat = t.flatten(0, -1);
     let n = flat.size()[0].min(5);
     let first = (0..n).map(|i| flat.double_value(&[i])).collect();
-    Some(Finding { name: name.to_string(), shape: t.size(), nans, infs, numel: t.numel() as i64, first })
+    Some(Finding {
+        name: name.to_string(),
+        shape: t.size(),
+        nans,
+        infs,
+        numel: t.numel() as i64,
+        first,
+    })
 }
 
 fn section(title: &str, findings: &[Finding]) -> String {
@@ -38,7 +45,13 @@ fn section(title: &str, findings: &[Finding]) -> String {
         let values: Vec<String> = f.first.iter().map(|v| format!("{v:.4}")).collect();
         out.push_str(&format!(
             "  • {}  shape {:?}  NaN {}/{}  Inf {}/{}  values [{}, …]\n",
-            f.name, f.shape, f.nans, f.numel, f.infs, f.numel, values.join(", ")
+            f.name,
+            f.shape,
+            f.nans,
+            f.numel,
+            f.infs,
+            f.numel,
+            values.join(", ")
         ));
     }
     out
@@ -46,12 +59,31 @@ fn section(title: &str, findings: &[Finding]) -> String {
 
 /// Builds the report; `tag` is `[CPU0]`-style, shown as `[CPU 0]` in the banner.
 pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &AdamW) -> String {
-    let params: Vec<Finding> = opt.params.iter().filter_map(|p| inspect(&p.name, &p.param)).collect();
-    let grads: Vec<Finding> = opt.params.iter().filter_map(|p| inspect(&p.name, &p.param.grad())).collect();
-    let what = if grads.is_empty() && params.is_empty() { "NaN LOSS" } else if grads.is_empty() { "NaN PARAMETER" } else { "NaN GRADIENT" };
-    let banner = tag.trim_matches(['[', ']']).replacen("GPU", "GPU ", 1).replacen("CPU", "CPU ", 1);
+    let params: Vec<Finding> = opt
+        .params
+        .iter()
+        .filter_map(|p| inspect(&p.name, &p.param))
+        .collect();
+    let grads: Vec<Finding> = opt
+        .params
+        .iter()
+        .filter_map(|p| inspect(&p.name, &p.param.grad()))
+        .collect();
+    let what = if grads.is_empty() && params.is_empty() {
+        "NaN LOSS"
+    } else if grads.is_empty() {
+        "NaN PARAMETER"
+    } else {
+        "NaN GRADIENT"
+    };
+    let banner = tag
+        .trim_matches(['[', ']'])
+        .replacen("GPU", "GPU ", 1)
+        .replacen("CPU", "CPU ", 1);
     let mut out = format!("{}\n{what} DETECTED [{banner}]\n", "=".repeat(80));
-    out.push_str(&format!("Step: {step} | Loss: {loss:.4} | Gradient Norm: {grad_norm:.4}\n"));
+    out.push_str(&format!(
+        "Step: {step} | Loss: {loss:.4} | Gradient Norm: {grad_norm:.4}\n"
+    ));
     if !grads.is_empty() {
         out.push_str(&section("Gradients with NaN/Inf", &grads));
     }

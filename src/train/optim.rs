@@ -43,7 +43,11 @@ impl AdamW {
                 param,
             })
             .collect();
-        AdamW { hp, params, step: 0 }
+        AdamW {
+            hp,
+            params,
+            step: 0,
+        }
     }
 
     pub fn step(&mut self, lr: f64) {
@@ -78,7 +82,11 @@ impl AdamW {
     }
 
     pub fn gradients(&self) -> Vec<Tensor> {
-        self.params.iter().map(|p| p.param.grad()).filter(Tensor::defined).collect()
+        self.params
+            .iter()
+            .map(|p| p.param.grad())
+            .filter(Tensor::defined)
+            .collect()
     }
 }
 
@@ -87,7 +95,10 @@ impl AdamW {
 /// norm before clipping as a 0-dim fp32 tensor (no host sync here).
 pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Tensor {
     tch::no_grad(|| {
-        let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2, Kind::Float)).collect();
+        let norms: Vec<Tensor> = grads
+            .iter()
+            .map(|g| g.norm_scalaropt_dtype(2, Kind::Float))
+            .collect();
         let total = Tensor::stack(&norms, 0).norm_scalaropt_dtype(2, Kind::Float);
         if max_norm > 0.0 {
             let coef = (max_norm / (&total + 1e-6)).clamp_max(1.0);
@@ -116,7 +127,8 @@ impl Schedule {
         }
         let span = self.total.saturating_sub(self.warmup).max(1) as f64;
         let progress = ((step - self.warmup) as f64 / span).min(1.0);
-        self.floor + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.peak - self.floor)
+        self.floor
+            + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.peak - self.floor)
     }
 }
 
@@ -126,13 +138,21 @@ mod tests {
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_floor() {
-        let s = Schedule { peak: 1e-3, floor: 1e-4, warmup: 10, total: 110 };
+        let s = Schedule {
+            peak: 1e-3,
+            floor: 1e-4,
+            warmup: 10,
+            total: 110,
+        };
         assert!((s.lr(0) - 1e-4).abs() < 1e-12);
         assert!((s.lr(9) - 1e-3).abs() < 1e-12);
         assert!((s.lr(10) - 1e-3).abs() < 1e-12);
         assert!((s.lr(60) - 5.5e-4).abs() < 1e-12, "midpoint of the cosine");
         assert!((s.lr(110) - 1e-4).abs() < 1e-12);
-        assert!((s.lr(500) - 1e-4).abs() < 1e-12, "stays at the floor past the end");
+        assert!(
+            (s.lr(500) - 1e-4).abs() < 1e-12,
+            "stays at the floor past the end"
+        );
         for i in 10..110 {
             assert!(s.lr(i + 1) <= s.lr(i));
         }
@@ -144,7 +164,9 @@ mod tests {
         let g2 = Tensor::from_slice(&[0.0f32, 4.0]);
         let total = clip_grad_norm(&[g1.shallow_clone(), g2.shallow_clone()], 1.0);
         assert!((total.double_value(&[]) - 5.0).abs() < 1e-6);
-        let after = (g1.pow_tensor_scalar(2).sum(Kind::Float) + g2.pow_tensor_scalar(2).sum(Kind::Float)).sqrt();
+        let after = (g1.pow_tensor_scalar(2).sum(Kind::Float)
+            + g2.pow_tensor_scalar(2).sum(Kind::Float))
+        .sqrt();
         assert!((after.double_value(&[]) - 1.0).abs() < 1e-5);
     }
 }

@@ -14,7 +14,7 @@ use super::checkpoint::{self, TrainerState};
 use super::guard;
 use super::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 use crate::config::{Config, Resolved};
-use crate::data::prepare::{prepare, Prepared, PrepareSpec};
+use crate::data::prepare::{prepare, PrepareSpec, Prepared};
 use crate::data::sampler::{fill_batch, rank_indices, Sampler};
 use crate::data::tokfile::TokenFile;
 use crate::model::{hf, Llama, LlamaShape};
@@ -31,7 +31,11 @@ pub enum Resume {
 impl std::str::FromStr for Resume {
     type Err = std::convert::Infallible;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(if s == "auto" { Resume::Auto } else { Resume::Dir(PathBuf::from(s)) })
+        Ok(if s == "auto" {
+            Resume::Auto
+        } else {
+            Resume::Dir(PathBuf::from(s))
+        })
     }
 }
 
@@ -129,9 +133,18 @@ fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
 }
 
 /// One batch of `indices` windows as (inputs, targets), each [len, context] on `device`.
-fn batch(tokens: &TokenFile, sampler: &Sampler, indices: &[u64], ctx: usize, buf: &mut Vec<i64>, device: Device) -> (Tensor, Tensor) {
+fn batch(
+    tokens: &TokenFile,
+    sampler: &Sampler,
+    indices: &[u64],
+    ctx: usize,
+    buf: &mut Vec<i64>,
+    device: Device,
+) -> (Tensor, Tensor) {
     fill_batch(tokens, sampler, indices, ctx, buf);
-    let rows = Tensor::from_slice(buf).view([indices.len() as i64, ctx as i64 + 1]).to_device(device);
+    let rows = Tensor::from_slice(buf)
+        .view([indices.len() as i64, ctx as i64 + 1])
+        .to_device(device);
     (rows.narrow(1, 0, ctx as i64), rows.narrow(1, 1, ctx as i64))
 }
 
@@ -174,33 +187,63 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
     let tag = telemetry::rank_tag(device.is_cuda(), topo.rank);
     let run_dir = run_dir(resolved);
     let ckpt_root = checkpoint_dir(resolved);
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("logging.dir: cannot create run directory {}; choose a writable logging.dir", run_dir.display()))?;
+    std::fs::create_dir_all(&run_dir).with_context(|| {
+        format!(
+            "logging.dir: cannot create run directory {}; choose a writable logging.dir",
+            run_dir.display()
+        )
+    })?;
     let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
 
     let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
-    println!("{tag} Resolved config (preset {}):\n{config_json}", resolved.preset);
+    println!(
+        "{tag} Resolved config (preset {}):\n{config_json}",
+        resolved.preset
+    );
     std::fs::write(run_dir.join("config.json"), &config_json)
         .with_context(|| format!("{}: cannot write", run_dir.join("config.json").display()))?;
 
     // Data: every rank maps the same prepared file.
     let prepared = prepare_data(cfg, &tag)?;
     let tokens = TokenFile::open(&prepared.train)?;
-    let val = prepared.val.as_ref().map(|p| TokenFile::open(p)).transpose()?;
+    let val = prepared
+        .val
+        .as_ref()
+        .map(|p| TokenFile::open(p))
+        .transpose()?;
     let sampler = Sampler::new(tokens.num_tokens(), t.context_length, cfg.system.seed)?;
 
     // Model and optimizer.
     tch::manual_seed(cfg.system.seed as i64);
     let shape = model_shape(cfg, prepared.vocab_size)?;
     let vs = VarStore::new(device);
-    let model = Llama::new(&vs.root(), &shape, t.context_length, compute_kind(cfg, device));
+    let model = Llama::new(
+        &vs.root(),
+        &shape,
+        t.context_length,
+        compute_kind(cfg, device),
+    );
     if let Some(dir) = &cfg.model.model_path {
         hf::load_weights(Path::new(dir), &vs)?;
-        println!("{tag} Loaded weights from {dir} ({} layers)", shape.num_layers);
+        println!(
+            "{tag} Loaded weights from {dir} ({} layers)",
+            shape.num_layers
+        );
     }
     let params = Llama::named_parameters(&vs);
-    let hp = AdamWParams { beta1: t.beta1, beta2: t.beta2, eps: t.adam_eps, weight_decay: t.weight_decay };
-    let mut opt = AdamW::new(params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect(), hp);
+    let hp = AdamWParams {
+        beta1: t.beta1,
+        beta2: t.beta2,
+        eps: t.adam_eps,
+        weight_decay: t.weight_decay,
+    };
+    let mut opt = AdamW::new(
+        params
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .collect(),
+        hp,
+    );
     let mut state = TrainerState {
         format: checkpoint::FORMAT_VERSION,
         step: 0,
@@ -223,7 +266,12 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         state.step = saved.step;
         state.samples_consumed = saved.samples_consumed;
         state.adam_step = saved.adam_step;
-        println!("{tag} Resumed from {} at step {} ({} samples consumed)", dir.display(), saved.step, saved.samples_consumed);
+        println!(
+            "{tag} Resumed from {} at step {} ({} samples consumed)",
+            dir.display(),
+            saved.step,
+            saved.samples_consumed
+        );
     }
 
     let global_batch = (t.batch_size * t.grad_accum_nums * topo.world) as u64;
@@ -234,21 +282,39 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         shape.num_kv_heads, shape.vocab_size, compute_kind(cfg, device), tokens_per_step
     );
 
-    let schedule = Schedule { peak: t.learning_rate, floor: t.min_lr, warmup: t.warmup_steps, total: t.max_steps };
+    let schedule = Schedule {
+        peak: t.learning_rate,
+        floor: t.min_lr,
+        warmup: t.warmup_steps,
+        total: t.max_steps,
+    };
     let mut metrics = Metrics::open(&run_dir.join("metrics.jsonl"))?;
-    let mut summary = Summary { losses: Vec::new(), final_step: state.step, run_dir: run_dir.clone(), last_checkpoint: None, val_loss: None };
+    let mut summary = Summary {
+        losses: Vec::new(),
+        final_step: state.step,
+        run_dir: run_dir.clone(),
+        last_checkpoint: None,
+        val_loss: None,
+    };
     let mut buf = Vec::new();
     let mut window_start = Instant::now();
     let mut window_steps = 0usize;
     let (mut data_s, mut compute_s, mut opt_s) = (0.0, 0.0, 0.0);
 
-    let last_step = opts.stop_at_step.map_or(t.max_steps, |s| s.min(t.max_steps));
+    let last_step = opts
+        .stop_at_step
+        .map_or(t.max_steps, |s| s.min(t.max_steps));
     for step in state.step..last_step {
         let lr = schedule.lr(step);
         // Forward/backward over the micro-batches; this rank's share of the global order.
         let phase = Instant::now();
-        let mine: Vec<u64> =
-            rank_indices(state.samples_consumed, global_batch, topo.rank as u64, topo.world as u64).collect();
+        let mine: Vec<u64> = rank_indices(
+            state.samples_consumed,
+            global_batch,
+            topo.rank as u64,
+            topo.world as u64,
+        )
+        .collect();
         let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
         let mut data_time = 0.0;
         for micro in mine.chunks(t.batch_size) {
@@ -282,12 +348,17 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         window_steps += 1;
 
         let done = state.step == last_step;
-        let eval_now = val.is_some() && (done || (t.eval_interval > 0 && state.step % t.eval_interval == 0));
-        let val_loss = if eval_now { evaluate(&model, val.as_ref().unwrap(), cfg, device)? } else { None };
+        let eval_now =
+            val.is_some() && (done || (t.eval_interval > 0 && state.step.is_multiple_of(t.eval_interval)));
+        let val_loss = if eval_now {
+            evaluate(&model, val.as_ref().unwrap(), cfg, device)?
+        } else {
+            None
+        };
         if val_loss.is_some() {
             summary.val_loss = val_loss;
         }
-        if state.step % cfg.logging.interval == 0 || done || val_loss.is_some() {
+        if state.step.is_multiple_of(cfg.logging.interval) || done || val_loss.is_some() {
             let elapsed = window_start.elapsed().as_secs_f64();
             let step_time = elapsed / window_steps as f64;
             let line = StepLine {
@@ -304,7 +375,12 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
             if topo.rank == 0 {
                 println!("{line}");
                 if let Some(v) = val_loss {
-                    println!("{tag} Validation | Step [{}/{}] | Val Loss: {v:.4} | Val PPL: {:.2}", state.step, t.max_steps, v.exp());
+                    println!(
+                        "{tag} Validation | Step [{}/{}] | Val Loss: {v:.4} | Val PPL: {:.2}",
+                        state.step,
+                        t.max_steps,
+                        v.exp()
+                    );
                 }
                 if cfg.logging.verbose {
                     let n = window_steps as f64;
@@ -325,9 +401,16 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         }
 
         let interval = cfg.checkpoint.interval;
-        if done || (interval > 0 && state.step % interval == 0) {
+        if done || (interval > 0 && state.step.is_multiple_of(interval)) {
             let name = format!("step_{}", state.step);
-            let dir = checkpoint::save(&ckpt_root, &name, &params, &opt, &state, cfg.checkpoint.keep_last)?;
+            let dir = checkpoint::save(
+                &ckpt_root,
+                &name,
+                &params,
+                &opt,
+                &state,
+                cfg.checkpoint.keep_last,
+            )?;
             println!("{tag} Checkpoint saved: {}", dir.display());
             summary.last_checkpoint = Some(dir);
             // Saving is slow and not training throughput.
@@ -336,7 +419,10 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
     }
     summary.final_step = state.step;
     if state.step >= t.max_steps && summary.losses.is_empty() {
-        println!("{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps", state.step);
+        println!(
+            "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
+            state.step
+        );
     }
     Ok(summary)
 }
@@ -345,7 +431,10 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
 /// than something silently overwritten or ignored.
 fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<Option<PathBuf>> {
     for partial in checkpoint::incomplete(root) {
-        println!("{tag} Ignoring incomplete checkpoint {} (a save was interrupted)", partial.display());
+        println!(
+            "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
+            partial.display()
+        );
     }
     match resume {
         None => match checkpoint::latest(root) {

@@ -10,14 +10,28 @@ pub fn root() -> PathBuf {
 
 /// The venv Python that scripts/env.sh installs (torch, transformers, safetensors).
 pub fn python() -> PathBuf {
-    std::env::var_os("LOCKSTEP_PYTHON").map(PathBuf::from).unwrap_or_else(|| root().join(".venv/bin/python"))
+    std::env::var_os("LOCKSTEP_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"))
 }
 
 pub fn run_python(script: &str, args: &[&str]) {
     let py = python();
-    assert!(py.exists(), "{} missing: run scripts/test.sh, which installs the venv", py.display());
-    let out = Command::new(&py).arg(root().join(script)).args(args).output().expect("python runs");
-    assert!(out.status.success(), "{script} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        py.exists(),
+        "{} missing: run scripts/test.sh, which installs the venv",
+        py.display()
+    );
+    let out = Command::new(&py)
+        .arg(root().join(script))
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The `lockstep` binary built for this test run.
@@ -28,7 +42,11 @@ pub fn lockstep(dir: &Path) -> Command {
 }
 
 pub fn output_text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 /// A small corpus on disk: a few documents of varied English text.
@@ -40,13 +58,23 @@ pub fn write_corpus(dir: &Path) -> PathBuf {
         .expect("the shipped corpus is present");
     let text: String = src.chars().take(120_000).collect();
     for (i, part) in text.as_bytes().chunks(30_000).enumerate() {
-        std::fs::write(corpus.join(format!("doc{i}.txt")), String::from_utf8_lossy(part).as_bytes()).unwrap();
+        std::fs::write(
+            corpus.join(format!("doc{i}.txt")),
+            String::from_utf8_lossy(part).as_bytes(),
+        )
+        .unwrap();
     }
     corpus
 }
 
 fn first_text(dir: &Path) -> PathBuf {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
-    files.into_iter().find(|p| p.extension().is_some_and(|e| e == "txt")).unwrap()
+    files
+        .into_iter()
+        .find(|p| p.extension().is_some_and(|e| e == "txt"))
+        .unwrap()
 }
