@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, schema, Resolved, Sources};
 use crate::train::{self, Resume, RunOptions, Topology};
+use crate::{dist, launch};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,6 +32,20 @@ pub enum Command {
         #[arg(long, value_name = "auto|DIR")]
         resume: Option<Resume>,
         /// Save a checkpoint and exit 0 after step N (the LR schedule still spans max_steps).
+        #[arg(long, value_name = "N")]
+        stop_at_step: Option<usize>,
+    },
+    /// Launch one `train` worker per GPU (or N CPU workers) and supervise them: prefixed logs,
+    /// per-rank log files, teardown of all workers when one fails.
+    Run {
+        #[command(flatten)]
+        launch: LaunchArgs,
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Passed to every worker: `auto` or a checkpoint directory.
+        #[arg(long, value_name = "auto|DIR")]
+        resume: Option<String>,
+        /// Passed to every worker.
         #[arg(long, value_name = "N")]
         stop_at_step: Option<usize>,
     },
@@ -66,7 +81,56 @@ pub struct ConfigArgs {
     pub max_steps: Option<usize>,
 }
 
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Workers on this node: the first N visible GPUs, or N CPU workers when there is no GPU.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
+    /// CPU workers even when GPUs are present.
+    #[arg(long, conflicts_with = "gpus")]
+    pub cpu: bool,
+    /// GPU indices (`0,1,3`), or `auto-free` for the least-used --nproc GPUs (default 1).
+    #[arg(long, value_name = "LIST|auto-free")]
+    pub gpus: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Rendezvous port; 0 picks a free one (single node only).
+    #[arg(long, default_value_t = 0)]
+    pub master_port: u16,
+    /// `all` shows every rank's lines; by default rank 0's lines and other ranks' warnings/errors.
+    #[arg(long, value_name = "rank0|all", default_value = "rank0")]
+    pub log_ranks: String,
+    /// Seconds between SIGTERM and SIGKILL when tearing workers down.
+    #[arg(long, default_value_t = 10)]
+    pub grace_s: u64,
+}
+
 impl ConfigArgs {
+    /// The same config flags, for a worker's command line.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if self.debug {
+            a.push("--debug".to_string());
+        }
+        if let Some(p) = &self.preset {
+            a.extend(["--preset".to_string(), p.clone()]);
+        }
+        if let Some(c) = &self.config {
+            a.extend(["--config".to_string(), c.display().to_string()]);
+        }
+        for s in &self.sets {
+            a.extend(["--set".to_string(), s.clone()]);
+        }
+        if let Some(n) = self.max_steps {
+            a.extend(["--max-steps".to_string(), n.to_string()]);
+        }
+        a
+    }
+
     pub fn resolve(&self) -> Result<Resolved, config::ConfigError> {
         config::resolve(&Sources {
             preset: if self.debug {
@@ -98,8 +162,17 @@ pub fn run(cli: Cli) -> Result<()> {
                 resume,
                 stop_at_step,
             };
-            train::train(&resolved, &opts, Topology { rank: 0, world: 1 })?;
+            train_rank(&resolved, &opts)?;
             Ok(())
+        }
+        Command::Run {
+            launch,
+            config,
+            resume,
+            stop_at_step,
+        } => {
+            let code = run_launcher(&launch, &config, resume, stop_at_step)?;
+            std::process::exit(code);
         }
         Command::Config {
             config,
@@ -127,4 +200,107 @@ pub fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `lockstep run`: resolve the config and prepare the data once here, then start the workers.
+fn run_launcher(
+    la: &LaunchArgs,
+    config: &ConfigArgs,
+    resume: Option<String>,
+    stop_at: Option<usize>,
+) -> Result<i32> {
+    let resolved = config.resolve()?;
+    // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
+    train::trainer::prepare_data(&resolved.config, "[launcher]")?;
+    let devices = choose_devices(la)?;
+    if let launch::Devices::Cpu(n) = devices {
+        // N CPU workers share the cores; libtorch would otherwise give each all of them.
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
+        }
+    }
+    let run_id = format!(
+        "{}-{}",
+        train::trainer::run_dir(&resolved)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("run"),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    );
+    let plan = launch::LaunchPlan {
+        devices,
+        nnodes: la.nnodes,
+        node_rank: la.node_rank,
+        master_addr: la.master_addr.clone(),
+        master_port: la.master_port,
+        log_dir: PathBuf::from("logs").join(run_id),
+        grace: std::time::Duration::from_secs(la.grace_s),
+        log_all_ranks: la.log_ranks == "all",
+    };
+    let mut args = vec!["train".to_string()];
+    args.extend(config.to_args());
+    if let Some(r) = resume {
+        args.extend(["--resume".to_string(), r]);
+    }
+    if let Some(s) = stop_at {
+        args.extend(["--stop-at-step".to_string(), s.to_string()]);
+    }
+    eprintln!("[launcher] logs in {}", plan.log_dir.display());
+    let exe = std::env::current_exe()?;
+    launch::launch(&plan, &exe, &args)
+}
+
+fn choose_devices(la: &LaunchArgs) -> Result<launch::Devices> {
+    use launch::Devices;
+    if la.cpu {
+        return Ok(Devices::Cpu(la.nproc.unwrap_or(1)));
+    }
+    match la.gpus.as_deref() {
+        Some("auto-free") => {
+            let found = launch::detect_gpus();
+            anyhow::ensure!(
+                !found.is_empty(),
+                "--gpus auto-free: no GPU found through NVML; use --cpu"
+            );
+            Ok(Devices::Gpus(launch::pick_free_gpus(
+                &found,
+                la.nproc.unwrap_or(1),
+            )))
+        }
+        Some(list) => Ok(Devices::Gpus(launch::parse_gpu_list(list)?)),
+        None => {
+            let found = launch::detect_gpus();
+            if found.is_empty() {
+                Ok(Devices::Cpu(la.nproc.unwrap_or(1)))
+            } else {
+                let n = la.nproc.unwrap_or(found.len()).min(found.len());
+                Ok(Devices::Gpus(
+                    found.iter().take(n).map(|g| g.index).collect(),
+                ))
+            }
+        }
+    }
+}
+
+/// `lockstep train`: a single process, or one rank when torchrun/`lockstep run` variables are set.
+fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<()> {
+    let timeout = std::time::Duration::from_secs(resolved.config.system.collective_timeout_s);
+    match dist::DistEnv::from_env()? {
+        None => {
+            train::train(resolved, opts, Topology::SINGLE, &mut dist::SingleProcess)?;
+        }
+        Some(env) => {
+            let topo = Topology {
+                rank: env.rank,
+                world: env.world_size,
+                local_rank: env.local_rank,
+            };
+            let mut pg = dist::init(&env, timeout)?;
+            train::train(resolved, opts, topo, pg.as_mut())?;
+        }
+    }
+    Ok(())
 }

@@ -7,6 +7,8 @@
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dist;
+pub mod launch;
 pub mod model;
 pub mod telemetry;
 pub mod tensor_io;

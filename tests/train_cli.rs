@@ -3,70 +3,7 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Output;
-
-use common::{lockstep, output_text, write_corpus};
-
-/// A small model on a small corpus: seconds per run on two cores.
-fn small(corpus: &Path) -> Vec<String> {
-    [
-        "--preset",
-        "tiny",
-        "--set",
-        "model.hidden_size=64",
-        "--set",
-        "model.num_attention_heads=4",
-        "--set",
-        "model.num_key_value_heads=2",
-        "--set",
-        "model.intermediate_size=128",
-        "--set",
-        "model.num_layers=2",
-        "--set",
-        "training.context_length=64",
-        "--set",
-        "training.batch_size=4",
-        "--set",
-        "training.learning_rate=1e-2",
-        "--set",
-        "training.min_lr=1e-3",
-        "--set",
-        "training.warmup_steps=3",
-        "--set",
-        "training.eval_interval=0",
-        "--set",
-        "training.eval_batches=2",
-        "--set",
-        "system.num_threads=1",
-        "--set",
-        "checkpoint.interval=5",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(["--set".into(), format!("data.path={}", corpus.display())])
-    .collect()
-}
-
-fn run(dir: &Path, args: &[String]) -> Output {
-    lockstep(dir).args(args).output().expect("lockstep runs")
-}
-
-fn ok(dir: &Path, args: &[String]) -> String {
-    let out = run(dir, args);
-    let text = output_text(&out);
-    assert!(out.status.success(), "lockstep {args:?} failed:\n{text}");
-    text
-}
-
-fn losses(metrics: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
-        .collect()
-}
+use common::{losses, ok, output_text, run, small, write_corpus};
 
 fn args(base: &[String], extra: &[&str]) -> Vec<String> {
     base.iter()

@@ -79,6 +79,7 @@ pub const SECTIONS: &[&str] = &[
     "system",
     "logging",
     "checkpoint",
+    "debug",
 ];
 
 macro_rules! keys {
@@ -127,13 +128,19 @@ keys! {
     "system.device", Kind::Choice(&["auto", "cpu", "cuda"]), "\"auto\"", "auto = CUDA when available, else CPU.";
     "system.device_id", Kind::UInt, "0", "CUDA device index for a single-process run.";
     "system.seed", Kind::UInt, "1337", "Seed of the initial weights and the data order.";
-    "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores).";
+    "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores, or OMP_NUM_THREADS, which `lockstep run` sets to cores / workers).";
+    "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
+    "system.bucket_mb", Kind::Float, "25.0", "Size of the flat buckets gradients are all-reduced in (MB).";
     "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
     "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
     "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";
     "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
     "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
     "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
+    "debug.fault", Kind::Choice(&["none", "exit", "stop"]), "\"none\"", "Testing aid (fault injection): at the start of step debug.fault_step, rank debug.fault_rank exits with debug.fault_exit_code (exit) or stops itself with SIGSTOP (stop, a hung rank). Used by the launcher and timeout tests.";
+    "debug.fault_rank", Kind::UInt, "0", "Testing aid: the rank that debug.fault hits.";
+    "debug.fault_step", Kind::UInt, "1", "Testing aid: the step (1-based) at whose start debug.fault fires.";
+    "debug.fault_exit_code", Kind::UInt, "3", "Testing aid: exit code for debug.fault = exit.";
     "checkpoint.dir", Kind::OptStr, "null", "Checkpoint directory; null = <logging.dir>/<run>/checkpoints.";
 }
 

@@ -12,6 +12,7 @@ pub struct Config {
     pub system: SystemConfig,
     pub logging: LoggingConfig,
     pub checkpoint: CheckpointConfig,
+    pub debug: DebugConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,6 +73,8 @@ pub struct SystemConfig {
     pub device_id: usize,
     pub seed: u64,
     pub num_threads: usize,
+    pub collective_timeout_s: u64,
+    pub bucket_mb: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,4 +92,14 @@ pub struct CheckpointConfig {
     pub interval: usize,
     pub keep_last: usize,
     pub dir: Option<String>,
+}
+
+/// Testing aids only; see the `debug.*` keys in docs/CONFIG.md.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DebugConfig {
+    pub fault: String,
+    pub fault_rank: usize,
+    pub fault_step: usize,
+    pub fault_exit_code: usize,
 }

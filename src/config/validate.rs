@@ -33,7 +33,9 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             m.hidden_size,
             nearest_divisor(m.hidden_size, m.num_attention_heads)
         ));
-    } else if m.num_attention_heads > 0 && !(m.hidden_size / m.num_attention_heads).is_multiple_of(2) {
+    } else if m.num_attention_heads > 0
+        && !(m.hidden_size / m.num_attention_heads).is_multiple_of(2)
+    {
         bad(format!(
             "model.hidden_size / model.num_attention_heads = {} / {} = {} is odd; RoPE needs an even head dimension",
             m.hidden_size,
@@ -84,6 +86,21 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
         if v < 0.0 {
             bad(format!("{key} = {v}: must be >= 0"));
         }
+    }
+    if !(1..=255).contains(&c.debug.fault_exit_code) {
+        bad(format!(
+            "debug.fault_exit_code = {}: must be in 1..=255",
+            c.debug.fault_exit_code
+        ));
+    }
+    if c.system.bucket_mb <= 0.0 {
+        bad(format!(
+            "system.bucket_mb = {}: must be > 0",
+            c.system.bucket_mb
+        ));
+    }
+    if c.system.collective_timeout_s == 0 {
+        bad("system.collective_timeout_s = 0: must be at least 1".into());
     }
     if !(0.0..1.0).contains(&c.data.val_fraction) {
         bad(format!(

@@ -18,6 +18,7 @@
 //! Entry point: [`env::DistEnv::from_env`] then [`init`].
 
 pub mod env;
+pub mod grads;
 pub mod group;
 pub mod ring;
 pub mod store;

@@ -543,14 +543,29 @@ impl RingGroup {
             }
             _ => format!("{what} #{seq} failed after {}", fmt_secs(started.elapsed())),
         };
-        let culprit = match self.peer_states(seq) {
+        let lagging = |p: &PeerState| p.last.is_none_or(|s| s < seq);
+        let mut states = self.peer_states(seq);
+        if f.kind != FailKind::Timeout {
+            // Sequence records are fire-and-forget, so right after a fast failure a peer's
+            // record may still be in flight; re-read briefly before calling it behind.
+            for _ in 0..6 {
+                match &states {
+                    Ok(p) if p.iter().any(lagging) => {
+                        std::thread::sleep(Duration::from_millis(50));
+                        states = self.peer_states(seq);
+                    }
+                    _ => break,
+                }
+            }
+        }
+        let culprit = match states {
             Err(e) => self.store_gone(&e).unwrap_or_else(|| {
                 format!("(could not read the ranks' progress from the store: {e:#})")
             }),
             Ok(peers) => {
                 let behind: Vec<String> = peers
                     .iter()
-                    .filter(|p| p.last.is_none_or(|s| s < seq))
+                    .filter(|p| lagging(p))
                     .map(|p| match p.last {
                         Some(s) => format!(
                             "rank {} has not reached it (its last collective was #{s})",
@@ -565,18 +580,18 @@ impl RingGroup {
                 let aborted = peers
                     .iter()
                     .find_map(|p| Some((p.rank, p.failure.as_ref()?)));
-                if !behind.is_empty() {
+                if f.kind == FailKind::Protocol {
+                    format!(
+                        "rank {prev_rank} is in a different collective: the ranks called \
+                         collectives in different orders or with different sizes"
+                    )
+                } else if !behind.is_empty() {
                     let verb = if behind.len() == 1 {
                         "it is"
                     } else {
                         "they are"
                     };
                     format!("{}; {verb} dead or stalled", behind.join(", "))
-                } else if f.kind == FailKind::Protocol {
-                    format!(
-                        "rank {prev_rank} is in a different collective: the ranks called \
-                         collectives in different orders or with different sizes"
-                    )
                 } else if let Some((q, why)) = aborted {
                     // A neighbour closing on us is usually that rank giving up for a reason it
                     // recorded; that reason is the real diagnosis.

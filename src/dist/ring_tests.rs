@@ -155,7 +155,7 @@ fn mismatched_sizes_are_an_error_not_garbage() {
 
 #[test]
 fn timeout_names_the_missing_rank() {
-    let timeout = Duration::from_secs(1);
+    let timeout = Duration::from_secs(2);
     let done = AtomicUsize::new(0);
     let out = run_ranks(3, timeout, |r, mut g| {
         g.barrier().unwrap();
@@ -200,7 +200,7 @@ fn timeout_names_the_missing_rank() {
 
 #[test]
 fn dead_store_is_named() {
-    let timeout = Duration::from_secs(1);
+    let timeout = Duration::from_secs(2);
     let server = Store::server("127.0.0.1", 0, 2, STORE_T).unwrap();
     let port = server.port();
     let server = std::sync::Mutex::new(Some(server));

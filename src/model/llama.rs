@@ -110,10 +110,12 @@ impl Llama {
         let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
         for layer in &self.layers {
             let h = self.rms_norm(&x, &layer.input_layernorm);
-            x += self.attention(&h, layer);
+            // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor
+            // autograd saved for backward.
+            x = &x + self.attention(&h, layer);
             let h = self.rms_norm(&x, &layer.post_attention_layernorm);
             let gate = self.linear(&h, &layer.gate_proj).silu();
-            x += self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
+            x = &x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
         }
         let x = self.rms_norm(&x, &self.norm);
         self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))

@@ -8,9 +8,11 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-/// `[CPU0]` / `[GPU3]`: which rank and device a line comes from.
+/// `[CPU0]` / `[GPU3]`: which rank and device a line comes from. Under `lockstep run` the
+/// launcher passes the tag (`LOCKSTEP_TAG`), which names the physical GPU, not the rank.
 pub fn rank_tag(cuda: bool, rank: usize) -> String {
-    format!("[{}{rank}]", if cuda { "GPU" } else { "CPU" })
+    std::env::var("LOCKSTEP_TAG")
+        .unwrap_or_else(|_| format!("[{}{rank}]", if cuda { "GPU" } else { "CPU" }))
 }
 
 /// `2.95e-04`: C-style exponent (two digits, explicit sign), which Rust's `{:e}` does not do.

@@ -17,6 +17,8 @@ use crate::config::{Config, Resolved};
 use crate::data::prepare::{prepare, PrepareSpec, Prepared};
 use crate::data::sampler::{fill_batch, rank_indices, Sampler};
 use crate::data::tokfile::TokenFile;
+use crate::dist::grads::{all_reduce_gradients, broadcast_parameters};
+use crate::dist::ProcessGroup;
 use crate::model::{hf, Llama, LlamaShape};
 use crate::telemetry::{self, Metrics, StepLine};
 
@@ -39,11 +41,21 @@ impl std::str::FromStr for Resume {
     }
 }
 
-/// This process's place among the ranks (one rank until the data-parallel layer sets more).
+/// This process's place among the ranks.
 #[derive(Debug, Clone, Copy)]
 pub struct Topology {
     pub rank: usize,
     pub world: usize,
+    /// Rank on this node: under torchrun it picks the CUDA device.
+    pub local_rank: usize,
+}
+
+impl Topology {
+    pub const SINGLE: Topology = Topology {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+    };
 }
 
 /// What a finished run reports back (tests read it).
@@ -56,16 +68,29 @@ pub struct Summary {
     pub val_loss: Option<f64>,
 }
 
-pub fn resolve_device(cfg: &Config) -> Result<Device> {
+/// The CUDA index of this rank: `lockstep run` narrows CUDA_VISIBLE_DEVICES to one GPU per
+/// worker (index 0); torchrun leaves all visible, so LOCAL_RANK picks one.
+fn cuda_index(cfg: &Config, topo: Topology) -> usize {
+    if topo.world == 1 {
+        cfg.system.device_id
+    } else if std::env::var_os("LOCKSTEP_LAUNCHER").is_some() {
+        0
+    } else {
+        topo.local_rank
+    }
+}
+
+pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
+    let index = cuda_index(cfg, topo);
     Ok(match cfg.system.device.as_str() {
         "cpu" => Device::Cpu,
         "cuda" => {
             if !tch::Cuda::is_available() {
                 bail!("system.device = cuda but no CUDA device is visible to libtorch; use system.device=cpu or auto");
             }
-            Device::Cuda(cfg.system.device_id)
+            Device::Cuda(index)
         }
-        _ if tch::Cuda::is_available() => Device::Cuda(cfg.system.device_id),
+        _ if tch::Cuda::is_available() => Device::Cuda(index),
         _ => Device::Cpu,
     })
 }
@@ -148,8 +173,16 @@ fn batch(
     (rows.narrow(1, 0, ctx as i64), rows.narrow(1, 1, ctx as i64))
 }
 
-/// Mean loss over the first `batches` × batch_size windows of the validation file, in a fixed order.
-fn evaluate(model: &Llama, val: &TokenFile, cfg: &Config, device: Device) -> Result<Option<f64>> {
+/// Mean loss over the first `eval_batches` × batch_size windows of the validation file, in a
+/// fixed order; each rank evaluates its share (window i → rank i mod world) and the sums meet
+/// in one all-reduce.
+fn evaluate(
+    model: &Llama,
+    val: &TokenFile,
+    cfg: &Config,
+    device: Device,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Option<f64>> {
     let (ctx, bs) = (cfg.training.context_length, cfg.training.batch_size);
     if cfg.training.eval_batches == 0 || val.num_tokens() < ctx as u64 + 1 {
         return Ok(None);
@@ -158,7 +191,8 @@ fn evaluate(model: &Llama, val: &TokenFile, cfg: &Config, device: Device) -> Res
     let n = (cfg.training.eval_batches * bs).min(sampler.num_windows() as usize) as u64;
     let mut buf = Vec::new();
     let mut total = 0.0;
-    let all: Vec<u64> = (0..n).collect();
+    let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
+    let all: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
     let chunks: Vec<&[u64]> = all.chunks(bs).collect();
     tch::no_grad(|| {
         for idx in &chunks {
@@ -166,7 +200,9 @@ fn evaluate(model: &Llama, val: &TokenFile, cfg: &Config, device: Device) -> Res
             total += model.loss(&x, &y).double_value(&[]) * idx.len() as f64;
         }
     });
-    Ok(Some(total / n as f64))
+    let mut sum = [total as f32];
+    pg.all_reduce_sum_f32(&mut sum)?;
+    Ok(Some(sum[0] as f64 / n as f64))
 }
 
 /// Per-invocation choices that are not part of the run's config.
@@ -177,13 +213,19 @@ pub struct RunOptions {
     pub stop_at_step: Option<usize>,
 }
 
-pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<Summary> {
+pub fn train(
+    resolved: &Resolved,
+    opts: &RunOptions,
+    topo: Topology,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Summary> {
     let cfg = &resolved.config;
     let t = &cfg.training;
+    let lead = topo.rank == 0;
     if cfg.system.num_threads > 0 {
         tch::set_num_threads(cfg.system.num_threads as i32);
     }
-    let device = resolve_device(cfg)?;
+    let device = resolve_device(cfg, topo)?;
     let tag = telemetry::rank_tag(device.is_cuda(), topo.rank);
     let run_dir = run_dir(resolved);
     let ckpt_root = checkpoint_dir(resolved);
@@ -195,16 +237,28 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
     })?;
     let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
 
-    let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
-    println!(
-        "{tag} Resolved config (preset {}):\n{config_json}",
-        resolved.preset
-    );
-    std::fs::write(run_dir.join("config.json"), &config_json)
-        .with_context(|| format!("{}: cannot write", run_dir.join("config.json").display()))?;
+    if lead {
+        let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
+        println!(
+            "{tag} Resolved config (preset {}):\n{config_json}",
+            resolved.preset
+        );
+        std::fs::write(run_dir.join("config.json"), &config_json)
+            .with_context(|| format!("{}: cannot write", run_dir.join("config.json").display()))?;
+    }
 
-    // Data: every rank maps the same prepared file.
-    let prepared = prepare_data(cfg, &tag)?;
+    // Data: every rank maps the same prepared file. Local rank 0 prepares (or finds the
+    // launcher's cache) first, so ranks of one node never tokenize the same corpus at once.
+    let prepared = if topo.local_rank == 0 {
+        Some(prepare_data(cfg, &tag)?)
+    } else {
+        None
+    };
+    pg.barrier()?;
+    let prepared = match prepared {
+        Some(p) => p,
+        None => prepare(&prepare_spec(cfg, false))?,
+    };
     let tokens = TokenFile::open(&prepared.train)?;
     let val = prepared
         .val
@@ -273,14 +327,19 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
             saved.samples_consumed
         );
     }
+    // Every rank starts from rank 0's weights (fresh init, HF weights or checkpoint alike).
+    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+    broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
 
     let global_batch = (t.batch_size * t.grad_accum_nums * topo.world) as u64;
     let tokens_per_step = global_batch as f64 * t.context_length as f64;
-    println!(
+    if lead {
+        println!(
         "{tag} Model: {:.2}M parameters, {} layers, d {}, {} heads / {} kv heads, vocab {} | device {device:?}, {:?} compute | {} tokens per step",
         shape.num_parameters() as f64 / 1e6, shape.num_layers, shape.hidden_size, shape.num_heads,
         shape.num_kv_heads, shape.vocab_size, compute_kind(cfg, device), tokens_per_step
     );
+    }
 
     let schedule = Schedule {
         peak: t.learning_rate,
@@ -288,7 +347,11 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         warmup: t.warmup_steps,
         total: t.max_steps,
     };
-    let mut metrics = Metrics::open(&run_dir.join("metrics.jsonl"))?;
+    let mut metrics = if lead {
+        Some(Metrics::open(&run_dir.join("metrics.jsonl"))?)
+    } else {
+        None
+    };
     let mut summary = Summary {
         losses: Vec::new(),
         final_step: state.step,
@@ -299,12 +362,13 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
     let mut buf = Vec::new();
     let mut window_start = Instant::now();
     let mut window_steps = 0usize;
-    let (mut data_s, mut compute_s, mut opt_s) = (0.0, 0.0, 0.0);
+    let (mut data_s, mut compute_s, mut comm_s, mut opt_s) = (0.0, 0.0, 0.0, 0.0);
 
     let last_step = opts
         .stop_at_step
         .map_or(t.max_steps, |s| s.min(t.max_steps));
     for step in state.step..last_step {
+        inject_fault(cfg, topo, step + 1, &tag);
         let lr = schedule.lr(step);
         // Forward/backward over the micro-batches; this rank's share of the global order.
         let phase = Instant::now();
@@ -326,12 +390,19 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
             loss_sum += loss.detach();
         }
         state.samples_consumed += global_batch;
-        let grad_norm = clip_grad_norm(&opt.gradients(), t.max_grad_norm);
-        // One host sync per step: the guard needs the values.
-        let loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
-        let norm = grad_norm.double_value(&[]);
         compute_s += phase.elapsed().as_secs_f64() - data_time;
         data_s += data_time;
+
+        // Data parallelism: average gradients (once per step, after the last micro-batch) and
+        // the loss across ranks, so clipping, the guard and the log see global values.
+        let phase = Instant::now();
+        let grads = opt.gradients();
+        all_reduce_gradients(pg, &grads, cfg.system.bucket_mb)?;
+        let mut global_loss = [(loss_sum.double_value(&[]) / t.grad_accum_nums as f64) as f32];
+        pg.all_reduce_avg_f32(&mut global_loss)?;
+        let loss = global_loss[0] as f64;
+        comm_s += phase.elapsed().as_secs_f64();
+        let norm = clip_grad_norm(&grads, t.max_grad_norm).double_value(&[]);
         if t.nan_check && !(loss.is_finite() && norm.is_finite()) {
             guard::report(&tag, step, loss, norm, &opt);
             bail!("{tag} non-finite loss or gradient norm at step {step}; stopping (see the report above)");
@@ -348,10 +419,10 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
         window_steps += 1;
 
         let done = state.step == last_step;
-        let eval_now =
-            val.is_some() && (done || (t.eval_interval > 0 && state.step.is_multiple_of(t.eval_interval)));
+        let eval_now = val.is_some()
+            && (done || (t.eval_interval > 0 && state.step.is_multiple_of(t.eval_interval)));
         let val_loss = if eval_now {
-            evaluate(&model, val.as_ref().unwrap(), cfg, device)?
+            evaluate(&model, val.as_ref().unwrap(), cfg, device, pg)?
         } else {
             None
         };
@@ -372,7 +443,7 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
                 eta_s: step_time * (t.max_steps - state.step) as f64,
                 mfu: None,
             };
-            if topo.rank == 0 {
+            if let Some(metrics) = metrics.as_mut() {
                 println!("{line}");
                 if let Some(v) = val_loss {
                     println!(
@@ -385,8 +456,8 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
                 if cfg.logging.verbose {
                     let n = window_steps as f64;
                     println!(
-                        "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | optimizer {:.1} ms",
-                        1e3 * data_s / n, 1e3 * compute_s / n, 1e3 * opt_s / n
+                        "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms",
+                        1e3 * data_s / n, 1e3 * compute_s / n, 1e3 * comm_s / n, 1e3 * opt_s / n
                     );
                 }
                 metrics.record(&json!({
@@ -397,28 +468,35 @@ pub fn train(resolved: &Resolved, opts: &RunOptions, topo: Topology) -> Result<S
             }
             window_start = Instant::now();
             window_steps = 0;
-            (data_s, compute_s, opt_s) = (0.0, 0.0, 0.0);
+            (data_s, compute_s, comm_s, opt_s) = (0.0, 0.0, 0.0, 0.0);
         }
 
         let interval = cfg.checkpoint.interval;
         if done || (interval > 0 && state.step.is_multiple_of(interval)) {
-            let name = format!("step_{}", state.step);
-            let dir = checkpoint::save(
-                &ckpt_root,
-                &name,
-                &params,
-                &opt,
-                &state,
-                cfg.checkpoint.keep_last,
-            )?;
-            println!("{tag} Checkpoint saved: {}", dir.display());
-            summary.last_checkpoint = Some(dir);
+            // Every rank holds the same weights and moments: rank 0 writes, the others wait so
+            // that no rank runs ahead of a checkpoint that might fail.
+            if lead {
+                let name = format!("step_{}", state.step);
+                let dir = checkpoint::save(
+                    &ckpt_root,
+                    &name,
+                    &params,
+                    &opt,
+                    &state,
+                    cfg.checkpoint.keep_last,
+                )?;
+                println!("{tag} Checkpoint saved: {}", dir.display());
+                summary.last_checkpoint = Some(dir);
+            }
+            pg.barrier()?;
             // Saving is slow and not training throughput.
             window_start = Instant::now();
         }
     }
     summary.final_step = state.step;
-    if state.step >= t.max_steps && summary.losses.is_empty() {
+    // Rank 0 hosts the store: nobody may leave while others still use it.
+    pg.barrier()?;
+    if lead && state.step >= t.max_steps && summary.losses.is_empty() {
         println!(
             "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
             state.step
@@ -457,4 +535,18 @@ fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<Opti
             Ok(Some(dir.clone()))
         }
     }
+}
+
+/// `debug.fault`: a deliberate crash or hang of one rank, for the launcher and timeout tests.
+fn inject_fault(cfg: &Config, topo: Topology, step: usize, tag: &str) {
+    let d = &cfg.debug;
+    if d.fault == "none" || d.fault_rank != topo.rank || d.fault_step != step {
+        return;
+    }
+    eprintln!("{tag} debug.fault = {} injected at step {step}", d.fault);
+    if d.fault == "exit" {
+        std::process::exit(d.fault_exit_code as i32);
+    }
+    // SAFETY: raising a signal on ourselves has no memory-safety preconditions.
+    unsafe { libc::raise(libc::SIGSTOP) };
 }
