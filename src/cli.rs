@@ -149,7 +149,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Prepare(args) => {
             let resolved = args.resolve()?;
-            train::trainer::prepare_data(&resolved.config, "[CPU0]")?;
+            train::setup::prepare_data(&resolved.config, "[CPU0]")?;
             Ok(())
         }
         Command::Train {
@@ -211,7 +211,7 @@ fn run_launcher(
 ) -> Result<i32> {
     let resolved = config.resolve()?;
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    train::trainer::prepare_data(&resolved.config, "[launcher]")?;
+    train::setup::prepare_data(&resolved.config, "[launcher]")?;
     let devices = choose_devices(la)?;
     if let launch::Devices::Cpu(n) = devices {
         // N CPU workers share the cores; libtorch would otherwise give each all of them.
@@ -222,7 +222,7 @@ fn run_launcher(
     }
     let run_id = format!(
         "{}-{}",
-        train::trainer::run_dir(&resolved)
+        train::setup::run_dir(&resolved)
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or("run"),

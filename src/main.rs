@@ -1,5 +1,6 @@
 //! `lockstep`: parse, dispatch, map errors to exit codes (documented in README.md):
-//! 0 success, 1 runtime failure, 2 bad config or usage.
+//! 0 success (also after a SIGTERM/SIGINT that saved a checkpoint), 1 runtime failure,
+//! 2 bad config or usage, 3 stopped by the NaN/Inf or loss-spike guard.
 
 use clap::Parser;
 
@@ -8,6 +9,11 @@ fn main() {
     if let Err(e) = lockstep::cli::run(cli) {
         let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() {
             2
+        } else if e
+            .downcast_ref::<lockstep::train::guard::NanAbort>()
+            .is_some()
+        {
+            3
         } else {
             1
         };

@@ -125,15 +125,23 @@ keys! {
     "training.eval_interval", Kind::UInt, "0", "Validation loss every N steps and at the end (0 = only at the end).";
     "training.eval_batches", Kind::UInt, "4", "Batches of the held-out split per validation (0 = no validation).";
     "training.nan_check", Kind::Bool, "true", "Stop on a non-finite loss or gradient norm, with a per-tensor report of where NaN/Inf appear.";
+    "training.nan_policy", Kind::Choice(&["abort", "skip", "rollback"]), "\"abort\"", "On a NaN/Inf loss or gradient norm (after the report, a nan_step_N checkpoint and a debug dump): abort (exit code 3), skip (drop the update, go on), or rollback (reload the latest checkpoint, multiply the LR by rollback_lr_factor, go on with new data).";
+    "training.max_nan_skips", Kind::UInt, "10", "Skips plus rollbacks (NaN or spike) allowed in one run before it aborts with exit code 3.";
+    "training.rollback_lr_factor", Kind::Float, "0.5", "LR multiplier applied at each rollback (cumulative; saved in checkpoints).";
+    "training.spike_zscore", Kind::Float, "0.0", "Loss-spike detection: a loss this many standard deviations above the recent window triggers training.spike_policy (0 = off).";
+    "training.spike_window", Kind::UInt, "100", "Recent losses the spike detector compares against.";
+    "training.spike_policy", Kind::Choice(&["skip", "rollback", "abort"]), "\"skip\"", "What a loss spike does: skip the update, roll back, or abort.";
     "system.device", Kind::Choice(&["auto", "cpu", "cuda"]), "\"auto\"", "auto = CUDA when available, else CPU.";
     "system.device_id", Kind::UInt, "0", "CUDA device index for a single-process run.";
     "system.seed", Kind::UInt, "1337", "Seed of the initial weights and the data order.";
     "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores, or OMP_NUM_THREADS, which `lockstep run` sets to cores / workers).";
+    "system.max_memory_gb", Kind::Float, "0.0", "Warn when a rank's resident memory exceeds this many GB (0 = never).";
     "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
     "system.bucket_mb", Kind::Float, "25.0", "Size of the flat buckets gradients are all-reduced in (MB).";
     "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
     "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
     "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";
+    "logging.memory_interval", Kind::UInt, "100", "Log resident memory (and the peak) every N steps (0 = only the peak at the end).";
     "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
     "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
     "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
@@ -141,6 +149,8 @@ keys! {
     "debug.fault_rank", Kind::UInt, "0", "Testing aid: the rank that debug.fault hits.";
     "debug.fault_step", Kind::UInt, "1", "Testing aid: the step (1-based) at whose start debug.fault fires.";
     "debug.fault_exit_code", Kind::UInt, "3", "Testing aid: exit code for debug.fault = exit.";
+    "debug.inject_nan_at_step", Kind::UInt, "0", "Testing aid: make step N (1-based) non-finite to exercise training.nan_policy (0 = off).";
+    "debug.inject_nan_param", Kind::OptStr, "null", "Testing aid: with inject_nan_at_step, put the NaN into this parameter's gradient (HF name) instead of the loss.";
     "checkpoint.dir", Kind::OptStr, "null", "Checkpoint directory; null = <logging.dir>/<run>/checkpoints.";
 }
 

@@ -64,6 +64,12 @@ pub struct TrainingConfig {
     pub eval_interval: usize,
     pub eval_batches: usize,
     pub nan_check: bool,
+    pub nan_policy: String,
+    pub max_nan_skips: usize,
+    pub rollback_lr_factor: f64,
+    pub spike_zscore: f64,
+    pub spike_window: usize,
+    pub spike_policy: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,6 +79,7 @@ pub struct SystemConfig {
     pub device_id: usize,
     pub seed: u64,
     pub num_threads: usize,
+    pub max_memory_gb: f64,
     pub collective_timeout_s: u64,
     pub bucket_mb: f64,
 }
@@ -83,6 +90,7 @@ pub struct LoggingConfig {
     pub interval: usize,
     pub dir: String,
     pub verbose: bool,
+    pub memory_interval: usize,
     pub run_name: Option<String>,
 }
 
@@ -102,4 +110,6 @@ pub struct DebugConfig {
     pub fault_rank: usize,
     pub fault_step: usize,
     pub fault_exit_code: usize,
+    pub inject_nan_at_step: usize,
+    pub inject_nan_param: Option<String>,
 }

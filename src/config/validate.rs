@@ -93,6 +93,18 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             c.debug.fault_exit_code
         ));
     }
+    if !(t.rollback_lr_factor > 0.0 && t.rollback_lr_factor <= 1.0) {
+        bad(format!(
+            "training.rollback_lr_factor = {}: must be in (0, 1]",
+            t.rollback_lr_factor
+        ));
+    }
+    if t.spike_zscore < 0.0 {
+        bad(format!(
+            "training.spike_zscore = {}: must be >= 0 (0 = off)",
+            t.spike_zscore
+        ));
+    }
     if c.system.bucket_mb <= 0.0 {
         bad(format!(
             "system.bucket_mb = {}: must be > 0",

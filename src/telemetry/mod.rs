@@ -1,6 +1,8 @@
 //! What a run reports: the console step line, the JSONL metrics file, and the numbers behind
 //! them (throughput, ETA, MFU).
 
+pub mod memory;
+
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;

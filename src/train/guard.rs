@@ -39,10 +39,25 @@ pub fn inspect(name: &str, t: &Tensor) -> Option<Finding> {
     })
 }
 
+/// Python's spelling (`nan`, `inf`), which is what users grep for.
+fn num(v: f64) -> String {
+    if v.is_nan() {
+        "nan".into()
+    } else if v.is_infinite() {
+        if v > 0.0 {
+            "inf".into()
+        } else {
+            "-inf".into()
+        }
+    } else {
+        format!("{v:.4}")
+    }
+}
+
 fn section(title: &str, findings: &[Finding]) -> String {
     let mut out = format!("{title} ({} tensors):\n", findings.len());
     for f in findings {
-        let values: Vec<String> = f.first.iter().map(|v| format!("{v:.4}")).collect();
+        let values: Vec<String> = f.first.iter().map(|v| num(*v)).collect();
         out.push_str(&format!(
             "  • {}  shape {:?}  NaN {}/{}  Inf {}/{}  values [{}, …]\n",
             f.name,
@@ -82,7 +97,9 @@ pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &Adam
         .replacen("CPU", "CPU ", 1);
     let mut out = format!("{}\n{what} DETECTED [{banner}]\n", "=".repeat(80));
     out.push_str(&format!(
-        "Step: {step} | Loss: {loss:.4} | Gradient Norm: {grad_norm:.4}\n"
+        "Step: {step} | Loss: {} | Gradient Norm: {}\n",
+        num(loss),
+        num(grad_norm)
     ));
     if !grads.is_empty() {
         out.push_str(&section("Gradients with NaN/Inf", &grads));
@@ -99,4 +116,137 @@ pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &Adam
 
 pub fn report(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &AdamW) {
     eprintln!("{}", report_text(tag, step, loss, grad_norm, opt));
+}
+
+/// A NaN/Inf or loss-spike stop (`training.nan_policy = abort`, or too many skips/rollbacks);
+/// `main` exits with code 3 for it, so schedulers can tell it from other failures.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NanAbort(pub String);
+
+/// Why the guard stopped a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event {
+    /// The loss or the global gradient norm is NaN/Inf.
+    NonFinite,
+    /// The loss is `z` standard deviations above the recent window.
+    Spike { z: f64 },
+}
+
+/// What to do about an event (`training.nan_policy` / `training.spike_policy`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Action {
+    Abort,
+    /// Drop this step's update and go on with the next batch.
+    Skip,
+    /// Reload the latest complete checkpoint, scale the LR down, go on with the next batch.
+    Rollback,
+}
+
+impl Action {
+    pub fn from_config(name: &str) -> Action {
+        match name {
+            "skip" => Action::Skip,
+            "rollback" => Action::Rollback,
+            _ => Action::Abort,
+        }
+    }
+}
+
+/// Z-score loss-spike detector over a window of recent accepted losses.
+pub struct SpikeDetector {
+    recent: std::collections::VecDeque<f64>,
+    window: usize,
+    threshold: f64,
+}
+
+impl SpikeDetector {
+    /// None when `threshold` is 0 (detection off).
+    pub fn new(window: usize, threshold: f64) -> Option<SpikeDetector> {
+        (threshold > 0.0).then(|| SpikeDetector {
+            recent: Default::default(),
+            window: window.max(2),
+            threshold,
+        })
+    }
+
+    /// The z-score of `loss` when it is a spike; judged only once half the window is filled,
+    /// since early training losses fall too fast for a meaningful mean.
+    pub fn spike(&self, loss: f64) -> Option<f64> {
+        let n = self.recent.len();
+        if n < self.window / 2 || n < 2 {
+            return None;
+        }
+        let mean = self.recent.iter().sum::<f64>() / n as f64;
+        let var = self.recent.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        let z = (loss - mean) / var.sqrt().max(1e-12);
+        (z > self.threshold).then_some(z)
+    }
+
+    /// Adds a loss that was not a spike.
+    pub fn accept(&mut self, loss: f64) {
+        if self.recent.len() == self.window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(loss);
+    }
+}
+
+/// Parameters and gradients as safetensors (`<name>` and `<name>.grad`), readable from numpy
+/// with `safetensors.numpy.load_file`.
+pub fn dump(path: &std::path::Path, opt: &AdamW) -> anyhow::Result<()> {
+    let mut tensors = Vec::new();
+    for p in &opt.params {
+        tensors.push((p.name.clone(), p.param.detach()));
+        let g = p.param.grad();
+        if g.defined() {
+            tensors.push((format!("{}.grad", p.name), g.detach()));
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    crate::tensor_io::save(path, &tensors, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spike_detector_flags_outliers_only_after_warming_up() {
+        let mut d = SpikeDetector::new(10, 4.0).unwrap();
+        assert!(SpikeDetector::new(10, 0.0).is_none(), "threshold 0 = off");
+        assert_eq!(d.spike(100.0), None, "no judgement on an empty window");
+        for i in 0..10 {
+            d.accept(3.0 + 0.01 * (i % 3) as f64);
+        }
+        assert_eq!(d.spike(3.02), None);
+        let z = d.spike(4.0).expect("a jump of ~100 sigma is a spike");
+        assert!(z > 50.0, "{z}");
+    }
+
+    #[test]
+    fn report_names_the_tensors_with_nan_and_inf() {
+        let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let loss =
+            (&a * Tensor::from_slice(&[f32::NAN, 1.0, 1.0])).sum(Kind::Float) + b.sum(Kind::Float);
+        loss.backward();
+        let hp = super::super::optim::AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let opt = AdamW::new(vec![("a".into(), a), ("b".into(), b)], hp);
+        let text = report_text("[GPU6]", 0, f64::NAN, f64::NAN, &opt);
+        assert!(text.contains("NaN GRADIENT DETECTED [GPU 6]"), "{text}");
+        assert!(
+            text.contains("Gradients with NaN/Inf (1 tensors)"),
+            "{text}"
+        );
+        assert!(text.contains("• a  shape [3]  NaN 1/3  Inf 0/3"), "{text}");
+        assert!(!text.contains("• b "), "{text}");
+    }
 }

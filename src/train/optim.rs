@@ -90,24 +90,38 @@ impl AdamW {
     }
 }
 
-/// Global L2 norm of all gradients, and (when `max_norm > 0`) scales them so it is at most
-/// `max_norm`, exactly as clip_grad_norm_: coef = min(1, max_norm / (norm + 1e-6)). Returns the
-/// norm before clipping as a 0-dim fp32 tensor (no host sync here).
-pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Tensor {
+/// Global L2 norm of all gradients as a 0-dim fp32 tensor (no host sync here).
+pub fn grad_norm(grads: &[Tensor]) -> Tensor {
     tch::no_grad(|| {
         let norms: Vec<Tensor> = grads
             .iter()
             .map(|g| g.norm_scalaropt_dtype(2, Kind::Float))
             .collect();
-        let total = Tensor::stack(&norms, 0).norm_scalaropt_dtype(2, Kind::Float);
-        if max_norm > 0.0 {
-            let coef = (max_norm / (&total + 1e-6)).clamp_max(1.0);
-            for g in grads {
-                let _ = g.shallow_clone().g_mul_(&coef);
-            }
-        }
-        total
+        Tensor::stack(&norms, 0).norm_scalaropt_dtype(2, Kind::Float)
     })
+}
+
+/// Scales gradients so their global norm `total` is at most `max_norm`, exactly as
+/// clip_grad_norm_: coef = min(1, max_norm / (total + 1e-6)); `max_norm` 0 = no clipping.
+/// Separate from `grad_norm` so the NaN guard sees the gradients before a NaN norm would
+/// spread into every one of them.
+pub fn clip_to(grads: &[Tensor], total: &Tensor, max_norm: f64) {
+    if max_norm <= 0.0 {
+        return;
+    }
+    tch::no_grad(|| {
+        let coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+        for g in grads {
+            let _ = g.shallow_clone().g_mul_(&coef);
+        }
+    });
+}
+
+/// `grad_norm` then `clip_to`; returns the norm before clipping.
+pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Tensor {
+    let total = grad_norm(grads);
+    clip_to(grads, &total, max_norm);
+    total
 }
 
 /// Linear warmup from 0 to `peak` over `warmup` steps, then cosine decay to `floor` at `total`.

@@ -1,6 +1,5 @@
-//! The training loop, top to bottom: resolve the device and run directory, map the prepared
-//! tokens, build the model and AdamW, resume if asked, then step: micro-batches → backward →
-//! clip → guard → AdamW → log / validate / checkpoint.
+//! The training loop, top to bottom: set up (device, data, model, AdamW, resume), then per step:
+//! micro-batches → backward → all-reduce → clip → guard → AdamW → log / validate / checkpoint.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -8,18 +7,25 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tch::nn::VarStore;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, TrainerState};
-use super::guard;
-use super::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
+use super::eval::{batch, evaluate};
+use super::guard::{self, Action, Event, NanAbort, SpikeDetector};
+use super::optim::{clip_to, grad_norm, AdamW, AdamWParams, Schedule};
+use super::preempt;
+use super::setup::{
+    checkpoint_dir, compute_kind, model_shape, prepare_data, prepare_spec, resolve_device,
+    resume_target, run_dir,
+};
 use crate::config::{Config, Resolved};
-use crate::data::prepare::{prepare, PrepareSpec, Prepared};
-use crate::data::sampler::{fill_batch, rank_indices, Sampler};
+use crate::data::prepare::prepare;
+use crate::data::sampler::{rank_indices, Sampler};
 use crate::data::tokfile::TokenFile;
 use crate::dist::grads::{all_reduce_gradients, broadcast_parameters};
 use crate::dist::ProcessGroup;
-use crate::model::{hf, Llama, LlamaShape};
+use crate::model::{hf, Llama};
+use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::{self, Metrics, StepLine};
 
 /// Where to resume from.
@@ -58,6 +64,14 @@ impl Topology {
     };
 }
 
+/// Per-invocation choices that are not part of the run's config.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub resume: Option<Resume>,
+    /// Checkpoint and exit after this step (time-sliced jobs); the schedule still spans max_steps.
+    pub stop_at_step: Option<usize>,
+}
+
 /// What a finished run reports back (tests read it).
 #[derive(Debug, Clone)]
 pub struct Summary {
@@ -66,151 +80,28 @@ pub struct Summary {
     pub run_dir: PathBuf,
     pub last_checkpoint: Option<PathBuf>,
     pub val_loss: Option<f64>,
+    /// Stopped early by SIGTERM/SIGINT after saving a checkpoint.
+    pub preempted: bool,
 }
 
-/// The CUDA index of this rank: `lockstep run` narrows CUDA_VISIBLE_DEVICES to one GPU per
-/// worker (index 0); torchrun leaves all visible, so LOCAL_RANK picks one.
-fn cuda_index(cfg: &Config, topo: Topology) -> usize {
-    if topo.world == 1 {
-        cfg.system.device_id
-    } else if std::env::var_os("LOCKSTEP_LAUNCHER").is_some() {
-        0
-    } else {
-        topo.local_rank
+/// Running sums for the per-phase timing line (`logging.verbose`) and Tok/s.
+#[derive(Default)]
+struct Window {
+    start: Option<Instant>,
+    steps: usize,
+    data_s: f64,
+    compute_s: f64,
+    comm_s: f64,
+    opt_s: f64,
+}
+
+impl Window {
+    fn reset(&mut self) {
+        *self = Window {
+            start: Some(Instant::now()),
+            ..Default::default()
+        };
     }
-}
-
-pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
-    let index = cuda_index(cfg, topo);
-    Ok(match cfg.system.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => {
-            if !tch::Cuda::is_available() {
-                bail!("system.device = cuda but no CUDA device is visible to libtorch; use system.device=cpu or auto");
-            }
-            Device::Cuda(index)
-        }
-        _ if tch::Cuda::is_available() => Device::Cuda(index),
-        _ => Device::Cpu,
-    })
-}
-
-pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
-    match (cfg.training.dtype.as_str(), device) {
-        ("bf16", _) | ("auto", Device::Cuda(_)) => Kind::BFloat16,
-        _ => Kind::Float,
-    }
-}
-
-pub fn run_dir(resolved: &Resolved) -> PathBuf {
-    let c = &resolved.config.logging;
-    Path::new(&c.dir).join(c.run_name.as_deref().unwrap_or(&resolved.preset))
-}
-
-pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
-    match &resolved.config.checkpoint.dir {
-        Some(d) => PathBuf::from(d),
-        None => run_dir(resolved).join("checkpoints"),
-    }
-}
-
-pub fn prepare_spec(cfg: &Config, progress: bool) -> PrepareSpec {
-    PrepareSpec {
-        tokenizer: cfg.data.tokenizer.clone(),
-        path: PathBuf::from(&cfg.data.path),
-        text_field: cfg.data.text_field.clone(),
-        val_fraction: cfg.data.val_fraction,
-        context_length: cfg.training.context_length,
-        num_samples: cfg.data.num_samples,
-        cache_dir: PathBuf::from(&cfg.data.cache_dir),
-        num_threads: cfg.training.num_workers,
-        progress,
-    }
-}
-
-/// Prepares (or finds cached) token files and says which.
-pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Prepared> {
-    let start = Instant::now();
-    let p = prepare(&prepare_spec(cfg, true))?;
-    let what = if p.cache_hit { "cache hit" } else { "prepared" };
-    println!(
-        "{tag} Data: {what} {} ({} train + {} val tokens, tokenizer {}, {:.1}s)",
-        p.dir.display(),
-        p.train_tokens,
-        p.val_tokens,
-        p.tokenizer_id,
-        start.elapsed().as_secs_f64()
-    );
-    Ok(p)
-}
-
-fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
-    let shape = match &cfg.model.model_path {
-        Some(dir) => hf::shape_from_dir(Path::new(dir), &cfg.model)?,
-        None => LlamaShape::from_config(&cfg.model, vocab)?,
-    };
-    anyhow::ensure!(
-        shape.vocab_size >= vocab,
-        "the model's vocabulary ({}) is smaller than the tokenizer's ({vocab}); the tokenizer in data.tokenizer does not fit this model",
-        shape.vocab_size
-    );
-    Ok(shape)
-}
-
-/// One batch of `indices` windows as (inputs, targets), each [len, context] on `device`.
-fn batch(
-    tokens: &TokenFile,
-    sampler: &Sampler,
-    indices: &[u64],
-    ctx: usize,
-    buf: &mut Vec<i64>,
-    device: Device,
-) -> (Tensor, Tensor) {
-    fill_batch(tokens, sampler, indices, ctx, buf);
-    let rows = Tensor::from_slice(buf)
-        .view([indices.len() as i64, ctx as i64 + 1])
-        .to_device(device);
-    (rows.narrow(1, 0, ctx as i64), rows.narrow(1, 1, ctx as i64))
-}
-
-/// Mean loss over the first `eval_batches` × batch_size windows of the validation file, in a
-/// fixed order; each rank evaluates its share (window i → rank i mod world) and the sums meet
-/// in one all-reduce.
-fn evaluate(
-    model: &Llama,
-    val: &TokenFile,
-    cfg: &Config,
-    device: Device,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Option<f64>> {
-    let (ctx, bs) = (cfg.training.context_length, cfg.training.batch_size);
-    if cfg.training.eval_batches == 0 || val.num_tokens() < ctx as u64 + 1 {
-        return Ok(None);
-    }
-    let sampler = Sampler::new(val.num_tokens(), ctx, cfg.system.seed)?;
-    let n = (cfg.training.eval_batches * bs).min(sampler.num_windows() as usize) as u64;
-    let mut buf = Vec::new();
-    let mut total = 0.0;
-    let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
-    let all: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
-    let chunks: Vec<&[u64]> = all.chunks(bs).collect();
-    tch::no_grad(|| {
-        for idx in &chunks {
-            let (x, y) = batch(val, &sampler, idx, ctx, &mut buf, device);
-            total += model.loss(&x, &y).double_value(&[]) * idx.len() as f64;
-        }
-    });
-    let mut sum = [total as f32];
-    pg.all_reduce_sum_f32(&mut sum)?;
-    Ok(Some(sum[0] as f64 / n as f64))
-}
-
-/// Per-invocation choices that are not part of the run's config.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    pub resume: Option<Resume>,
-    /// Checkpoint and exit after this step (time-sliced jobs); the schedule still spans max_steps.
-    pub stop_at_step: Option<usize>,
 }
 
 pub fn train(
@@ -229,22 +120,25 @@ pub fn train(
     let tag = telemetry::rank_tag(device.is_cuda(), topo.rank);
     let run_dir = run_dir(resolved);
     let ckpt_root = checkpoint_dir(resolved);
+    let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
     std::fs::create_dir_all(&run_dir).with_context(|| {
         format!(
             "logging.dir: cannot create run directory {}; choose a writable logging.dir",
             run_dir.display()
         )
     })?;
-    let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
-
     if lead {
         let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
         println!(
             "{tag} Resolved config (preset {}):\n{config_json}",
             resolved.preset
         );
-        std::fs::write(run_dir.join("config.json"), &config_json)
-            .with_context(|| format!("{}: cannot write", run_dir.join("config.json").display()))?;
+        std::fs::write(run_dir.join("config.json"), &config_json).with_context(|| {
+            format!(
+                "{}: cannot write; is logging.dir writable?",
+                run_dir.join("config.json").display()
+            )
+        })?;
     }
 
     // Data: every rank maps the same prepared file. Local rank 0 prepares (or finds the
@@ -285,6 +179,7 @@ pub fn train(
         );
     }
     let params = Llama::named_parameters(&vs);
+    check_injection_target(cfg, &params)?;
     let hp = AdamWParams {
         beta1: t.beta1,
         beta2: t.beta2,
@@ -306,6 +201,8 @@ pub fn train(
         adam_step: 0,
         loss: f64::NAN,
         world_size: topo.world,
+        lr_scale: 1.0,
+        guard_events: 0,
         model_shape: shape.clone(),
         config: resolved.to_json(),
         versions: checkpoint::versions(),
@@ -317,14 +214,16 @@ pub fn train(
             "{}: checkpoint was trained with system.seed = {}, config has {}; the data order would change. Set system.seed={}",
             dir.display(), saved.seed, cfg.system.seed, saved.seed
         );
-        state.step = saved.step;
-        state.samples_consumed = saved.samples_consumed;
-        state.adam_step = saved.adam_step;
+        state = TrainerState {
+            world_size: topo.world,
+            config: resolved.to_json(),
+            ..saved
+        };
         println!(
             "{tag} Resumed from {} at step {} ({} samples consumed)",
             dir.display(),
-            saved.step,
-            saved.samples_consumed
+            state.step,
+            state.samples_consumed
         );
     }
     // Every rank starts from rank 0's weights (fresh init, HF weights or checkpoint alike).
@@ -335,10 +234,10 @@ pub fn train(
     let tokens_per_step = global_batch as f64 * t.context_length as f64;
     if lead {
         println!(
-        "{tag} Model: {:.2}M parameters, {} layers, d {}, {} heads / {} kv heads, vocab {} | device {device:?}, {:?} compute | {} tokens per step",
-        shape.num_parameters() as f64 / 1e6, shape.num_layers, shape.hidden_size, shape.num_heads,
-        shape.num_kv_heads, shape.vocab_size, compute_kind(cfg, device), tokens_per_step
-    );
+            "{tag} Model: {:.2}M parameters, {} layers, d {}, {} heads / {} kv heads, vocab {} | {device:?}, {:?} compute | {} ranks, {} tokens per step",
+            shape.num_parameters() as f64 / 1e6, shape.num_layers, shape.hidden_size, shape.num_heads,
+            shape.num_kv_heads, shape.vocab_size, compute_kind(cfg, device), topo.world, tokens_per_step
+        );
     }
 
     let schedule = Schedule {
@@ -347,6 +246,7 @@ pub fn train(
         warmup: t.warmup_steps,
         total: t.max_steps,
     };
+    let mut spikes = SpikeDetector::new(t.spike_window, t.spike_zscore);
     let mut metrics = if lead {
         Some(Metrics::open(&run_dir.join("metrics.jsonl"))?)
     } else {
@@ -358,19 +258,28 @@ pub fn train(
         run_dir: run_dir.clone(),
         last_checkpoint: None,
         val_loss: None,
+        preempted: false,
     };
     let mut buf = Vec::new();
-    let mut window_start = Instant::now();
-    let mut window_steps = 0usize;
-    let (mut data_s, mut compute_s, mut comm_s, mut opt_s) = (0.0, 0.0, 0.0, 0.0);
+    let mut window = Window::default();
+    window.reset();
+    let mut nan_injected = false;
+    preempt::install();
 
+    // The injected NaN fires once, also when a rollback replays its step.
+    let mut inject_now = |step: usize| {
+        cfg.debug.inject_nan_at_step == step && !std::mem::replace(&mut nan_injected, true)
+    };
     let last_step = opts
         .stop_at_step
         .map_or(t.max_steps, |s| s.min(t.max_steps));
-    for step in state.step..last_step {
+    while state.step < last_step {
+        let step = state.step;
         inject_fault(cfg, topo, step + 1, &tag);
-        let lr = schedule.lr(step);
-        // Forward/backward over the micro-batches; this rank's share of the global order.
+        let lr = schedule.lr(step) * state.lr_scale;
+        let inject_nan = inject_now(step + 1);
+
+        // Forward/backward over the micro-batches of this rank's share of the global order.
         let phase = Instant::now();
         let mine: Vec<u64> = rank_indices(
             state.samples_consumed,
@@ -385,40 +294,100 @@ pub fn train(
             let d0 = Instant::now();
             let (x, y) = batch(&tokens, &sampler, micro, t.context_length, &mut buf, device);
             data_time += d0.elapsed().as_secs_f64();
-            let loss = model.loss(&x, &y);
+            let mut loss = model.loss(&x, &y);
+            if inject_nan && cfg.debug.inject_nan_param.is_none() {
+                loss = loss * f64::NAN;
+            }
             (&loss / t.grad_accum_nums as f64).backward();
             loss_sum += loss.detach();
         }
         state.samples_consumed += global_batch;
-        compute_s += phase.elapsed().as_secs_f64() - data_time;
-        data_s += data_time;
+        window.compute_s += phase.elapsed().as_secs_f64() - data_time;
+        window.data_s += data_time;
 
-        // Data parallelism: average gradients (once per step, after the last micro-batch) and
-        // the loss across ranks, so clipping, the guard and the log see global values.
+        // Data parallelism: average gradients (once per step, after the last micro-batch), and
+        // sum the loss and the stop requests, so every rank sees the same global values and
+        // takes the same branch below.
         let phase = Instant::now();
         let grads = opt.gradients();
         all_reduce_gradients(pg, &grads, cfg.system.bucket_mb)?;
-        let mut global_loss = [(loss_sum.double_value(&[]) / t.grad_accum_nums as f64) as f32];
-        pg.all_reduce_avg_f32(&mut global_loss)?;
-        let loss = global_loss[0] as f64;
-        comm_s += phase.elapsed().as_secs_f64();
-        let norm = clip_grad_norm(&grads, t.max_grad_norm).double_value(&[]);
-        if t.nan_check && !(loss.is_finite() && norm.is_finite()) {
-            guard::report(&tag, step, loss, norm, &opt);
-            bail!("{tag} non-finite loss or gradient norm at step {step}; stopping (see the report above)");
+        let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
+        let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
+        pg.all_reduce_sum_f32(&mut shared)?;
+        let loss = shared[0] as f64 / topo.world as f64;
+        let stop_requested = shared[1] > 0.0;
+        window.comm_s += phase.elapsed().as_secs_f64();
+        if inject_nan {
+            inject_nan_gradient(cfg, &opt);
         }
+        let norm_tensor = grad_norm(&grads);
+        let norm = norm_tensor.double_value(&[]);
+
+        // The guard: NaN/Inf (always checked when nan_check is on) and loss spikes.
+        let event = if t.nan_check && !(loss.is_finite() && norm.is_finite()) {
+            Some(Event::NonFinite)
+        } else {
+            spikes
+                .as_ref()
+                .and_then(|s| s.spike(loss))
+                .map(|z| Event::Spike { z })
+        };
+        if let Some(event) = event {
+            let action = on_guard_event(
+                event,
+                step + 1,
+                loss,
+                norm,
+                &opt,
+                &mut state,
+                cfg,
+                &ckpt_root,
+                &run_dir,
+                &tag,
+                lead,
+                pg,
+            )?;
+            match action {
+                Action::Abort => unreachable!("on_guard_event returns the abort as an error"),
+                Action::Skip => {
+                    opt.zero_grad();
+                    state.step += 1;
+                }
+                Action::Rollback => {
+                    let dir =
+                        checkpoint::latest(&ckpt_root).context("rollback needs a checkpoint")?;
+                    let saved = checkpoint::load(&dir, &shape, &params, &mut opt)?;
+                    opt.zero_grad();
+                    // New data after the bad region: samples_consumed keeps going.
+                    state.step = saved.step;
+                    state.adam_step = saved.adam_step;
+                    state.lr_scale *= t.rollback_lr_factor;
+                    println!(
+                        "{tag} Rolled back to {} (step {}); LR scale now {}",
+                        dir.display(),
+                        saved.step,
+                        state.lr_scale
+                    );
+                }
+            }
+            continue;
+        }
+        if let (Some(s), true) = (spikes.as_mut(), loss.is_finite()) {
+            s.accept(loss);
+        }
+        clip_to(&grads, &norm_tensor, t.max_grad_norm);
 
         let phase = Instant::now();
         opt.step(lr);
         opt.zero_grad();
-        opt_s += phase.elapsed().as_secs_f64();
+        window.opt_s += phase.elapsed().as_secs_f64();
         state.step = step + 1;
         state.adam_step = opt.step;
         state.loss = loss;
         summary.losses.push(loss);
-        window_steps += 1;
+        window.steps += 1;
 
-        let done = state.step == last_step;
+        let done = state.step == last_step || stop_requested;
         let eval_now = val.is_some()
             && (done || (t.eval_interval > 0 && state.step.is_multiple_of(t.eval_interval)));
         let val_loss = if eval_now {
@@ -426,50 +395,25 @@ pub fn train(
         } else {
             None
         };
-        if val_loss.is_some() {
-            summary.val_loss = val_loss;
-        }
+        summary.val_loss = val_loss.or(summary.val_loss);
         if state.step.is_multiple_of(cfg.logging.interval) || done || val_loss.is_some() {
-            let elapsed = window_start.elapsed().as_secs_f64();
-            let step_time = elapsed / window_steps as f64;
-            let line = StepLine {
-                tag: &tag,
-                step: state.step,
-                max_steps: t.max_steps,
-                loss,
-                lr,
-                grad_norm: norm,
-                tokens_per_s: tokens_per_step / step_time,
-                eta_s: step_time * (t.max_steps - state.step) as f64,
-                mfu: None,
-            };
             if let Some(metrics) = metrics.as_mut() {
-                println!("{line}");
-                if let Some(v) = val_loss {
-                    println!(
-                        "{tag} Validation | Step [{}/{}] | Val Loss: {v:.4} | Val PPL: {:.2}",
-                        state.step,
-                        t.max_steps,
-                        v.exp()
-                    );
-                }
-                if cfg.logging.verbose {
-                    let n = window_steps as f64;
-                    println!(
-                        "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms",
-                        1e3 * data_s / n, 1e3 * compute_s / n, 1e3 * comm_s / n, 1e3 * opt_s / n
-                    );
-                }
-                metrics.record(&json!({
-                    "step": state.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                    "tokens_per_s": tokens_per_step / step_time, "samples_consumed": state.samples_consumed,
-                    "val_loss": val_loss,
-                }))?;
+                log_step(
+                    &tag,
+                    &state,
+                    t.max_steps,
+                    lr,
+                    norm,
+                    tokens_per_step,
+                    val_loss,
+                    &window,
+                    cfg,
+                    metrics,
+                )?;
             }
-            window_start = Instant::now();
-            window_steps = 0;
-            (data_s, compute_s, comm_s, opt_s) = (0.0, 0.0, 0.0, 0.0);
+            window.reset();
         }
+        report_memory(cfg, state.step, &tag, lead);
 
         let interval = cfg.checkpoint.interval;
         if done || (interval > 0 && state.step.is_multiple_of(interval)) {
@@ -489,51 +433,209 @@ pub fn train(
                 summary.last_checkpoint = Some(dir);
             }
             pg.barrier()?;
-            // Saving is slow and not training throughput.
-            window_start = Instant::now();
+            window.reset();
+        }
+        if stop_requested {
+            println!(
+                "{tag} Stopped by signal at step {}: checkpoint saved; continue with --resume auto",
+                state.step
+            );
+            summary.preempted = true;
+            break;
         }
     }
     summary.final_step = state.step;
     // Rank 0 hosts the store: nobody may leave while others still use it.
     pg.barrier()?;
-    if lead && state.step >= t.max_steps && summary.losses.is_empty() {
-        println!(
-            "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
-            state.step
-        );
+    if lead {
+        if state.step >= t.max_steps && summary.losses.is_empty() {
+            println!(
+                "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
+                state.step
+            );
+        }
+        println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
     }
     Ok(summary)
 }
 
-/// The checkpoint to resume from. Without `--resume`, an existing checkpoint is an error rather
-/// than something silently overwritten or ignored.
-fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<Option<PathBuf>> {
-    for partial in checkpoint::incomplete(root) {
+/// Prints the step line (and validation, timing) and appends the metrics record.
+#[allow(clippy::too_many_arguments)]
+fn log_step(
+    tag: &str,
+    state: &TrainerState,
+    max_steps: usize,
+    lr: f64,
+    norm: f64,
+    tokens_per_step: f64,
+    val_loss: Option<f64>,
+    window: &Window,
+    cfg: &Config,
+    metrics: &mut Metrics,
+) -> Result<()> {
+    let n = window.steps.max(1) as f64;
+    let step_time = window.start.map_or(0.0, |s| s.elapsed().as_secs_f64()) / n;
+    let tok_s = tokens_per_step / step_time.max(1e-9);
+    let line = StepLine {
+        tag,
+        step: state.step,
+        max_steps,
+        loss: state.loss,
+        lr,
+        grad_norm: norm,
+        tokens_per_s: tok_s,
+        eta_s: step_time * (max_steps - state.step) as f64,
+        mfu: None,
+    };
+    println!("{line}");
+    if let Some(v) = val_loss {
         println!(
-            "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
-            partial.display()
+            "{tag} Validation | Step [{}/{max_steps}] | Val Loss: {v:.4} | Val PPL: {:.2}",
+            state.step,
+            v.exp()
         );
     }
-    match resume {
-        None => match checkpoint::latest(root) {
-            Some(found) => bail!(
-                "{} already holds checkpoints (latest {}); pass --resume auto to continue that run, or set logging.run_name / checkpoint.dir to start a new one",
-                root.display(),
-                found.display()
-            ),
-            None => Ok(None),
-        },
-        Some(Resume::Auto) => {
-            let found = checkpoint::latest(root);
-            if found.is_none() {
-                println!("{tag} --resume auto: no complete checkpoint in {}; starting from scratch", root.display());
+    if cfg.logging.verbose {
+        println!(
+            "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms",
+            1e3 * window.data_s / n, 1e3 * window.compute_s / n, 1e3 * window.comm_s / n, 1e3 * window.opt_s / n
+        );
+    }
+    metrics.record(&json!({
+        "step": state.step, "loss": state.loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+        "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": gb(rss_bytes()),
+        "guard_events": state.guard_events,
+    }))
+}
+
+/// Every `logging.memory_interval` steps: RSS on rank 0; a warning on any rank above the limit.
+fn report_memory(cfg: &Config, step: usize, tag: &str, lead: bool) {
+    let every = cfg.logging.memory_interval;
+    if every == 0 || !step.is_multiple_of(every) {
+        return;
+    }
+    let rss = gb(rss_bytes());
+    if lead {
+        println!(
+            "{tag} Memory | RSS {rss:.2} GB | peak {:.2} GB",
+            gb(peak_rss_bytes())
+        );
+    }
+    let limit = cfg.system.max_memory_gb;
+    if limit > 0.0 && rss > limit {
+        eprintln!(
+            "{tag} WARNING: resident memory {rss:.2} GB exceeds system.max_memory_gb = {limit}"
+        );
+    }
+}
+
+/// Reports a guard event, saves the evidence (rank 0), and decides what the loop does. The
+/// abort comes back as a `NanAbort` error (exit code 3).
+#[allow(clippy::too_many_arguments)]
+fn on_guard_event(
+    event: Event,
+    step: usize,
+    loss: f64,
+    norm: f64,
+    opt: &AdamW,
+    state: &mut TrainerState,
+    cfg: &Config,
+    ckpt_root: &Path,
+    run_dir: &Path,
+    tag: &str,
+    lead: bool,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Action> {
+    let t = &cfg.training;
+    let action = match event {
+        Event::NonFinite => {
+            if lead {
+                let mut text = guard::report_text(tag, step, loss, norm, opt);
+                let name = format!("nan_step_{step}");
+                let params: Vec<(String, Tensor)> = opt
+                    .params
+                    .iter()
+                    .map(|p| (p.name.clone(), p.param.shallow_clone()))
+                    .collect();
+                let evidence = TrainerState {
+                    step,
+                    loss,
+                    ..state.clone()
+                };
+                let dir = checkpoint::save(ckpt_root, &name, &params, opt, &evidence, usize::MAX)?;
+                let dump = run_dir.join("debug").join(format!("{name}.safetensors"));
+                guard::dump(&dump, opt)?;
+                text.push_str(&format!(
+                    "\nCheckpoint saved: {}\nDebug tensors saved: {}",
+                    dir.display(),
+                    dump.display()
+                ));
+                eprintln!("{text}");
             }
-            Ok(found)
+            Action::from_config(&t.nan_policy)
         }
-        Some(Resume::Dir(dir)) => {
-            anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
-            Ok(Some(dir.clone()))
+        Event::Spike { z } => {
+            eprintln!("{tag} WARNING: loss spike at step {step}: loss {loss:.4} is {z:.1} standard deviations above the last {} losses", t.spike_window);
+            Action::from_config(&t.spike_policy)
         }
+    };
+    pg.barrier()?;
+    let what = if event == Event::NonFinite {
+        "non-finite loss or gradient norm"
+    } else {
+        "loss spike"
+    };
+    if action == Action::Abort {
+        return Err(NanAbort(format!(
+            "{tag} {what} at step {step}; stopping (training.nan_policy / spike_policy = abort)"
+        ))
+        .into());
+    }
+    state.guard_events += 1;
+    if state.guard_events > t.max_nan_skips {
+        return Err(NanAbort(format!(
+            "{tag} {what} at step {step}: {} guard events exceed training.max_nan_skips = {}; stopping",
+            state.guard_events, t.max_nan_skips
+        ))
+        .into());
+    }
+    if action == Action::Rollback && checkpoint::latest(ckpt_root).is_none() {
+        return Err(NanAbort(format!(
+            "{tag} {what} at step {step}: rollback needs a complete checkpoint in {} and there is none yet; set checkpoint.interval",
+            ckpt_root.display()
+        ))
+        .into());
+    }
+    let verb = if action == Action::Skip {
+        "skipping the update"
+    } else {
+        "rolling back"
+    };
+    if lead {
+        println!(
+            "{tag} Guard: {what} at step {step}; {verb} ({} of {} allowed)",
+            state.guard_events, t.max_nan_skips
+        );
+    }
+    Ok(action)
+}
+
+fn check_injection_target(cfg: &Config, params: &[(String, Tensor)]) -> Result<()> {
+    if let Some(name) = &cfg.debug.inject_nan_param {
+        if !params.iter().any(|(n, _)| n == name) {
+            bail!("debug.inject_nan_param = {name:?} is not a parameter of this model (e.g. model.layers.0.mlp.up_proj.weight)");
+        }
+    }
+    Ok(())
+}
+
+/// `debug.inject_nan_param`: a NaN in one gradient, after the all-reduce so every rank agrees.
+fn inject_nan_gradient(cfg: &Config, opt: &AdamW) {
+    let Some(name) = &cfg.debug.inject_nan_param else {
+        return;
+    };
+    if let Some(p) = opt.params.iter().find(|p| &p.name == name) {
+        let _ = p.param.grad().view(-1).get(0).fill_(f64::NAN);
     }
 }
 

@@ -1,0 +1,34 @@
+//! Process memory from /proc/self/status: resident set (VmRSS) and its peak (VmHWM).
+
+fn status_kb(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Resident memory in bytes (0 where /proc is unavailable).
+pub fn rss_bytes() -> u64 {
+    status_kb("VmRSS:").unwrap_or(0) * 1024
+}
+
+/// Peak resident memory in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    status_kb("VmHWM:").unwrap_or(0) * 1024
+}
+
+pub fn gb(bytes: u64) -> f64 {
+    bytes as f64 / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rss_grows_with_a_touched_allocation() {
+        let before = super::rss_bytes();
+        let v = vec![1u8; 128 << 20];
+        let after = super::rss_bytes();
+        assert!(after >= before + (100 << 20), "{before} -> {after}");
+        assert!(super::peak_rss_bytes() >= after);
+        drop(v);
+    }
+}

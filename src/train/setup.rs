@@ -1,0 +1,135 @@
+//! Everything a run decides before its first step: device, precision, run and checkpoint
+//! directories, the prepared data, the model shape and the checkpoint to resume from.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use tch::{Device, Kind};
+
+use super::checkpoint;
+use super::trainer::{Resume, Topology};
+use crate::config::{Config, Resolved};
+use crate::data::prepare::{prepare, PrepareSpec, Prepared};
+use crate::model::{hf, LlamaShape};
+
+/// The CUDA index of this rank: `lockstep run` narrows CUDA_VISIBLE_DEVICES to one GPU per
+/// worker (index 0); torchrun leaves all visible, so LOCAL_RANK picks one.
+fn cuda_index(cfg: &Config, topo: Topology) -> usize {
+    if topo.world == 1 {
+        cfg.system.device_id
+    } else if std::env::var_os("LOCKSTEP_LAUNCHER").is_some() {
+        0
+    } else {
+        topo.local_rank
+    }
+}
+
+pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
+    let index = cuda_index(cfg, topo);
+    Ok(match cfg.system.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => {
+            if !tch::Cuda::is_available() {
+                bail!("system.device = cuda but no CUDA device is visible to libtorch; use system.device=cpu or auto");
+            }
+            Device::Cuda(index)
+        }
+        _ if tch::Cuda::is_available() => Device::Cuda(index),
+        _ => Device::Cpu,
+    })
+}
+
+pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
+    match (cfg.training.dtype.as_str(), device) {
+        ("bf16", _) | ("auto", Device::Cuda(_)) => Kind::BFloat16,
+        _ => Kind::Float,
+    }
+}
+
+pub fn run_dir(resolved: &Resolved) -> PathBuf {
+    let c = &resolved.config.logging;
+    Path::new(&c.dir).join(c.run_name.as_deref().unwrap_or(&resolved.preset))
+}
+
+pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
+    match &resolved.config.checkpoint.dir {
+        Some(d) => PathBuf::from(d),
+        None => run_dir(resolved).join("checkpoints"),
+    }
+}
+
+pub fn prepare_spec(cfg: &Config, progress: bool) -> PrepareSpec {
+    PrepareSpec {
+        tokenizer: cfg.data.tokenizer.clone(),
+        path: PathBuf::from(&cfg.data.path),
+        text_field: cfg.data.text_field.clone(),
+        val_fraction: cfg.data.val_fraction,
+        context_length: cfg.training.context_length,
+        num_samples: cfg.data.num_samples,
+        cache_dir: PathBuf::from(&cfg.data.cache_dir),
+        num_threads: cfg.training.num_workers,
+        progress,
+    }
+}
+
+/// Prepares (or finds cached) token files and says which.
+pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Prepared> {
+    let start = Instant::now();
+    let p = prepare(&prepare_spec(cfg, true))?;
+    let what = if p.cache_hit { "cache hit" } else { "prepared" };
+    println!(
+        "{tag} Data: {what} {} ({} train + {} val tokens, tokenizer {}, {:.1}s)",
+        p.dir.display(),
+        p.train_tokens,
+        p.val_tokens,
+        p.tokenizer_id,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(p)
+}
+
+pub fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
+    let shape = match &cfg.model.model_path {
+        Some(dir) => hf::shape_from_dir(Path::new(dir), &cfg.model)?,
+        None => LlamaShape::from_config(&cfg.model, vocab)?,
+    };
+    anyhow::ensure!(
+        shape.vocab_size >= vocab,
+        "the model's vocabulary ({}) is smaller than the tokenizer's ({vocab}); the tokenizer in data.tokenizer does not fit this model",
+        shape.vocab_size
+    );
+    Ok(shape)
+}
+
+/// The checkpoint to resume from. Without `--resume`, an existing checkpoint is an error rather
+/// than something silently overwritten or ignored.
+pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<Option<PathBuf>> {
+    for partial in checkpoint::incomplete(root) {
+        println!(
+            "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
+            partial.display()
+        );
+    }
+    match resume {
+        None => match checkpoint::latest(root) {
+            Some(found) => bail!(
+                "{} already holds checkpoints (latest {}); pass --resume auto to continue that run, or set logging.run_name / checkpoint.dir to start a new one",
+                root.display(),
+                found.display()
+            ),
+            None => Ok(None),
+        },
+        Some(Resume::Auto) => {
+            let found = checkpoint::latest(root);
+            if found.is_none() {
+                println!("{tag} --resume auto: no complete checkpoint in {}; starting from scratch", root.display());
+            }
+            Ok(found)
+        }
+        Some(Resume::Dir(dir)) => {
+            anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
+            Ok(Some(dir.clone()))
+        }
+    }
+}
