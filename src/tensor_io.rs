@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
 use tch::{Device, Kind, Tensor};
 
 pub fn kind_to_dtype(kind: Kind) -> Result<Dtype> {
@@ -76,6 +76,11 @@ pub fn save(
         })
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, metadata, path)
+        .map_err(|e| match e {
+            // The OS error alone: its Display would otherwise be printed twice in the chain.
+            SafeTensorError::IoError(io) => anyhow::Error::from(io),
+            other => anyhow::Error::from(other),
+        })
         .with_context(|| format!("{}: cannot write safetensors file", path.display()))
 }
 

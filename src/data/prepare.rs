@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::sources::{dataset_fingerprint, list_files, read_documents};
-use super::tokenizer::Tokenizer;
+use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
 };
@@ -89,7 +89,7 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
     }
     let tok = Tokenizer::load(&spec.tokenizer)?;
     if is_token_file(&spec.path) {
-        return use_token_file(&spec.path, &tok);
+        return use_token_file(&spec.path, &tok, &spec.tokenizer);
     }
 
     let files = list_files(&spec.path)?;
@@ -171,16 +171,23 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
 }
 
 /// A ready token file is used in place: no cache, no validation split.
-fn use_token_file(path: &Path, tok: &Tokenizer) -> Result<Prepared> {
+fn use_token_file(path: &Path, tok: &Tokenizer, configured: &str) -> Result<Prepared> {
     let tf = TokenFile::open(path)?;
     if let Some(h) = tf.tokenizer_hash() {
         if h != tok.definition_hash() {
-            bail!(
-                "{}: was tokenized with a different tokenizer than `{}`; set data.tokenizer to \
-                 the one used by `lockstep prepare`, or prepare the text again",
-                path.display(),
-                tok.id()
-            );
+            let p = path.display();
+            match tokenizer_that_wrote(path, h) {
+                Some(name) => bail!(
+                    "{p}: was tokenized with a different tokenizer (`{name}`) than \
+                     data.tokenizer = `{configured}`; set data.tokenizer={name}, or point \
+                     data.path at the text to tokenize it with `{configured}`"
+                ),
+                None => bail!(
+                    "{p}: was tokenized with a different tokenizer than data.tokenizer = \
+                     `{configured}`; set data.tokenizer to the one `lockstep prepare` used, or \
+                     point data.path at the text to tokenize it again"
+                ),
+            }
         }
     }
     Ok(Prepared {
@@ -194,6 +201,21 @@ fn use_token_file(path: &Path, tok: &Tokenizer) -> Result<Prepared> {
         train_tokens: tf.num_tokens(),
         val_tokens: 0,
     })
+}
+
+/// Which tokenizer wrote a token file whose header holds `hash`: a built-in one with that
+/// definition hash, else the one its cache entry's `meta.json` names. Only for error messages.
+fn tokenizer_that_wrote(path: &Path, hash: [u8; 32]) -> Option<String> {
+    let builtin = BUILTIN_NAMES
+        .iter()
+        .find(|name| Tokenizer::load(name).is_ok_and(|t| t.definition_hash() == hash));
+    if let Some(name) = builtin {
+        return Some(name.to_string());
+    }
+    let meta: Value =
+        serde_json::from_slice(&fs::read(path.parent()?.join("meta.json")).ok()?).ok()?;
+    let id = meta["tokenizer"]["id"].as_str()?;
+    Some(id.strip_prefix("hf:").unwrap_or(id).to_string())
 }
 
 /// The cache entry in `dir` if it is complete, made from `key` and readable.
@@ -679,7 +701,10 @@ mod tests {
         let mut s = spec(&p.train, &dir.path().join("other"));
         s.tokenizer = "cl100k_base".into();
         let err = prepare(&s).unwrap_err().to_string();
-        assert!(err.contains("different tokenizer"), "{err}");
+        assert!(
+            err.contains("different tokenizer") && err.contains("set data.tokenizer=gpt2"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -1,0 +1,349 @@
+//! The failure table of docs/FAILURES.md, row by row: each bad input gives its exit code
+//! (2 = config, 1 = runtime), a message naming the file/key/value and the fix, and loses or
+//! half-writes nothing.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::{ok, output_text, run, small, write_corpus};
+
+fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
+    let mut a = vec![sub.to_string()];
+    a.extend(base.iter().cloned());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+/// Every file under `dir` with its bytes, by relative path (directories as empty entries).
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Option<Vec<u8>>>) {
+        for e in fs::read_dir(dir).unwrap() {
+            let path = e.unwrap().path();
+            let rel = path.strip_prefix(root).unwrap().to_path_buf();
+            if path.is_dir() {
+                out.insert(rel, None);
+                walk(root, &path, out);
+            } else {
+                out.insert(rel, Some(fs::read(&path).unwrap()));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    if dir.exists() {
+        walk(dir, dir, &mut out);
+    }
+    out
+}
+
+/// Paths under `dir` whose name contains `.tmp` (a half-written file or directory).
+fn tmp_leftovers(dir: &Path) -> Vec<PathBuf> {
+    snapshot(dir)
+        .into_keys()
+        .filter(|p| p.to_string_lossy().contains(".tmp"))
+        .collect()
+}
+
+/// The exit code and the message, with the full output on failure.
+fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
+    let text = output_text(out);
+    assert_eq!(out.status.code(), Some(code), "{text}");
+    for p in parts {
+        assert!(text.contains(p), "expected `{p}` in:\n{text}");
+    }
+    text
+}
+
+#[test]
+fn malformed_json_config_exits_2_and_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("bad.json"),
+        "{\"training\": {\"learning_rate\": 1e-3,}}\n",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "bad.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "bad.json: not valid JSON at line 1, column 37",
+            "trailing comma",
+            "fix the syntax (JSON allows no comments or trailing commas)",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+#[test]
+fn unknown_key_in_a_config_file_exits_2_with_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("typo.json"),
+        "{\"training\": {\"lerning_rate\": 1e-3}}",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "typo.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "typo.json: unknown config key \"training.lerning_rate\"",
+            "(did you mean \"training.learning_rate\"?)",
+            "`lockstep config --keys` lists all keys",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+#[test]
+fn truncated_token_file_is_named_with_the_fix_and_a_truncated_cache_entry_is_rebuilt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("prepare", &base, &[]));
+    let cache = tmp.path().join(".lockstep/cache");
+    let entry = fs::read_dir(&cache)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let good = fs::read(entry.join("train.tok")).unwrap();
+
+    // A .tok given as data.path is used in place: a truncated one is an error naming it.
+    let cut = tmp.path().join("cut.tok");
+    fs::write(&cut, &good[..1000]).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &["--set", "data.path=cut.tok", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "cut.tok: file is 1000 bytes but its header says",
+            "the file is truncated, delete it and run `lockstep prepare` again",
+        ],
+    );
+    assert_eq!(fs::read(&cut).unwrap(), &good[..1000], "left as it was");
+    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
+
+    // A truncated file inside the cache is not a valid entry: it is tokenized again.
+    fs::write(entry.join("train.tok"), &good[..good.len() / 2]).unwrap();
+    let text = ok(tmp.path(), &cmd("prepare", &base, &[]));
+    assert!(text.contains("Data: prepared"), "{text}");
+    assert!(fs::read(entry.join("train.tok")).unwrap() == good);
+    assert!(
+        tmp_leftovers(&cache).is_empty(),
+        "{:?}",
+        tmp_leftovers(&cache)
+    );
+}
+
+#[test]
+fn token_file_of_another_tokenizer_names_the_one_that_wrote_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("prepare", &base, &[]));
+    let cache = tmp.path().join(".lockstep/cache");
+    let entry = fs::read_dir(&cache)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let tok = entry.join("train.tok");
+    let before = snapshot(&cache);
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &[
+                "--set",
+                &format!("data.path={}", tok.display()),
+                "--set",
+                "data.tokenizer=cl100k_base",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[&format!(
+            "{}: was tokenized with a different tokenizer (`gpt2`) than data.tokenizer = \
+                 `cl100k_base`; set data.tokenizer=gpt2, or point data.path at the text",
+            tok.display()
+        )],
+    );
+    assert_eq!(snapshot(&cache), before, "the cache is untouched");
+}
+
+#[test]
+fn resuming_a_checkpoint_of_another_shape_names_the_difference_and_keeps_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("train", &base, &["--max-steps", "2"]));
+    let ckpts = tmp.path().join("runs/tiny/checkpoints");
+    let before = snapshot(&ckpts);
+    let metrics = fs::read(tmp.path().join("runs/tiny/metrics.jsonl")).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &[
+                "--set",
+                "model.hidden_size=128",
+                "--max-steps",
+                "4",
+                "--resume",
+                "auto",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "runs/tiny/checkpoints/step_2: the checkpoint is of another model shape",
+            "hidden_size: checkpoint 64 vs config 128",
+            "resume with the config it was trained with",
+        ],
+    );
+    assert!(snapshot(&ckpts) == before, "the checkpoints are unchanged");
+    assert!(fs::read(tmp.path().join("runs/tiny/metrics.jsonl")).unwrap() == metrics);
+}
+
+/// Known issue (src/train/trainer.rs, not fixed here): the run's `config.json` is written
+/// before the checkpoint is loaded, so a resume that fails on the shape check replaces the
+/// run's config with the rejected one. Un-ignore once the write follows the load.
+#[test]
+fn failed_resume_keeps_the_runs_config_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("train", &base, &["--max-steps", "2"]));
+    let config = tmp.path().join("runs/tiny/config.json");
+    let before = fs::read(&config).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &["--set", "model.hidden_size=128", "--resume", "auto"],
+        ),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
+    assert!(
+        fs::read(&config).unwrap() == before,
+        "config.json was replaced"
+    );
+}
+
+#[test]
+fn missing_data_path_exits_1_naming_the_path_and_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &small(Path::new("missing/dir")),
+            &["--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "missing/dir: cannot read the dataset (No such file or directory",
+            "check `data.path` in the config",
+        ],
+    );
+    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
+    assert!(!tmp.path().join("runs/tiny/metrics.jsonl").exists());
+    assert!(tmp_leftovers(tmp.path()).is_empty());
+}
+
+#[test]
+fn log_dir_under_a_regular_file_exits_1_naming_the_key() {
+    // Root ignores permission bits, so the unwritable directory is one under a regular file.
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    fs::write(tmp.path().join("afile"), "x").unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &small(&corpus),
+            &["--set", "logging.dir=afile/runs", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "logging.dir: cannot create run directory afile/runs/tiny",
+            "choose a writable logging.dir",
+            "Not a directory",
+        ],
+    );
+    assert_eq!(fs::read_to_string(tmp.path().join("afile")).unwrap(), "x");
+    assert!(tmp_leftovers(tmp.path()).is_empty());
+}
+
+#[test]
+fn master_port_in_use_exits_1_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let busy = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "1",
+                "--master-port",
+                &port,
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            &format!("--master-port {port}: address 127.0.0.1:{port} is already in use"),
+            "choose another port or 0 for a free one",
+        ],
+    );
+    // No worker ran: no per-rank logs, no run directory.
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    drop(busy);
+}

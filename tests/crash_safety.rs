@@ -1,0 +1,561 @@
+//! Checkpoints survive the worst moments: SIGKILL at random points of training and saving,
+//! a full disk, and a checkpoint directory that cannot be written. After each, every directory
+//! named `step_N` is a complete, loadable checkpoint and `--resume auto` picks the latest one.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{lockstep, output_text, run, write_corpus};
+use lockstep::tensor_io::SafeFile;
+use lockstep::train::checkpoint::read_state;
+
+/// The tests of this file run one at a time: the kill test's timing should not depend on
+/// what else the two cores are doing.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A one-layer model with a tied embedding: a checkpoint is ~19 MB, a step a few ms, so a
+/// process spends most of its life in `checkpoint::save` once it has started.
+fn tiny(corpus: &Path, ckpt: &Path) -> Vec<String> {
+    let sets = [
+        "model.hidden_size=32".to_string(),
+        "model.num_attention_heads=4".into(),
+        "model.num_key_value_heads=2".into(),
+        "model.intermediate_size=64".into(),
+        "model.num_layers=1".into(),
+        "model.tie_word_embeddings=true".into(),
+        "training.context_length=32".into(),
+        "training.batch_size=2".into(),
+        "training.learning_rate=1e-3".into(),
+        "training.min_lr=1e-4".into(),
+        "training.warmup_steps=3".into(),
+        "training.eval_batches=0".into(),
+        "system.num_threads=1".into(),
+        "checkpoint.interval=1".into(),
+        "checkpoint.keep_last=2".into(),
+        format!("data.path={}", corpus.display()),
+        format!("checkpoint.dir={}", ckpt.display()),
+    ];
+    let mut args = vec!["--preset".to_string(), "tiny".into()];
+    for s in sets {
+        args.extend(["--set".to_string(), s]);
+    }
+    args
+}
+
+fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
+    let mut a = vec![sub.to_string()];
+    a.extend(base.iter().cloned());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+/// Parameter names of the `tiny` shape above (tied embedding: no lm_head).
+fn expected_params() -> BTreeSet<String> {
+    let mut names: BTreeSet<String> = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for p in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+        names.insert(format!("model.layers.0.self_attn.{p}.weight"));
+    }
+    for p in ["gate_proj", "up_proj", "down_proj"] {
+        names.insert(format!("model.layers.0.mlp.{p}.weight"));
+    }
+    names
+}
+
+fn expected_moments() -> BTreeSet<String> {
+    expected_params()
+        .iter()
+        .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
+        .collect()
+}
+
+/// `N` for a directory named exactly `step_N`.
+fn step_of(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix("step_")?;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// Why the checkpoint in `dir` (named `step_N`) is not complete and loadable, if it is not.
+fn defect(dir: &Path, n: usize) -> Option<String> {
+    let state = match read_state(dir) {
+        Ok(s) => s,
+        Err(e) => return Some(format!("{e:#}")),
+    };
+    if state.step != n {
+        return Some(format!("trainer.json says step {}", state.step));
+    }
+    for (file, want) in [
+        ("model.safetensors", expected_params()),
+        ("optimizer.safetensors", expected_moments()),
+    ] {
+        let f = match SafeFile::open(&dir.join(file)) {
+            Ok(f) => f,
+            Err(e) => return Some(format!("{e:#}")),
+        };
+        let got: BTreeSet<String> = f.names().into_iter().collect();
+        if got != want {
+            return Some(format!("{file} holds {got:?}, expected {want:?}"));
+        }
+    }
+    if !dir.join("config.json").is_file() {
+        return Some("no config.json".into());
+    }
+    None
+}
+
+/// What a checkpoint directory holds after a kill.
+struct Scan {
+    /// Complete `step_N` directories, ascending.
+    complete: Vec<usize>,
+    /// `step_N` directories that are not complete and loadable, with the reason.
+    corrupt: Vec<(String, String)>,
+    /// Leftovers of an interrupted save (`*.tmp`).
+    partial: Vec<String>,
+    /// Anything else.
+    other: Vec<String>,
+}
+
+fn scan(root: &Path) -> Scan {
+    let mut s = Scan {
+        complete: Vec::new(),
+        corrupt: Vec::new(),
+        partial: Vec::new(),
+        other: Vec::new(),
+    };
+    let Ok(entries) = fs::read_dir(root) else {
+        return s;
+    };
+    for e in entries {
+        let e = e.unwrap();
+        let name = e.file_name().into_string().unwrap();
+        match step_of(&name) {
+            Some(n) => match defect(&e.path(), n) {
+                None => s.complete.push(n),
+                Some(why) => s.corrupt.push((name, why)),
+            },
+            None if name.starts_with("step_") && name.ends_with(".tmp") => s.partial.push(name),
+            None => s.other.push(name),
+        }
+    }
+    s.complete.sort();
+    s
+}
+
+/// xorshift64*: deterministic kill times without a new crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+const KILLS: usize = 100;
+const SEED: u64 = 0x5eed_c0ff_ee15_2024;
+
+#[test]
+fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
+    let _serial = serial();
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let ckpt = tmp.path().join("ckpts");
+    let base = tiny(&corpus, &ckpt);
+    // Tokenize once up front, so the processes below spend their lives training and saving.
+    common::ok(tmp.path(), &cmd("prepare", &base, &[]));
+    let train = cmd(
+        "train",
+        &base,
+        &["--max-steps", "1000000", "--resume", "auto"],
+    );
+
+    let mut rng = Rng(SEED);
+    let (mut corrupt, mut mid_save, mut before_first_save, mut resumes_checked) = (0, 0, 0, 0);
+    let mut tmp_reported = 0;
+    let mut saves = 0usize;
+    let mut expected: Option<usize> = None;
+    for kill in 0..KILLS {
+        let had_partial = !scan(&ckpt).partial.is_empty();
+        let delay = rng.range(50, 1500);
+        let log_path = tmp.path().join("kill.log");
+        let log = fs::File::create(&log_path).unwrap();
+        let mut child = lockstep(tmp.path())
+            .args(&train)
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("lockstep starts");
+        std::thread::sleep(Duration::from_millis(delay));
+        let early = child.try_wait().unwrap();
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let out = fs::read_to_string(&log_path).unwrap();
+        assert!(
+            early.is_none(),
+            "kill {kill}: the process ended by itself ({early:?}) before the kill:\n{out}"
+        );
+
+        // Every step_N the kill left behind is complete and loadable.
+        let s = scan(&ckpt);
+        for (name, why) in &s.corrupt {
+            eprintln!("kill {kill} after {delay} ms: CORRUPT {name}: {why}");
+        }
+        if !s.corrupt.is_empty() {
+            corrupt += 1;
+        }
+        assert!(
+            s.other.is_empty(),
+            "kill {kill}: unexpected entries {:?}",
+            s.other
+        );
+        assert!(
+            s.complete.len() <= 2 + 1,
+            "keep_last = 2 (plus one not yet pruned at most): {:?}",
+            s.complete
+        );
+
+        // This process resumed from what the previous kill left.
+        if let Some(line) = out.lines().find(|l| l.contains("Resumed from ")) {
+            let n = expected
+                .unwrap_or_else(|| panic!("kill {kill}: resumed with no checkpoint: {line}"));
+            let want = format!(
+                "Resumed from {} at step {n} ",
+                ckpt.join(format!("step_{n}")).display()
+            );
+            assert!(
+                line.contains(&want),
+                "kill {kill}: expected `{want}` in `{line}`"
+            );
+            resumes_checked += 1;
+        } else if out.contains("no complete checkpoint") {
+            assert_eq!(
+                expected, None,
+                "kill {kill}: ignored a complete checkpoint:\n{out}"
+            );
+            resumes_checked += 1;
+        }
+        // A partial save left by the previous kill was reported and not used.
+        if had_partial && out.contains("Resolved config") {
+            assert!(
+                out.contains("Ignoring incomplete checkpoint"),
+                "kill {kill}: a step_N.tmp was not reported:\n{out}"
+            );
+            tmp_reported += 1;
+        }
+        let saved_now = out.matches("Checkpoint saved: ").count();
+        saves += saved_now;
+        if !s.partial.is_empty() {
+            mid_save += 1;
+        } else if saved_now == 0 {
+            before_first_save += 1;
+        }
+        expected = s.complete.last().copied().or(expected);
+        if s.complete.is_empty() {
+            assert_eq!(expected, None, "kill {kill}: all checkpoints vanished");
+        }
+    }
+    println!(
+        "{corrupt} corrupt checkpoints out of {KILLS} (kills after which some step_N was not complete and loadable; seed {SEED:#x}, {:.0} s): {mid_save} kills \
+         landed inside a save (a step_N.tmp was left), {before_first_save} before the process's \
+         first save, the rest between saves; {saves} checkpoints saved in all; {resumes_checked} \
+         resume decisions checked, {tmp_reported} leftover step_N.tmp reported",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(corrupt, 0, "corrupt checkpoints after SIGKILL");
+    assert!(
+        mid_save >= 10,
+        "too few kills landed inside a save ({mid_save}); the test lost its point"
+    );
+    assert!(
+        resumes_checked >= KILLS / 2,
+        "{resumes_checked} resumes checked"
+    );
+
+    // A final run without a kill resumes from the latest complete checkpoint, reports and
+    // ignores a planted half-written save of the next step, and replaces it.
+    let latest = expected.expect("some checkpoint after 100 kills");
+    let planted = ckpt.join(format!("step_{}.tmp", latest + 1));
+    fs::create_dir_all(&planted).unwrap();
+    let good = fs::read(ckpt.join(format!("step_{latest}/model.safetensors"))).unwrap();
+    fs::write(planted.join("model.safetensors"), &good[..good.len() / 2]).unwrap();
+    let stop = (latest + 2).to_string();
+    let out = common::ok(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &[
+                "--max-steps",
+                "1000000",
+                "--resume",
+                "auto",
+                "--stop-at-step",
+                &stop,
+            ],
+        ),
+    );
+    assert!(
+        out.contains(&format!(
+            "Ignoring incomplete checkpoint {} (",
+            planted.display()
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "Resumed from {} at step {latest} ",
+            ckpt.join(format!("step_{latest}")).display()
+        )),
+        "{out}"
+    );
+    let s = scan(&ckpt);
+    assert!(
+        s.corrupt.is_empty() && s.partial.is_empty(),
+        "{:?} {:?}",
+        s.corrupt,
+        s.partial
+    );
+    assert_eq!(s.complete, vec![latest + 1, latest + 2]);
+}
+
+/// Mounts a tmpfs at `dir` for the guard's lifetime; `None` (and a note) where mounting is not
+/// allowed (no CAP_SYS_ADMIN), so those environments skip the check instead of faking it.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, options: &str) -> Option<Tmpfs> {
+        fs::create_dir_all(dir).unwrap();
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(dir)
+            .stderr(Stdio::null())
+            .status();
+        if status.is_ok_and(|s| s.success()) {
+            Some(Tmpfs(dir.to_path_buf()))
+        } else {
+            eprintln!(
+                "SKIPPED: cannot mount a tmpfs at {} here (needs root / CAP_SYS_ADMIN)",
+                dir.display()
+            );
+            None
+        }
+    }
+
+    fn remount(&self, options: &str) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,{options}")])
+            .arg(&self.0)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "remount {options}");
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .map(|r| {
+            r.map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn disk_full_during_a_save_keeps_the_previous_checkpoint() {
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+
+    // The same first step on an ordinary disk: its size sizes the small filesystem, and its
+    // bytes are what the step_1 on the full disk must still hold afterwards.
+    let reference = tmp.path().join("reference");
+    let out = common::ok(
+        tmp.path(),
+        &cmd("train", &tiny(&corpus, &reference), &["--max-steps", "1"]),
+    );
+    assert!(out.contains("Checkpoint saved"), "{out}");
+    let size = dir_bytes(&reference.join("step_1"));
+
+    // Room for one checkpoint and a half: step_1 fits, step_2 runs out of space.
+    let mnt = tmp.path().join("small");
+    let room = (size + size / 2) / 4096 * 4096;
+    let Some(fs_guard) = Tmpfs::mount(&mnt, &format!("size={room}")) else {
+        return;
+    };
+    let ckpt = mnt.join("ckpts");
+    let base = tiny(&corpus, &ckpt);
+    let out = run(tmp.path(), &cmd("train", &base, &["--max-steps", "3"]));
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "saving checkpoint {} failed; earlier checkpoints are intact",
+            ckpt.join("step_2").display()
+        )) && text.contains("then continue with --resume auto")
+            && text.contains(
+                "optimizer.safetensors: cannot write safetensors file: No space left on device"
+            ),
+        "{text}"
+    );
+    // No half-written step_2 (nor step_2.tmp) is left, and step_1 is the reference's bytes.
+    assert_eq!(names(&ckpt), vec!["step_1".to_string()]);
+    assert_eq!(defect(&ckpt.join("step_1"), 1), None);
+    for f in ["model.safetensors", "optimizer.safetensors", "config.json"] {
+        assert!(
+            fs::read(ckpt.join("step_1").join(f)).unwrap()
+                == fs::read(reference.join("step_1").join(f)).unwrap(),
+            "{f} of step_1 changed"
+        );
+    }
+
+    // With room again, --resume auto continues from step_1.
+    fs_guard.remount(&format!("size={}", 4 * size));
+    let out = common::ok(
+        tmp.path(),
+        &cmd("train", &base, &["--max-steps", "3", "--resume", "auto"]),
+    );
+    assert!(
+        out.contains(&format!(
+            "Resumed from {} at step 1 ",
+            ckpt.join("step_1").display()
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        names(&ckpt),
+        vec!["step_2".to_string(), "step_3".to_string()]
+    );
+    assert_eq!(defect(&ckpt.join("step_3"), 3), None);
+}
+
+#[test]
+fn checkpoint_dir_under_a_regular_file_fails_clearly() {
+    // Root ignores permission bits (chmod 0555 stops nothing), but no one can create a
+    // directory inside a regular file: ENOTDIR is a real, unprivileged "unwritable" case.
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let blocker = tmp.path().join("blocker");
+    fs::write(&blocker, "a file, not a directory").unwrap();
+    let ckpt = blocker.join("ckpts");
+    let out = run(
+        tmp.path(),
+        &cmd("train", &tiny(&corpus, &ckpt), &["--max-steps", "2"]),
+    );
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!("checkpoint.dir {}", ckpt.display()))
+            && text.contains("choose a writable checkpoint.dir")
+            && text.contains("Not a directory"),
+        "{text}"
+    );
+    assert_eq!(
+        fs::read_to_string(&blocker).unwrap(),
+        "a file, not a directory"
+    );
+    assert!(!leftovers(tmp.path()), "a partial directory was left");
+}
+
+#[test]
+fn read_only_checkpoint_dir_keeps_the_previous_checkpoint() {
+    // A read-only filesystem refuses writes even to root (EROFS).
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let mnt = tmp.path().join("ro");
+    let Some(fs_guard) = Tmpfs::mount(&mnt, "size=64m") else {
+        return;
+    };
+    let base = tiny(&corpus, &mnt);
+    common::ok(tmp.path(), &cmd("train", &base, &["--max-steps", "1"]));
+    let before = fs::read(mnt.join("step_1/model.safetensors")).unwrap();
+    fs_guard.remount("ro");
+
+    let out = run(
+        tmp.path(),
+        &cmd("train", &base, &["--max-steps", "3", "--resume", "auto"]),
+    );
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&mnt.display().to_string())
+            && text.contains("Read-only file system")
+            && text.contains("choose a writable checkpoint.dir"),
+        "{text}"
+    );
+    assert_eq!(names(&mnt), vec!["step_1".to_string()]);
+    assert_eq!(defect(&mnt.join("step_1"), 1), None);
+    assert!(fs::read(mnt.join("step_1/model.safetensors")).unwrap() == before);
+}
+
+/// Whether any `*.tmp*` file or directory is left under `dir`.
+fn leftovers(dir: &Path) -> bool {
+    fs::read_dir(dir).unwrap().any(|e| {
+        let e = e.unwrap();
+        let name = e.file_name().into_string().unwrap();
+        name.contains(".tmp") || (e.file_type().unwrap().is_dir() && leftovers(&e.path()))
+    })
+}
+
+#[test]
+fn check_writable_names_the_directory_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = tmp.path().join("a/b");
+    lockstep::train::checkpoint::check_writable(&fresh).unwrap();
+    assert!(names(&fresh).is_empty(), "the probe is removed again");
+    let blocker = tmp.path().join("blocker");
+    fs::write(&blocker, "").unwrap();
+    let err = lockstep::train::checkpoint::check_writable(&blocker.join("ckpts")).unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains(&format!(
+            "checkpoint.dir {}",
+            blocker.join("ckpts").display()
+        )) && text.contains("choose a writable checkpoint.dir")
+            && text.contains("Not a directory"),
+        "{text}"
+    );
+}
