@@ -210,16 +210,7 @@ fn run_launcher(
     stop_at: Option<usize>,
 ) -> Result<i32> {
     let resolved = config.resolve()?;
-    // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    train::setup::prepare_data(&resolved.config, "[launcher]")?;
     let devices = choose_devices(la)?;
-    if let launch::Devices::Cpu(n) = devices {
-        // N CPU workers share the cores; libtorch would otherwise give each all of them.
-        if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
-        }
-    }
     let run_id = format!(
         "{}-{}",
         train::setup::run_dir(&resolved)
@@ -230,7 +221,7 @@ fn run_launcher(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
     );
-    let plan = launch::LaunchPlan {
+    let plan = launch::preflight(&launch::LaunchPlan {
         devices,
         nnodes: la.nnodes,
         node_rank: la.node_rank,
@@ -239,7 +230,16 @@ fn run_launcher(
         log_dir: PathBuf::from("logs").join(run_id),
         grace: std::time::Duration::from_secs(la.grace_s),
         log_all_ranks: la.log_ranks == "all",
-    };
+    })?;
+    // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
+    train::setup::prepare_data(&resolved.config, "[launcher]")?;
+    if let launch::Devices::Cpu(n) = plan.devices {
+        // N CPU workers share the cores; libtorch would otherwise give each all of them.
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
+        }
+    }
     let mut args = vec!["train".to_string()];
     args.extend(config.to_args());
     if let Some(r) = resume {
@@ -248,8 +248,13 @@ fn run_launcher(
     if let Some(s) = stop_at {
         args.extend(["--stop-at-step".to_string(), s.to_string()]);
     }
-    eprintln!("[launcher] logs in {}", plan.log_dir.display());
     let exe = std::env::current_exe()?;
+    eprintln!(
+        "[launcher] {} workers, rendezvous on port {}, logs in {}",
+        plan.devices.local_world(),
+        plan.master_port,
+        plan.log_dir.display()
+    );
     launch::launch(&plan, &exe, &args)
 }
 

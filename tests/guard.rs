@@ -7,15 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{lockstep, losses, ok, output_text, run, small, write_corpus};
-
-fn with(base: &[String], head: &[&str], tail: &[&str]) -> Vec<String> {
-    head.iter()
-        .map(|s| s.to_string())
-        .chain(base.iter().cloned())
-        .chain(tail.iter().map(|s| s.to_string()))
-        .collect()
-}
+use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus};
 
 const UP: &str = "model.layers.0.mlp.up_proj.weight";
 

@@ -160,6 +160,17 @@ pub fn launch_with(
     })
 }
 
+/// Checks `plan` and resolves its port (a free one for 0) before the caller does expensive
+/// work such as tokenizing: the returned plan names the port the workers will get.
+pub fn preflight(plan: &LaunchPlan) -> Result<LaunchPlan> {
+    validate(plan)?;
+    let master_port = port::resolve(plan)?;
+    Ok(LaunchPlan {
+        master_port,
+        ..plan.clone()
+    })
+}
+
 /// Rejects plans that cannot work before anything is started.
 fn validate(plan: &LaunchPlan) -> Result<()> {
     if plan.nnodes == 0 {

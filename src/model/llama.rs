@@ -157,21 +157,30 @@ impl Llama {
         let q = self.rope.apply(&heads(&layer.q_proj, s.num_heads));
         let k = self.rope.apply(&heads(&layer.k_proj, s.num_kv_heads));
         let v = heads(&layer.v_proj, s.num_kv_heads);
-        // Query head h reads kv head h / group (transformers' repeat_kv).
+        // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
+        // transformers asks for it), which saves materialising repeated keys and values.
         let group = (s.num_heads / s.num_kv_heads) as i64;
-        let (k, v) = if group > 1 {
-            (
-                k.repeat_interleave_self_int(group, 1, None),
-                v.repeat_interleave_self_int(group, 1, None),
-            )
-        } else {
-            (k, v)
-        };
         let y = match s.attention {
             AttentionBackend::Sdpa => Tensor::scaled_dot_product_attention::<Tensor>(
-                &q, &k, &v, None, 0.0, true, None, false,
+                &q,
+                &k,
+                &v,
+                None,
+                0.0,
+                true,
+                None,
+                group > 1,
             ),
-            AttentionBackend::Math => math_attention(&q, &k, &v),
+            AttentionBackend::Math => {
+                let repeat = |x: Tensor| {
+                    if group > 1 {
+                        x.repeat_interleave_self_int(group, 1, None)
+                    } else {
+                        x
+                    }
+                };
+                math_attention(&q, &repeat(k), &repeat(v))
+            }
         };
         let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
         self.linear(&y, &layer.o_proj)

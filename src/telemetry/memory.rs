@@ -23,12 +23,13 @@ pub fn gb(bytes: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn rss_grows_with_a_touched_allocation() {
-        let before = super::rss_bytes();
-        let v = vec![1u8; 128 << 20];
-        let after = super::rss_bytes();
-        assert!(after >= before + (100 << 20), "{before} -> {after}");
-        assert!(super::peak_rss_bytes() >= after);
+    fn a_touched_allocation_shows_in_resident_and_peak_memory() {
+        // Other tests in this process allocate and free concurrently, so compare against the
+        // allocation itself (and the peak, which never goes down), not against a "before".
+        let v = vec![1u8; 256 << 20];
+        let rss = super::rss_bytes();
+        assert!(rss >= 256 << 20, "{rss}");
+        assert!(super::peak_rss_bytes() >= 256 << 20);
         drop(v);
     }
 }

@@ -2,6 +2,7 @@
 //! them (throughput, ETA, MFU).
 
 pub mod memory;
+pub mod mfu;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

@@ -121,24 +121,12 @@ pub fn train(
     let run_dir = run_dir(resolved);
     let ckpt_root = checkpoint_dir(resolved);
     let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
-    std::fs::create_dir_all(&run_dir).with_context(|| {
-        format!(
-            "logging.dir: cannot create run directory {}; choose a writable logging.dir",
-            run_dir.display()
-        )
-    })?;
     if lead {
         let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
         println!(
             "{tag} Resolved config (preset {}):\n{config_json}",
             resolved.preset
         );
-        std::fs::write(run_dir.join("config.json"), &config_json).with_context(|| {
-            format!(
-                "{}: cannot write; is logging.dir writable?",
-                run_dir.join("config.json").display()
-            )
-        })?;
     }
 
     // Data: every rank maps the same prepared file. Local rank 0 prepares (or finds the
@@ -226,12 +214,41 @@ pub fn train(
             state.samples_consumed
         );
     }
+    // The run is accepted (data found, checkpoint compatible): only now touch its directory,
+    // so a rejected start leaves an earlier run's config.json and checkpoints as they were.
+    std::fs::create_dir_all(&run_dir).with_context(|| {
+        format!(
+            "logging.dir: cannot create run directory {}; choose a writable logging.dir",
+            run_dir.display()
+        )
+    })?;
+    if lead {
+        let config_path = run_dir.join("config.json");
+        std::fs::write(
+            &config_path,
+            serde_json::to_string_pretty(&resolved.to_json())?,
+        )
+        .with_context(|| {
+            format!(
+                "{}: cannot write; is logging.dir writable?",
+                config_path.display()
+            )
+        })?;
+        // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
+        checkpoint::check_writable(&ckpt_root)?;
+    }
     // Every rank starts from rank 0's weights (fresh init, HF weights or checkpoint alike).
     let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
     broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
 
     let global_batch = (t.batch_size * t.grad_accum_nums * topo.world) as u64;
     let tokens_per_step = global_batch as f64 * t.context_length as f64;
+    // MFU needs the achieved FLOPs per token and this device's peak (CUDA only, known GPUs).
+    let mfu_basis = match device {
+        tch::Device::Cuda(i) => telemetry::mfu::device_peak(i)
+            .map(|peak| (shape.flops_per_token(t.context_length), peak)),
+        _ => None,
+    };
     if lead {
         println!(
             "{tag} Model: {:.2}M parameters, {} layers, d {}, {} heads / {} kv heads, vocab {} | {device:?}, {:?} compute | {} ranks, {} tokens per step",
@@ -296,7 +313,7 @@ pub fn train(
             data_time += d0.elapsed().as_secs_f64();
             let mut loss = model.loss(&x, &y);
             if inject_nan && cfg.debug.inject_nan_param.is_none() {
-                loss = loss * f64::NAN;
+                loss = &loss * f64::NAN;
             }
             (&loss / t.grad_accum_nums as f64).backward();
             loss_sum += loss.detach();
@@ -409,6 +426,7 @@ pub fn train(
                     &window,
                     cfg,
                     metrics,
+                    mfu_basis.map(|(flops, peak)| (flops, peak * topo.world as f64)),
                 )?;
             }
             window.reset();
@@ -472,6 +490,7 @@ fn log_step(
     window: &Window,
     cfg: &Config,
     metrics: &mut Metrics,
+    mfu_basis: Option<(f64, f64)>,
 ) -> Result<()> {
     let n = window.steps.max(1) as f64;
     let step_time = window.start.map_or(0.0, |s| s.elapsed().as_secs_f64()) / n;
@@ -485,7 +504,8 @@ fn log_step(
         grad_norm: norm,
         tokens_per_s: tok_s,
         eta_s: step_time * (max_steps - state.step) as f64,
-        mfu: None,
+        // (FLOPs per token, summed peak of all ranks' devices); Tok/s is global.
+        mfu: mfu_basis.map(|(flops_per_token, peak)| tok_s * flops_per_token / peak),
     };
     println!("{line}");
     if let Some(v) = val_loss {

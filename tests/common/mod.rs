@@ -139,3 +139,12 @@ pub fn ok(dir: &Path, args: &[String]) -> String {
     assert!(out.status.success(), "lockstep {args:?} failed:\n{text}");
     text
 }
+
+/// `head` + `base` + `tail` as one argument list.
+pub fn with(base: &[String], head: &[&str], tail: &[&str]) -> Vec<String> {
+    head.iter()
+        .map(|s| s.to_string())
+        .chain(base.iter().cloned())
+        .chain(tail.iter().map(|s| s.to_string()))
+        .collect()
+}

@@ -1,0 +1,60 @@
+//! Model FLOPs utilisation: achieved training FLOPs over the GPU's dense bf16 peak, shown in the
+//! step line only where the peak of the device is known.
+
+/// Dense (non-sparse) bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets.
+pub fn peak_bf16_flops(gpu_name: &str) -> Option<f64> {
+    let n = gpu_name.to_ascii_uppercase();
+    let tflops = if n.contains("H100") && (n.contains("PCIE") || n.contains("PCI")) {
+        756.0
+    } else if n.contains("H100") || n.contains("H200") || n.contains("H800") || n.contains("GH200")
+    {
+        989.0
+    } else if n.contains("B200") {
+        2250.0
+    } else if n.contains("A100") {
+        312.0
+    } else if n.contains("L40S") {
+        362.0
+    } else if n.contains("A10G") {
+        70.0
+    } else {
+        return None;
+    };
+    Some(tflops * 1e12)
+}
+
+/// The GPU this worker runs on, by NVML. Under `lockstep run` CUDA_VISIBLE_DEVICES holds the
+/// physical index; otherwise the CUDA index is taken to be the NVML index.
+pub fn device_peak(cuda_index: usize) -> Option<f64> {
+    let physical = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .and_then(|v| {
+            v.split(',')
+                .nth(cuda_index)
+                .and_then(|s| s.trim().parse().ok())
+        })
+        .unwrap_or(cuda_index);
+    let gpus = crate::launch::detect_gpus();
+    gpus.iter()
+        .find(|g| g.index == physical)
+        .and_then(|g| peak_bf16_flops(&g.name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_and_unknown_devices() {
+        assert_eq!(peak_bf16_flops("NVIDIA H100 80GB HBM3"), Some(989e12));
+        assert_eq!(peak_bf16_flops("NVIDIA H100 PCIe"), Some(756e12));
+        assert_eq!(peak_bf16_flops("NVIDIA H200"), Some(989e12));
+        assert_eq!(peak_bf16_flops("NVIDIA GeForce GTX 1080"), None);
+    }
+
+    #[test]
+    fn no_nvml_means_no_mfu() {
+        // This machine has no NVIDIA driver: MFU is omitted rather than guessed.
+        assert_eq!(device_peak(0), None);
+    }
+}
