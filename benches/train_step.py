@@ -35,14 +35,22 @@ def cpu():
     return r.ru_utime + r.ru_stime
 
 
+phases = []
+
+
 def step():
+    t0 = time.perf_counter()
     logits = model(input_ids=x).logits
     loss = F.cross_entropy(logits.reshape(-1, 4096), y.reshape(-1))
+    value = loss.item()
+    t1 = time.perf_counter()
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    t2 = time.perf_counter()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item(), norm.item()
+    phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return value, norm
 
 
 first, _ = step()
@@ -53,8 +61,14 @@ for _ in range(a.steps):
     step()
     tok_s.append(8 * 256 / (time.perf_counter() - t0))
     cpus.append(cpu() - c0)
+def med(i):
+    v = sorted(p[i] for p in phases[2:])
+    return 1e3 * v[len(v) // 2]
+
+
+split = f"forward {med(0):.0f} ms, backward {med(1):.0f} ms, clip+AdamW {med(2):.0f} ms"
 tok_s.sort()
 cpus.sort()
 n = a.steps
 print(f"pytorch tiny step: median {tok_s[n // 2]:.0f} tok/s over {n} steps (min {tok_s[0]:.0f}, max {tok_s[-1]:.0f}); "
-      f"CPU {cpus[n // 2]:.3f} s/step; threads {torch.get_num_threads()}; first loss {first:.4f}")
+      f"CPU {cpus[n // 2]:.3f} s/step; threads {torch.get_num_threads()}; first loss {first:.4f}; {split}")

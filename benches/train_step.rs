@@ -63,13 +63,25 @@ fn main() {
     let tokens = Tensor::randint(4096, [batch, seq + 1], (Kind::Int64, Device::Cpu));
     let (x, y) = (tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
 
+    // Seconds in forward, backward, and clip + AdamW, per step.
+    let phases = std::cell::RefCell::new(Vec::<[f64; 3]>::new());
     let step = |opt: &mut AdamW| {
+        let t0 = Instant::now();
         let loss = model.loss(&x, &y);
+        let value = loss.double_value(&[]);
+        let t1 = Instant::now();
         loss.backward();
-        let norm = clip_grad_norm(&opt.gradients(), 1.0);
-        opt.step(1e-3);
+        let t2 = Instant::now();
+        let norm = clip_grad_norm(&opt.gradients(), 1.0).double_value(&[]);
+        opt.step(1e-3).expect("AdamW step");
         opt.zero_grad();
-        (loss.double_value(&[]), norm.double_value(&[]))
+        let t3 = Instant::now();
+        phases.borrow_mut().push([
+            (t1 - t0).as_secs_f64(),
+            (t2 - t1).as_secs_f64(),
+            (t3 - t2).as_secs_f64(),
+        ]);
+        (value, norm)
     };
     let (first_loss, _) = step(&mut opt);
     step(&mut opt);
@@ -81,10 +93,21 @@ fn main() {
         tok_s.push((batch * seq) as f64 / t0.elapsed().as_secs_f64());
         cpu.push(cpu_seconds() - c0);
     }
+    let median = |i: usize| {
+        let mut v: Vec<f64> = phases.borrow().iter().skip(2).map(|p| p[i]).collect();
+        v.sort_by(f64::total_cmp);
+        1e3 * v[v.len() / 2]
+    };
+    let split = format!(
+        "forward {:.0} ms, backward {:.0} ms, clip+AdamW {:.0} ms",
+        median(0),
+        median(1),
+        median(2)
+    );
     tok_s.sort_by(f64::total_cmp);
     cpu.sort_by(f64::total_cmp);
     println!(
-        "lockstep tiny step: median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}",
+        "lockstep tiny step: median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}; {split}",
         tok_s[steps / 2],
         tok_s[0],
         tok_s[steps - 1],

@@ -395,7 +395,7 @@ pub fn train(
         clip_to(&grads, &norm_tensor, t.max_grad_norm);
 
         let phase = Instant::now();
-        opt.step(lr);
+        opt.step(lr)?;
         opt.zero_grad();
         window.opt_s += phase.elapsed().as_secs_f64();
         state.step = step + 1;
