@@ -25,17 +25,46 @@ fn cuda_index(cfg: &Config, topo: Topology) -> usize {
     }
 }
 
+/// Loads libtorch's CUDA backend. The linker drops `libtorch_cuda.so` from the binary's needed
+/// libraries (nothing references its symbols; it registers kernels when loaded), so without
+/// this `tch::Cuda::is_available()` is false even on a GPU machine. Loaded on demand so that
+/// CPU runs neither pay for the ~1 GB library nor depend on the CUDA libraries being intact.
+pub fn load_cuda_backend() -> Result<(), String> {
+    static LOADED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let name = c"libtorch_cuda.so";
+            // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process.
+            let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+            if handle.is_null() {
+                // SAFETY: dlerror returns a thread-local NUL-terminated message or NULL.
+                let err = unsafe { libc::dlerror() };
+                let msg = if err.is_null() {
+                    "unknown error".to_string()
+                } else {
+                    unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
+                };
+                return Err(msg);
+            }
+            Ok(())
+        })
+        .clone()
+}
+
 pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
     let index = cuda_index(cfg, topo);
     Ok(match cfg.system.device.as_str() {
         "cpu" => Device::Cpu,
         "cuda" => {
+            if let Err(e) = load_cuda_backend() {
+                bail!("system.device = cuda but libtorch's CUDA backend does not load ({e}); point LD_LIBRARY_PATH at a CUDA build of torch 2.11's lib/, or use system.device=cpu");
+            }
             if !tch::Cuda::is_available() {
-                bail!("system.device = cuda but no CUDA device is visible to libtorch; use system.device=cpu or auto");
+                bail!("system.device = cuda but no CUDA device is visible to libtorch (driver, CUDA_VISIBLE_DEVICES?); use system.device=cpu or auto");
             }
             Device::Cuda(index)
         }
-        _ if tch::Cuda::is_available() => Device::Cuda(index),
+        _ if load_cuda_backend().is_ok() && tch::Cuda::is_available() => Device::Cuda(index),
         _ => Device::Cpu,
     })
 }
