@@ -42,7 +42,9 @@ pub fn load_cuda_backend() -> Result<(), String> {
                 let msg = if err.is_null() {
                     "unknown error".to_string()
                 } else {
-                    unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
+                    unsafe { std::ffi::CStr::from_ptr(err) }
+                        .to_string_lossy()
+                        .into_owned()
                 };
                 return Err(msg);
             }
