@@ -275,3 +275,64 @@ fn sigterm_saves_a_checkpoint_exits_0_and_resume_is_lossless() {
         losses(&dir.join("runs/straight/metrics.jsonl"))
     );
 }
+
+#[test]
+fn sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resume_is_lossless() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let two = ["run", "--nproc", "2", "--cpu"];
+    let straight = [
+        "--max-steps",
+        "20",
+        "--set",
+        "logging.run_name=straight",
+        "--set",
+        "checkpoint.interval=0",
+    ];
+    ok(dir, &with(&base, &two, &straight));
+
+    let tail = [
+        "--max-steps",
+        "20",
+        "--set",
+        "logging.run_name=preempted",
+        "--set",
+        "checkpoint.interval=0",
+    ];
+    let child = lockstep(dir)
+        .args(with(&base, &two, &tail))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        &dir.join("runs/preempted/metrics.jsonl"),
+        "\"step\":3,",
+        Duration::from_secs(60),
+    );
+    // SAFETY: kill(2) on our own child, the launcher; it forwards SIGTERM to both workers.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let text = output_text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(143),
+        "the launcher reports the SIGTERM: {text}"
+    );
+    assert!(text.contains("Stopped by signal at step"), "{text}");
+    let ckpts: Vec<String> = std::fs::read_dir(dir.join("runs/preempted/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(ckpts.len(), 1, "one agreed step, one checkpoint: {ckpts:?}");
+
+    ok(
+        dir,
+        &with(&base, &two, &[&tail[..], &["--resume", "auto"]].concat()),
+    );
+    assert_eq!(
+        losses(&dir.join("runs/preempted/metrics.jsonl")),
+        losses(&dir.join("runs/straight/metrics.jsonl"))
+    );
+}

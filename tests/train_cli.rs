@@ -196,3 +196,66 @@ fn config_docs_and_printing() {
     let keys = ok(tmp.path(), &["config".into(), "--keys".into()]);
     assert!(keys.contains("training.grad_accum_nums"));
 }
+
+#[test]
+fn bf16_compute_tracks_fp32_and_keeps_fp32_master_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let run_with = |dtype: &str| {
+        let mut a = vec!["train".to_string()];
+        a.extend(small(&corpus));
+        for s in [
+            format!("training.dtype={dtype}"),
+            format!("logging.run_name={dtype}"),
+        ] {
+            a.extend(["--set".to_string(), s]);
+        }
+        a.extend(["--max-steps".to_string(), "5".to_string()]);
+        let out = ok(tmp.path(), &a);
+        let kind = if dtype == "bf16" {
+            "BFloat16 compute"
+        } else {
+            "Float compute"
+        };
+        assert!(out.contains(kind), "{out}");
+        losses(&tmp.path().join(format!("runs/{dtype}/metrics.jsonl")))
+    };
+    let (fp32, bf16) = (run_with("fp32"), run_with("bf16"));
+    for ((_, a), (_, b)) in fp32.iter().zip(&bf16) {
+        assert!(
+            (a - b).abs() < 2e-2 * a.abs(),
+            "bf16 loss {b} strays from fp32 {a}"
+        );
+    }
+    assert_ne!(fp32, bf16, "bf16 really ran in reduced precision");
+    let ckpt = tmp
+        .path()
+        .join("runs/bf16/checkpoints/step_5/model.safetensors");
+    let f = lockstep::tensor_io::SafeFile::open(&ckpt).unwrap();
+    for name in f.names() {
+        assert_eq!(
+            f.tensor(&name).unwrap().kind(),
+            tch::Kind::Float,
+            "{name}: master weights are fp32"
+        );
+    }
+}
+
+#[test]
+fn memory_is_logged_and_a_limit_warns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let mut a = vec!["train".to_string()];
+    a.extend(small(&corpus));
+    for s in ["logging.memory_interval=2", "system.max_memory_gb=0.01"] {
+        a.extend(["--set".to_string(), s.to_string()]);
+    }
+    a.extend(["--max-steps".to_string(), "2".to_string()]);
+    let out = ok(tmp.path(), &a);
+    assert!(out.contains("[CPU0] Memory | RSS "), "{out}");
+    assert!(
+        out.contains("WARNING: resident memory") && out.contains("system.max_memory_gb = 0.01"),
+        "{out}"
+    );
+    assert!(out.contains("[CPU0] Peak memory: RSS "), "{out}");
+}

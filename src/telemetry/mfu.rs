@@ -23,9 +23,9 @@ pub fn peak_bf16_flops(gpu_name: &str) -> Option<f64> {
     Some(tflops * 1e12)
 }
 
-/// The GPU this worker runs on, by NVML. Under `lockstep run` CUDA_VISIBLE_DEVICES holds the
-/// physical index; otherwise the CUDA index is taken to be the NVML index.
-pub fn device_peak(cuda_index: usize) -> Option<f64> {
+/// The GPU behind a CUDA index, by NVML. CUDA_VISIBLE_DEVICES (which `lockstep run` sets to
+/// the physical index) maps CUDA indices to NVML ones; without it they are the same.
+pub fn nvml_device(cuda_index: usize) -> Option<crate::launch::GpuInfo> {
     let physical = std::env::var("CUDA_VISIBLE_DEVICES")
         .ok()
         .and_then(|v| {
@@ -34,10 +34,14 @@ pub fn device_peak(cuda_index: usize) -> Option<f64> {
                 .and_then(|s| s.trim().parse().ok())
         })
         .unwrap_or(cuda_index);
-    let gpus = crate::launch::detect_gpus();
-    gpus.iter()
+    crate::launch::detect_gpus()
+        .into_iter()
         .find(|g| g.index == physical)
-        .and_then(|g| peak_bf16_flops(&g.name))
+}
+
+/// Dense bf16 peak of the GPU behind `cuda_index`, when NVML names a known device.
+pub fn device_peak(cuda_index: usize) -> Option<f64> {
+    nvml_device(cuda_index).and_then(|g| peak_bf16_flops(&g.name))
 }
 
 #[cfg(test)]

@@ -431,7 +431,7 @@ pub fn train(
             }
             window.reset();
         }
-        report_memory(cfg, state.step, &tag, lead);
+        report_memory(cfg, state.step, &tag, device);
 
         let interval = cfg.checkpoint.interval;
         if done || (interval > 0 && state.step.is_multiple_of(interval)) {
@@ -529,18 +529,30 @@ fn log_step(
 }
 
 /// Every `logging.memory_interval` steps: RSS on rank 0; a warning on any rank above the limit.
-fn report_memory(cfg: &Config, step: usize, tag: &str, lead: bool) {
+fn report_memory(cfg: &Config, step: usize, tag: &str, device: tch::Device) {
     let every = cfg.logging.memory_interval;
     if every == 0 || !step.is_multiple_of(every) {
         return;
     }
     let rss = gb(rss_bytes());
-    if lead {
-        println!(
-            "{tag} Memory | RSS {rss:.2} GB | peak {:.2} GB",
-            gb(peak_rss_bytes())
-        );
-    }
+    // On CUDA, NVML's view of this rank's GPU: what the caching allocator reserved plus the
+    // CUDA context (libtorch's allocator statistics are not reachable through tch).
+    let gpu = match device {
+        tch::Device::Cuda(i) => telemetry::mfu::nvml_device(i)
+            .map(|g| {
+                format!(
+                    " | GPU used {:.2} of {:.2} GB",
+                    gb(g.memory_used),
+                    gb(g.memory_total)
+                )
+            })
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    println!(
+        "{tag} Memory | RSS {rss:.2} GB | peak {:.2} GB{gpu}",
+        gb(peak_rss_bytes())
+    );
     let limit = cfg.system.max_memory_gb;
     if limit > 0.0 && rss > limit {
         eprintln!(
