@@ -7,13 +7,13 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, schema, Resolved, Sources};
 use crate::train::{self, Resume, RunOptions, Topology};
-use crate::{dist, launch};
+use crate::{commands, dist, launch};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "lockstep",
     version,
-    about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks"
+    about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks, export, evaluate, generate"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -49,6 +49,20 @@ pub enum Command {
         #[arg(long, value_name = "N")]
         stop_at_step: Option<usize>,
     },
+    /// Write a checkpoint as a Hugging Face directory (config.json, generation_config.json,
+    /// safetensors, sharded above --max-shard-mb; tokenizer files when data.tokenizer is a
+    /// tokenizer.json). The config flags locate the run, as for `train`.
+    Export {
+        #[command(flatten)]
+        export: commands::export::ExportArgs,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Mean loss and perplexity of a model directory on a text or token file, over consecutive
+    /// non-overlapping windows from the start.
+    Eval(commands::eval::EvalArgs),
+    /// Continue a prompt with a model directory: KV-cached, greedy or temperature + top-p.
+    Generate(commands::generate::GenerateArgs),
     /// Print the resolved config, the table of keys, or the docs/CONFIG.md markdown.
     Config {
         #[command(flatten)]
@@ -174,6 +188,12 @@ pub fn run(cli: Cli) -> Result<()> {
             let code = run_launcher(&launch, &config, resume, stop_at_step)?;
             std::process::exit(code);
         }
+        Command::Export { export, config } => {
+            let resolved = config.resolve()?;
+            commands::export::run(&resolved, &export)
+        }
+        Command::Eval(args) => commands::eval::run(&args),
+        Command::Generate(args) => commands::generate::run(&args),
         Command::Config {
             config,
             keys,

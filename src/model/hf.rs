@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use tch::nn::VarStore;
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 use super::shape::{AttentionBackend, LlamaShape};
 use crate::config::ModelConfig;
@@ -28,7 +28,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
     let model_type = c["model_type"].as_str().unwrap_or("");
     ensure!(
         model_type == "llama",
-        "{}: model_type is {:?}; lockstep trains Llama-architecture models (model_type \"llama\")",
+        "{}: model_type is {}; lockstep trains Llama-architecture models (model_type \"llama\")",
         path.display(),
         c["model_type"]
     );
@@ -38,6 +38,21 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
             .map(|v| v as usize)
             .with_context(|| format!("{}: missing integer {key}", path.display()))
     };
+    // Llama variants lockstep's decoder does not compute: refuse them rather than silently
+    // drop their bias tensors or use the wrong activation.
+    for key in ["attention_bias", "mlp_bias"] {
+        ensure!(
+            !c[key].as_bool().unwrap_or(false),
+            "{}: {key} is true; lockstep's Llama has no bias terms, so this checkpoint is not supported",
+            path.display()
+        );
+    }
+    if let Some(act) = c["hidden_act"].as_str().filter(|a| *a != "silu") {
+        bail!(
+            "{}: hidden_act is \"{act}\"; lockstep's Llama uses silu (SwiGLU), so this checkpoint is not supported",
+            path.display()
+        );
+    }
     let hidden_size = uint("hidden_size")?;
     let num_heads = uint("num_attention_heads")?;
     let file_layers = uint("num_hidden_layers")?;
@@ -185,4 +200,259 @@ pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
         "mlp_bias": false,
         "torch_dtype": dtype,
     })
+}
+
+/// The shape of a Hugging Face Llama directory at its full depth (every layer it has).
+pub fn dir_shape(dir: &Path, attention_backend: &str) -> Result<LlamaShape> {
+    let path = dir.join("config.json");
+    ensure!(
+        dir.is_dir(),
+        "{}: no such directory; pass a Hugging Face Llama directory (an export of `lockstep export \
+         --hf` or a checkpoint's step_N directory)",
+        dir.display()
+    );
+    ensure!(
+        path.is_file(),
+        "{}: no config.json, so this is not a Hugging Face model directory; pass an export of \
+         `lockstep export --hf` or a checkpoint's step_N directory",
+        dir.display()
+    );
+    let c: Value = serde_json::from_str(
+        &std::fs::read_to_string(&path)
+            .with_context(|| format!("{}: cannot read", path.display()))?,
+    )
+    .with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let layers = c["num_hidden_layers"]
+        .as_u64()
+        .with_context(|| format!("{}: missing integer num_hidden_layers", path.display()))?;
+    let mut m = crate::config::resolve(&crate::config::Sources::default())?
+        .config
+        .model;
+    m.num_layers = layers as usize;
+    m.attention_backend = attention_backend.to_string();
+    shape_from_dir(dir, &m)
+}
+
+/// A model loaded from a Hugging Face Llama directory for inference: every layer, weights
+/// converted to fp32 masters, RoPE tables for `max_seq` positions.
+pub fn load_model(
+    dir: &Path,
+    device: tch::Device,
+    compute: Kind,
+    max_seq: usize,
+    attention_backend: &str,
+) -> Result<(VarStore, super::Llama)> {
+    let shape = dir_shape(dir, attention_backend)?;
+    let mut vs = VarStore::new(device);
+    let model = super::Llama::new(&vs.root(), &shape, max_seq.max(1), compute);
+    load_weights(dir, &vs)?;
+    vs.freeze();
+    Ok((vs, model))
+}
+
+/// Every tensor a Hugging Face Llama of `shape` holds, in HF order, with its shape (no lm_head
+/// when tied).
+pub fn expected_tensors(shape: &LlamaShape) -> Vec<(String, Vec<i64>)> {
+    let s = shape;
+    let (d, hd, f) = (
+        s.hidden_size as i64,
+        s.head_dim() as i64,
+        s.intermediate_size as i64,
+    );
+    let (q, kv) = (s.num_heads as i64 * hd, s.num_kv_heads as i64 * hd);
+    let mut v = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![s.vocab_size as i64, d],
+    )];
+    for i in 0..s.num_layers {
+        let p = format!("model.layers.{i}");
+        v.extend([
+            (format!("{p}.input_layernorm.weight"), vec![d]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, d]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, d]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, d]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![d, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![d]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![f, d]),
+            (format!("{p}.mlp.up_proj.weight"), vec![f, d]),
+            (format!("{p}.mlp.down_proj.weight"), vec![d, f]),
+        ]);
+    }
+    v.push(("model.norm.weight".to_string(), vec![d]));
+    if !s.tie_word_embeddings {
+        v.push(("lm_head.weight".to_string(), vec![s.vocab_size as i64, d]));
+    }
+    v
+}
+
+/// The weights of a Hugging Face directory (single file or shards), read tensor by tensor from
+/// memory maps.
+pub struct Weights {
+    files: Vec<SafeFile>,
+    owner: BTreeMap<String, usize>,
+}
+
+impl Weights {
+    pub fn open(dir: &Path) -> Result<Weights> {
+        let files = weight_files(dir)?
+            .iter()
+            .map(|p| SafeFile::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut owner = BTreeMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for name in f.names() {
+                owner.insert(name, i);
+            }
+        }
+        Ok(Weights { files, owner })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.owner.contains_key(name)
+    }
+
+    fn file(&self, name: &str) -> Result<&SafeFile> {
+        let i = *self
+            .owner
+            .get(name)
+            .with_context(|| format!("the weights have no tensor {name}"))?;
+        Ok(&self.files[i])
+    }
+
+    pub fn shape(&self, name: &str) -> Result<Vec<i64>> {
+        self.file(name)?.shape(name)
+    }
+
+    /// A CPU copy of `name` in its stored dtype.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        self.file(name)?.tensor(name)
+    }
+
+    /// Fails, naming what differs, unless the weights hold every tensor of `shape` with the
+    /// right dimensions.
+    pub fn check(&self, shape: &LlamaShape, what: &Path) -> Result<()> {
+        for (name, dims) in expected_tensors(shape) {
+            ensure!(
+                self.contains(&name),
+                "{}: the weights have no tensor {name}; config.json and the weights disagree",
+                what.display()
+            );
+            let got = self.shape(&name)?;
+            ensure!(
+                got == dims,
+                "{}: tensor {name} has shape {got:?}, config.json implies {dims:?}",
+                what.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What `write_weights` wrote.
+#[derive(Debug, Clone)]
+pub struct WrittenWeights {
+    /// File names in `dir`: `model.safetensors`, or the shards and then the index.
+    pub files: Vec<String>,
+    /// Bytes of tensor data (the index's `metadata.total_size`).
+    pub total_size: u64,
+}
+
+/// Writes `tensors` (names and shapes, in order; `fetch` gives each one) to `dir` as
+/// transformers does: `model.safetensors` when everything fits in `max_shard_bytes`, else
+/// `model-0000i-of-0000N.safetensors` shards filled in order up to that size (a tensor larger
+/// than the limit gets a shard of its own) plus `model.safetensors.index.json`. Every tensor is
+/// converted to `kind`; every file is fsynced. One shard is in memory at a time.
+pub fn write_weights(
+    dir: &Path,
+    tensors: &[(String, Vec<i64>)],
+    kind: Kind,
+    max_shard_bytes: u64,
+    mut fetch: impl FnMut(&str) -> Result<Tensor>,
+) -> Result<WrittenWeights> {
+    let elt = kind.elt_size_in_bytes() as u64;
+    let bytes = |dims: &[i64]| dims.iter().product::<i64>() as u64 * elt;
+    let mut shards: Vec<Vec<usize>> = Vec::new();
+    let mut current = 0u64;
+    for (i, (_, dims)) in tensors.iter().enumerate() {
+        let b = bytes(dims);
+        match shards.last_mut() {
+            Some(last) if current + b <= max_shard_bytes => {
+                last.push(i);
+                current += b;
+            }
+            _ => {
+                shards.push(vec![i]);
+                current = b;
+            }
+        }
+    }
+    let total_size: u64 = tensors.iter().map(|(_, d)| bytes(d)).sum();
+    let n = shards.len();
+    let names: Vec<String> = if n <= 1 {
+        vec!["model.safetensors".to_string()]
+    } else {
+        (1..=n)
+            .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
+            .collect()
+    };
+    let metadata: std::collections::HashMap<String, String> =
+        [("format".to_string(), "pt".to_string())].into();
+    let mut weight_map = serde_json::Map::new();
+    for (file, members) in names.iter().zip(&shards) {
+        let shard: Vec<(String, Tensor)> = members
+            .iter()
+            .map(|&i| {
+                let (name, dims) = &tensors[i];
+                let t = fetch(name)?.to_kind(kind).contiguous();
+                ensure!(
+                    &t.size() == dims,
+                    "tensor {name} has shape {:?}, expected {dims:?}",
+                    t.size()
+                );
+                weight_map.insert(name.clone(), Value::String(file.clone()));
+                Ok((name.clone(), t))
+            })
+            .collect::<Result<_>>()?;
+        let path = dir.join(file);
+        crate::tensor_io::save(&path, &shard, Some(metadata.clone()))?;
+        sync_file(&path)?;
+    }
+    let mut files = names;
+    if n > 1 {
+        let index = serde_json::json!({
+            "metadata": {"total_size": total_size},
+            "weight_map": weight_map,
+        });
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&index)?)
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        sync_file(&path)?;
+        files.push("model.safetensors.index.json".to_string());
+    }
+    Ok(WrittenWeights { files, total_size })
+}
+
+fn sync_file(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", path.display()))
+}
+
+/// End-of-sequence ids from `<dir>/generation_config.json` (an int or a list), else from
+/// config.json; None when neither names one.
+pub fn eos_token_ids(dir: &Path) -> Result<Option<Vec<i64>>> {
+    for file in ["generation_config.json", "config.json"] {
+        let path = dir.join(file);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: invalid JSON", path.display()))?;
+        match &v["eos_token_id"] {
+            Value::Number(n) => return Ok(n.as_i64().map(|id| vec![id])),
+            Value::Array(a) => return Ok(Some(a.iter().filter_map(Value::as_i64).collect())),
+            _ => {}
+        }
+    }
+    Ok(None)
 }

@@ -36,6 +36,49 @@ pub struct Llama {
     compute: Kind,
 }
 
+/// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
+/// [batch, kv_heads, capacity, head_dim] in the compute dtype, filled up to `len` positions.
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// Room for `capacity` positions of `batch` sequences (at most the model's RoPE table).
+    pub fn new(model: &Llama, batch: usize, capacity: usize) -> KvCache {
+        let s = &model.shape;
+        let dims = [
+            batch as i64,
+            s.num_kv_heads as i64,
+            capacity as i64,
+            s.head_dim() as i64,
+        ];
+        let opts = (model.compute, model.embed_tokens.device());
+        let layers = (0..s.num_layers)
+            .map(|_| (Tensor::zeros(dims, opts), Tensor::zeros(dims, opts)))
+            .collect();
+        KvCache {
+            layers,
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Positions already cached (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
 fn linear_weight(p: &Path, name: &str, out: usize, inp: usize, std: f64) -> Tensor {
     (p / name).var(
         "weight",
@@ -121,6 +164,36 @@ impl Llama {
         self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
     }
 
+    /// Logits [batch, t, vocab] of `tokens` [batch, t] placed at positions `cache.len()..+t`,
+    /// attending to the cached keys and values and appending their own to `cache`. With an
+    /// empty cache this is `forward`. Inference only: call it under `tch::no_grad`.
+    pub fn forward_with_cache(&self, tokens: &Tensor, cache: &mut KvCache) -> Tensor {
+        let (b, t) = (tokens.size()[0], tokens.size()[1] as usize);
+        let pos = cache.len;
+        assert!(
+            pos + t <= cache.capacity && pos + t <= self.rope.max_len(),
+            "KV cache holds {} positions (RoPE table {}); {pos} cached + {t} new do not fit",
+            cache.capacity,
+            self.rope.max_len()
+        );
+        assert_eq!(
+            b,
+            cache.layers.first().map_or(b, |(k, _)| k.size()[0]),
+            "batch size differs from the cache's"
+        );
+        let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter()) {
+            let h = self.rms_norm(&x, &layer.input_layernorm);
+            x = &x + self.attention_cached(&h, layer, kv, pos);
+            let h = self.rms_norm(&x, &layer.post_attention_layernorm);
+            let gate = self.linear(&h, &layer.gate_proj).silu();
+            x = &x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
+        }
+        cache.len = pos + t;
+        let x = self.rms_norm(&x, &self.norm);
+        self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+    }
+
     /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s].
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(inputs);
@@ -186,6 +259,81 @@ impl Llama {
         self.linear(&y, &layer.o_proj)
     }
 
+    /// `attention` for new tokens at positions pos..pos + t: RoPE at those positions, their keys
+    /// and values written into the cache, queries attending to every cached position up to
+    /// their own.
+    fn attention_cached(
+        &self,
+        h: &Tensor,
+        layer: &Layer,
+        (k_buf, v_buf): &(Tensor, Tensor),
+        pos: usize,
+    ) -> Tensor {
+        let s = &self.shape;
+        let (b, t) = (h.size()[0], h.size()[1]);
+        let hd = s.head_dim() as i64;
+        let heads =
+            |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
+        let q = self.rope.apply_at(&heads(&layer.q_proj, s.num_heads), pos);
+        let k_new = self
+            .rope
+            .apply_at(&heads(&layer.k_proj, s.num_kv_heads), pos);
+        let v_new = heads(&layer.v_proj, s.num_kv_heads);
+        let total = pos as i64 + t;
+        k_buf
+            .narrow(2, pos as i64, t)
+            .copy_(&k_new.to_kind(k_buf.kind()));
+        v_buf
+            .narrow(2, pos as i64, t)
+            .copy_(&v_new.to_kind(v_buf.kind()));
+        let k = k_buf.narrow(2, 0, total);
+        let v = v_buf.narrow(2, 0, total);
+        let group = (s.num_heads / s.num_kv_heads) as i64;
+        let y = match s.attention {
+            AttentionBackend::Sdpa => {
+                // Prefill from an empty cache is the plain causal case; one new token sees every
+                // cached position; several new tokens after cached ones need the offset mask.
+                let (mask, causal) = if pos == 0 {
+                    (None, true)
+                } else if t == 1 {
+                    (None, false)
+                } else {
+                    (
+                        Some(offset_causal_mask(t, total, q.device()).logical_not()),
+                        false,
+                    )
+                };
+                Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    mask.as_ref(),
+                    0.0,
+                    causal,
+                    None,
+                    group > 1,
+                )
+            }
+            AttentionBackend::Math => {
+                let repeat = |x: Tensor| {
+                    if group > 1 {
+                        x.repeat_interleave_self_int(group, 1, None)
+                    } else {
+                        x
+                    }
+                };
+                math_attention_masked(
+                    &q,
+                    &repeat(k),
+                    &repeat(v),
+                    &offset_causal_mask(t, total, q.device()),
+                )
+            }
+        };
+        let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
+        self.linear(&y, &layer.o_proj)
+    }
+
     /// Every parameter with its HF name, in creation order.
     pub fn named_parameters(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
         let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -215,5 +363,20 @@ fn math_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
     let scores = q.matmul(&k.transpose(-2, -1)) * scale;
     let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
     let scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
+    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v)
+}
+
+/// [t, total] bool, true where query i (at position total - t + i) must NOT see key j (j later).
+fn offset_causal_mask(t: i64, total: i64, device: tch::Device) -> Tensor {
+    let queries = Tensor::arange_start(total - t, total, (Kind::Int64, device)).unsqueeze(1);
+    let keys = Tensor::arange(total, (Kind::Int64, device)).unsqueeze(0);
+    keys.gt_tensor(&queries)
+}
+
+/// `math_attention` with an explicit mask (true = masked out), for cached decoding.
+fn math_attention_masked(q: &Tensor, k: &Tensor, v: &Tensor, masked: &Tensor) -> Tensor {
+    let scale = 1.0 / (q.size()[3] as f64).sqrt();
+    let scores = q.matmul(&k.transpose(-2, -1)) * scale;
+    let scores = scores.masked_fill(masked, f64::NEG_INFINITY);
     scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v)
 }

@@ -29,9 +29,15 @@ impl Rope {
 
     /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions 0..seq.
     pub fn apply(&self, x: &Tensor) -> Tensor {
+        self.apply_at(x, 0)
+    }
+
+    /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions start..start + seq (the
+    /// new tokens of a KV-cached decoding step).
+    pub fn apply_at(&self, x: &Tensor, start: usize) -> Tensor {
         let seq = x.size()[2];
-        let cos = self.cos.narrow(0, 0, seq).to_kind(x.kind());
-        let sin = self.sin.narrow(0, 0, seq).to_kind(x.kind());
+        let cos = self.cos.narrow(0, start as i64, seq).to_kind(x.kind());
+        let sin = self.sin.narrow(0, start as i64, seq).to_kind(x.kind());
         x * cos + rotate_half(x) * sin
     }
 

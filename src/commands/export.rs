@@ -1,0 +1,407 @@
+//! `lockstep export --hf OUT`: a checkpoint as a directory transformers loads with
+//! `AutoModelForCausalLM.from_pretrained(OUT)`:
+//!
+//! ```text
+//! OUT/
+//!   config.json              LlamaForCausalLM config; torch_dtype = the exported dtype
+//!   generation_config.json   bos/eos ids of the tokenizer (where it has them)
+//!   model.safetensors        or model-0000i-of-0000N.safetensors + model.safetensors.index.json
+//!   tokenizer.json           when data.tokenizer is a tokenizer.json (+ tokenizer_config.json)
+//!   lockstep.json            source checkpoint, step, tokenizer name, context length
+//! ```
+//!
+//! Written into `OUT.tmp/`, fsynced, then renamed: a directory named OUT is always complete.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use tch::Kind;
+
+use super::PROVENANCE_FILE;
+use crate::config::Resolved;
+use crate::data::tokenizer::Tokenizer;
+use crate::model::hf;
+use crate::train::{checkpoint, setup};
+
+#[derive(Args, Debug, Clone)]
+pub struct ExportArgs {
+    /// Output directory (a Hugging Face model directory).
+    #[arg(long = "hf", value_name = "OUT")]
+    pub out: PathBuf,
+    /// `latest` = the run's latest complete checkpoint, or a checkpoint (step_N) directory.
+    #[arg(long, value_name = "DIR|latest", default_value = "latest")]
+    pub checkpoint: String,
+    /// Dtype of the exported weights (fp32 = the checkpoint's master weights, bit for bit).
+    #[arg(long, value_name = "bf16|fp32", default_value = "fp32",
+          value_parser = ["bf16", "fp32", "fp16"])]
+    pub dtype: String,
+    /// Largest safetensors file in MB (10^6 bytes); bigger models are sharded with an index.
+    #[arg(long, value_name = "MB", default_value_t = 5000)]
+    pub max_shard_mb: u64,
+    /// Replace OUT if it exists and is not empty.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// What `export` wrote.
+#[derive(Debug, Clone)]
+pub struct Exported {
+    pub source: PathBuf,
+    pub out: PathBuf,
+    pub step: Option<u64>,
+    pub files: Vec<String>,
+    pub weight_bytes: u64,
+    pub shards: usize,
+    pub tokenizer: Option<String>,
+}
+
+fn dtype(name: &str) -> (Kind, &'static str) {
+    match name {
+        "bf16" => (Kind::BFloat16, "bfloat16"),
+        "fp16" => (Kind::Half, "float16"),
+        _ => (Kind::Float, "float32"),
+    }
+}
+
+/// `OUT` with `suffix` appended to its last component (a sibling, so renames stay on one
+/// file system).
+fn sibling(out: &Path, suffix: &str) -> PathBuf {
+    let mut s = out.as_os_str().to_os_string();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
+    if which != "latest" {
+        let dir = PathBuf::from(which);
+        ensure!(
+            dir.is_dir(),
+            "--checkpoint {}: no such directory; pass a checkpoint's step_N directory or `latest`",
+            dir.display()
+        );
+        ensure!(
+            dir.join("config.json").is_file(),
+            "--checkpoint {}: no config.json, so it is not a checkpoint; pass a step_N directory \
+             under the run's checkpoints/",
+            dir.display()
+        );
+        return Ok(dir);
+    }
+    let root = setup::checkpoint_dir(resolved);
+    match checkpoint::latest(&root) {
+        Some(dir) => Ok(dir),
+        None => {
+            let partial = checkpoint::incomplete(&root);
+            let note = if partial.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (only incomplete saves: {})",
+                    partial
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            bail!(
+                "no complete checkpoint to export in {}{note}; train the run first, pass the same \
+                 --preset/--config/--set flags as the training run so that its checkpoints are \
+                 found, or pass --checkpoint DIR",
+                root.display()
+            )
+        }
+    }
+}
+
+/// Refuses an OUT that holds anything, unless `force`.
+fn check_out(out: &Path, force: bool) -> Result<()> {
+    if !out.exists() {
+        return Ok(());
+    }
+    ensure!(
+        out.is_dir(),
+        "--hf {}: exists and is not a directory; choose another output path",
+        out.display()
+    );
+    let empty = fs::read_dir(out)
+        .with_context(|| format!("--hf {}: cannot list", out.display()))?
+        .next()
+        .is_none();
+    ensure!(
+        empty || force,
+        "--hf {}: already exists and is not empty; pass --force to replace it, or choose another \
+         output path",
+        out.display()
+    );
+    Ok(())
+}
+
+/// Special-token facts of the tokenizer: (eos id, eos spelling, bos id, bos spelling).
+struct Specials {
+    eos: (u32, String),
+    bos: Option<(u32, String)>,
+}
+
+fn specials(tok: &Tokenizer, spec: &str) -> Specials {
+    let eos_text = tok.decode(&[tok.eos_id()]).unwrap_or_default();
+    let mut bos = None;
+    if Path::new(spec).is_file() {
+        if let Ok(inner) = tokenizers::Tokenizer::from_file(spec) {
+            bos = ["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"]
+                .iter()
+                .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string())));
+            if let Some(s) = inner.id_to_token(tok.eos_id()) {
+                return Specials {
+                    eos: (tok.eos_id(), s),
+                    bos,
+                };
+            }
+        }
+    }
+    Specials {
+        eos: (tok.eos_id(), eos_text),
+        bos,
+    }
+}
+
+fn write_json(path: &Path, v: &Value) -> Result<()> {
+    fs::write(path, serde_json::to_string_pretty(v)? + "\n")
+        .with_context(|| format!("{}: cannot write", path.display()))?;
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", path.display()))
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync directory", dir.display()))
+}
+
+pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
+    // Components drop a trailing slash, so `OUT/` gets the sibling `OUT.tmp`, not `OUT/.tmp`.
+    let out: PathBuf = args.out.components().collect();
+    ensure!(
+        out.file_name().is_some(),
+        "--hf {}: name a new output directory, e.g. --hf exports/my-model",
+        out.display()
+    );
+    ensure!(args.max_shard_mb > 0, "--max-shard-mb must be at least 1");
+    check_out(&out, args.force)?;
+    let source = source_checkpoint(resolved, &args.checkpoint)?;
+    let shape = hf::dir_shape(&source, "sdpa")?;
+    let weights = hf::Weights::open(&source)?;
+    weights.check(&shape, &source)?;
+
+    let trainer: Option<Value> = fs::read_to_string(source.join("trainer.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let trained_cfg = trainer.as_ref().map(|t| &t["config"]);
+    let step = trainer.as_ref().and_then(|t| t["step"].as_u64());
+    // The tokenizer the checkpoint was trained with, else the one the flags resolve to.
+    let tok_spec = trained_cfg
+        .and_then(|c| c["data"]["tokenizer"].as_str())
+        .unwrap_or(&resolved.config.data.tokenizer)
+        .to_string();
+    let context_length = trained_cfg
+        .and_then(|c| c["training"]["context_length"].as_u64())
+        .unwrap_or(resolved.config.training.context_length as u64);
+    let tok = match Tokenizer::load(&tok_spec) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!(
+                "[export] warning: tokenizer `{tok_spec}` cannot be loaded ({e:#}); the export \
+                 gets no tokenizer files and no bos/eos ids"
+            );
+            None
+        }
+    };
+
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent).with_context(|| {
+            format!("--hf {}: cannot create the parent directory", out.display())
+        })?;
+    }
+    let tmp = sibling(&out, ".tmp");
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp)
+            .with_context(|| format!("{}: cannot remove a stale partial export", tmp.display()))?;
+    }
+    fs::create_dir(&tmp).with_context(|| {
+        format!(
+            "--hf {}: cannot create {}; choose a writable output path",
+            out.display(),
+            tmp.display()
+        )
+    })?;
+    let written = write_contents(
+        &tmp,
+        &source,
+        &shape,
+        &weights,
+        args,
+        tok.as_ref().map(|t| (t, tok_spec.as_str())),
+        step,
+        context_length,
+    );
+    let (files, weight_bytes, shards) = match written {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e.context(format!(
+                "exporting {} to {} failed; nothing was written there",
+                source.display(),
+                out.display()
+            )));
+        }
+    };
+    fsync_dir(&tmp)?;
+    // An existing OUT (empty, or replaced under --force) is moved aside in one rename first.
+    let replaced = sibling(&out, ".replaced.tmp");
+    if out.exists() {
+        if replaced.exists() {
+            fs::remove_dir_all(&replaced)
+                .with_context(|| format!("{}: cannot remove", replaced.display()))?;
+        }
+        fs::rename(&out, &replaced).with_context(|| {
+            format!(
+                "--hf {}: cannot move the old directory aside",
+                out.display()
+            )
+        })?;
+    }
+    fs::rename(&tmp, &out)
+        .with_context(|| format!("{}: cannot rename into place", tmp.display()))?;
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fsync_dir(parent)?;
+    }
+    if replaced.exists() {
+        fs::remove_dir_all(&replaced)
+            .with_context(|| format!("{}: cannot delete", replaced.display()))?;
+    }
+    Ok(Exported {
+        source,
+        out,
+        step,
+        files,
+        weight_bytes,
+        shards,
+        tokenizer: tok.map(|_| tok_spec),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_contents(
+    dir: &Path,
+    source: &Path,
+    shape: &crate::model::LlamaShape,
+    weights: &hf::Weights,
+    args: &ExportArgs,
+    tok: Option<(&Tokenizer, &str)>,
+    step: Option<u64>,
+    context_length: u64,
+) -> Result<(Vec<String>, u64, usize)> {
+    let (kind, dtype_name) = dtype(&args.dtype);
+    let tensors = hf::expected_tensors(shape);
+    let written = hf::write_weights(dir, &tensors, kind, args.max_shard_mb * 1_000_000, |name| {
+        weights.tensor(name)
+    })?;
+    let shards = written
+        .files
+        .iter()
+        .filter(|f| f.ends_with(".safetensors"))
+        .count();
+    let mut files = written.files;
+
+    let specials = tok.map(|(t, spec)| specials(t, spec));
+    let eos = specials.as_ref().map(|s| s.eos.0);
+    let bos = specials.as_ref().and_then(|s| s.bos.as_ref().map(|b| b.0));
+    let mut config = hf::config_json(shape, dtype_name);
+    config["bos_token_id"] = json!(bos);
+    config["eos_token_id"] = json!(eos);
+    write_json(&dir.join("config.json"), &config)?;
+    files.push("config.json".into());
+
+    let mut generation = serde_json::Map::new();
+    if let Some(b) = bos {
+        generation.insert("bos_token_id".into(), json!(b));
+    }
+    if let Some(e) = eos {
+        generation.insert("eos_token_id".into(), json!(e));
+        generation.insert("pad_token_id".into(), json!(e));
+    }
+    write_json(
+        &dir.join("generation_config.json"),
+        &Value::Object(generation),
+    )?;
+    files.push("generation_config.json".into());
+
+    let mut tokenizer_entry = tok.map(|(_, spec)| spec.to_string());
+    if let (Some((_, spec)), Some(sp)) = (tok, &specials) {
+        if Path::new(spec).is_file() {
+            let dst = dir.join("tokenizer.json");
+            fs::copy(spec, &dst).with_context(|| {
+                format!("cannot copy the tokenizer {spec} to {}", dst.display())
+            })?;
+            fs::File::open(&dst)?.sync_all()?;
+            files.push("tokenizer.json".into());
+            let mut tc = json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": sp.eos.1,
+                "model_max_length": shape.max_position_embeddings,
+                "clean_up_tokenization_spaces": false,
+            });
+            if let Some((_, b)) = &sp.bos {
+                tc["bos_token"] = json!(b);
+            }
+            write_json(&dir.join("tokenizer_config.json"), &tc)?;
+            files.push("tokenizer_config.json".into());
+            tokenizer_entry = Some("tokenizer.json".into());
+        }
+    }
+    write_json(
+        &dir.join(PROVENANCE_FILE),
+        &json!({
+            "format": 1,
+            "exported_from": source.canonicalize().unwrap_or_else(|_| source.to_path_buf()),
+            "step": step,
+            "dtype": dtype_name,
+            "tokenizer": tokenizer_entry,
+            "context_length": context_length,
+            "lockstep_version": env!("CARGO_PKG_VERSION"),
+        }),
+    )?;
+    files.push(PROVENANCE_FILE.into());
+    Ok((files, written.total_size, shards))
+}
+
+/// `lockstep export`: export and say what was written.
+pub fn run(resolved: &Resolved, args: &ExportArgs) -> Result<()> {
+    let e = export(resolved, args)?;
+    let step = e.step.map_or(String::new(), |s| format!(" (step {s})"));
+    println!(
+        "[export] {}{step} -> {}: {:.1} MB of {} weights in {} file{}{}",
+        e.source.display(),
+        e.out.display(),
+        e.weight_bytes as f64 / 1e6,
+        args.dtype,
+        e.shards,
+        if e.shards == 1 {
+            ""
+        } else {
+            "s (sharded, with model.safetensors.index.json)"
+        },
+        e.tokenizer
+            .as_deref()
+            .map_or(String::new(), |t| format!(", tokenizer {t}"))
+    );
+    println!(
+        "[export] load with transformers: AutoModelForCausalLM.from_pretrained(\"{}\")",
+        e.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! The Hugging Face interop and inference commands: `export` (checkpoint → transformers
+//! directory), `eval` (loss and perplexity of a model directory on a file) and `generate`
+//! (KV-cached sampling). Shared here: what a model directory says about how it was trained,
+//! and the device/dtype flags.
+
+pub mod eval;
+pub mod export;
+pub mod generate;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use tch::{Device, Kind};
+
+use crate::data::tokenizer::Tokenizer;
+
+/// Written by `export` next to the weights: where they came from and what a later `eval` or
+/// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
+/// training context length).
+pub const PROVENANCE_FILE: &str = "lockstep.json";
+
+/// What a model directory records about its training: `lockstep.json` (an export) or
+/// `trainer.json` (a checkpoint).
+#[derive(Debug, Clone, Default)]
+pub struct TrainedWith {
+    pub tokenizer: Option<String>,
+    pub context_length: Option<usize>,
+    /// The file it was read from.
+    pub source: Option<PathBuf>,
+}
+
+impl TrainedWith {
+    pub fn read(dir: &Path) -> Result<TrainedWith> {
+        let read = |name: &str| -> Result<Option<(PathBuf, Value)>> {
+            let path = dir.join(name);
+            if !path.is_file() {
+                return Ok(None);
+            }
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("{}: cannot read", path.display()))?;
+            let v = serde_json::from_str(&text)
+                .with_context(|| format!("{}: invalid JSON", path.display()))?;
+            Ok(Some((path, v)))
+        };
+        if let Some((path, v)) = read(PROVENANCE_FILE)? {
+            return Ok(TrainedWith {
+                tokenizer: v["tokenizer"].as_str().map(str::to_string),
+                context_length: v["context_length"].as_u64().map(|n| n as usize),
+                source: Some(path),
+            });
+        }
+        if let Some((path, v)) = read("trainer.json")? {
+            let c = &v["config"];
+            return Ok(TrainedWith {
+                tokenizer: c["data"]["tokenizer"].as_str().map(str::to_string),
+                context_length: c["training"]["context_length"].as_u64().map(|n| n as usize),
+                source: Some(path),
+            });
+        }
+        Ok(TrainedWith::default())
+    }
+}
+
+/// The tokenizer for a model directory: `--tokenizer`, else the directory's `tokenizer.json`,
+/// else the one its `lockstep.json`/`trainer.json` names. None when nothing names one.
+pub fn find_tokenizer(dir: &Path, explicit: Option<&str>) -> Result<Option<Tokenizer>> {
+    if let Some(spec) = explicit {
+        return Tokenizer::load(spec)
+            .map(Some)
+            .with_context(|| format!("--tokenizer {spec}"));
+    }
+    let local = dir.join("tokenizer.json");
+    if local.is_file() {
+        return Tokenizer::load(&local.to_string_lossy()).map(Some);
+    }
+    let trained = TrainedWith::read(dir)?;
+    match (trained.tokenizer, trained.source) {
+        (Some(spec), Some(src)) => Tokenizer::load(&spec).map(Some).with_context(|| {
+            format!(
+                "{} names the tokenizer `{spec}`, which cannot be loaded; pass --tokenizer NAME|PATH",
+                src.display()
+            )
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// `--device`: auto (the first GPU when libtorch sees one), cpu, cuda or cuda:N.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let want_cuda = |i: usize| -> Result<Device> {
+        if !tch::Cuda::is_available() {
+            bail!("--device {s}: no CUDA device is visible to libtorch; use --device cpu");
+        }
+        Ok(Device::Cuda(i))
+    };
+    match s {
+        "auto" => Ok(Device::cuda_if_available()),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => want_cuda(0),
+        _ => match s.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
+            Some(i) => want_cuda(i),
+            None => bail!("--device {s}: expected auto, cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+/// `--dtype` of the forward pass: fp32 or bf16 (weights stay fp32 masters, as in training).
+pub fn parse_compute(s: &str) -> Result<Kind> {
+    match s {
+        "fp32" | "float32" => Ok(Kind::Float),
+        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
+        _ => bail!("--dtype {s}: expected fp32 or bf16"),
+    }
+}
