@@ -259,3 +259,48 @@ fn memory_is_logged_and_a_limit_warns() {
     );
     assert!(out.contains("[CPU0] Peak memory: RSS "), "{out}");
 }
+
+#[test]
+fn tensorboard_events_hold_the_same_losses_as_metrics_jsonl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let mut a = vec!["train".to_string()];
+    a.extend(small(&corpus));
+    a.extend(["--max-steps".to_string(), "4".to_string()]);
+    ok(tmp.path(), &a);
+    let run = tmp.path().join("runs/tiny");
+    let script = format!(
+        "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as E\n\
+         e = E('{}'); e.Reload()\n\
+         print(sorted(e.Tags()['scalars']))\n\
+         print([(s.step, s.value) for s in e.Scalars('train/loss')])",
+        run.join("tensorboard").display()
+    );
+    let out = std::process::Command::new(common::python())
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines = text.lines();
+    let tags = lines.next().unwrap();
+    for tag in [
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "val/loss",
+        "memory/rss_gb",
+    ] {
+        assert!(tags.contains(tag), "{tag} missing from {tags}");
+    }
+    let want: Vec<String> = losses(&run.join("metrics.jsonl"))
+        .iter()
+        .map(|(s, l)| format!("({s}, {})", (*l as f32) as f64))
+        .collect();
+    assert_eq!(lines.next().unwrap(), format!("[{}]", want.join(", ")));
+}

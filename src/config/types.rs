@@ -91,6 +91,7 @@ pub struct LoggingConfig {
     pub dir: String,
     pub verbose: bool,
     pub memory_interval: usize,
+    pub tensorboard: bool,
     pub run_name: Option<String>,
 }
 

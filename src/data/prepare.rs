@@ -11,7 +11,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
-use super::sources::{dataset_fingerprint, list_files, read_documents};
+use super::hub::resolve_tokenizer;
+use super::sources::{dataset_files, dataset_fingerprint, read_documents};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
@@ -87,34 +88,20 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
     if spec.num_samples == Some(0) {
         bail!("data.num_samples is 0; leave it unset to use every document");
     }
-    let tok = Tokenizer::load(&spec.tokenizer)?;
+    let tok = Tokenizer::load(&resolve_tokenizer(&spec.tokenizer)?)?;
     if is_token_file(&spec.path) {
         return use_token_file(&spec.path, &tok, &spec.tokenizer);
     }
 
-    let files = list_files(&spec.path)?;
-    let canonical = spec
-        .path
-        .canonicalize()
-        .with_context(|| format!("{}: cannot resolve the dataset path", spec.path.display()))?;
-    let root = if canonical.is_dir() {
-        canonical.clone()
-    } else {
-        canonical
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default()
-    };
-    let files: Vec<PathBuf> = files
-        .iter()
-        .map(|f| f.canonicalize().unwrap_or_else(|_| f.clone()))
-        .collect();
+    // A file, a directory, a glob pattern or a cached Hugging Face dataset.
+    let dataset = dataset_files(&spec.path)?;
+    let files = dataset.files;
     let inputs = json!({
         "format_version": CACHE_FORMAT_VERSION,
         "tokenizer": tok.id(),
         "tokenizer_hash": blake3::Hash::from(tok.definition_hash()).to_hex().as_str(),
-        "dataset": canonical.display().to_string(),
-        "files": dataset_fingerprint(&root, &files)?,
+        "dataset": dataset.id,
+        "files": dataset_fingerprint(&dataset.root, &files)?,
         "text_field": spec.text_field,
         "val_fraction": spec.val_fraction,
         "context_length": spec.context_length,
@@ -324,7 +311,7 @@ fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, files: &[PathBuf]) -> Re
     bar.finish_and_clear();
     if out.doc_starts.is_empty() {
         bail!(
-            "{}: the dataset has no documents (all .jsonl files are empty); add text",
+            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
             spec.path.display()
         );
     }
@@ -513,6 +500,7 @@ fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::sources::list_files;
 
     fn spec(path: &Path, cache: &Path) -> PrepareSpec {
         PrepareSpec {

@@ -1,5 +1,9 @@
 //! Raw text documents: which files make up a dataset and how each one is
 //! split into documents.
+//!
+//! A dataset is a `.txt`/`.jsonl`/`.parquet` file, a directory walked for
+//! them, a glob pattern (`data/*.parquet`), or the name of a Hugging Face
+//! dataset in the local hub cache (see [`super::hub`]).
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader};
@@ -10,7 +14,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 
 /// File extensions read as text sources.
-pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl"];
+pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl", "parquet"];
+
+/// Documents read from a Parquet column per call into the parquet decoder.
+const PARQUET_BATCH: usize = 1024;
 
 fn has_text_extension(path: &Path) -> bool {
     path.extension()
@@ -25,8 +32,8 @@ fn is_hidden(path: &Path) -> bool {
 }
 
 /// The text files of a dataset: `path` itself if it is a file, otherwise every
-/// `.txt`/`.jsonl` file below it, recursively, skipping hidden entries, sorted
-/// by path so the document order is the same on every machine.
+/// `.txt`/`.jsonl`/`.parquet` file below it, recursively, skipping hidden
+/// entries, sorted by path so the document order is the same on every machine.
 pub fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
     let meta = fs::metadata(path).map_err(|e| {
         anyhow!(
@@ -82,11 +89,125 @@ fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// The files of a dataset and what identifies it in the cache key.
+#[derive(Debug, Clone)]
+pub struct DatasetFiles {
+    /// The data files, canonical paths, in reading order.
+    pub files: Vec<PathBuf>,
+    /// The directory file fingerprints are taken relative to.
+    pub root: PathBuf,
+    /// What `data.path` named: the canonical path, the glob pattern with its
+    /// fixed part canonical, or `hf-dataset:<repo>@<revision>[/<subdir>]`.
+    pub id: String,
+}
+
+/// Resolves `data.path` to its files: an existing file or directory (see
+/// [`list_files`]), a glob pattern, or a Hugging Face dataset name found in
+/// the local hub cache ([`super::hub::cached_dataset`]).
+pub fn dataset_files(path: &Path) -> Result<DatasetFiles> {
+    if !path.exists() {
+        let text = path.to_string_lossy();
+        if is_glob(&text) {
+            return glob_files(&text);
+        }
+        if super::hub::looks_like_dataset_name(&text) {
+            if let Some(cached) = super::hub::cached_dataset(&text)? {
+                return Ok(cached);
+            }
+            let local = list_files(path)
+                .err()
+                .unwrap_or_else(|| anyhow!("not found"));
+            bail!("{local:#}. {}", super::hub::dataset_not_cached(&text));
+        }
+    }
+    let files = list_files(path)?;
+    let canonical = path
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve the dataset path", path.display()))?;
+    let root = if canonical.is_dir() {
+        canonical.clone()
+    } else {
+        canonical
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    Ok(DatasetFiles {
+        files: files
+            .iter()
+            .map(|f| f.canonicalize().unwrap_or_else(|_| f.clone()))
+            .collect(),
+        root,
+        id: canonical.display().to_string(),
+    })
+}
+
+fn is_glob(path: &str) -> bool {
+    path.contains(['*', '?', '['])
+}
+
+/// Every data file a glob pattern matches (directories it matches are walked),
+/// sorted and deduplicated; other files are ignored.
+fn glob_files(pattern: &str) -> Result<DatasetFiles> {
+    let options = glob::MatchOptions {
+        case_sensitive: true,
+        require_literal_separator: true,
+        require_literal_leading_dot: true,
+    };
+    let matches = glob::glob_with(pattern, options)
+        .map_err(|e| anyhow!("data.path = {pattern:?}: not a valid glob pattern ({e})"))?;
+    let mut files = Vec::new();
+    for entry in matches {
+        let path = entry.map_err(|e| anyhow!("data.path = {pattern:?}: {e}"))?;
+        if path.is_dir() {
+            walk(&path, &mut files)?;
+        } else if path.is_file() && has_text_extension(&path) {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        bail!(
+            "data.path = {pattern:?}: the pattern matches no .{} files (relative patterns are \
+             taken from the working directory); check `data.path`",
+            TEXT_EXTENSIONS.join(", .")
+        );
+    }
+    let mut files: Vec<PathBuf> = files
+        .iter()
+        .map(|f| f.canonicalize().unwrap_or_else(|_| f.clone()))
+        .collect();
+    files.sort();
+    files.dedup();
+    // The part before the first component with a wildcard: fingerprints are
+    // relative to it, and it is the canonical part of the id.
+    let fixed: PathBuf = Path::new(pattern)
+        .components()
+        .take_while(|c| !is_glob(&c.as_os_str().to_string_lossy()))
+        .collect();
+    let fixed = if fixed.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        fixed
+    };
+    let root = fixed
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve the dataset path", fixed.display()))?;
+    let rest = Path::new(pattern)
+        .strip_prefix(&fixed)
+        .unwrap_or(Path::new(pattern));
+    Ok(DatasetFiles {
+        id: format!("glob:{}", root.join(rest).display()),
+        files,
+        root,
+    })
+}
+
 /// Calls `f` with every document of `file`, in order.
 ///
 /// A `.txt` file is one document (a leading UTF-8 BOM is dropped). A `.jsonl`
 /// file holds one JSON object per line whose `text_field` string is the
-/// document; blank lines are skipped.
+/// document; blank lines are skipped. A `.parquet` file holds one document
+/// per row in its `text_field` string column; null values are skipped.
 pub fn read_documents(
     file: &Path,
     text_field: &str,
@@ -112,6 +233,7 @@ pub fn read_documents(
             f(text)
         }
         "jsonl" => read_jsonl(file, text_field, f),
+        "parquet" => read_parquet(file, text_field, f),
         _ => bail!(
             "{}: unsupported extension; text sources must end in .{}",
             file.display(),
@@ -174,6 +296,109 @@ fn read_jsonl(
                 );
             }
         }
+    }
+}
+
+/// Streams the `text_field` column of a Parquet file, row group by row group,
+/// in batches of [`PARQUET_BATCH`] values (never the whole file in memory).
+fn read_parquet(
+    file: &Path,
+    text_field: &str,
+    mut f: impl FnMut(String) -> Result<()>,
+) -> Result<()> {
+    use parquet::basic::Type as Physical;
+    use parquet::column::reader::ColumnReader;
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    let p = file.display();
+    let handle = File::open(file).with_context(|| format!("{p}: cannot open"))?;
+    let reader = SerializedFileReader::new(handle)
+        .map_err(|e| anyhow!("{p}: not a readable Parquet file ({e})"))?;
+    let schema = reader.metadata().file_metadata().schema_descr_ptr();
+    let Some(column) = schema
+        .columns()
+        .iter()
+        .position(|c| c.path().parts().join(".") == text_field)
+    else {
+        let names: Vec<String> = schema
+            .root_schema()
+            .get_fields()
+            .iter()
+            .map(|t| t.name().to_string())
+            .collect();
+        bail!(
+            "{p}: no column \"{text_field}\" (its columns: [{}]); set `data.text_field` to the \
+             column holding the text",
+            names.join(", ")
+        );
+    };
+    let descr = schema.column(column);
+    if descr.physical_type() != Physical::BYTE_ARRAY || descr.max_rep_level() > 0 {
+        let what = if descr.max_rep_level() > 0 {
+            "a list".to_string()
+        } else {
+            format!("of type {}", descr.physical_type())
+        };
+        bail!(
+            "{p}: column \"{text_field}\" is {what}, not a string column; set \
+             `data.text_field` to the column holding the text"
+        );
+    }
+    let nullable = descr.max_def_level() > 0;
+    let mut values = Vec::with_capacity(PARQUET_BATCH);
+    let mut defs = Vec::with_capacity(PARQUET_BATCH);
+    let mut row = 0u64;
+    for group in 0..reader.num_row_groups() {
+        let rg = reader
+            .get_row_group(group)
+            .map_err(|e| anyhow!("{p}: row group {group}: {e}"))?;
+        let ColumnReader::ByteArrayColumnReader(mut col) = rg
+            .get_column_reader(column)
+            .map_err(|e| parquet_error(file, group, e))?
+        else {
+            bail!("{p}: column \"{text_field}\" is not a byte-array column");
+        };
+        loop {
+            values.clear();
+            defs.clear();
+            let (records, _, _) = col
+                .read_records(
+                    PARQUET_BATCH,
+                    nullable.then_some(&mut defs),
+                    None,
+                    &mut values,
+                )
+                .map_err(|e| parquet_error(file, group, e))?;
+            if records == 0 {
+                break;
+            }
+            for v in values.drain(..) {
+                row += 1;
+                let text = String::from_utf8(v.data().to_vec()).map_err(|e| {
+                    anyhow!(
+                        "{p}: column \"{text_field}\" holds invalid UTF-8 (value {row} of the column, \
+                         byte offset {}); it must be a UTF-8 string column",
+                        e.utf8_error().valid_up_to()
+                    )
+                })?;
+                f(text)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A decoding error; a codec left out of this build gets the list of those it has.
+fn parquet_error(file: &Path, group: usize, e: parquet::errors::ParquetError) -> anyhow::Error {
+    let p = file.display();
+    let text = e.to_string();
+    match text.split_once("Disabled feature at compile time: ") {
+        Some((_, codec)) => anyhow!(
+            "{p}: row group {group} is compressed with {codec}, which lockstep does not read \
+             (it reads snappy, zstd, lz4, gzip and uncompressed Parquet); rewrite the file with \
+             another codec, e.g. pyarrow.parquet.write_table(table, path, compression=\"zstd\")"
+        ),
+        None => anyhow!("{p}: cannot decode row group {group} ({text})"),
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod memory;
 pub mod mfu;
+pub mod tensorboard;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

@@ -122,7 +122,7 @@ pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Prepared> {
 
 pub fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
     let shape = match &cfg.model.model_path {
-        Some(dir) => hf::shape_from_dir(Path::new(dir), &cfg.model)?,
+        Some(dir) => hf::shape_from_dir(&crate::data::hub::resolve_model(dir)?, &cfg.model)?,
         None => LlamaShape::from_config(&cfg.model, vocab)?,
     };
     anyhow::ensure!(

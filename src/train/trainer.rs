@@ -19,6 +19,7 @@ use super::setup::{
     resume_target, run_dir,
 };
 use crate::config::{Config, Resolved};
+use crate::data::hub;
 use crate::data::prepare::prepare;
 use crate::data::sampler::{rank_indices, Sampler};
 use crate::data::tokfile::TokenFile;
@@ -26,6 +27,7 @@ use crate::dist::grads::{all_reduce_gradients, broadcast_parameters};
 use crate::dist::ProcessGroup;
 use crate::model::{hf, Llama};
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
+use crate::telemetry::tensorboard::EventWriter;
 use crate::telemetry::{self, Metrics, StepLine};
 
 /// Where to resume from.
@@ -160,9 +162,11 @@ pub fn train(
         compute_kind(cfg, device),
     );
     if let Some(dir) = &cfg.model.model_path {
-        hf::load_weights(Path::new(dir), &vs)?;
+        let path = hub::resolve_model(dir)?;
+        hf::load_weights(&path, &vs)?;
         println!(
-            "{tag} Loaded weights from {dir} ({} layers)",
+            "{tag} Loaded weights from {dir} ({}, {} layers)",
+            path.display(),
             shape.num_layers
         );
     }
@@ -264,8 +268,21 @@ pub fn train(
         total: t.max_steps,
     };
     let mut spikes = SpikeDetector::new(t.spike_window, t.spike_zscore);
-    let mut metrics = if lead {
-        Some(Metrics::open(&run_dir.join("metrics.jsonl"))?)
+    let mut records = if lead {
+        let tensorboard = if cfg.logging.tensorboard {
+            let mut tb = EventWriter::create(&run_dir.join("tensorboard"))?;
+            if state.step > 0 {
+                // Resumed: points from here on replace any the earlier process wrote.
+                tb.session_start(state.step as i64 + 1)?;
+            }
+            Some(tb)
+        } else {
+            None
+        };
+        Some(Records {
+            metrics: Metrics::open(&run_dir.join("metrics.jsonl"))?,
+            tensorboard,
+        })
     } else {
         None
     };
@@ -379,6 +396,9 @@ pub fn train(
                     state.step = saved.step;
                     state.adam_step = saved.adam_step;
                     state.lr_scale *= t.rollback_lr_factor;
+                    if let Some(tb) = records.as_mut().and_then(|r| r.tensorboard.as_mut()) {
+                        tb.session_start(saved.step as i64 + 1)?;
+                    }
                     println!(
                         "{tag} Rolled back to {} (step {}); LR scale now {}",
                         dir.display(),
@@ -414,7 +434,7 @@ pub fn train(
         };
         summary.val_loss = val_loss.or(summary.val_loss);
         if state.step.is_multiple_of(cfg.logging.interval) || done || val_loss.is_some() {
-            if let Some(metrics) = metrics.as_mut() {
+            if let Some(records) = records.as_mut() {
                 log_step(
                     &tag,
                     &state,
@@ -425,7 +445,7 @@ pub fn train(
                     val_loss,
                     &window,
                     cfg,
-                    metrics,
+                    records,
                     mfu_basis.map(|(flops, peak)| (flops, peak * topo.world as f64)),
                 )?;
             }
@@ -489,12 +509,14 @@ fn log_step(
     val_loss: Option<f64>,
     window: &Window,
     cfg: &Config,
-    metrics: &mut Metrics,
+    records: &mut Records,
     mfu_basis: Option<(f64, f64)>,
 ) -> Result<()> {
     let n = window.steps.max(1) as f64;
     let step_time = window.start.map_or(0.0, |s| s.elapsed().as_secs_f64()) / n;
     let tok_s = tokens_per_step / step_time.max(1e-9);
+    // (FLOPs per token, summed peak of all ranks' devices); Tok/s is global.
+    let mfu = mfu_basis.map(|(flops_per_token, peak)| tok_s * flops_per_token / peak);
     let line = StepLine {
         tag,
         step: state.step,
@@ -504,8 +526,7 @@ fn log_step(
         grad_norm: norm,
         tokens_per_s: tok_s,
         eta_s: step_time * (max_steps - state.step) as f64,
-        // (FLOPs per token, summed peak of all ranks' devices); Tok/s is global.
-        mfu: mfu_basis.map(|(flops_per_token, peak)| tok_s * flops_per_token / peak),
+        mfu,
     };
     println!("{line}");
     if let Some(v) = val_loss {
@@ -521,11 +542,35 @@ fn log_step(
             1e3 * window.data_s / n, 1e3 * window.compute_s / n, 1e3 * window.comm_s / n, 1e3 * window.opt_s / n
         );
     }
-    metrics.record(&json!({
+    let rss = gb(rss_bytes());
+    records.metrics.record(&json!({
         "step": state.step, "loss": state.loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
-        "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": gb(rss_bytes()),
-        "guard_events": state.guard_events,
-    }))
+        "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
+        "guard_events": state.guard_events, "mfu": mfu,
+    }))?;
+    if let Some(tb) = records.tensorboard.as_mut() {
+        let s = state.step as i64;
+        tb.scalar("train/loss", s, state.loss)?;
+        tb.scalar("train/lr", s, lr)?;
+        tb.scalar("train/grad_norm", s, norm)?;
+        tb.scalar("train/tokens_per_s", s, tok_s)?;
+        if let Some(m) = mfu {
+            tb.scalar("train/mfu", s, m)?;
+        }
+        if let Some(v) = val_loss {
+            tb.scalar("val/loss", s, v)?;
+            tb.scalar("val/ppl", s, v.exp())?;
+        }
+        tb.scalar("memory/rss_gb", s, rss)?;
+        tb.flush()?;
+    }
+    Ok(())
+}
+
+/// Rank 0's records of the run: metrics.jsonl and, with logging.tensorboard, event files.
+struct Records {
+    metrics: Metrics,
+    tensorboard: Option<EventWriter>,
 }
 
 /// Every `logging.memory_interval` steps: RSS on rank 0; a warning on any rank above the limit.
