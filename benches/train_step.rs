@@ -45,6 +45,7 @@ fn main() {
         intermediate_size: 688,
         max_position_embeddings: 2048,
         rope_theta: 10000.0,
+        rope_scaling: None,
         rms_norm_eps: 1e-5,
         tie_word_embeddings: false,
         init_std: 0.02,

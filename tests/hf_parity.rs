@@ -42,13 +42,16 @@ fn batch(dir: &Path) -> (Tensor, Tensor) {
     (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1))
 }
 
-fn check_against_reference(tied: bool) {
+fn check_against_reference(tied: bool, llama3_rope: bool) {
     tch::set_num_threads(1);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut args = vec![dir.to_str().unwrap()];
     if tied {
         args.push("--tied");
+    }
+    if llama3_rope {
+        args.push("--llama3-rope");
     }
     common::run_python("tests/reference/hf_llama.py", &args);
     let reference: serde_json::Value =
@@ -81,6 +84,23 @@ fn check_against_reference(tied: bool) {
         assert!(
             rel(got, want) < 1e-5,
             "{name}: grad norm {got} vs transformers {want}"
+        );
+    }
+
+    if llama3_rope {
+        // The scaling is read and it matters: the same weights with plain RoPE differ.
+        let mut m = config::resolve(&Sources::default()).unwrap().config.model;
+        m.num_layers = 2;
+        let mut shape = hf::shape_from_dir(&dir.join("model"), &m).unwrap();
+        assert_eq!(shape.rope_scaling.map(|s| s.factor), Some(8.0));
+        shape.rope_scaling = None;
+        let vs_plain = VarStore::new(Device::Cpu);
+        let plain = Llama::new(&vs_plain.root(), &shape, 64, Kind::Float);
+        hf::load_weights(&dir.join("model"), &vs_plain).unwrap();
+        let plain_loss = plain.loss(&x, &y).double_value(&[]);
+        assert!(
+            rel(plain_loss, want) > 1e-5,
+            "plain RoPE should not match: {plain_loss} vs {want}"
         );
     }
 
@@ -144,10 +164,15 @@ fn check_against_reference(tied: bool) {
 
 #[test]
 fn untied_llama_matches_transformers() {
-    check_against_reference(false);
+    check_against_reference(false, false);
 }
 
 #[test]
 fn tied_llama_matches_transformers() {
-    check_against_reference(true);
+    check_against_reference(true, false);
+}
+
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check_against_reference(false, true);
 }

@@ -10,7 +10,7 @@ use serde_json::Value;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::shape::{AttentionBackend, LlamaShape};
+use super::shape::{AttentionBackend, Llama3RopeScaling, LlamaShape};
 use crate::config::ModelConfig;
 use crate::tensor_io::SafeFile;
 
@@ -75,15 +75,35 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         .as_f64()
         .or_else(|| rope["rope_theta"].as_f64())
         .unwrap_or(10000.0);
-    let rope_type = rope["rope_type"]
+    // The scaling parameters sit in rope_parameters (v5) or rope_scaling (v4).
+    let scaling = if rope["rope_type"].is_string() {
+        rope
+    } else {
+        &c["rope_scaling"]
+    };
+    let rope_scaling = match scaling["rope_type"]
         .as_str()
-        .or_else(|| c["rope_scaling"]["rope_type"].as_str());
-    if let Some(t) = rope_type.filter(|t| *t != "default") {
-        bail!(
-            "{}: rope_type \"{t}\" (RoPE scaling) is not supported yet; only default RoPE",
+        .or_else(|| scaling["type"].as_str())
+    {
+        None | Some("default") => None,
+        Some("llama3") => {
+            let num = |k: &str| {
+                scaling[k]
+                    .as_f64()
+                    .with_context(|| format!("{}: llama3 RoPE scaling lacks {k}", path.display()))
+            };
+            Some(Llama3RopeScaling {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+            })
+        }
+        Some(t) => bail!(
+            "{}: rope_type \"{t}\" is not supported; lockstep implements default and llama3 RoPE",
             path.display()
-        );
-    }
+        ),
+    };
     Ok(LlamaShape {
         vocab_size: uint("vocab_size")?,
         hidden_size,
@@ -95,6 +115,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         intermediate_size: uint("intermediate_size")?,
         max_position_embeddings: uint("max_position_embeddings")?,
         rope_theta,
+        rope_scaling,
         rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
         init_std: c["initializer_range"].as_f64().unwrap_or(m.init_std),
@@ -192,7 +213,8 @@ pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rope_parameters": rope_parameters(shape),
+        "rope_scaling": shape.rope_scaling.map(|_| rope_parameters(shape)),
         "tie_word_embeddings": shape.tie_word_embeddings,
         "vocab_size": shape.vocab_size,
         "initializer_range": shape.init_std,
@@ -455,4 +477,19 @@ pub fn eos_token_ids(dir: &Path) -> Result<Option<Vec<i64>>> {
         }
     }
     Ok(None)
+}
+
+/// transformers' `rope_parameters` (v5) for a shape; v4 reads `rope_scaling`, written alongside.
+fn rope_parameters(shape: &LlamaShape) -> Value {
+    match shape.rope_scaling {
+        None => serde_json::json!({"rope_type": "default", "rope_theta": shape.rope_theta}),
+        Some(s) => serde_json::json!({
+            "rope_type": "llama3",
+            "rope_theta": shape.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }),
+    }
 }

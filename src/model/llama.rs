@@ -131,7 +131,7 @@ impl Llama {
         let norm = norm_weight(&model, "norm", d);
         let lm_head =
             (!s.tie_word_embeddings).then(|| linear_weight(root, "lm_head", s.vocab_size, d, std));
-        let rope = Rope::new(hd, s.rope_theta, max_seq, root.device());
+        let rope = Rope::new(hd, s.rope_theta, s.rope_scaling, max_seq, root.device());
         Llama {
             shape: s.clone(),
             embed_tokens,

@@ -4,6 +4,8 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::shape::Llama3RopeScaling;
+
 pub struct Rope {
     /// [max_len, head_dim], fp32.
     cos: Tensor,
@@ -11,13 +13,22 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(head_dim: usize, theta: f64, max_len: usize, device: Device) -> Rope {
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        scaling: Option<Llama3RopeScaling>,
+        max_len: usize,
+        device: Device,
+    ) -> Rope {
         let opts = (Kind::Float, device);
         // Same op sequence as transformers: theta ** (arange(0, d, 2) / d), then its reciprocal.
         let exponent = Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, device))
             .to_kind(Kind::Float)
             / head_dim as f64;
-        let inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
+        let mut inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
+        if let Some(s) = scaling {
+            inv_freq = llama3_scaled(&inv_freq, s);
+        }
         let positions = Tensor::arange(max_len as i64, opts);
         let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
@@ -51,4 +62,25 @@ fn rotate_half(x: &Tensor) -> Tensor {
     let x1 = x.narrow(3, 0, half);
     let x2 = x.narrow(3, half, half);
     Tensor::cat(&[&(-x2), &x1], -1)
+}
+
+/// transformers' `_compute_llama3_parameters`, op for op: wavelengths above
+/// original_max / low_freq_factor get inv_freq / factor, those below original_max /
+/// high_freq_factor keep it, and the band between is interpolated.
+fn llama3_scaled(inv_freq: &Tensor, s: Llama3RopeScaling) -> Tensor {
+    let old_len = s.original_max_position_embeddings as f64;
+    let low_freq_wavelen = old_len / s.low_freq_factor;
+    let high_freq_wavelen = old_len / s.high_freq_factor;
+    let wavelen = inv_freq.reciprocal() * (2.0 * std::f64::consts::PI);
+    let long = wavelen.gt(low_freq_wavelen);
+    let scaled = inv_freq.where_self(&long.logical_not(), &(inv_freq / s.factor));
+    let smooth: Tensor = (wavelen.reciprocal() * old_len - s.low_freq_factor)
+        / (s.high_freq_factor - s.low_freq_factor);
+    let one_minus: Tensor = smooth.neg() + 1.0;
+    let smoothed: Tensor = one_minus * &scaled / s.factor + &smooth * &scaled;
+    let medium = wavelen
+        .lt(high_freq_wavelen)
+        .logical_not()
+        .logical_and(&long.logical_not());
+    smoothed.where_self(&medium, &scaled)
 }

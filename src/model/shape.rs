@@ -21,6 +21,16 @@ impl AttentionBackend {
     }
 }
 
+/// Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"` in config.json): long wavelengths
+/// are divided by `factor`, short ones kept, and those in between interpolated.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaShape {
     pub vocab_size: usize,
@@ -31,6 +41,9 @@ pub struct LlamaShape {
     pub intermediate_size: usize,
     pub max_position_embeddings: usize,
     pub rope_theta: f64,
+    /// None = plain RoPE. Absent in checkpoints written before it existed.
+    #[serde(default)]
+    pub rope_scaling: Option<Llama3RopeScaling>,
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
     pub init_std: f64,
@@ -55,6 +68,7 @@ impl LlamaShape {
             intermediate_size: m.intermediate_size,
             max_position_embeddings: m.max_position_embeddings,
             rope_theta: m.rope_theta,
+            rope_scaling: None,
             rms_norm_eps: m.rms_norm_eps,
             tie_word_embeddings: m.tie_word_embeddings,
             init_std: m.init_std,
@@ -107,6 +121,7 @@ mod tests {
             intermediate_size: 14336,
             max_position_embeddings: 131072,
             rope_theta: 500000.0,
+            rope_scaling: None,
             rms_norm_eps: 1e-5,
             tie_word_embeddings: false,
             init_std: 0.02,

@@ -4,7 +4,7 @@ Builds a small random LlamaForCausalLM (GQA, RMSNorm weights that are not all on
 as a Hugging Face directory, and records on a fixed batch: the loss, every parameter's gradient
 norm, then the losses, pre-clip gradient norms and parameters after 3 AdamW steps with clipping.
 
-usage: hf_llama.py OUT_DIR [--tied]
+usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope]
 """
 import json
 import sys
@@ -16,6 +16,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 out = sys.argv[1]
 tied = "--tied" in sys.argv
+# Llama 3.1 frequency scaling, with original_max_position_embeddings chosen so that the 4
+# frequencies of head_dim 8 fall in all three bands (kept, interpolated, divided).
+rope = {"rope_type": "default", "rope_theta": 10000.0}
+if "--llama3-rope" in sys.argv:
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
 torch.manual_seed(0)
 config = LlamaConfig(
     vocab_size=384,
@@ -26,7 +32,7 @@ config = LlamaConfig(
     num_key_value_heads=2,
     max_position_embeddings=128,
     rms_norm_eps=1e-5,
-    rope_theta=10000.0,
+    rope_parameters=rope,
     tie_word_embeddings=tied,
     attn_implementation="sdpa",
 )
