@@ -221,79 +221,35 @@ impl Llama {
         weight * normed.to_kind(x.kind())
     }
 
-    fn attention(&self, h: &Tensor, layer: &Layer) -> Tensor {
-        let s = &self.shape;
-        let (b, t) = (h.size()[0], h.size()[1]);
-        let hd = s.head_dim() as i64;
-        let heads =
-            |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
-        let q = self.rope.apply(&heads(&layer.q_proj, s.num_heads));
-        let k = self.rope.apply(&heads(&layer.k_proj, s.num_kv_heads));
-        let v = heads(&layer.v_proj, s.num_kv_heads);
-        // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
-        // transformers asks for it), which saves materialising repeated keys and values.
-        let group = (s.num_heads / s.num_kv_heads) as i64;
-        let y = match s.attention {
-            AttentionBackend::Sdpa => Tensor::scaled_dot_product_attention::<Tensor>(
-                &q,
-                &k,
-                &v,
-                None,
-                0.0,
-                true,
-                None,
-                group > 1,
-            ),
-            AttentionBackend::Math => {
-                let repeat = |x: Tensor| {
-                    if group > 1 {
-                        x.repeat_interleave_self_int(group, 1, None)
-                    } else {
-                        x
-                    }
-                };
-                math_attention(&q, &repeat(k), &repeat(v))
-            }
-        };
-        let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
-        self.linear(&y, &layer.o_proj)
-    }
-
-    /// `attention` for new tokens at positions pos..pos + t: RoPE at those positions, their keys
-    /// and values written into the cache, queries attending to every cached position up to
-    /// their own.
-    fn attention_cached(
-        &self,
-        h: &Tensor,
-        layer: &Layer,
-        (k_buf, v_buf): &(Tensor, Tensor),
-        pos: usize,
-    ) -> Tensor {
+    /// Query, key and value heads of `h` ([b, heads, t, head_dim]), rotated for positions
+    /// pos..pos + t.
+    fn qkv(&self, h: &Tensor, layer: &Layer, pos: usize) -> (Tensor, Tensor, Tensor) {
         let s = &self.shape;
         let (b, t) = (h.size()[0], h.size()[1]);
         let hd = s.head_dim() as i64;
         let heads =
             |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
         let q = self.rope.apply_at(&heads(&layer.q_proj, s.num_heads), pos);
-        let k_new = self
+        let k = self
             .rope
             .apply_at(&heads(&layer.k_proj, s.num_kv_heads), pos);
-        let v_new = heads(&layer.v_proj, s.num_kv_heads);
-        let total = pos as i64 + t;
-        k_buf
-            .narrow(2, pos as i64, t)
-            .copy_(&k_new.to_kind(k_buf.kind()));
-        v_buf
-            .narrow(2, pos as i64, t)
-            .copy_(&v_new.to_kind(v_buf.kind()));
-        let k = k_buf.narrow(2, 0, total);
-        let v = v_buf.narrow(2, 0, total);
+        (q, k, heads(&layer.v_proj, s.num_kv_heads))
+    }
+
+    /// Causal attention of queries at positions past..past + t over keys and values at
+    /// positions 0..past + t, then the output projection.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, past: usize, layer: &Layer) -> Tensor {
+        let s = &self.shape;
+        let (b, t) = (q.size()[0], q.size()[2]);
+        let total = past as i64 + t;
+        // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
+        // transformers asks for it), which saves materialising repeated keys and values.
         let group = (s.num_heads / s.num_kv_heads) as i64;
         let y = match s.attention {
             AttentionBackend::Sdpa => {
-                // Prefill from an empty cache is the plain causal case; one new token sees every
+                // Training and a prefill are the plain causal case; one new token sees every
                 // cached position; several new tokens after cached ones need the offset mask.
-                let (mask, causal) = if pos == 0 {
+                let (mask, causal) = if past == 0 {
                     (None, true)
                 } else if t == 1 {
                     (None, false)
@@ -304,9 +260,9 @@ impl Llama {
                     )
                 };
                 Tensor::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
+                    q,
+                    k,
+                    v,
                     mask.as_ref(),
                     0.0,
                     causal,
@@ -315,23 +271,57 @@ impl Llama {
                 )
             }
             AttentionBackend::Math => {
-                let repeat = |x: Tensor| {
+                let repeat = |x: &Tensor| {
                     if group > 1 {
                         x.repeat_interleave_self_int(group, 1, None)
                     } else {
-                        x
+                        x.shallow_clone()
                     }
                 };
-                math_attention_masked(
-                    &q,
+                math_attention(
+                    q,
                     &repeat(k),
                     &repeat(v),
                     &offset_causal_mask(t, total, q.device()),
                 )
             }
         };
-        let y = y.transpose(1, 2).reshape([b, t, s.num_heads as i64 * hd]);
+        let y = y
+            .transpose(1, 2)
+            .reshape([b, t, s.num_heads as i64 * s.head_dim() as i64]);
         self.linear(&y, &layer.o_proj)
+    }
+
+    fn attention(&self, h: &Tensor, layer: &Layer) -> Tensor {
+        let (q, k, v) = self.qkv(h, layer, 0);
+        self.attend(&q, &k, &v, 0, layer)
+    }
+
+    /// `attention` for new tokens at positions pos..pos + t: their keys and values are written
+    /// into the cache, and the queries attend to every cached position up to their own.
+    fn attention_cached(
+        &self,
+        h: &Tensor,
+        layer: &Layer,
+        (k_buf, v_buf): &(Tensor, Tensor),
+        pos: usize,
+    ) -> Tensor {
+        let (q, k_new, v_new) = self.qkv(h, layer, pos);
+        let t = h.size()[1];
+        k_buf
+            .narrow(2, pos as i64, t)
+            .copy_(&k_new.to_kind(k_buf.kind()));
+        v_buf
+            .narrow(2, pos as i64, t)
+            .copy_(&v_new.to_kind(v_buf.kind()));
+        let total = pos as i64 + t;
+        self.attend(
+            &q,
+            &k_buf.narrow(2, 0, total),
+            &v_buf.narrow(2, 0, total),
+            pos,
+            layer,
+        )
     }
 
     /// Every parameter with its HF name, in creation order.
@@ -356,16 +346,6 @@ fn param_order(name: &str) -> (usize, usize, String) {
     }
 }
 
-/// softmax(QK^T / sqrt(d) + causal mask) V with fp32 softmax, as transformers' eager path.
-fn math_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
-    let t = q.size()[2];
-    let scale = 1.0 / (q.size()[3] as f64).sqrt();
-    let scores = q.matmul(&k.transpose(-2, -1)) * scale;
-    let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
-    let scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
-    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v)
-}
-
 /// [t, total] bool, true where query i (at position total - t + i) must NOT see key j (j later).
 fn offset_causal_mask(t: i64, total: i64, device: tch::Device) -> Tensor {
     let queries = Tensor::arange_start(total - t, total, (Kind::Int64, device)).unsqueeze(1);
@@ -373,8 +353,9 @@ fn offset_causal_mask(t: i64, total: i64, device: tch::Device) -> Tensor {
     keys.gt_tensor(&queries)
 }
 
-/// `math_attention` with an explicit mask (true = masked out), for cached decoding.
-fn math_attention_masked(q: &Tensor, k: &Tensor, v: &Tensor, masked: &Tensor) -> Tensor {
+/// softmax(QK^T / sqrt(d), masked) V with fp32 softmax, as transformers' eager path;
+/// `masked` is true where a query must not see a key.
+fn math_attention(q: &Tensor, k: &Tensor, v: &Tensor, masked: &Tensor) -> Tensor {
     let scale = 1.0 / (q.size()[3] as f64).sqrt();
     let scores = q.matmul(&k.transpose(-2, -1)) * scale;
     let scores = scores.masked_fill(masked, f64::NEG_INFINITY);
