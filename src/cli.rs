@@ -253,6 +253,10 @@ fn run_launcher(
     })?;
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
     train::setup::prepare_data(&resolved.config, "[launcher]")?;
+    // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
+    if let Some(model) = &resolved.config.model.model_path {
+        crate::data::hub::resolve_model(model)?;
+    }
     if let launch::Devices::Cpu(n) = plan.devices {
         // N CPU workers share the cores; libtorch would otherwise give each all of them.
         if std::env::var_os("OMP_NUM_THREADS").is_none() {

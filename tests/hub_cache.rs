@@ -227,6 +227,8 @@ fn models_tokenizers_and_datasets_resolve_from_the_cache() {
     build_cache(&root);
     let hub = root.join("hub");
 
+    // Nothing is downloaded here (tests/hub_download.rs covers that): missing files are errors.
+    std::env::set_var("HF_HUB_OFFLINE", "1");
     // The cache directory is chosen as huggingface_hub chooses it.
     std::env::remove_var("HF_HUB_CACHE");
     std::env::remove_var("HUGGINGFACE_HUB_CACHE");

@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::json;
 use tch::{Device, Tensor};
 
-use super::{find_tokenizer, parse_compute, parse_device, TrainedWith};
+use super::{find_tokenizer, model_dir, parse_compute, parse_device, TrainedWith};
 use crate::data::sources::{list_files, read_documents};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokfile::{is_token_file, TokenFile};
@@ -198,9 +198,10 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
     );
     let device = parse_device(&args.device)?;
     let compute = parse_compute(&args.dtype)?;
-    let shape = hf::dir_shape(&args.model, "sdpa")
-        .with_context(|| format!("--model {}", args.model.display()))?;
-    let tok = find_tokenizer(&args.model, args.tokenizer.as_deref())?;
+    let dir = model_dir(&args.model)?;
+    let shape =
+        hf::dir_shape(&dir, "sdpa").with_context(|| format!("--model {}", args.model.display()))?;
+    let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
     if let Some(t) = &tok {
         ensure!(
             t.vocab_size() <= shape.vocab_size,
@@ -214,7 +215,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
     }
     let stream = load_stream(args, tok.as_ref())?;
     let n = stream.len();
-    let trained = TrainedWith::read(&args.model)?;
+    let trained = TrainedWith::read(&dir)?;
     let mut ctx = args
         .context_length
         .or(trained.context_length)
@@ -239,7 +240,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         );
         ctx = short;
     }
-    let (_vs, model) = hf::load_model(&args.model, device, compute, ctx, "sdpa")?;
+    let (_vs, model) = hf::load_model(&dir, device, compute, ctx, "sdpa")?;
     let max_windows = args
         .max_batches
         .map_or(u64::MAX, |b| (b * args.batch_size) as u64);

@@ -9,7 +9,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use serde_json::json;
 
-use super::{find_tokenizer, parse_compute, parse_device};
+use super::{find_tokenizer, model_dir, parse_compute, parse_device};
 use crate::data::tokenizer::Tokenizer;
 use crate::model::generate::{generate, generate_uncached, GenerateOptions};
 use crate::model::hf;
@@ -64,9 +64,10 @@ pub struct GenerateArgs {
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let compute = parse_compute(&args.dtype)?;
-    let shape = hf::dir_shape(&args.model, "sdpa")
-        .with_context(|| format!("--model {}", args.model.display()))?;
-    let tok = find_tokenizer(&args.model, args.tokenizer.as_deref())?;
+    let dir = model_dir(&args.model)?;
+    let shape =
+        hf::dir_shape(&dir, "sdpa").with_context(|| format!("--model {}", args.model.display()))?;
+    let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
     let prompt: Vec<i64> = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
@@ -103,7 +104,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let eos = if args.ignore_eos {
         Vec::new()
     } else {
-        match hf::eos_token_ids(&args.model)? {
+        match hf::eos_token_ids(&dir)? {
             Some(ids) => ids,
             None => tok.iter().map(|t| t.eos_id() as i64).collect(),
         }
@@ -116,7 +117,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         eos,
     };
     opts.validate()?;
-    let (_vs, model) = hf::load_model(&args.model, device, compute, total, "sdpa")?;
+    let (_vs, model) = hf::load_model(&dir, device, compute, total, "sdpa")?;
     let out = if args.no_kv_cache {
         generate_uncached(&model, &prompt, &opts, device)?
     } else {

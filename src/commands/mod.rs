@@ -62,11 +62,24 @@ impl TrainedWith {
     }
 }
 
+/// `--model`: an existing directory as it is, else a Hugging Face id `owner/name[@revision]`
+/// resolved through the hub cache (downloaded when missing, unless HF_HUB_OFFLINE is set).
+/// Anything else is returned unchanged, for the usual missing-directory errors.
+pub fn model_dir(model: &Path) -> Result<PathBuf> {
+    match model.to_str() {
+        Some(id) if crate::data::hub::is_hub_model_id(id) => {
+            crate::data::hub::resolve_model_as("--model", id)
+        }
+        _ => Ok(model.to_path_buf()),
+    }
+}
+
 /// The tokenizer for a model directory: `--tokenizer`, else the directory's `tokenizer.json`,
 /// else the one its `lockstep.json`/`trainer.json` names. None when nothing names one.
 pub fn find_tokenizer(dir: &Path, explicit: Option<&str>) -> Result<Option<Tokenizer>> {
     if let Some(spec) = explicit {
-        return Tokenizer::load(spec)
+        let file = crate::data::hub::resolve_tokenizer_as("--tokenizer", spec)?;
+        return Tokenizer::load(&file)
             .map(Some)
             .with_context(|| format!("--tokenizer {spec}"));
     }

@@ -89,7 +89,7 @@ macro_rules! keys {
 }
 
 keys! {
-    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] read from the local hub cache (never downloaded); its config.json sets the model shape. Alias: model.init_from.";
+    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
     "model.num_layers", Kind::UInt, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
     "model.hidden_size", Kind::UInt, "4096", "Residual stream width.";
     "model.num_attention_heads", Kind::UInt, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";
@@ -103,7 +103,7 @@ keys! {
     "model.attention_backend", Kind::Choice(&["sdpa", "flash_attention_2", "math", "eager"]), "\"sdpa\"", "sdpa (alias flash_attention_2) = libtorch scaled_dot_product_attention, which picks flash/memory-efficient kernels; math (alias eager) = explicit softmax(QK^T/sqrt(d))V, for debugging.";
     "model.init_std", Kind::Float, "0.02", "Standard deviation of the normal init of linear and embedding weights (RMSNorm weights start at 1).";
     "data.path", Kind::Str, "\"data/shakespeare\"", "Corpus: a .txt/.jsonl/.parquet file, a directory of them, a glob pattern, a Hugging Face dataset in the local hub cache (owner/name[/config]), or a prepared .tok / nanoGPT .bin / llm.c shard. Relative to the working directory.";
-    "data.tokenizer", Kind::Str, "\"gpt2\"", "gpt2 (= r50k_base), p50k_base, cl100k_base, o200k_base (embedded, offline), a path to a tokenizer.json, or a Hugging Face id owner/name[@revision] read from the local hub cache (never downloaded).";
+    "data.tokenizer", Kind::Str, "\"gpt2\"", "gpt2 (= r50k_base), p50k_base, cl100k_base, o200k_base (embedded, offline), a path to a tokenizer.json, or a Hugging Face id owner/name[@revision] (its tokenizer.json from the local hub cache, downloaded into it when missing unless HF_HUB_OFFLINE=1).";
     "data.text_field", Kind::Str, "\"text\"", "Field (.jsonl) or string column (.parquet) holding the document text.";
     "data.val_fraction", Kind::Float, "0.05", "Fraction of the token stream held out for validation (0 = none).";
     "data.num_samples", Kind::OptUInt, "null", "Use only the first N documents of the corpus; null = all.";
