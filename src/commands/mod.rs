@@ -14,6 +14,7 @@ use serde_json::Value;
 use tch::{Device, Kind};
 
 use crate::data::tokenizer::Tokenizer;
+use crate::train::setup::{cuda_available, load_cuda_backend};
 
 /// Written by `export` next to the weights: where they came from and what a later `eval` or
 /// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
@@ -102,13 +103,20 @@ pub fn find_tokenizer(dir: &Path, explicit: Option<&str>) -> Result<Option<Token
 /// `--device`: auto (the first GPU when libtorch sees one), cpu, cuda or cuda:N.
 pub fn parse_device(s: &str) -> Result<Device> {
     let want_cuda = |i: usize| -> Result<Device> {
+        if let Err(e) = load_cuda_backend() {
+            bail!("--device {s}: libtorch's CUDA backend does not load ({e}); point LD_LIBRARY_PATH at a CUDA build of torch 2.11's lib/, or use --device cpu");
+        }
         if !tch::Cuda::is_available() {
             bail!("--device {s}: no CUDA device is visible to libtorch; use --device cpu");
         }
         Ok(Device::Cuda(i))
     };
     match s {
-        "auto" => Ok(Device::cuda_if_available()),
+        "auto" => Ok(if cuda_available() {
+            Device::Cuda(0)
+        } else {
+            Device::Cpu
+        }),
         "cpu" => Ok(Device::Cpu),
         "cuda" => want_cuda(0),
         _ => match s.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {

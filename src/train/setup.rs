@@ -53,6 +53,11 @@ pub fn load_cuda_backend() -> Result<(), String> {
         .clone()
 }
 
+/// Whether libtorch can run on CUDA here: the backend loads and a device is visible.
+pub fn cuda_available() -> bool {
+    load_cuda_backend().is_ok() && tch::Cuda::is_available()
+}
+
 pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
     let index = cuda_index(cfg, topo);
     Ok(match cfg.system.device.as_str() {
@@ -66,7 +71,7 @@ pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
             }
             Device::Cuda(index)
         }
-        _ if load_cuda_backend().is_ok() && tch::Cuda::is_available() => Device::Cuda(index),
+        _ if cuda_available() => Device::Cuda(index),
         _ => Device::Cpu,
     })
 }
