@@ -38,11 +38,6 @@ impl Rope {
         }
     }
 
-    /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions 0..seq.
-    pub fn apply(&self, x: &Tensor) -> Tensor {
-        self.apply_at(x, 0)
-    }
-
     /// Rotates `x` of shape [batch, heads, seq, head_dim] for positions start..start + seq (the
     /// new tokens of a KV-cached decoding step).
     pub fn apply_at(&self, x: &Tensor, start: usize) -> Tensor {

@@ -114,10 +114,6 @@ pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &Adam
     out
 }
 
-pub fn report(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &AdamW) {
-    eprintln!("{}", report_text(tag, step, loss, grad_norm, opt));
-}
-
 /// A NaN/Inf or loss-spike stop (`training.nan_policy = abort`, or too many skips/rollbacks);
 /// `main` exits with code 3 for it, so schedulers can tell it from other failures.
 #[derive(Debug, thiserror::Error)]
