@@ -131,6 +131,12 @@ void ls_store_free(void* h) {
 
 void ls_store_free_buf(void* p) { std::free(p); }
 
+// The c10d::Store behind a handle, for other shims in this process (csrc/nccl_group.cpp) that
+// take their own reference with intrusive_ptr::reclaim_copy; the handle keeps one until freed.
+void* ls_store_c10d(void* h) {
+  return static_cast<c10d::Store*>(static_cast<Handle*>(h)->store.get());
+}
+
 uint16_t ls_store_port(const void* h) { return static_cast<const Handle*>(h)->store->getPort(); }
 
 int ls_store_set(void* h, const char* key, size_t key_len, const uint8_t* data, size_t len,

@@ -251,6 +251,16 @@ fn run_launcher(
         grace: std::time::Duration::from_secs(la.grace_s),
         log_all_ranks: la.log_ranks == "all",
     })?;
+    if matches!(plan.devices, launch::Devices::Cpu(_))
+        && resolved.config.system.dist_backend == "nccl"
+    {
+        return Err(config::ConfigError(
+            "system.dist_backend = nccl needs GPU workers, but lockstep run starts CPU workers \
+             (--cpu, or no GPU found); use system.dist_backend=auto or ring, or pick GPUs with --gpus"
+                .to_owned(),
+        )
+        .into());
+    }
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
     train::setup::prepare_data(&resolved.config, "[launcher]")?;
     // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
@@ -327,7 +337,16 @@ fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<()> {
                 world: env.world_size,
                 local_rank: env.local_rank,
             };
-            let mut pg = dist::init(&env, timeout)?;
+            let device = train::setup::resolve_device(&resolved.config, topo)?;
+            let backend = train::setup::dist_backend(&resolved.config, device)?;
+            if let (dist::Backend::Nccl { .. }, 0) = (backend, env.rank) {
+                println!(
+                    "{} Collectives: NCCL {} (c10d ProcessGroupNCCL) for gradients and parameters, TCP ring for scalars",
+                    crate::telemetry::rank_tag(true, 0),
+                    dist::nccl::version()?
+                );
+            }
+            let mut pg = dist::init(&env, timeout, backend)?;
             train::train(resolved, opts, topo, pg.as_mut())?;
         }
     }

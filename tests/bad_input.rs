@@ -347,3 +347,35 @@ fn master_port_in_use_exits_1_before_any_worker_starts() {
     assert!(!tmp.path().join("runs").exists());
     drop(busy);
 }
+
+#[test]
+fn nccl_for_cpu_workers_exits_2_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "2",
+                "--set",
+                "system.dist_backend=nccl",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "system.dist_backend = nccl needs GPU workers",
+            "use system.dist_backend=auto or ring",
+        ],
+    );
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+}

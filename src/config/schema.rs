@@ -138,6 +138,7 @@ keys! {
     "system.max_memory_gb", Kind::Float, "0.0", "Warn when a rank's resident memory exceeds this many GB (0 = never).";
     "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
     "system.bucket_mb", Kind::Float, "25.0", "Size of the flat buckets gradients are all-reduced in (MB).";
+    "system.dist_backend", Kind::Choice(&["auto", "nccl", "ring"]), "\"auto\"", "Collectives of a multi-rank run. auto = NCCL on CUDA ranks (gradients and parameters on the GPU; scalars and barriers on the CPU ring, which names a missing rank), the Rust TCP ring on CPU ranks. ring = the TCP ring everywhere (CUDA tensors go through host memory: slow, a fallback when NCCL is broken).";
     "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
     "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
     "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";

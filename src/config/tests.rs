@@ -199,6 +199,11 @@ fn impossible_shapes_are_rejected_with_a_fix() {
         e.contains("exceeds model.max_position_embeddings = 131072"),
         "{e}"
     );
+    let e = error_of(&set(&["system.dist_backend=nccl", "system.device=cpu"]));
+    assert!(
+        e.contains("system.dist_backend = nccl needs CUDA ranks but system.device = cpu"),
+        "{e}"
+    );
     let e = error_of(&set(&["training.min_lr=1"]));
     assert!(e.contains("training.min_lr"), "{e}");
     let e = error_of(&Sources {

@@ -82,6 +82,7 @@ pub struct SystemConfig {
     pub max_memory_gb: f64,
     pub collective_timeout_s: u64,
     pub bucket_mb: f64,
+    pub dist_backend: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -51,6 +51,11 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             nearest_divisor(m.num_attention_heads, m.num_key_value_heads)
         ));
     }
+    if c.system.dist_backend == "nccl" && c.system.device == "cpu" {
+        bad(
+            "system.dist_backend = nccl needs CUDA ranks but system.device = cpu; use system.dist_backend=auto or ring, or system.device=cuda".to_owned(),
+        );
+    }
     if t.context_length > m.max_position_embeddings {
         bad(format!(
             "training.context_length = {} exceeds model.max_position_embeddings = {}; lower the context or raise the model maximum",

@@ -1,6 +1,7 @@
 //! The collective-communication interface the trainer programs against.
 
 use anyhow::Result;
+use tch::{Device, Kind, Tensor};
 
 /// Collectives over a fixed set of ranks. Every rank must call the same collectives in the same
 /// order with the same buffer lengths (and the same `root`); implementations detect violations
@@ -43,6 +44,42 @@ pub trait ProcessGroup: Send {
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self) -> Result<()>;
+
+    /// In-place mean of a contiguous tensor across ranks. Backends that reduce on the device
+    /// (NCCL) override this; the default goes through host memory in fp32.
+    fn all_reduce_avg_tensor(&mut self, t: &Tensor) -> Result<()> {
+        through_host(t, |buf| self.all_reduce_avg_f32(buf))
+    }
+
+    /// Overwrites a contiguous tensor on every rank with `root`'s. Default as above.
+    fn broadcast_tensor(&mut self, t: &Tensor, root: usize) -> Result<()> {
+        through_host(t, |buf| self.broadcast_f32(buf, root))
+    }
+}
+
+/// Runs a host-slice collective on a tensor: copy out as fp32, `op`, copy back in place.
+pub(crate) fn through_host(t: &Tensor, op: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+    let n = t.numel();
+    if t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous() && n > 0 {
+        // SAFETY: a contiguous fp32 CPU tensor of `n` elements owns `n` f32s at data_ptr; no
+        // other reference to them is used while `op` runs (the caller hands us the tensor for
+        // this collective only).
+        let buf = unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n) };
+        return op(buf);
+    }
+    let mut host = vec![0f32; n];
+    t.to_device(Device::Cpu)
+        .to_kind(Kind::Float)
+        .contiguous()
+        .view(-1)
+        .copy_data(&mut host, n);
+    op(&mut host)?;
+    let back = Tensor::from_slice(&host)
+        .view(t.size().as_slice())
+        .to_device(t.device())
+        .to_kind(t.kind());
+    tch::no_grad(|| t.shallow_clone().copy_(&back));
+    Ok(())
 }
 
 /// NaN-propagating, order-independent maximum (the result does not depend on which rank's value
@@ -109,6 +146,24 @@ mod tests {
         assert!(g.all_reduce_max_f64(f64::NAN)?.is_nan());
         g.barrier()?;
         assert_eq!((g.rank(), g.world_size()), (0, 1));
+        Ok(())
+    }
+
+    #[test]
+    fn through_host_round_trips_any_layout_and_dtype() -> Result<()> {
+        let double = |b: &mut [f32]| {
+            b.iter_mut().for_each(|x| *x *= 2.0);
+            Ok(())
+        };
+        let dense = Tensor::arange(6, (Kind::Float, Device::Cpu));
+        through_host(&dense, double)?;
+        assert_eq!(Vec::<f32>::try_from(&dense)?, [0., 2., 4., 6., 8., 10.]);
+        let bf16 = Tensor::arange(6, (Kind::BFloat16, Device::Cpu)).view([2, 3]);
+        let strided = bf16.transpose(0, 1);
+        through_host(&strided, double)?;
+        assert_eq!(strided.kind(), Kind::BFloat16);
+        let back = Vec::<f32>::try_from(&bf16.to_kind(Kind::Float).view(-1))?;
+        assert_eq!(back, [0., 2., 4., 6., 8., 10.]);
         Ok(())
     }
 

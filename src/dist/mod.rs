@@ -11,15 +11,18 @@
 //!   the one compiled into torch 2.11, so building `ProcessGroupGloo` against it would risk ODR
 //!   / ABI mismatches inside one process. A ring all-reduce is bandwidth-optimal, small, and
 //!   lets every failure name the rank responsible.
-//! - **CUDA collectives** (NCCL via `ProcessGroupNCCL`, whose headers the wheel does ship) are
-//!   a later step; they will implement the same [`group::ProcessGroup`] trait and reuse the
-//!   store for the NCCL unique id.
+//! - **CUDA collectives** are NCCL through libtorch's `ProcessGroupNCCL` ([`nccl::NcclGroup`],
+//!   the reasons are in its module docs): gradients and parameters are reduced on the GPU,
+//!   while scalars and barriers stay on the CPU ring, whose timeouts name the missing rank.
+//!   The NCCL communicator bootstraps through the same store.
 //!
-//! Entry point: [`env::DistEnv::from_env`] then [`init`].
+//! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced in
+//! [`grads::all_reduce_gradients`].
 
 pub mod env;
 pub mod grads;
 pub mod group;
+pub mod nccl;
 pub mod ring;
 pub mod store;
 
@@ -33,14 +36,24 @@ pub use group::{ProcessGroup, SingleProcess};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
 
+/// Which collectives carry the tensors of a multi-rank group (`system.dist_backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The Rust TCP ring for everything.
+    Ring,
+    /// NCCL for tensors on this CUDA device; the ring for host scalars and barriers.
+    Nccl { cuda_device: usize },
+}
+
 /// Builds the process group for `env`: [`SingleProcess`] for a world of one; otherwise rank 0
 /// hosts the store at `MASTER_ADDR:MASTER_PORT` (unless torchrun's agent hosts it), the other
-/// ranks connect to it, and all join a [`RingGroup`]. `timeout` bounds the rendezvous, each
-/// blocking store read, and how long a collective may wait without progress.
+/// ranks connect to it, all join a [`RingGroup`], and with [`Backend::Nccl`] an NCCL group on
+/// top. `timeout` bounds the rendezvous, each blocking store read, and how long a collective
+/// may wait without progress.
 ///
 /// The store lives as long as the returned group; rank 0's group must outlive the others' use
 /// of the store, so end a run with a final `barrier()` before dropping the group.
-pub fn init(env: &DistEnv, timeout: Duration) -> Result<Box<dyn ProcessGroup>> {
+pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dyn ProcessGroup>> {
     if env.world_size == 1 {
         return Ok(Box::new(SingleProcess));
     }
@@ -71,8 +84,21 @@ pub fn init(env: &DistEnv, timeout: Duration) -> Result<Box<dyn ProcessGroup>> {
             format!("rank 0 on {addr}")
         },
     };
-    let ring = RingGroup::with_config(Arc::new(store), env.rank, env.world_size, timeout, cfg)?;
-    Ok(Box::new(ring))
+    let store = Arc::new(store);
+    let ring = RingGroup::with_config(store.clone(), env.rank, env.world_size, timeout, cfg)?;
+    Ok(match backend {
+        Backend::Ring => Box::new(ring),
+        Backend::Nccl { cuda_device } => {
+            let prefix = format!("lockstep/{}/nccl/", env.restart_count);
+            Box::new(nccl::NcclGroup::new(
+                store,
+                ring,
+                cuda_device,
+                &prefix,
+                timeout,
+            )?)
+        }
+    })
 }
 
 #[cfg(test)]
@@ -97,7 +123,7 @@ mod tests {
                             agent_store: false,
                             restart_count: 0,
                         };
-                        let mut g = init(&env, Duration::from_secs(10)).unwrap();
+                        let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
                         assert_eq!((g.rank(), g.world_size()), (rank, world));
                         let mut v = vec![rank as f32; 5];
                         g.all_reduce_sum_f32(&mut v).unwrap();
@@ -124,7 +150,7 @@ mod tests {
         })
         .unwrap()
         .unwrap();
-        let g = init(&env, Duration::from_secs(1)).unwrap();
+        let g = init(&env, Duration::from_secs(1), Backend::Ring).unwrap();
         assert_eq!(g.world_size(), 1);
     }
 
@@ -147,7 +173,7 @@ mod tests {
                             agent_store: true,
                             restart_count: 1,
                         };
-                        let mut g = init(&env, Duration::from_secs(10)).unwrap();
+                        let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
                         g.all_reduce_max_f64(rank as f64).unwrap()
                     })
                 })

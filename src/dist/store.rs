@@ -27,6 +27,7 @@ mod ffi {
             err: *mut *mut c_char,
         ) -> c_int;
         pub fn ls_store_free(h: *mut c_void);
+        pub fn ls_store_c10d(h: *mut c_void) -> *mut c_void;
         pub fn ls_store_free_buf(p: *mut c_void);
         pub fn ls_store_port(h: *const c_void) -> u16;
         pub fn ls_store_set(
@@ -230,6 +231,13 @@ impl Store {
             timeout,
             is_server: server,
         })
+    }
+
+    /// The underlying `c10d::Store*`, for another shim (NCCL) that takes its own reference;
+    /// valid while `self` lives.
+    pub(crate) fn c10d_ptr(&self) -> *mut c_void {
+        // SAFETY: `self.ptr` is a live handle.
+        unsafe { ffi::ls_store_c10d(self.ptr.as_ptr()) }
     }
 
     /// Host name the handle connects through.

@@ -9,8 +9,9 @@ use tch::{Device, Kind};
 
 use super::checkpoint;
 use super::trainer::{Resume, Topology};
-use crate::config::{Config, Resolved};
+use crate::config::{Config, ConfigError, Resolved};
 use crate::data::prepare::{prepare, PrepareSpec, Prepared};
+use crate::dist::Backend;
 use crate::model::{hf, LlamaShape};
 
 /// The CUDA index of this rank: `lockstep run` narrows CUDA_VISIBLE_DEVICES to one GPU per
@@ -73,6 +74,22 @@ pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
         }
         _ if cuda_available() => Device::Cuda(index),
         _ => Device::Cpu,
+    })
+}
+
+/// The collectives of a multi-rank run on `device` (`system.dist_backend`).
+pub fn dist_backend(cfg: &Config, device: Device) -> Result<Backend> {
+    Ok(match (cfg.system.dist_backend.as_str(), device) {
+        ("ring", _) | ("auto", Device::Cpu) => Backend::Ring,
+        (_, Device::Cuda(cuda_device)) => Backend::Nccl { cuda_device },
+        _ => {
+            return Err(ConfigError(format!(
+                "system.dist_backend = nccl needs CUDA ranks, but this rank runs on {device:?} \
+                 (system.device = {}); use system.dist_backend=auto or ring",
+                cfg.system.device
+            ))
+            .into())
+        }
     })
 }
 
@@ -167,5 +184,42 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
             anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
             Ok(Some(dir.clone()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{resolve, Sources};
+
+    fn with(sets: &[&str]) -> Config {
+        resolve(&Sources {
+            sets: sets.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        })
+        .unwrap()
+        .config
+    }
+
+    #[test]
+    fn dist_backend_follows_the_device_unless_forced() {
+        let gpu = Device::Cuda(3);
+        let auto = with(&[]);
+        assert_eq!(dist_backend(&auto, Device::Cpu).unwrap(), Backend::Ring);
+        assert_eq!(
+            dist_backend(&auto, gpu).unwrap(),
+            Backend::Nccl { cuda_device: 3 }
+        );
+        let ring = with(&["system.dist_backend=ring"]);
+        assert_eq!(dist_backend(&ring, gpu).unwrap(), Backend::Ring);
+        // `system.device = auto` that found no GPU: a config error naming the key and the fix.
+        let nccl = with(&["system.dist_backend=nccl"]);
+        let e = dist_backend(&nccl, Device::Cpu).unwrap_err();
+        assert!(e.downcast_ref::<ConfigError>().is_some());
+        assert!(
+            e.to_string()
+                .contains("use system.dist_backend=auto or ring"),
+            "{e}"
+        );
     }
 }

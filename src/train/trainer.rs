@@ -341,11 +341,13 @@ pub fn train(
 
         // Data parallelism: average gradients (once per step, after the last micro-batch), and
         // sum the loss and the stop requests, so every rank sees the same global values and
-        // takes the same branch below.
+        // takes the same branch below. The local loss is read first: on CUDA, reading it after
+        // queueing an NCCL all-reduce would wait for that all-reduce, and a stalled peer would
+        // then hang here instead of failing the host-side agreement with its rank named.
         let phase = Instant::now();
+        let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
         let grads = opt.gradients();
         all_reduce_gradients(pg, &grads, cfg.system.bucket_mb)?;
-        let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
         let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
         pg.all_reduce_sum_f32(&mut shared)?;
         let loss = shared[0] as f64 / topo.world as f64;

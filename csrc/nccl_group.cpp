@@ -1,0 +1,133 @@
+// Thin C ABI over libtorch's c10d::ProcessGroupNCCL, consumed by src/dist/nccl.rs.
+//
+// Built by build.rs as its own shared library (linked against libtorch_cuda), embedded in the
+// lockstep binary and loaded at run time only by CUDA ranks, so CPU runs never load the CUDA
+// stack. Why ProcessGroupNCCL and not raw NCCL: its watchdog, per-collective timeouts, flight
+// recorder and error handling are exactly what PyTorch users rely on, and it syncs with
+// libtorch's current CUDA stream without us touching streams.
+//
+// Contract (as csrc/c10d_store.cpp): every int-returning function returns 0 on success; on
+// failure *err receives a malloc'd message (free with free()) and no C++ exception crosses
+// this boundary. Tensors arrive as tch's handles, which are `at::Tensor*`.
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Group {
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
+};
+
+char* dup_cstr(const std::string& s) {
+  char* p = static_cast<char*>(std::malloc(s.size() + 1));
+  if (p != nullptr) {
+    std::memcpy(p, s.data(), s.size());
+    p[s.size()] = '\0';
+  }
+  return p;
+}
+
+// c10::Error::what() carries a C++ backtrace, noise for the user; the short form is used.
+template <typename F>
+int guarded(char** err, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    *err = dup_cstr(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    *err = dup_cstr(e.what());
+  } catch (...) {
+    *err = dup_cstr("unknown C++ exception in ProcessGroupNCCL");
+  }
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// `store` is a c10d::Store* owned elsewhere (ls_store_c10d); the group takes its own
+// reference. Keys go under `prefix`, so a restarted attempt never reads a dead one's NCCL id.
+// `timeout_ms` is the watchdog's limit for one collective. The communicator is created now on
+// CUDA device `device` (as init_process_group(device_id=...) does), so a broken NCCL setup
+// fails here, right after the ranks met on the CPU ring, not inside the first all-reduce.
+int ls_nccl_new(void* store, const char* prefix, size_t prefix_len, int rank, int size,
+                int device, int64_t timeout_ms, void** out, char** err) {
+  return guarded(err, [&] {
+    auto base = c10::intrusive_ptr<c10d::Store>::reclaim_copy(static_cast<c10d::Store*>(store));
+    auto prefixed =
+        c10::make_intrusive<c10d::PrefixStore>(std::string(prefix, prefix_len), base);
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = std::chrono::milliseconds(timeout_ms);
+    auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, opts);
+    // The rank's device becomes the current one (torch.cuda.set_device(local_rank) in a
+    // PyTorch script): under torchrun every GPU is visible, and anything that uses the current
+    // device (streams, handles) must not land on GPU 0 for every rank.
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+    const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+    pg->setBoundDeviceId(dev);
+    pg->eagerConnectSingleDevice(dev);
+    *out = new Group{std::move(pg)};
+  });
+}
+
+// In-place all-reduce of one dense CUDA tensor; op 0 = sum, 1 = average. Returns once the
+// collective is ordered before later work on the current stream (the CPU does not wait).
+int ls_nccl_all_reduce(void* g, void* tensor, int op, char** err) {
+  return guarded(err, [&] {
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = op == 1 ? c10d::ReduceOp(c10d::ReduceOp::AVG)
+                            : c10d::ReduceOp(c10d::ReduceOp::SUM);
+    static_cast<Group*>(g)->pg->allreduce(ts, opts)->wait();
+  });
+}
+
+// In-place broadcast of one dense CUDA tensor from `root`.
+int ls_nccl_broadcast(void* g, void* tensor, int root, char** err) {
+  return guarded(err, [&] {
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    static_cast<Group*>(g)->pg->broadcast(ts, opts)->wait();
+  });
+}
+
+// The NCCL version libtorch was built with, e.g. "2.28.9"; malloc'd, free with free().
+char* ls_nccl_version() {
+  try {
+    return dup_cstr(c10d::getNcclVersion());
+  } catch (...) {
+    return dup_cstr("unknown");
+  }
+}
+
+// Normal end: shutdown() flushes and destroys the communicators. After a failure (a peer is
+// gone, a collective may never finish) abort() instead, which does not wait for the device.
+void ls_nccl_free(void* g, int abort) {
+  auto* group = static_cast<Group*>(g);
+  try {
+    if (abort != 0) {
+      group->pg->abort();
+    } else {
+      group->pg->shutdown();
+    }
+  } catch (...) {
+  }
+  try {
+    delete group;
+  } catch (...) {
+  }
+}
+
+}  // extern "C"
