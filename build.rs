@@ -11,7 +11,12 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
-    for f in ["c10d_store.cpp", "fused_adamw.cpp", "nccl_group.cpp"] {
+    for f in [
+        "c10d_store.cpp",
+        "fused_adamw.cpp",
+        "nccl_group.cpp",
+        "ffi_util.hpp",
+    ] {
         println!("cargo:rerun-if-changed=csrc/{f}");
     }
     println!("cargo::rustc-check-cfg=cfg(lockstep_nccl)");

@@ -14,6 +14,8 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "ffi_util.hpp"
+
 #include <cctype>
 #include <chrono>
 #include <cstdint>
@@ -36,14 +38,7 @@ struct Handle {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
 
-char* dup_cstr(const std::string& s) {
-  char* p = static_cast<char*>(std::malloc(s.size() + 1));
-  if (p != nullptr) {
-    std::memcpy(p, s.data(), s.size());
-    p[s.size()] = '\0';
-  }
-  return p;
-}
+using lockstep_ffi::dup_cstr;
 
 bool contains_ci(const std::string& hay, const char* needle) {
   std::string h(hay), n(needle);

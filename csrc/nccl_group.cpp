@@ -14,6 +14,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include "ffi_util.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -27,14 +29,7 @@ struct Group {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
 };
 
-char* dup_cstr(const std::string& s) {
-  char* p = static_cast<char*>(std::malloc(s.size() + 1));
-  if (p != nullptr) {
-    std::memcpy(p, s.data(), s.size());
-    p[s.size()] = '\0';
-  }
-  return p;
-}
+using lockstep_ffi::dup_cstr;
 
 // c10::Error::what() carries a C++ backtrace, noise for the user; the short form is used.
 template <typename F>

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tch::nn::VarStore;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::checkpoint::{self, TrainerState};
 use super::eval::{batch, evaluate};
@@ -18,14 +18,14 @@ use super::setup::{
     checkpoint_dir, compute_kind, model_shape, prepare_data, prepare_spec, resolve_device,
     resume_target, run_dir,
 };
-use crate::config::{Config, Resolved};
+use crate::config::{Config, Resolved, TrainingConfig};
 use crate::data::hub;
 use crate::data::prepare::prepare;
 use crate::data::sampler::{rank_indices, Sampler};
 use crate::data::tokfile::TokenFile;
 use crate::dist::grads::{all_reduce_gradients, broadcast_parameters};
 use crate::dist::ProcessGroup;
-use crate::model::{hf, Llama};
+use crate::model::{hf, Llama, LlamaShape};
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::tensorboard::EventWriter;
 use crate::telemetry::{self, Metrics, StepLine};
@@ -149,7 +149,12 @@ pub fn train(
         .as_ref()
         .map(|p| TokenFile::open(p))
         .transpose()?;
-    let sampler = Sampler::new(tokens.num_tokens(), t.context_length, cfg.system.seed)?;
+    let data = TrainData {
+        sampler: Sampler::new(tokens.num_tokens(), t.context_length, cfg.system.seed)?,
+        tokens,
+        context_length: t.context_length,
+        device,
+    };
 
     // Model and optimizer.
     tch::manual_seed(cfg.system.seed as i64);
@@ -322,36 +327,15 @@ pub fn train(
             topo.world as u64,
         )
         .collect();
-        let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
-        let mut data_time = 0.0;
-        for micro in mine.chunks(t.batch_size) {
-            let d0 = Instant::now();
-            let (x, y) = batch(&tokens, &sampler, micro, t.context_length, &mut buf, device);
-            data_time += d0.elapsed().as_secs_f64();
-            let mut loss = model.loss(&x, &y);
-            if inject_nan && cfg.debug.inject_nan_param.is_none() {
-                loss = &loss * f64::NAN;
-            }
-            (&loss / t.grad_accum_nums as f64).backward();
-            loss_sum += loss.detach();
-        }
+        let nan_loss = inject_nan && cfg.debug.inject_nan_param.is_none();
+        let (local_loss, data_time) = forward_backward(&model, &data, &mine, t, &mut buf, nan_loss);
         state.samples_consumed += global_batch;
         window.compute_s += phase.elapsed().as_secs_f64() - data_time;
         window.data_s += data_time;
 
-        // Data parallelism: average gradients (once per step, after the last micro-batch), and
-        // sum the loss and the stop requests, so every rank sees the same global values and
-        // takes the same branch below. The local loss is read first: on CUDA, reading it after
-        // queueing an NCCL all-reduce would wait for that all-reduce, and a stalled peer would
-        // then hang here instead of failing the host-side agreement with its rank named.
         let phase = Instant::now();
-        let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
         let grads = opt.gradients();
-        all_reduce_gradients(pg, &grads, cfg.system.bucket_mb)?;
-        let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
-        pg.all_reduce_sum_f32(&mut shared)?;
-        let loss = shared[0] as f64 / topo.world as f64;
-        let stop_requested = shared[1] > 0.0;
+        let (loss, stop_requested) = synchronize(pg, &grads, local_loss, cfg.system.bucket_mb)?;
         window.comm_s += phase.elapsed().as_secs_f64();
         if inject_nan {
             inject_nan_gradient(cfg, &opt);
@@ -390,23 +374,10 @@ pub fn train(
                     state.step += 1;
                 }
                 Action::Rollback => {
-                    let dir =
-                        checkpoint::latest(&ckpt_root).context("rollback needs a checkpoint")?;
-                    let saved = checkpoint::load(&dir, &shape, &params, &mut opt)?;
-                    opt.zero_grad();
-                    // New data after the bad region: samples_consumed keeps going.
-                    state.step = saved.step;
-                    state.adam_step = saved.adam_step;
-                    state.lr_scale *= t.rollback_lr_factor;
-                    if let Some(tb) = records.as_mut().and_then(|r| r.tensorboard.as_mut()) {
-                        tb.session_start(saved.step as i64 + 1)?;
-                    }
-                    println!(
-                        "{tag} Rolled back to {} (step {}); LR scale now {}",
-                        dir.display(),
-                        saved.step,
-                        state.lr_scale
-                    );
+                    let tb = records.as_mut().and_then(|r| r.tensorboard.as_mut());
+                    roll_back(
+                        &ckpt_root, &shape, &params, &mut opt, &mut state, t, tb, &tag,
+                    )?;
                 }
             }
             continue;
@@ -461,14 +432,8 @@ pub fn train(
             // that no rank runs ahead of a checkpoint that might fail.
             if lead {
                 let name = format!("step_{}", state.step);
-                let dir = checkpoint::save(
-                    &ckpt_root,
-                    &name,
-                    &params,
-                    &opt,
-                    &state,
-                    cfg.checkpoint.keep_last,
-                )?;
+                let keep = cfg.checkpoint.keep_last;
+                let dir = checkpoint::save(&ckpt_root, &name, &params, &opt, &state, keep)?;
                 println!("{tag} Checkpoint saved: {}", dir.display());
                 summary.last_checkpoint = Some(dir);
             }
@@ -497,6 +462,100 @@ pub fn train(
         println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
     }
     Ok(summary)
+}
+
+/// The token file and the order its windows are read in; every rank maps the same file.
+struct TrainData {
+    tokens: TokenFile,
+    sampler: Sampler,
+    context_length: usize,
+    device: Device,
+}
+
+/// One step's forward and backward over this rank's `mine` samples in micro-batches of
+/// `training.batch_size`. Each micro-batch's loss is scaled by 1/grad_accum_nums before backward,
+/// so the accumulated gradient is the step's mean. Returns this rank's mean loss and the
+/// seconds spent assembling batches. `nan_loss`: debug.inject_nan_at_step without a parameter.
+fn forward_backward(
+    model: &Llama,
+    data: &TrainData,
+    mine: &[u64],
+    t: &TrainingConfig,
+    buf: &mut Vec<i64>,
+    nan_loss: bool,
+) -> (f64, f64) {
+    let mut loss_sum = Tensor::zeros([], (Kind::Float, data.device));
+    let mut data_time = 0.0;
+    for micro in mine.chunks(t.batch_size) {
+        let d0 = Instant::now();
+        let (x, y) = batch(
+            &data.tokens,
+            &data.sampler,
+            micro,
+            data.context_length,
+            buf,
+            data.device,
+        );
+        data_time += d0.elapsed().as_secs_f64();
+        let mut loss = model.loss(&x, &y);
+        if nan_loss {
+            loss = &loss * f64::NAN;
+        }
+        (&loss / t.grad_accum_nums as f64).backward();
+        loss_sum += loss.detach();
+    }
+    // Read before any collective is queued: on CUDA, reading it after an NCCL all-reduce was
+    // queued would wait for that all-reduce, and a stalled peer would hang this rank here
+    // instead of failing the host-side agreement below with the peer's rank named.
+    let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
+    (local_loss, data_time)
+}
+
+/// Data parallelism, once per step after the last micro-batch: averages the gradients across
+/// ranks, and sums the losses and stop requests so that every rank sees the same global loss
+/// and takes the same branch afterwards. Returns (global mean loss, stop requested anywhere).
+fn synchronize(
+    pg: &mut dyn ProcessGroup,
+    grads: &[Tensor],
+    local_loss: f64,
+    bucket_mb: f64,
+) -> Result<(f64, bool)> {
+    all_reduce_gradients(pg, grads, bucket_mb)?;
+    let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
+    pg.all_reduce_sum_f32(&mut shared)?;
+    Ok((shared[0] as f64 / pg.world_size() as f64, shared[1] > 0.0))
+}
+
+/// training.nan_policy / spike_policy = rollback: back to the latest checkpoint's weights,
+/// moments and step, with the LR scaled down. The data position is kept (samples_consumed goes
+/// on), so the replayed steps see new data rather than the batches that went bad.
+#[allow(clippy::too_many_arguments)]
+fn roll_back(
+    ckpt_root: &Path,
+    shape: &LlamaShape,
+    params: &[(String, Tensor)],
+    opt: &mut AdamW,
+    state: &mut TrainerState,
+    t: &TrainingConfig,
+    tensorboard: Option<&mut EventWriter>,
+    tag: &str,
+) -> Result<()> {
+    let dir = checkpoint::latest(ckpt_root).context("rollback needs a checkpoint")?;
+    let saved = checkpoint::load(&dir, shape, params, opt)?;
+    opt.zero_grad();
+    state.step = saved.step;
+    state.adam_step = saved.adam_step;
+    state.lr_scale *= t.rollback_lr_factor;
+    if let Some(tb) = tensorboard {
+        tb.session_start(saved.step as i64 + 1)?;
+    }
+    println!(
+        "{tag} Rolled back to {} (step {}); LR scale now {}",
+        dir.display(),
+        saved.step,
+        state.lr_scale
+    );
+    Ok(())
 }
 
 /// Prints the step line (and validation, timing) and appends the metrics record.
