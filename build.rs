@@ -45,9 +45,14 @@ fn main() {
 }
 
 /// The pip wheel's layout: torch/lib next to nvidia/{nccl,cu13}/include. Without those headers
-/// (a libtorch not from the wheel, or nvidia-cuda-crt missing) the binary is built without the
-/// NCCL backend and says so when a CUDA rank asks for it.
+/// (a libtorch not from the wheel, or nvidia-cuda-crt missing), or with LOCKSTEP_NO_NCCL set,
+/// the binary is built without the NCCL backend and says so when a CUDA rank asks for it.
 fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
+    println!("cargo:rerun-if-env-changed=LOCKSTEP_NO_NCCL");
+    if std::env::var_os("LOCKSTEP_NO_NCCL").is_some() {
+        println!("cargo:warning=LOCKSTEP_NO_NCCL is set: building without the NCCL backend");
+        return;
+    }
     let nvidia = lib.join("../../nvidia");
     let nccl_inc = nvidia.join("nccl/include");
     let cuda_inc = nvidia.join("cu13/include");
