@@ -47,6 +47,13 @@ int guarded(char** err, F&& f) {
   return 1;
 }
 
+void abort_quietly(c10d::ProcessGroupNCCL& pg) {
+  try {
+    pg.abort();
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -59,19 +66,27 @@ extern "C" {
 int ls_nccl_new(void* store, const char* prefix, size_t prefix_len, int rank, int size,
                 int device, int64_t timeout_ms, void** out, char** err) {
   return guarded(err, [&] {
-    auto base = c10::intrusive_ptr<c10d::Store>::reclaim_copy(static_cast<c10d::Store*>(store));
+    auto base = c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(
+        static_cast<c10d::Store*>(store));
     auto prefixed =
         c10::make_intrusive<c10d::PrefixStore>(std::string(prefix, prefix_len), base);
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::milliseconds(timeout_ms);
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, opts);
-    // The rank's device becomes the current one (torch.cuda.set_device(local_rank) in a
-    // PyTorch script): under torchrun every GPU is visible, and anything that uses the current
-    // device (streams, handles) must not land on GPU 0 for every rank.
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
-    const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
-    pg->setBoundDeviceId(dev);
-    pg->eagerConnectSingleDevice(dev);
+    try {
+      // The rank's device becomes the current one (torch.cuda.set_device(local_rank) in a
+      // PyTorch script): under torchrun every GPU is visible, and anything that uses the
+      // current device (streams, handles) must not land on GPU 0 for every rank.
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+      const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+      pg->setBoundDeviceId(dev);
+      pg->eagerConnectSingleDevice(dev);
+    } catch (...) {
+      // Tear down explicitly: the destructor of a group that was never shut down aborts it
+      // itself, and an exception there (noexcept) would terminate the process.
+      abort_quietly(*pg);
+      throw;
+    }
     *out = new Group{std::move(pg)};
   });
 }
@@ -109,15 +124,17 @@ char* ls_nccl_version() {
 
 // Normal end: shutdown() flushes and destroys the communicators. After a failure (a peer is
 // gone, a collective may never finish) abort() instead, which does not wait for the device.
+// A shutdown that throws falls back to abort, so the destructor finds the group terminated.
 void ls_nccl_free(void* g, int abort) {
   auto* group = static_cast<Group*>(g);
-  try {
-    if (abort != 0) {
-      group->pg->abort();
-    } else {
+  if (abort != 0) {
+    abort_quietly(*group->pg);
+  } else {
+    try {
       group->pg->shutdown();
+    } catch (...) {
+      abort_quietly(*group->pg);
     }
-  } catch (...) {
   }
   try {
     delete group;

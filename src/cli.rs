@@ -339,14 +339,14 @@ fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<()> {
             };
             let device = train::setup::resolve_device(&resolved.config, topo)?;
             let backend = train::setup::dist_backend(&resolved.config, device)?;
-            if let (dist::Backend::Nccl { .. }, 0) = (backend, env.rank) {
+            let mut pg = dist::init(&env, timeout, backend)?;
+            if let (dist::Backend::Nccl { .. }, 0, 2..) = (backend, env.rank, env.world_size) {
                 println!(
                     "{} Collectives: NCCL {} (c10d ProcessGroupNCCL) for gradients and parameters, TCP ring for scalars",
                     crate::telemetry::rank_tag(true, 0),
                     dist::nccl::version()?
                 );
             }
-            let mut pg = dist::init(&env, timeout, backend)?;
             train::train(resolved, opts, topo, pg.as_mut())?;
         }
     }

@@ -46,7 +46,9 @@ pub trait ProcessGroup: Send {
     fn barrier(&mut self) -> Result<()>;
 
     /// In-place mean of a contiguous tensor across ranks. Backends that reduce on the device
-    /// (NCCL) override this; the default goes through host memory in fp32.
+    /// (NCCL) override this; the default goes through host memory in fp32. NCCL's average
+    /// (ncclAvg) and its summation order depend on its algorithm and topology, so the exactness
+    /// promised by `all_reduce_avg_f32` holds for the ring only.
     fn all_reduce_avg_tensor(&mut self, t: &Tensor) -> Result<()> {
         through_host(t, |buf| self.all_reduce_avg_f32(buf))
     }
@@ -60,7 +62,14 @@ pub trait ProcessGroup: Send {
 /// Runs a host-slice collective on a tensor: copy out as fp32, `op`, copy back in place.
 pub(crate) fn through_host(t: &Tensor, op: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
     let n = t.numel();
-    if t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous() && n > 0 {
+    // In place where the layout allows. Writing through data_ptr skips autograd's version
+    // counter, so tensors that take part in autograd go the copying way.
+    let in_place = t.device() == Device::Cpu
+        && t.kind() == Kind::Float
+        && t.is_contiguous()
+        && !t.requires_grad()
+        && n > 0;
+    if in_place {
         // SAFETY: a contiguous fp32 CPU tensor of `n` elements owns `n` f32s at data_ptr; no
         // other reference to them is used while `op` runs (the caller hands us the tensor for
         // this collective only).

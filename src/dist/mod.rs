@@ -84,12 +84,19 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
             format!("rank 0 on {addr}")
         },
     };
+    if env.rank == 0 && matches!(backend, Backend::Nccl { .. }) {
+        // ProcessGroupNCCL's monitor polls this key at the store's root (below any prefix): a
+        // previous torchrun attempt's timeout would make this attempt dump and terminate. The
+        // ring's formation below is a rendezvous, so no rank's NCCL group exists yet.
+        store.delete(nccl::DUMP_SIGNAL_KEY)?;
+    }
     let store = Arc::new(store);
-    let ring = RingGroup::with_config(store.clone(), env.rank, env.world_size, timeout, cfg)?;
+    let mut ring = RingGroup::with_config(store.clone(), env.rank, env.world_size, timeout, cfg)?;
+    agree_on_backend(&mut ring, backend)?;
     Ok(match backend {
         Backend::Ring => Box::new(ring),
         Backend::Nccl { cuda_device } => {
-            let prefix = format!("lockstep/{}/nccl/", env.restart_count);
+            let prefix = format!("lockstep/{}/nccl", env.restart_count);
             Box::new(nccl::NcclGroup::new(
                 store,
                 ring,
@@ -99,6 +106,41 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
             )?)
         }
     })
+}
+
+/// Every rank must pick the same backend and be able to use it before any rank enters NCCL's
+/// communicator setup, which has no timeout: a rank whose GPU did not come up (auto → ring) or
+/// whose NCCL shim does not load would otherwise leave the others blocked there for good.
+fn agree_on_backend(ring: &mut RingGroup, backend: Backend) -> Result<()> {
+    let code = f64::from(u8::from(matches!(backend, Backend::Nccl { .. })));
+    let (hi, lo) = (
+        ring.all_reduce_max_f64(code)?,
+        -ring.all_reduce_max_f64(-code)?,
+    );
+    anyhow::ensure!(
+        hi == lo,
+        "rank {}: ranks disagree on the collectives: some use NCCL (CUDA), some the TCP ring \
+         (CPU); does every rank see a GPU? set system.device and system.dist_backend explicitly",
+        ring.rank()
+    );
+    if code == 0.0 {
+        return Ok(());
+    }
+    let local = nccl::version().err();
+    let failed = if local.is_some() {
+        ring.rank() as f64
+    } else {
+        -1.0
+    };
+    let worst = ring.all_reduce_max_f64(failed)?;
+    match local {
+        Some(e) => Err(e),
+        None if worst >= 0.0 => anyhow::bail!(
+            "rank {}: rank {worst} cannot load the NCCL backend (see its log); no rank starts NCCL",
+            ring.rank()
+        ),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -138,6 +180,46 @@ mod tests {
         });
         for v in sums {
             assert_eq!(v, [3.0; 5]);
+        }
+    }
+
+    /// Ranks of one world on different backends (a rank whose GPU did not come up picks the
+    /// ring under `auto`) must all fail with a message, not block in NCCL's setup.
+    #[test]
+    fn ranks_that_disagree_on_the_backend_all_fail() {
+        let port = free_port();
+        let errors = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let env = DistEnv {
+                            rank,
+                            world_size: 2,
+                            local_rank: rank,
+                            local_world_size: 2,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            agent_store: false,
+                            restart_count: 0,
+                        };
+                        let backend = if rank == 0 {
+                            Backend::Nccl { cuda_device: 0 }
+                        } else {
+                            Backend::Ring
+                        };
+                        init(&env, Duration::from_secs(10), backend)
+                            .err()
+                            .map(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for e in errors {
+            let e = e.expect("a mixed world must not start");
+            assert!(e.contains("ranks disagree on the collectives"), "{e}");
         }
     }
 

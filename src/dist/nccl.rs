@@ -86,31 +86,69 @@ fn dl_error() -> String {
 }
 
 #[cfg(lockstep_nccl)]
-fn load() -> Result<Shim, String> {
+static SHIM_IMAGE: &[u8] = include_bytes!(env!("LOCKSTEP_NCCL_SHIM"));
+
+/// dlopens the embedded shim: from an anonymous memory file (nothing on disk), else, where
+/// memfds may not be executable (vm.memfd_noexec) or /proc is missing, from a private temp file.
+#[cfg(lockstep_nccl)]
+fn open_embedded(image: &[u8]) -> Result<*mut c_void, String> {
     use std::io::Write;
     use std::os::fd::FromRawFd;
 
-    static SO: &[u8] = include_bytes!(env!("LOCKSTEP_NCCL_SHIM"));
-    // SAFETY: a NUL-terminated name and valid flags.
-    let fd = unsafe { libc::memfd_create(c"lockstep_nccl".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(format!(
-            "memfd_create failed: {}",
-            std::io::Error::last_os_error()
-        ));
+    let mut memfd_err = String::new();
+    for flags in [libc::MFD_CLOEXEC | libc::MFD_EXEC, libc::MFD_CLOEXEC] {
+        // SAFETY: a NUL-terminated name and valid flags.
+        let fd = unsafe { libc::memfd_create(c"lockstep_nccl".as_ptr(), flags) };
+        if fd < 0 {
+            // EINVAL: a kernel older than 6.3 that does not know MFD_EXEC; retry without.
+            memfd_err = format!("memfd_create: {}", std::io::Error::last_os_error());
+            continue;
+        }
+        // SAFETY: `fd` is a fresh descriptor we own; the File closes it after the dlopen.
+        let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+        if let Err(e) = file.write_all(image) {
+            memfd_err = format!("writing the memfd: {e}");
+            break;
+        }
+        match dlopen(std::path::Path::new(&format!("/proc/self/fd/{fd}"))) {
+            Ok(h) => return Ok(h),
+            Err(e) => {
+                memfd_err = e;
+                break;
+            }
+        }
     }
-    // SAFETY: `fd` is a fresh descriptor we own; the File closes it.
-    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-    file.write_all(SO)
-        .map_err(|e| format!("writing the NCCL shim to memory: {e}"))?;
-    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).unwrap();
-    // SAFETY: dlopen of a complete ELF image; its constructors are libtorch's, already run
-    // when libtorch_cuda was loaded, or run now on first load.
-    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    drop(file);
-    if handle.is_null() {
-        return Err(dl_error());
+    open_from_temp_file(image).map_err(|e| format!("{memfd_err}; {e}"))
+}
+
+#[cfg(lockstep_nccl)]
+fn dlopen(path: &std::path::Path) -> Result<*mut c_void, String> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: dlopen of a complete ELF image with a NUL-terminated path.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        Err(dl_error())
+    } else {
+        Ok(h)
     }
+}
+
+/// The fallback: the image in a private temp directory, loaded, then deleted (the mapping
+/// outlives the file).
+#[cfg(lockstep_nccl)]
+fn open_from_temp_file(image: &[u8]) -> Result<*mut c_void, String> {
+    let dir = tempfile::Builder::new()
+        .prefix("lockstep-nccl-")
+        .tempdir()
+        .map_err(|e| format!("no temp dir for the NCCL shim: {e}"))?;
+    let path = dir.path().join("liblockstep_nccl.so");
+    std::fs::write(&path, image).map_err(|e| format!("{}: {e}", path.display()))?;
+    dlopen(&path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[cfg(lockstep_nccl)]
+fn load() -> Result<Shim, String> {
+    let handle = open_embedded(SHIM_IMAGE)?;
     let sym = |name: &CStr| -> Result<*mut c_void, String> {
         // SAFETY: `handle` is a live library handle; `name` is NUL-terminated.
         let p = unsafe { libc::dlsym(handle, name.as_ptr()) };
@@ -136,8 +174,8 @@ fn load() -> Result<Shim, String> {
 #[cfg(not(lockstep_nccl))]
 fn load() -> Result<Shim, String> {
     Err(
-        "this lockstep was built without the NCCL backend (build.rs found no NCCL/CUDA headers; \
-         install scripts/requirements.txt and rebuild)"
+        "this lockstep was built without the NCCL backend (LOCKSTEP_NO_NCCL was set, or \
+         build.rs found no NCCL/CUDA headers: install scripts/requirements.txt and rebuild)"
             .to_owned(),
     )
 }
@@ -160,6 +198,10 @@ pub fn version() -> Result<String> {
     Ok(take_cstr(unsafe { (s.version)() }, "unknown"))
 }
 
+/// The key ProcessGroupNCCL's monitor polls at the store's root for a flight-recorder dump
+/// signal from another rank (`kStoreDumpKey` in libtorch 2.11).
+pub const DUMP_SIGNAL_KEY: &str = "exception_dump";
+
 /// The watchdog's limit for one NCCL collective: longer than the ring's, so that a stalled
 /// peer is reported by the ring (which names it) before the watchdog aborts the process.
 pub fn watchdog_timeout(collective_timeout: Duration) -> Duration {
@@ -174,6 +216,9 @@ pub struct NcclGroup {
     /// Set by any failed collective: the drop then aborts the communicators instead of
     /// flushing them, since a collective may never finish.
     failed: bool,
+    /// An NCCL collective was queued and no ring collective has succeeded since, so a peer may
+    /// never have matched it: a drop now must abort too (shutdown would wait for it forever).
+    pending: bool,
     // Keeps the store that ProcessGroupNCCL also references alive on the Rust side.
     _store: Arc<Store>,
 }
@@ -224,12 +269,14 @@ impl NcclGroup {
             handle,
             cpu,
             failed: false,
+            pending: false,
             _store: store,
         })
     }
 
     fn check(&mut self, rc: c_int, err: *mut c_char, what: &str, t: &Tensor) -> Result<()> {
         if rc == 0 {
+            self.pending = true;
             return Ok(());
         }
         self.failed = true;
@@ -243,10 +290,14 @@ impl NcclGroup {
         )
     }
 
-    /// Ring collectives mark the group failed too: a missing peer also strands NCCL.
+    /// Ring collectives mark the group failed too (a missing peer also strands NCCL); a ring
+    /// collective that succeeds shows every rank got past the NCCL work queued before it.
     fn on_cpu<T>(&mut self, f: impl FnOnce(&mut RingGroup) -> Result<T>) -> Result<T> {
         let r = f(&mut self.cpu);
-        self.failed |= r.is_err();
+        match r {
+            Ok(_) => self.pending = false,
+            Err(_) => self.failed = true,
+        }
         r
     }
 }
@@ -307,8 +358,9 @@ impl ProcessGroup for NcclGroup {
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {
+        let abort = self.failed || self.pending;
         // SAFETY: `handle` is live and never used after this.
-        unsafe { (self.shim.free)(self.handle, c_int::from(self.failed)) };
+        unsafe { (self.shim.free)(self.handle, c_int::from(abort)) };
     }
 }
 
@@ -329,12 +381,34 @@ mod tests {
     /// The embedded shim loads on any machine with the wheel's libraries, GPU or not, and
     /// reports an NCCL with average reduction (2.10+), which gradient averaging relies on.
     #[test]
+    #[cfg_attr(not(lockstep_nccl), ignore = "built without the NCCL shim")]
     fn shim_loads_and_reports_nccl_version() -> Result<()> {
         let v = version()?;
         let parts: Vec<u32> = v.split('.').map(|p| p.parse()).collect::<Result<_, _>>()?;
         assert_eq!(parts.len(), 3, "{v}");
         assert!((parts[0], parts[1]) >= (2, 10), "{v}");
         Ok(())
+    }
+
+    /// The fallback loader works too (the memfd path is the one `version()` takes here), and
+    /// leaves no file behind.
+    #[cfg(lockstep_nccl)]
+    #[test]
+    fn shim_loads_from_a_temp_file() {
+        let ours = || {
+            std::fs::read_dir(std::env::temp_dir())
+                .unwrap()
+                .filter(|e| {
+                    let name = e.as_ref().unwrap().file_name();
+                    name.to_string_lossy().starts_with("lockstep-nccl-")
+                })
+                .count()
+        };
+        let before = ours();
+        let h = open_from_temp_file(SHIM_IMAGE).unwrap();
+        // SAFETY: a live handle and a NUL-terminated symbol name.
+        assert!(!unsafe { libc::dlsym(h, c"ls_nccl_all_reduce".as_ptr()) }.is_null());
+        assert_eq!(ours(), before, "the shim's temp dir was left behind");
     }
 
     fn group_of_one(store: Arc<Store>) -> Result<NcclGroup> {
@@ -345,13 +419,14 @@ mod tests {
             Duration::from_secs(10),
             RingConfig::default(),
         )?;
-        NcclGroup::new(store, ring, 0, "test/nccl/", Duration::from_secs(10))
+        NcclGroup::new(store, ring, 0, "test/nccl", Duration::from_secs(10))
     }
 
     /// Without a GPU, creating the group is an error that says so, not an abort. With one (the
     /// lent GPU machine runs the unit tests too), a group of one rank reduces and broadcasts
     /// CUDA tensors through NCCL in place, and CPU tensors through the ring.
     #[test]
+    #[cfg_attr(not(lockstep_nccl), ignore = "built without the NCCL shim")]
     fn group_on_this_machine() -> Result<()> {
         let store = Arc::new(Store::server("127.0.0.1", 0, 1, Duration::from_secs(10))?);
         if !crate::train::setup::cuda_available() {

@@ -249,6 +249,9 @@ pub fn train(
     // Every rank starts from rank 0's weights (fresh init, HF weights or checkpoint alike).
     let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
     broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
+    // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never joined
+    // it into the ring's timeout naming that rank, rather than a hang at the first loss read.
+    pg.barrier()?;
 
     let global_batch = (t.batch_size * t.grad_accum_nums * topo.world) as u64;
     let tokens_per_step = global_batch as f64 * t.context_length as f64;
@@ -333,15 +336,17 @@ pub fn train(
         window.compute_s += phase.elapsed().as_secs_f64() - data_time;
         window.data_s += data_time;
 
+        // The all-reduce phase ends at the norm's read: on NCCL that is where the host waits
+        // for the queued gradient all-reduce.
         let phase = Instant::now();
         let grads = opt.gradients();
         let (loss, stop_requested) = synchronize(pg, &grads, local_loss, cfg.system.bucket_mb)?;
-        window.comm_s += phase.elapsed().as_secs_f64();
         if inject_nan {
             inject_nan_gradient(cfg, &opt);
         }
         let norm_tensor = grad_norm(&grads);
         let norm = norm_tensor.double_value(&[]);
+        window.comm_s += phase.elapsed().as_secs_f64();
 
         // The guard: NaN/Inf (always checked when nan_check is on) and loss spikes.
         let event = if t.nan_check && !(loss.is_finite() && norm.is_finite()) {
