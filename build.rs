@@ -56,6 +56,7 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
     let nvidia = lib.join("../../nvidia");
     let nccl_inc = nvidia.join("nccl/include");
     let cuda_inc = nvidia.join("cu13/include");
+    // Watched so that installing the headers later turns the backend on without a clean build.
     let missing: Vec<PathBuf> = [
         nccl_inc.join("nccl.h"),
         cuda_inc.join("cuda_runtime_api.h"),
@@ -64,6 +65,7 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
         lib.join("libtorch_cuda.so"),
     ]
     .into_iter()
+    .inspect(|p| println!("cargo:rerun-if-changed={}", p.display()))
     .filter(|p| !p.exists())
     .collect();
     if !missing.is_empty() {
