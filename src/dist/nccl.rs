@@ -11,7 +11,8 @@
 //!
 //! Loading: build.rs compiles the shim into a small shared library linked against
 //! libtorch_cuda, and the binary embeds it. A CUDA rank writes it to an anonymous memory file
-//! and dlopens it, so the binary stays one file and CPU runs never load the CUDA stack.
+//! (or, where those may not be executable, a private temp file removed after loading) and
+//! dlopens it, so the binary stays one file and CPU runs never load the CUDA stack.
 //!
 //! Which collective goes where:
 //! - gradients and parameters (the bulk, on the GPU): NCCL, in place on the device;
@@ -291,7 +292,8 @@ impl NcclGroup {
     }
 
     /// Ring collectives mark the group failed too (a missing peer also strands NCCL); a ring
-    /// collective that succeeds shows every rank got past the NCCL work queued before it.
+    /// collective that succeeds shows every rank has queued the NCCL work that came before it,
+    /// so that work will complete.
     fn on_cpu<T>(&mut self, f: impl FnOnce(&mut RingGroup) -> Result<T>) -> Result<T> {
         let r = f(&mut self.cpu);
         match r {
