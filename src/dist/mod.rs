@@ -147,36 +147,45 @@ fn agree_on_backend(ring: &mut RingGroup, backend: Backend) -> Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn init_builds_a_working_group_per_rank() {
-        let port = free_port();
-        let world = 3;
-        let sums = std::thread::scope(|s| {
+    /// Runs `f` on one thread per rank of a loopback world, with the environment `lockstep run`
+    /// (or, with `agent_restart`, torchrun's agent on its Nth restart) would give each rank.
+    fn each_rank<T: Send>(
+        world: usize,
+        port: u16,
+        agent_restart: Option<u64>,
+        f: impl Fn(DistEnv) -> T + Sync,
+    ) -> Vec<T> {
+        let f = &f;
+        std::thread::scope(|s| {
             let hs: Vec<_> = (0..world)
                 .map(|rank| {
                     s.spawn(move || {
-                        let env = DistEnv {
+                        f(DistEnv {
                             rank,
                             world_size: world,
                             local_rank: rank,
                             local_world_size: world,
                             master_addr: "127.0.0.1".into(),
                             master_port: port,
-                            agent_store: false,
-                            restart_count: 0,
-                        };
-                        let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
-                        assert_eq!((g.rank(), g.world_size()), (rank, world));
-                        let mut v = vec![rank as f32; 5];
-                        g.all_reduce_sum_f32(&mut v).unwrap();
-                        g.barrier().unwrap();
-                        v
+                            agent_store: agent_restart.is_some(),
+                            restart_count: agent_restart.unwrap_or(0),
+                        })
                     })
                 })
                 .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn init_builds_a_working_group_per_rank() {
+        let sums = each_rank(3, free_port(), None, |env| {
+            let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
+            assert_eq!((g.rank(), g.world_size()), (env.rank, 3));
+            let mut v = vec![env.rank as f32; 5];
+            g.all_reduce_sum_f32(&mut v).unwrap();
+            g.barrier().unwrap();
+            v
         });
         for v in sums {
             assert_eq!(v, [3.0; 5]);
@@ -187,35 +196,15 @@ mod tests {
     /// ring under `auto`) must all fail with a message, not block in NCCL's setup.
     #[test]
     fn ranks_that_disagree_on_the_backend_all_fail() {
-        let port = free_port();
-        let errors = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let env = DistEnv {
-                            rank,
-                            world_size: 2,
-                            local_rank: rank,
-                            local_world_size: 2,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            agent_store: false,
-                            restart_count: 0,
-                        };
-                        let backend = if rank == 0 {
-                            Backend::Nccl { cuda_device: 0 }
-                        } else {
-                            Backend::Ring
-                        };
-                        init(&env, Duration::from_secs(10), backend)
-                            .err()
-                            .map(|e| e.to_string())
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+        let errors = each_rank(2, free_port(), None, |env| {
+            let backend = if env.rank == 0 {
+                Backend::Nccl { cuda_device: 0 }
+            } else {
+                Backend::Ring
+            };
+            init(&env, Duration::from_secs(10), backend)
+                .err()
+                .map(|e| e.to_string())
         });
         for e in errors {
             let e = e.expect("a mixed world must not start");
@@ -240,30 +229,11 @@ mod tests {
     fn init_with_agent_store_makes_rank0_a_client() {
         // Simulate torchrun's agent: someone else hosts the store; rank 0 must not try to.
         let agent = Store::server("127.0.0.1", 0, 2, Duration::from_secs(10)).unwrap();
-        let port = agent.port();
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let env = DistEnv {
-                            rank,
-                            world_size: 2,
-                            local_rank: rank,
-                            local_world_size: 2,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            agent_store: true,
-                            restart_count: 1,
-                        };
-                        let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
-                        g.all_reduce_max_f64(rank as f64).unwrap()
-                    })
-                })
-                .collect();
-            for h in hs {
-                assert_eq!(h.join().unwrap(), 1.0);
-            }
+        let maxima = each_rank(2, agent.port(), Some(1), |env| {
+            let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
+            g.all_reduce_max_f64(env.rank as f64).unwrap()
         });
+        assert_eq!(maxima, [1.0, 1.0]);
         assert!(agent.check(&["lockstep/1/ring/nonce"]).unwrap());
     }
 }
