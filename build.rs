@@ -2,10 +2,18 @@
 //!    without LD_LIBRARY_PATH. On another machine (the GPU box) LD_LIBRARY_PATH still wins:
 //!    the linker writes RUNPATH, which the loader consults after LD_LIBRARY_PATH.
 //! 2. Compiles the C++ shims against the same libtorch headers: the c10d TCPStore
-//!    (`csrc/c10d_store.cpp`) and libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`).
+//!    (`csrc/c10d_store.cpp`), libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`), its
+//!    variable-length flash attention (`csrc/flash_varlen.cpp`) and a backward seeded with given
+//!    gradients (`csrc/autograd.cpp`).
 //! 3. Builds the NCCL shim (`csrc/nccl_group.cpp`, c10d's ProcessGroupNCCL) as a shared library
-//!    in OUT_DIR, which src/dist/nccl.rs embeds and loads at run time on CUDA ranks only: linking
-//!    it into the binary would make every CPU run load libtorch_cuda and the CUDA stack.
+//!    in OUT_DIR, which src/dist/nccl/loader.rs embeds and loads at run time on CUDA ranks only:
+//!    linking it into the binary would make every CPU run load libtorch_cuda and the CUDA stack.
+//! 4. Packs the default corpus, `data/shakespeare/**/*.txt`, into one zstd stream in OUT_DIR,
+//!    which src/data/builtin.rs embeds as `data.path = builtin:shakespeare`, so the default
+//!    works from any directory. Packed here rather than committed as a blob so the text files
+//!    stay the only copy and the two can never disagree.
+//!
+//! All shims share csrc/ffi_util.hpp (the error convention; see src/sys/ffi.rs).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,6 +22,8 @@ fn main() {
     for f in [
         "c10d_store.cpp",
         "fused_adamw.cpp",
+        "flash_varlen.cpp",
+        "autograd.cpp",
         "nccl_group.cpp",
         "ffi_util.hpp",
     ] {
@@ -31,6 +41,8 @@ fn main() {
         .cpp(true)
         .file("csrc/c10d_store.cpp")
         .file("csrc/fused_adamw.cpp")
+        .file("csrc/flash_varlen.cpp")
+        .file("csrc/autograd.cpp")
         .includes(&torch_includes)
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
@@ -42,6 +54,76 @@ fn main() {
     println!("cargo:rustc-link-lib=dylib=c10");
 
     build_nccl_shim(Path::new(&lib), &torch_includes);
+    pack_corpus("shakespeare");
+}
+
+/// `data/<name>`'s `.txt` files (hidden entries skipped), sorted by relative path as
+/// `data::list_files` sorts a directory, packed as: per file a u32 name length, the
+/// `/`-separated relative name, a u64 byte length and the bytes (little-endian); then zstd
+/// level 19 (5.06 MB of text → ~1.6 MB). Written to OUT_DIR/<name>.pack.zst; the uncompressed
+/// pack is kept beside it so a rerun of this script for another reason skips the compression.
+fn pack_corpus(name: &str) {
+    let dir = Path::new("data").join(name);
+    // A directory: cargo reruns the script when anything below it changes.
+    println!("cargo:rerun-if-changed={}", dir.display());
+    let mut files = Vec::new();
+    collect_txt(&dir, &mut files);
+    files.sort();
+    assert!(
+        !files.is_empty(),
+        "{}: no .txt files to embed",
+        dir.display()
+    );
+    let mut pack = Vec::new();
+    for file in &files {
+        let rel: Vec<String> = file
+            .strip_prefix(&dir)
+            .unwrap()
+            .components()
+            .map(|c| {
+                c.as_os_str()
+                    .to_str()
+                    .expect("UTF-8 file names")
+                    .to_string()
+            })
+            .collect();
+        let rel = rel.join("/");
+        let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        pack.extend_from_slice(&(rel.len() as u32).to_le_bytes());
+        pack.extend_from_slice(rel.as_bytes());
+        pack.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        pack.extend_from_slice(&bytes);
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let (raw, packed) = (
+        out.join(format!("{name}.pack")),
+        out.join(format!("{name}.pack.zst")),
+    );
+    if packed.is_file() && std::fs::read(&raw).is_ok_and(|old| old == pack) {
+        return;
+    }
+    let compressed = zstd::stream::encode_all(&pack[..], 19).expect("zstd compression");
+    std::fs::write(&packed, compressed).unwrap();
+    std::fs::write(&raw, &pack).unwrap();
+}
+
+fn collect_txt(dir: &Path, out: &mut Vec<PathBuf>) {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let hidden = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with('.'));
+        if hidden {
+            continue;
+        }
+        if path.is_dir() {
+            collect_txt(&path, out);
+        } else if path.extension().is_some_and(|e| e == "txt") {
+            out.push(path);
+        }
+    }
 }
 
 /// The pip wheel's layout: torch/lib next to nvidia/{nccl,cu13}/include. Without those headers

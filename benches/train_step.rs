@@ -1,14 +1,29 @@
-//! One training step (forward, backward, clip, AdamW) of the tiny benchmark shape on CPU:
-//! vocab 4096, d 256, 4 layers, 8 heads / 4 kv heads, FFN 688, batch 8 × seq 256, fp32.
+//! One training step of the tiny benchmark shape on CPU — the trainer's own `train_step`
+//! (forward, backward, gradient sync, norm, guard, clip, fused AdamW) on vocab 4096, d 256,
+//! 4 layers, 8 heads / 4 kv heads, FFN 688, batch 8 × seq 256, fp32.
 //! Prints the median tokens/s and CPU seconds per step; `benches/compare.sh` runs it interleaved
 //! with `benches/train_step.py` (PyTorch on the same shape) and prints the ratio.
 //!
-//! usage: cargo bench --bench train_step -- [--steps N] [--threads T]
+//! With `--doc-len L` every row packs documents of L/2..3L/2 tokens (seeded) and the step runs
+//! with `data.document_masking` + `data.reset_position_ids` (the block-diagonal mask through
+//! SDPA); it also prints the median time to build one batch's mask and positions.
+//!
+//!
+//! `--vocab`, `--checkpointing none|full|selective` and `--chunk` (LM-head chunk tokens, 0 =
+//! one chunk) set the activation-memory variant (`benches/activation_memory.sh` runs them
+//! interleaved); the defaults are the shape above with everything kept.
+//!
+//! usage: cargo bench --bench train_step -- [--steps N] [--threads T] [--vocab V]
+//!        [--checkpointing MODE] [--chunk TOKENS] [--doc-len L]
 
 use std::time::Instant;
 
-use lockstep::model::{AttentionBackend, Llama, LlamaShape};
-use lockstep::train::optim::{clip_grad_norm, AdamW, AdamWParams};
+use lockstep::config::{self, AttentionBackend, Sources};
+use lockstep::dist::SingleProcess;
+use lockstep::model::{ActivationCheckpointing, ActivationMemory, DocumentMask, Llama, LlamaShape};
+use lockstep::train::guard::Guard;
+use lockstep::train::optim::{AdamWParams, Optimizer};
+use lockstep::train::{train_step, Batch, StepConfig, StepOutcome, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -19,6 +34,15 @@ fn arg(name: &str, default: usize) -> usize {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+fn arg_str(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_string())
 }
 
 fn cpu_seconds() -> f64 {
@@ -36,8 +60,16 @@ fn main() {
         tch::set_num_threads(threads as i32);
     }
     let (batch, seq) = (8i64, 256i64);
+    let vocab = arg("--vocab", 4096);
+    let checkpointing: ActivationCheckpointing =
+        serde_json::from_value(serde_json::json!(arg_str("--checkpointing", "none")))
+            .expect("--checkpointing none|full|selective");
+    let memory = ActivationMemory {
+        checkpointing,
+        loss_chunk_tokens: arg("--chunk", 0),
+    };
     let shape = LlamaShape {
-        vocab_size: 4096,
+        vocab_size: vocab,
         hidden_size: 256,
         num_layers: 4,
         num_heads: 8,
@@ -53,66 +85,141 @@ fn main() {
     };
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);
-    let model = Llama::new(&vs.root(), &shape, seq as usize, Kind::Float);
+    let mut model = Llama::new(&vs.root(), &shape, seq as usize, Kind::Float);
+    model.set_activation_memory(memory);
     let hp = AdamWParams {
         beta1: 0.9,
         beta2: 0.95,
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let mut opt = AdamW::new(Llama::named_parameters(&vs), hp);
-    let tokens = Tensor::randint(4096, [batch, seq + 1], (Kind::Int64, Device::Cpu));
-    let (x, y) = (tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
-
-    // Seconds in forward, backward, and clip + AdamW, per step.
-    let phases = std::cell::RefCell::new(Vec::<[f64; 3]>::new());
-    let step = |opt: &mut AdamW| {
-        let t0 = Instant::now();
-        let loss = model.loss(&x, &y);
-        let value = loss.double_value(&[]);
-        let t1 = Instant::now();
-        loss.backward();
-        let t2 = Instant::now();
-        let norm = clip_grad_norm(&opt.gradients(), 1.0).double_value(&[]);
-        opt.step(1e-3).expect("AdamW step");
-        opt.zero_grad();
-        let t3 = Instant::now();
-        phases.borrow_mut().push([
-            (t1 - t0).as_secs_f64(),
-            (t2 - t1).as_secs_f64(),
-            (t3 - t2).as_secs_f64(),
-        ]);
-        (value, norm)
+    let mut opt = Optimizer::new(
+        &Llama::named_parameters(&vs),
+        hp,
+        0,
+        &SingleProcess,
+        25.0,
+        Kind::Float,
+    );
+    let mut guard = Guard::new(
+        &config::resolve(&Sources::default())
+            .unwrap()
+            .config
+            .training,
+    );
+    let step_cfg = StepConfig {
+        grad_accum: 1,
+        max_grad_norm: 1.0,
+        bucket_mb: 25.0,
+        overlap: false,
     };
-    let (first_loss, _) = step(&mut opt);
-    step(&mut opt);
+    let plan = StepPlan {
+        lr: 1e-3,
+        ..Default::default()
+    };
+    let tokens = Tensor::randint(vocab as i64, [batch, seq + 1], (Kind::Int64, Device::Cpu));
+    let (x, y) = (tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
+    let doc_len = arg("--doc-len", 0);
+    let pieces = packed_rows(batch as usize, seq as usize, doc_len);
+    let documents = || {
+        (doc_len > 0).then(|| {
+            let d = DocumentMask::new(&pieces, true, true, Device::Cpu);
+            d.attention_mask();
+            d
+        })
+    };
+    let mut step = || -> StepOutcome {
+        let micro = std::iter::once(Batch {
+            inputs: x.shallow_clone(),
+            targets: y.shallow_clone(),
+            documents: documents(),
+        });
+        train_step(
+            &model,
+            &mut opt,
+            &mut SingleProcess,
+            &mut guard,
+            &step_cfg,
+            &plan,
+            micro,
+        )
+        .expect("training step")
+    };
+    let first_loss = step().loss;
+    step();
     let mut tok_s = Vec::new();
     let mut cpu = Vec::new();
+    let mut phases = Vec::new();
     for _ in 0..steps {
         let (t0, c0) = (Instant::now(), cpu_seconds());
-        step(&mut opt);
+        let out = step();
         tok_s.push((batch * seq) as f64 / t0.elapsed().as_secs_f64());
         cpu.push(cpu_seconds() - c0);
+        let t = out.timing;
+        phases.push([t.compute_s, t.comm_s, t.optimizer_s]);
     }
     let median = |i: usize| {
-        let mut v: Vec<f64> = phases.borrow().iter().skip(2).map(|p| p[i]).collect();
+        let mut v: Vec<f64> = phases.iter().map(|p| p[i]).collect();
         v.sort_by(f64::total_cmp);
         1e3 * v[v.len() / 2]
     };
     let split = format!(
-        "forward {:.0} ms, backward {:.0} ms, clip+AdamW {:.0} ms",
+        "forward+backward {:.0} ms, norm {:.1} ms, clip+AdamW {:.0} ms",
         median(0),
         median(1),
         median(2)
     );
     tok_s.sort_by(f64::total_cmp);
     cpu.sort_by(f64::total_cmp);
+    let masking = if doc_len > 0 {
+        let mut build: Vec<f64> = (0..200)
+            .map(|_| {
+                let t = Instant::now();
+                documents();
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        build.sort_by(f64::total_cmp);
+        let docs: usize = pieces.iter().map(Vec::len).sum();
+        format!(
+            "; document masking: {docs} documents in {batch} rows, mask + positions built in {:.0} µs (median)",
+            1e6 * build[build.len() / 2]
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "lockstep tiny step: median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}; {split}",
+        "lockstep tiny step (vocab {vocab}, checkpointing {checkpointing}, chunk {}): median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}; {split}{masking}",
+        memory.loss_chunk_tokens,
         tok_s[steps / 2],
         tok_s[0],
         tok_s[steps - 1],
         cpu[steps / 2],
         tch::get_num_threads()
     );
+}
+
+/// Each row's document lengths: seeded (xorshift) in doc_len/2..=3·doc_len/2, the last one cut
+/// at the row's end. No documents (one piece per row) for doc_len 0.
+fn packed_rows(rows: usize, seq: usize, doc_len: usize) -> Vec<Vec<usize>> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..rows)
+        .map(|_| {
+            if doc_len == 0 {
+                return vec![seq];
+            }
+            let mut row = Vec::new();
+            let mut left = seq;
+            while left > 0 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let len = doc_len / 2 + (x % (doc_len as u64 + 1)) as usize;
+                let len = len.clamp(1, left);
+                row.push(len);
+                left -= len;
+            }
+            row
+        })
+        .collect()
 }

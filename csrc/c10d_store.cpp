@@ -5,11 +5,9 @@
 // through libtorch itself is the only way to rendezvous under torchrun without
 // re-implementing (and tracking) that protocol.
 //
-// Contract for every function returning int:
-//   * returns LS_OK (0) on success, otherwise an LS_ERR_* class;
-//   * on failure, *err receives a malloc'd NUL-terminated message that the
-//     caller releases with ls_store_free_buf; on success *err is untouched;
-//   * no C++ exception ever crosses this boundary (catch (...) everywhere).
+// Error convention: csrc/ffi_util.hpp. The error classes below let the caller tell a timeout
+// from a busy port from an unreachable store.
+//
 // Keys are passed as (pointer, length) so they need not be NUL-terminated.
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -22,13 +20,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
+using lockstep_ffi::LS_ERR_OTHER;
+
 enum : int {
-  LS_OK = 0,
-  LS_ERR_OTHER = 1,
   LS_ERR_TIMEOUT = 2,
   LS_ERR_ADDR_IN_USE = 3,
   LS_ERR_NETWORK = 4,
@@ -37,8 +36,6 @@ enum : int {
 struct Handle {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
-
-using lockstep_ffi::dup_cstr;
 
 bool contains_ci(const std::string& hay, const char* needle) {
   std::string h(hay), n(needle);
@@ -63,27 +60,15 @@ int classify(int by_type, const std::string& msg) {
   return by_type;
 }
 
-int fail(char** err, int code, const std::string& msg) {
-  if (err != nullptr) *err = dup_cstr(msg);
-  return classify(code, msg);
+// The error class of an exception thrown by TCPStore: its type, refined by its message.
+int class_of(const std::exception& e, const std::string& msg) {
+  const bool network = dynamic_cast<const c10::DistNetworkError*>(&e) != nullptr;
+  return classify(network ? LS_ERR_NETWORK : LS_ERR_OTHER, msg);
 }
 
-// Runs f, converting any exception into (code, message). c10::Error::what()
-// carries a C++ backtrace, which is noise for the user; the short form is used.
 template <typename F>
 int guarded(char** err, F&& f) {
-  try {
-    f();
-    return LS_OK;
-  } catch (const c10::DistNetworkError& e) {
-    return fail(err, LS_ERR_NETWORK, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    return fail(err, LS_ERR_OTHER, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return fail(err, LS_ERR_OTHER, e.what());
-  } catch (...) {
-    return fail(err, LS_ERR_OTHER, "unknown C++ exception in TCPStore");
-  }
+  return lockstep_ffi::guarded(err, "TCPStore", std::forward<F>(f), class_of);
 }
 
 std::vector<std::string> keys_of(const char* const* keys, const size_t* lens, size_t n) {
@@ -98,15 +83,22 @@ std::vector<std::string> keys_of(const char* const* keys, const size_t* lens, si
 extern "C" {
 
 // Creates a server (is_server != 0; it also acts as a client of itself) or a
-// client. world_size <= 0 means "unknown". port 0 on a server picks a free
-// port (read it back with ls_store_port). The server does not wait for the
+// client. world_size <= 0 means "unknown". The server does not wait for the
 // workers here: the ring bootstrap synchronises the ranks itself.
+//
+// listen_fd >= 0 (servers only) is a socket the caller has bound and put in
+// the listening state; the server takes it over (TCPStoreOptions::
+// masterListenFd) instead of binding its own, which would listen on every
+// interface. The store owns the descriptor from then on, success or failure
+// (pass a dup if you keep your own).
 int ls_store_new(const char* host, size_t host_len, uint16_t port, int is_server,
-                 int64_t world_size, int64_t timeout_ms, void** out, char** err) {
+                 int64_t world_size, int64_t timeout_ms, int listen_fd, void** out,
+                 char** err) {
   return guarded(err, [&] {
     c10d::TCPStoreOptions opts;
     opts.port = port;
     opts.isServer = is_server != 0;
+    if (is_server != 0 && listen_fd >= 0) opts.masterListenFd = listen_fd;
     if (world_size > 0) opts.numWorkers = static_cast<size_t>(world_size);
     opts.waitWorkers = false;
     opts.timeout = std::chrono::milliseconds(timeout_ms);
@@ -123,8 +115,6 @@ void ls_store_free(void* h) {
   } catch (...) {
   }
 }
-
-void ls_store_free_buf(void* p) { std::free(p); }
 
 // The c10d::Store behind a handle, for other shims in this process (csrc/nccl_group.cpp) that
 // take their own reference with intrusive_ptr::reclaim_copy; the handle keeps one until freed.
@@ -143,7 +133,7 @@ int ls_store_set(void* h, const char* key, size_t key_len, const uint8_t* data, 
 }
 
 // Blocks until the key exists or the store's timeout expires. *data is
-// malloc'd (possibly NULL when *len == 0); free it with ls_store_free_buf.
+// malloc'd (possibly NULL when *len == 0); free it with free().
 int ls_store_get(void* h, const char* key, size_t key_len, uint8_t** data, size_t* len,
                  char** err) {
   return guarded(err, [&] {

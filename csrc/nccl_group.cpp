@@ -1,4 +1,4 @@
-// Thin C ABI over libtorch's c10d::ProcessGroupNCCL, consumed by src/dist/nccl.rs.
+// Thin C ABI over libtorch's c10d::ProcessGroupNCCL, consumed by src/dist/nccl/.
 //
 // Built by build.rs as its own shared library (linked against libtorch_cuda), embedded in the
 // lockstep binary and loaded at run time only by CUDA ranks, so CPU runs never load the CUDA
@@ -6,9 +6,8 @@
 // recorder and error handling are exactly what PyTorch users rely on, and it syncs with
 // libtorch's current CUDA stream without us touching streams.
 //
-// Contract (as csrc/c10d_store.cpp): every int-returning function returns 0 on success; on
-// failure *err receives a malloc'd message (free with free()) and no C++ exception crosses
-// this boundary. Tensors arrive as tch's handles, which are `at::Tensor*`.
+// Error convention: csrc/ffi_util.hpp (every failure is LS_ERR_OTHER). Tensors arrive as tch's
+// handles, which are `at::Tensor*`.
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -20,7 +19,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -29,22 +30,9 @@ struct Group {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
 };
 
-using lockstep_ffi::dup_cstr;
-
-// c10::Error::what() carries a C++ backtrace, noise for the user; the short form is used.
 template <typename F>
 int guarded(char** err, F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const c10::Error& e) {
-    *err = dup_cstr(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    *err = dup_cstr(e.what());
-  } catch (...) {
-    *err = dup_cstr("unknown C++ exception in ProcessGroupNCCL");
-  }
-  return 1;
+  return lockstep_ffi::guarded(err, "ProcessGroupNCCL", std::forward<F>(f));
 }
 
 void abort_quietly(c10d::ProcessGroupNCCL& pg) {
@@ -113,13 +101,78 @@ int ls_nccl_broadcast(void* g, void* tensor, int root, char** err) {
   });
 }
 
-// The NCCL version libtorch was built with, e.g. "2.28.9"; malloc'd, free with free().
-char* ls_nccl_version() {
-  try {
-    return dup_cstr(c10d::getNcclVersion());
-  } catch (...) {
-    return dup_cstr("unknown");
+namespace {
+
+// Views of `flat` cut into `n` consecutive pieces of `splits[i]` elements.
+std::vector<at::Tensor> pieces(const at::Tensor& flat, const int64_t* splits, int n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  int64_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(flat.narrow(0, at, splits[i]));
+    at += splits[i];
   }
+  TORCH_CHECK(at == flat.numel(), "pieces cover ", at, " of ", flat.numel(), " elements");
+  return out;
+}
+
+bool all_equal(const int64_t* splits, int n) {
+  for (int i = 1; i < n; ++i) {
+    if (splits[i] != splits[0]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// In-place reduce-scatter with mean of a flat 1-D CUDA tensor cut into `n` (= world size)
+// pieces of `splits[i]` elements: this rank's piece receives the mean of all ranks' pieces.
+// Equal pieces go through ncclReduceScatter (in place: the output is the input's own piece);
+// uneven ones through ProcessGroupNCCL's uneven reduce_scatter (coalesced reduces).
+int ls_nccl_reduce_scatter(void* g, void* tensor, const int64_t* splits, int n, char** err) {
+  return guarded(err, [&] {
+    auto& pg = static_cast<Group*>(g)->pg;
+    const auto& flat = *static_cast<at::Tensor*>(tensor);
+    auto parts = pieces(flat, splits, n);
+    auto mine = parts.at(pg->getRank());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::AVG);
+    if (all_equal(splits, n)) {
+      auto input = flat;
+      pg->_reduce_scatter_base(mine, input, opts)->wait();
+    } else {
+      std::vector<at::Tensor> outputs{mine};
+      std::vector<std::vector<at::Tensor>> inputs{parts};
+      pg->reduce_scatter(outputs, inputs, opts)->wait();
+    }
+  });
+}
+
+// In-place all-gather over the same pieces: this rank's piece is sent, the others received.
+int ls_nccl_all_gather(void* g, void* tensor, const int64_t* splits, int n, char** err) {
+  return guarded(err, [&] {
+    auto& pg = static_cast<Group*>(g)->pg;
+    auto flat = *static_cast<at::Tensor*>(tensor);
+    auto parts = pieces(flat, splits, n);
+    auto mine = parts.at(pg->getRank());
+    if (all_equal(splits, n)) {
+      pg->_allgather_base(flat, mine)->wait();
+    } else {
+      std::vector<std::vector<at::Tensor>> outputs{parts};
+      std::vector<at::Tensor> inputs{mine};
+      pg->allgather(outputs, inputs)->wait();
+    }
+  });
+}
+
+// The NCCL version libtorch was built with, e.g. "2.28.9", into *out (malloc'd, free with
+// free()).
+int ls_nccl_version(char** out, char** err) {
+  return guarded(err, [&] {
+    char* v = lockstep_ffi::dup_cstr(c10d::getNcclVersion());
+    if (v == nullptr) throw std::bad_alloc();
+    *out = v;
+  });
 }
 
 // Normal end: shutdown() flushes and destroys the communicators. After a failure (a peer is

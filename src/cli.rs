@@ -5,9 +5,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{self, schema, Resolved, Sources};
-use crate::train::{self, Resume, RunOptions, Topology};
-use crate::{commands, dist, launch};
+use crate::config::{self, schema, ConfigError, Resolved, Sources};
+use crate::train::rank::WorkerSpec;
+use crate::train::{self, Resume, RunOptions};
+use crate::{commands, launch};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -28,30 +29,29 @@ pub enum Command {
     Train {
         #[command(flatten)]
         config: ConfigArgs,
-        /// `auto` = the latest complete checkpoint (fresh start if none), or a checkpoint directory.
-        #[arg(long, value_name = "auto|DIR")]
-        resume: Option<Resume>,
-        /// Save a checkpoint and exit 0 after step N (the LR schedule still spans max_steps).
-        #[arg(long, value_name = "N")]
-        stop_at_step: Option<usize>,
+        #[command(flatten)]
+        run: RunFlags,
+        /// The config and options `lockstep run` resolved for its workers (internal).
+        #[arg(long, value_name = "FILE.json", hide = true)]
+        worker_spec: Option<PathBuf>,
     },
     /// Launch one `train` worker per GPU (or N CPU workers) and supervise them: prefixed logs,
-    /// per-rank log files, teardown of all workers when one fails.
+    /// per-rank log files, teardown of all workers when one fails. Training flags may follow
+    /// `--`, as with torchrun: `lockstep run --nproc 2 -- --preset tiny`.
     Run {
         #[command(flatten)]
-        launch: LaunchArgs,
+        launch: launch::LaunchArgs,
         #[command(flatten)]
         config: ConfigArgs,
-        /// Passed to every worker: `auto` or a checkpoint directory.
-        #[arg(long, value_name = "auto|DIR")]
-        resume: Option<String>,
-        /// Passed to every worker.
-        #[arg(long, value_name = "N")]
-        stop_at_step: Option<usize>,
+        #[command(flatten)]
+        run: RunFlags,
+        /// Training flags after `--` (the same as before it).
+        #[arg(last = true, value_name = "TRAIN FLAGS")]
+        train_flags: Vec<String>,
     },
     /// Write a checkpoint as a Hugging Face directory (config.json, generation_config.json,
-    /// safetensors, sharded above --max-shard-mb; tokenizer files when data.tokenizer is a
-    /// tokenizer.json). The config flags locate the run, as for `train`.
+    /// safetensors, sharded above --max-shard-mb; tokenizer files). The config flags locate
+    /// the run, as for `train`.
     Export {
         #[command(flatten)]
         export: commands::export::ExportArgs,
@@ -63,6 +63,15 @@ pub enum Command {
     Eval(commands::eval::EvalArgs),
     /// Continue a prompt with a model directory: KV-cached, greedy or temperature + top-p.
     Generate(commands::generate::GenerateArgs),
+    /// What a config needs per rank before it runs: memory by buffer for each zero stage and
+    /// activation checkpointing mode, FLOPs, step time, communication, scaling; whether it
+    /// fits and the cheapest change that does. Takes `train`'s config flags.
+    Plan {
+        #[command(flatten)]
+        plan: commands::plan::PlanArgs,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
     /// Print the resolved config, the table of keys, or the docs/CONFIG.md markdown.
     Config {
         #[command(flatten)]
@@ -76,7 +85,8 @@ pub enum Command {
     },
 }
 
-#[derive(Args, Debug, Clone, Default)]
+/// The flags that shape the config (resolution order: preset < file < --set < named flags).
+#[derive(Args, Debug, Clone, Default, PartialEq)]
 pub struct ConfigArgs {
     /// Preset to start from: production (default), debug, tiny.
     #[arg(long, value_name = "NAME")]
@@ -95,57 +105,38 @@ pub struct ConfigArgs {
     pub max_steps: Option<usize>,
 }
 
-#[derive(Args, Debug, Clone)]
-pub struct LaunchArgs {
-    /// Workers on this node: the first N visible GPUs, or N CPU workers when there is no GPU.
+/// Per-invocation choices of `train` and `run` that are not part of the config.
+#[derive(Args, Debug, Clone, Default, PartialEq)]
+pub struct RunFlags {
+    /// `auto` = the latest complete checkpoint (fresh start if none), or a checkpoint directory.
+    #[arg(long, value_name = "auto|DIR")]
+    pub resume: Option<Resume>,
+    /// Save a checkpoint and exit 0 after step N (the LR schedule still spans max_steps).
     #[arg(long, value_name = "N")]
-    pub nproc: Option<usize>,
-    /// CPU workers even when GPUs are present.
-    #[arg(long, conflicts_with = "gpus")]
-    pub cpu: bool,
-    /// GPU indices (`0,1,3`), or `auto-free` for the least-used --nproc GPUs (default 1).
-    #[arg(long, value_name = "LIST|auto-free")]
-    pub gpus: Option<String>,
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
-    #[arg(long, default_value_t = 0)]
-    pub node_rank: usize,
-    #[arg(long, default_value = "127.0.0.1")]
-    pub master_addr: String,
-    /// Rendezvous port; 0 picks a free one (single node only).
-    #[arg(long, default_value_t = 0)]
-    pub master_port: u16,
-    /// `all` shows every rank's lines; by default rank 0's lines and other ranks' warnings/errors.
-    #[arg(long, value_name = "rank0|all", default_value = "rank0")]
-    pub log_ranks: String,
-    /// Seconds between SIGTERM and SIGKILL when tearing workers down.
-    #[arg(long, default_value_t = 10)]
-    pub grace_s: u64,
+    pub stop_at_step: Option<usize>,
+}
+
+impl RunFlags {
+    fn options(&self) -> RunOptions {
+        RunOptions {
+            resume: self.resume.clone(),
+            stop_at_step: self.stop_at_step,
+        }
+    }
+}
+
+/// `lockstep run`'s training flags after `--`.
+#[derive(Parser, Debug)]
+#[command(no_binary_name = true)]
+struct TrainFlags {
+    #[command(flatten)]
+    config: ConfigArgs,
+    #[command(flatten)]
+    run: RunFlags,
 }
 
 impl ConfigArgs {
-    /// The same config flags, for a worker's command line.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut a = Vec::new();
-        if self.debug {
-            a.push("--debug".to_string());
-        }
-        if let Some(p) = &self.preset {
-            a.extend(["--preset".to_string(), p.clone()]);
-        }
-        if let Some(c) = &self.config {
-            a.extend(["--config".to_string(), c.display().to_string()]);
-        }
-        for s in &self.sets {
-            a.extend(["--set".to_string(), s.clone()]);
-        }
-        if let Some(n) = self.max_steps {
-            a.extend(["--max-steps".to_string(), n.to_string()]);
-        }
-        a
-    }
-
-    pub fn resolve(&self) -> Result<Resolved, config::ConfigError> {
+    pub fn resolve(&self) -> Result<Resolved, ConfigError> {
         config::resolve(&Sources {
             preset: if self.debug {
                 Some("debug".into())
@@ -156,6 +147,10 @@ impl ConfigArgs {
             sets: self.sets.clone(),
             max_steps: self.max_steps,
         })
+    }
+
+    fn is_empty(&self) -> bool {
+        *self == ConfigArgs::default()
     }
 }
 
@@ -168,24 +163,32 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Train {
             config,
-            resume,
-            stop_at_step,
+            run,
+            worker_spec: Some(spec),
         } => {
-            let resolved = config.resolve()?;
-            let opts = RunOptions {
-                resume,
-                stop_at_step,
-            };
-            train_rank(&resolved, &opts)?;
+            if !config.is_empty() || run != RunFlags::default() {
+                return Err(ConfigError(
+                    "--worker-spec carries the whole config and options; give no other flags"
+                        .into(),
+                )
+                .into());
+            }
+            let (resolved, opts) = WorkerSpec::read(&spec)?;
+            train::train_rank(&resolved, &opts)?;
+            Ok(())
+        }
+        Command::Train { config, run, .. } => {
+            train::train_rank(&config.resolve()?, &run.options())?;
             Ok(())
         }
         Command::Run {
             launch,
             config,
-            resume,
-            stop_at_step,
+            run,
+            train_flags,
         } => {
-            let code = run_launcher(&launch, &config, resume, stop_at_step)?;
+            let (config, run) = with_trailing(config, run, &train_flags)?;
+            let code = launch::run(&launch, &config.resolve()?, &run.options())?;
             std::process::exit(code);
         }
         Command::Export { export, config } => {
@@ -194,6 +197,7 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Eval(args) => commands::eval::run(&args),
         Command::Generate(args) => commands::generate::run(&args),
+        Command::Plan { plan, config } => commands::plan::run(&config.resolve()?, &plan),
         Command::Config {
             config,
             keys,
@@ -222,133 +226,114 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// `lockstep run`: resolve the config and prepare the data once here, then start the workers.
-fn run_launcher(
-    la: &LaunchArgs,
-    config: &ConfigArgs,
-    resume: Option<String>,
-    stop_at: Option<usize>,
-) -> Result<i32> {
-    let resolved = config.resolve()?;
-    let devices = choose_devices(la)?;
-    let run_id = format!(
-        "{}-{}",
-        train::setup::run_dir(&resolved)
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("run"),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-    );
-    let plan = launch::preflight(&launch::LaunchPlan {
-        devices,
-        nnodes: la.nnodes,
-        node_rank: la.node_rank,
-        master_addr: la.master_addr.clone(),
-        master_port: la.master_port,
-        log_dir: PathBuf::from("logs").join(run_id),
-        grace: std::time::Duration::from_secs(la.grace_s),
-        log_all_ranks: la.log_ranks == "all",
+/// `lockstep run [launcher flags] -- [training flags]`: the flags after `--` join those before
+/// it; a flag given on both sides with different values is an error rather than a silent pick.
+fn with_trailing(
+    mut config: ConfigArgs,
+    mut run: RunFlags,
+    trailing: &[String],
+) -> Result<(ConfigArgs, RunFlags), ConfigError> {
+    if trailing.is_empty() {
+        return Ok((config, run));
+    }
+    let after = TrainFlags::try_parse_from(trailing).map_err(|e| {
+        let first = e.to_string();
+        let first = first.lines().next().unwrap_or_default().trim_start_matches("error: ");
+        ConfigError(format!(
+            "lockstep run -- {}: {first}; after `--` come `lockstep train`'s flags (--preset, --config, --set, --max-steps, --resume, --stop-at-step)",
+            trailing.join(" ")
+        ))
     })?;
-    if matches!(plan.devices, launch::Devices::Cpu(_))
-        && resolved.config.system.dist_backend == "nccl"
-    {
-        return Err(config::ConfigError(
-            "system.dist_backend = nccl needs GPU workers, but lockstep run starts CPU workers \
-             (--cpu, or no GPU found); use system.dist_backend=auto or ring, or pick GPUs with --gpus"
-                .to_owned(),
-        )
-        .into());
-    }
-    // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    train::setup::prepare_data(&resolved.config, "[launcher]")?;
-    // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
-    if let Some(model) = &resolved.config.model.model_path {
-        crate::data::hub::resolve_model(model)?;
-    }
-    if let launch::Devices::Cpu(n) = plan.devices {
-        // N CPU workers share the cores; libtorch would otherwise give each all of them.
-        if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
+    fn merge<T: PartialEq + std::fmt::Debug>(
+        flag: &str,
+        before: &mut Option<T>,
+        after: Option<T>,
+    ) -> Result<(), ConfigError> {
+        match (before.as_ref(), after) {
+            (Some(b), Some(a)) if *b != a => Err(ConfigError(format!(
+                "{flag} is given before and after `--` with different values ({b:?} and {a:?}); give it once"
+            ))),
+            (_, Some(a)) => {
+                *before = Some(a);
+                Ok(())
+            }
+            (_, None) => Ok(()),
         }
     }
-    let mut args = vec!["train".to_string()];
-    args.extend(config.to_args());
-    if let Some(r) = resume {
-        args.extend(["--resume".to_string(), r]);
+    let a = after.config;
+    if config.debug && a.preset.is_some() || a.debug && config.preset.is_some() {
+        return Err(ConfigError(
+            "--debug and --preset are both given (one before `--`, one after); give one".into(),
+        ));
     }
-    if let Some(s) = stop_at {
-        args.extend(["--stop-at-step".to_string(), s.to_string()]);
-    }
-    let exe = std::env::current_exe()?;
-    eprintln!(
-        "[launcher] {} workers, rendezvous on port {}, logs in {}",
-        plan.devices.local_world(),
-        plan.master_port,
-        plan.log_dir.display()
-    );
-    launch::launch(&plan, &exe, &args)
+    config.debug |= a.debug;
+    merge("--preset", &mut config.preset, a.preset)?;
+    merge("--config", &mut config.config, a.config)?;
+    merge("--max-steps", &mut config.max_steps, a.max_steps)?;
+    config.sets.extend(a.sets);
+    merge("--resume", &mut run.resume, after.run.resume)?;
+    merge(
+        "--stop-at-step",
+        &mut run.stop_at_step,
+        after.run.stop_at_step,
+    )?;
+    Ok((config, run))
 }
 
-fn choose_devices(la: &LaunchArgs) -> Result<launch::Devices> {
-    use launch::Devices;
-    if la.cpu {
-        return Ok(Devices::Cpu(la.nproc.unwrap_or(1)));
-    }
-    match la.gpus.as_deref() {
-        Some("auto-free") => {
-            let found = launch::detect_gpus();
-            anyhow::ensure!(
-                !found.is_empty(),
-                "--gpus auto-free: no GPU found through NVML; use --cpu"
-            );
-            Ok(Devices::Gpus(launch::pick_free_gpus(
-                &found,
-                la.nproc.unwrap_or(1),
-            )))
-        }
-        Some(list) => Ok(Devices::Gpus(launch::parse_gpu_list(list)?)),
-        None => {
-            let found = launch::detect_gpus();
-            if found.is_empty() {
-                Ok(Devices::Cpu(la.nproc.unwrap_or(1)))
-            } else {
-                let n = la.nproc.unwrap_or(found.len()).min(found.len());
-                Ok(Devices::Gpus(
-                    found.iter().take(n).map(|g| g.index).collect(),
-                ))
-            }
-        }
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// `lockstep train`: a single process, or one rank when torchrun/`lockstep run` variables are set.
-fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<()> {
-    let timeout = std::time::Duration::from_secs(resolved.config.system.collective_timeout_s);
-    match dist::DistEnv::from_env()? {
-        None => {
-            train::train(resolved, opts, Topology::SINGLE, &mut dist::SingleProcess)?;
-        }
-        Some(env) => {
-            let topo = Topology {
-                rank: env.rank,
-                world: env.world_size,
-                local_rank: env.local_rank,
-            };
-            let device = train::setup::resolve_device(&resolved.config, topo)?;
-            let backend = train::setup::dist_backend(&resolved.config, device)?;
-            let mut pg = dist::init(&env, timeout, backend)?;
-            if let (dist::Backend::Nccl { .. }, 0, 2..) = (backend, env.rank, env.world_size) {
-                println!(
-                    "{} Collectives: NCCL {} (c10d ProcessGroupNCCL) for gradients and parameters, TCP ring for scalars",
-                    crate::telemetry::rank_tag(true, 0),
-                    dist::nccl::version()?
-                );
-            }
-            train::train(resolved, opts, topo, pg.as_mut())?;
+    fn run_args(argv: &[&str]) -> (ConfigArgs, RunFlags, Vec<String>) {
+        let cli = Cli::try_parse_from(["lockstep", "run"].iter().chain(argv)).unwrap();
+        match cli.command {
+            Command::Run {
+                config,
+                run,
+                train_flags,
+                ..
+            } => (config, run, train_flags),
+            other => panic!("{other:?}"),
         }
     }
-    Ok(())
+
+    #[test]
+    fn training_flags_may_follow_a_double_dash() {
+        let (config, run, trailing) = run_args(&[
+            "--nproc",
+            "2",
+            "--set",
+            "training.batch_size=2",
+            "--",
+            "--preset",
+            "tiny",
+            "--set",
+            "training.max_steps=3",
+            "--resume",
+            "auto",
+        ]);
+        let (config, run) = with_trailing(config, run, &trailing).unwrap();
+        assert_eq!(config.preset.as_deref(), Some("tiny"));
+        assert_eq!(
+            config.sets,
+            ["training.batch_size=2", "training.max_steps=3"],
+            "--set from both sides, before first"
+        );
+        assert_eq!(run.resume, Some(Resume::Auto));
+        let resolved = config.resolve().unwrap();
+        assert_eq!(resolved.config.training.max_steps, 3);
+    }
+
+    #[test]
+    fn conflicting_or_unknown_flags_after_the_dash_are_named() {
+        let (config, run, trailing) = run_args(&["--preset", "debug", "--", "--preset", "tiny"]);
+        let e = with_trailing(config, run, &trailing).unwrap_err().0;
+        assert!(e.contains("--preset is given before and after `--`"), "{e}");
+        let (config, run, trailing) = run_args(&["--", "--nproc", "2"]);
+        let e = with_trailing(config, run, &trailing).unwrap_err().0;
+        assert!(
+            e.contains("lockstep run -- --nproc 2: unexpected argument"),
+            "{e}"
+        );
+    }
 }

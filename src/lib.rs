@@ -1,9 +1,10 @@
 //! lockstep: LLaMA pretraining on libtorch. See DESIGN.md in the shared docs for the data flow;
 //! each module owns one concern:
 //! `config` (keys, presets, resolution), `data` (tokenizers, token files, sampler, prepare),
-//! `model` (LLaMA, RoPE, HF loading), `train` (loop, AdamW, checkpoints, NaN guard),
+//! `model` (LLaMA, RoPE, HF loading, the layer-by-layer training pass), `plan` (memory, FLOP
+//! and communication estimates), `train` (loop, AdamW, checkpoints, NaN guard),
 //! `telemetry` (step line, metrics), `tensor_io` (safetensors ⇄ tch), `commands` (export to
-//! Hugging Face, eval, generate).
+//! Hugging Face, eval, generate), `sys` (the bottom layer: FFI helpers, CUDA and NVML loading).
 
 pub mod cli;
 pub mod commands;
@@ -12,6 +13,8 @@ pub mod data;
 pub mod dist;
 pub mod launch;
 pub mod model;
+pub mod plan;
+pub mod sys;
 pub mod telemetry;
 pub mod tensor_io;
 pub mod train;

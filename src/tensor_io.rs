@@ -2,11 +2,12 @@
 //! whose types do not mix with ours). Files are memory-mapped for reading; tensors are written
 //! from contiguous CPU copies.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
 pub fn kind_to_dtype(kind: Kind) -> Result<Dtype> {
@@ -50,6 +51,65 @@ pub fn tensor_bytes(t: &Tensor) -> Vec<u8> {
     buf
 }
 
+/// One tensor as `save` hands it to safetensors: a CPU tensor is written straight from its
+/// own memory, a GPU tensor is copied to the host when its turn comes, so a save holds at most
+/// one tensor's extra copy (the whole model and optimizer state copied at once would add 12
+/// bytes per parameter to the peak memory of the step that saves).
+struct TensorData {
+    /// Contiguous when on the CPU.
+    tensor: Tensor,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+impl TensorData {
+    fn new(t: &Tensor) -> Result<TensorData> {
+        let tensor = if t.device() == Device::Cpu {
+            t.detach().contiguous()
+        } else {
+            t.detach()
+        };
+        Ok(TensorData {
+            dtype: kind_to_dtype(t.kind())?,
+            shape: t.size().iter().map(|&d| d as usize).collect(),
+            len: t.numel() * t.kind().elt_size_in_bytes(),
+            tensor,
+        })
+    }
+}
+
+impl View for TensorData {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        if self.len == 0 {
+            return Cow::Borrowed(&[]);
+        }
+        if self.tensor.device() == Device::Cpu {
+            // SAFETY: a contiguous CPU tensor (made so in `new`) owns `len` bytes from its data
+            // pointer; `self` keeps it alive for the borrow and nothing writes to it meanwhile
+            // (saving runs on the thread that trains, between steps).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len)
+            };
+            Cow::Borrowed(bytes)
+        } else {
+            Cow::Owned(tensor_bytes(&self.tensor))
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.len
+    }
+}
+
 /// Writes `tensors` to `path` (not atomically: callers that need atomicity write into a
 /// temporary directory and rename it).
 pub fn save(
@@ -57,23 +117,9 @@ pub fn save(
     tensors: &[(String, Tensor)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+    let views: Vec<(String, TensorData)> = tensors
         .iter()
-        .map(|(name, t)| {
-            let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((
-                name.clone(),
-                kind_to_dtype(t.kind())?,
-                shape,
-                tensor_bytes(t),
-            ))
-        })
-        .collect::<Result<_>>()?;
-    let views: Vec<(String, TensorView)> = owned
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            Ok((name.clone(), TensorView::new(*dtype, shape.clone(), bytes)?))
-        })
+        .map(|(name, t)| Ok((name.clone(), TensorData::new(t)?)))
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, metadata, path)
         .map_err(|e| match e {
@@ -148,6 +194,17 @@ impl SafeFile {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The file's `__metadata__` strings (empty when it has none).
+    pub fn metadata(&self) -> Result<std::collections::HashMap<String, String>> {
+        let (_, meta) = SafeTensors::read_metadata(&self.mmap).with_context(|| {
+            format!(
+                "{}: not a valid safetensors file (truncated or corrupt?)",
+                self.path.display()
+            )
+        })?;
+        Ok(meta.metadata().clone().unwrap_or_default())
     }
 }
 

@@ -264,25 +264,149 @@ fn failed_resume_keeps_the_runs_config_json() {
 #[test]
 fn missing_data_path_exits_1_naming_the_path_and_the_key() {
     let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path().canonicalize().unwrap();
+    // `missing/dir` could also be a Hub dataset id (owner/name): both are named.
     let out = run(
-        tmp.path(),
+        &cwd,
         &cmd(
             "train",
             &small(Path::new("missing/dir")),
             &["--max-steps", "1"],
         ),
     );
+    let text = fails(
+        &out,
+        1,
+        &[
+            &format!(
+                "data.path = \"missing/dir\": no such file or directory: {}",
+                cwd.join("missing/dir").display()
+            ),
+            &format!(
+                "a relative data.path is taken from the working directory, {}",
+                cwd.display()
+            ),
+            "builtin:shakespeare",
+            "If \"missing/dir\" is meant as a Hugging Face dataset: it is not in the local cache",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(!cwd.join("runs/tiny/checkpoints").exists());
+    assert!(!cwd.join("runs/tiny/metrics.jsonl").exists());
+    assert!(tmp_leftovers(&cwd).is_empty());
+
+    // Under an existing local directory it can only be a local path: no Hub text.
+    fs::create_dir(cwd.join("data")).unwrap();
+    let out = run(
+        &cwd,
+        &cmd("prepare", &small(Path::new("data/shakespeare")), &[]),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[&format!(
+            "data.path = \"data/shakespeare\": no such file or directory: {}",
+            cwd.join("data/shakespeare").display()
+        )],
+    );
+    assert!(!text.contains("Hugging Face"), "{text}");
+}
+
+/// 100 KB of random bytes named `.bin` reads as a nanoGPT token file whose ids reach past the
+/// vocabulary: refused before training (libtorch would abort in the embedding lookup), and
+/// `eval` refuses it the same way.
+#[test]
+fn token_file_with_ids_past_the_vocabulary_is_refused_before_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    // A fixed pseudo-random stream (xorshift), so the largest id is known.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..100_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        })
+        .collect();
+    let max = bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .max()
+        .unwrap();
+    assert!(max >= 50_257);
+    fs::write(tmp.path().join("x.bin"), &bytes).unwrap();
+
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &["--set", "data.path=x.bin", "--max-steps", "1"],
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            &format!("x.bin: holds token id {max}, but the model's vocabulary has 50257 ids"),
+            "Set data.tokenizer to the tokenizer that wrote the file, or point data.path at the \
+             text",
+            &format!("set model.vocab_size to at least {}", max as u32 + 1),
+        ],
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("Step ["),
+        "{text}"
+    );
+    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
+    assert_eq!(fs::read(tmp.path().join("x.bin")).unwrap(), bytes);
+
+    // A model vocabulary that covers the ids accepts the file (the check is against the
+    // embedding rows, not the tokenizer).
+    let wide = format!("model.vocab_size={}", max as u32 + 1);
+    ok(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &[
+                "--set",
+                "data.path=x.bin",
+                "--set",
+                &wide,
+                "--set",
+                "training.context_length=16",
+                "--set",
+                "logging.run_name=wide",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+
+    // eval takes token files too.
+    ok(tmp.path(), &cmd("train", &base, &["--max-steps", "1"]));
+    let model = tmp.path().join("runs/tiny/checkpoints/step_1");
+    let out = run(
+        tmp.path(),
+        &[
+            "eval".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--data".into(),
+            "x.bin".into(),
+        ],
+    );
     fails(
         &out,
         1,
         &[
-            "missing/dir: cannot read the dataset (No such file or directory",
-            "check `data.path` in the config",
+            &format!("--data x.bin: holds token id {max}, but the model's vocabulary has 50257"),
+            "Evaluate the text instead",
         ],
     );
-    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
-    assert!(!tmp.path().join("runs/tiny/metrics.jsonl").exists());
-    assert!(tmp_leftovers(tmp.path()).is_empty());
 }
 
 #[test]
@@ -372,10 +496,134 @@ fn nccl_for_cpu_workers_exits_2_before_any_worker_starts() {
         &out,
         2,
         &[
-            "system.dist_backend = nccl needs GPU workers",
+            "system.dist_backend = nccl needs CUDA ranks, but lockstep run starts CPU workers",
             "use system.dist_backend=auto or ring",
         ],
     );
     assert!(!tmp.path().join("logs").exists());
     assert!(!tmp.path().join("runs").exists());
+}
+
+#[test]
+fn gpus_on_a_machine_without_a_gpu_are_refused_before_any_worker_starts() {
+    if !lockstep::launch::detect_gpus().is_empty() {
+        eprintln!("SKIPPED: this machine has a GPU");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("run", &small(&corpus), &["--gpus", "0", "--max-steps", "1"]),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "--gpus 0: no NVIDIA GPU found on this machine",
+            "run CPU workers with --cpu --nproc N",
+        ],
+    );
+    assert!(!text.contains("[GPU0]"), "no line may claim a GPU:\n{text}");
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    // Asking for CUDA on CPU workers is a config error, also before anything starts.
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &["--cpu", "--set", "system.device=cuda", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &["system.device = cuda, but lockstep run starts CPU workers"],
+    );
+    assert!(!tmp.path().join("runs").exists());
+}
+
+/// `data.document_masking` on a nanoGPT `.bin` (no document offsets): refused before training,
+/// naming the file and both ways out.
+#[test]
+fn document_masking_on_a_token_file_without_offsets_exits_1_naming_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let ids: Vec<u8> = (0..20_000u32)
+        .flat_map(|i| ((i * 7919 % 50_000) as u16).to_le_bytes())
+        .collect();
+    fs::write(tmp.path().join("x.bin"), &ids).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &small(&corpus),
+            &[
+                "--set",
+                "data.path=x.bin",
+                "--set",
+                "data.document_masking=true",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "data.path is a nanoGPT .bin (raw u16) without document offsets, so data.document_masking / data.reset_position_ids cannot find its documents",
+            "point the source at the text so `lockstep prepare` writes a .tok with them, or set data.document_masking=false",
+        ],
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("Step ["),
+        "{text}"
+    );
+    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
+    assert!(!tmp.path().join("runs/tiny/metrics.jsonl").exists());
+    assert_eq!(fs::read(tmp.path().join("x.bin")).unwrap(), ids);
+}
+
+/// A `data.sources` entry that is wrong: a misspelt field is a config error naming the entry
+/// and the nearest field; a path that does not exist names the entry and the path, after the
+/// sources before it were prepared (and stay cached).
+#[test]
+fn a_bad_data_sources_entry_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let mut base = small(&corpus);
+    base.truncate(base.len() - 2); // no data.path beside data.sources
+    let sources = |second: &str| {
+        format!(
+            r#"data.sources=[{{"path":"{}","weight":0.8}},{second}]"#,
+            corpus.display()
+        )
+    };
+    let typo = sources(r#"{"path":"web","wieght":0.2}"#);
+    let out = run(tmp.path(), &cmd("train", &base, &["--set", &typo]));
+    fails(
+        &out,
+        2,
+        &["data.sources[1] has an unknown field \"wieght\" (did you mean \"weight\"?); fields are path, weight, text_field, name"],
+    );
+    assert!(!tmp.path().join("runs").exists() && !tmp.path().join(".lockstep").exists());
+
+    let missing = sources(r#"{"path":"missing/web.jsonl","weight":0.2}"#);
+    let out = run(
+        tmp.path(),
+        &cmd("train", &base, &["--set", &missing, "--max-steps", "1"]),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "Data corpus (weight 0.8): prepared",
+            "data.sources[1] (web): data.path = \"missing/web.jsonl\": no such file or directory",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
+    assert!(tmp_leftovers(tmp.path()).is_empty());
 }

@@ -12,8 +12,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{lockstep, output_text, run, write_corpus};
-use lockstep::tensor_io::SafeFile;
-use lockstep::train::checkpoint::read_state;
+use lockstep::model::hf::Weights;
+use lockstep::train::checkpoint::{read_state, MomentFiles};
 
 /// The tests of this file run one at a time: the kill test's timing should not depend on
 /// what else the two cores are doing.
@@ -79,13 +79,6 @@ fn expected_params() -> BTreeSet<String> {
     names
 }
 
-fn expected_moments() -> BTreeSet<String> {
-    expected_params()
-        .iter()
-        .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
-        .collect()
-}
-
 /// `N` for a directory named exactly `step_N`.
 fn step_of(name: &str) -> Option<usize> {
     let digits = name.strip_prefix("step_")?;
@@ -103,17 +96,27 @@ fn defect(dir: &Path, n: usize) -> Option<String> {
     if state.step != n {
         return Some(format!("trainer.json says step {}", state.step));
     }
-    for (file, want) in [
-        ("model.safetensors", expected_params()),
-        ("optimizer.safetensors", expected_moments()),
-    ] {
-        let f = match SafeFile::open(&dir.join(file)) {
-            Ok(f) => f,
+    // Through lockstep's own readers, which take the replicated files and the sharded ones
+    // (owner-written model shards + index, one optimizer file per rank) alike.
+    let weights = match Weights::open(dir) {
+        Ok(w) => w,
+        Err(e) => return Some(format!("{e:#}")),
+    };
+    let names: BTreeSet<String> = weights.names().into_iter().collect();
+    if names != expected_params() {
+        return Some(format!("the weights hold {names:?}"));
+    }
+    let moments = match MomentFiles::open(dir) {
+        Ok(m) => m,
+        Err(e) => return Some(format!("{e:#}")),
+    };
+    for name in &names {
+        let numel = match weights.tensor(name) {
+            Ok(t) => t.numel(),
             Err(e) => return Some(format!("{e:#}")),
         };
-        let got: BTreeSet<String> = f.names().into_iter().collect();
-        if got != want {
-            return Some(format!("{file} holds {got:?}, expected {want:?}"));
+        if let Err(e) = moments.read(name, &(0..numel)) {
+            return Some(format!("{e:#}"));
         }
     }
     if !dir.join("config.json").is_file() {
@@ -261,7 +264,7 @@ fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
             resumes_checked += 1;
         }
         // A partial save left by the previous kill was reported and not used.
-        if had_partial && out.contains("Resolved config") {
+        if had_partial && out.contains("Data: ") {
             assert!(
                 out.contains("Ignoring incomplete checkpoint"),
                 "kill {kill}: a step_N.tmp was not reported:\n{out}"
@@ -342,6 +345,120 @@ fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
         s.partial
     );
     assert_eq!(s.complete, vec![latest + 1, latest + 2]);
+}
+
+const SHARDED_KILLS: usize = 24;
+
+/// The same for the sharded optimizer's save, where two ranks write their parts of one
+/// checkpoint: SIGKILL lands on the launcher (every worker dies with it) or on one worker (the
+/// launcher tears the other down), at seeded random moments and, every third time, the moment
+/// a save has begun. Whatever is left, every `step_N`
+/// is complete and loadable, and `--resume auto` continues from the latest.
+#[test]
+fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot_load() {
+    let _serial = serial();
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let ckpt = tmp.path().join("ckpts");
+    let mut base = tiny(&corpus, &ckpt);
+    base.extend(["--set".to_string(), "system.zero_stage=2".into()]);
+    common::ok(tmp.path(), &cmd("prepare", &base, &[]));
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "run".to_string(),
+            "--cpu".into(),
+            "--nproc".into(),
+            "2".into(),
+        ];
+        a.extend(base.iter().cloned());
+        a.extend(["--max-steps", "1000000", "--resume", "auto"].map(String::from));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let mut rng = Rng(SEED ^ 2);
+    let (mut corrupt, mut mid_save, mut worker_kills) = (0, 0, 0);
+    let mut latest: Option<usize> = None;
+    for kill in 0..SHARDED_KILLS {
+        let log_path = tmp.path().join("kill.log");
+        let log = fs::File::create(&log_path).unwrap();
+        let mut launcher = lockstep(tmp.path())
+            .args(run(&[]))
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("lockstep run starts");
+        // Training starts after the workers have met; kill somewhere in the next seconds.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !fs::read_to_string(&log_path).unwrap().contains("Step [") {
+            assert!(
+                Instant::now() < deadline && launcher.try_wait().unwrap().is_none(),
+                "kill {kill}: no step:\n{}",
+                fs::read_to_string(&log_path).unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if kill % 3 == 0 {
+            // Aim inside a save: kill as soon as a step_N.tmp shows up.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while scan(&ckpt).partial.is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(rng.range(0, 1500)));
+        }
+        let workers = common::workers_of(launcher.id());
+        if kill % 2 == 1 && !workers.is_empty() {
+            let (pid, _) = &workers[rng.range(0, workers.len() as u64 - 1) as usize];
+            // SAFETY: a plain kill(2) of a process this test's launcher started.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+            worker_kills += 1;
+        } else {
+            launcher.kill().unwrap();
+        }
+        launcher.wait().unwrap();
+        // Workers die with the launcher (parent-death signal); give them a moment.
+        let settle = Instant::now() + Duration::from_secs(20);
+        while !common::workers_of(launcher.id()).is_empty() && Instant::now() < settle {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let s = scan(&ckpt);
+        for (name, why) in &s.corrupt {
+            eprintln!("sharded kill {kill}: CORRUPT {name}: {why}");
+        }
+        corrupt += usize::from(!s.corrupt.is_empty());
+        mid_save += usize::from(!s.partial.is_empty());
+        assert!(s.other.is_empty(), "kill {kill}: {:?}", s.other);
+        latest = s.complete.last().copied().or(latest);
+    }
+    println!(
+        "sharded: {corrupt} corrupt out of {SHARDED_KILLS} kills ({worker_kills} of one worker, the \
+         rest of the launcher; {mid_save} left a step_N.tmp), {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(corrupt, 0, "corrupt sharded checkpoints after SIGKILL");
+    assert!(
+        mid_save >= SHARDED_KILLS / 6,
+        "too few kills landed inside a save ({mid_save})"
+    );
+    // A clean run continues from the latest complete checkpoint.
+    let latest = latest.expect("some checkpoint was saved");
+    let stop = (latest + 1).to_string();
+    let out = common::ok(tmp.path(), &run(&["--stop-at-step", &stop]));
+    assert!(
+        out.contains(&format!(
+            "Resumed from {} at step {latest} ",
+            ckpt.join(format!("step_{latest}")).display()
+        )),
+        "{out}"
+    );
+    assert!(scan(&ckpt).corrupt.is_empty());
+    // The check would see a rank's missing part: the same checkpoint without rank 2's file.
+    let done = ckpt.join(format!("step_{}", latest + 1));
+    fs::remove_file(done.join("optimizer-00002-of-00002.safetensors")).unwrap();
+    let why =
+        defect(&done, latest + 1).expect("a checkpoint without rank 2's moments is not complete");
+    assert!(why.contains("no moments for elements"), "{why}");
 }
 
 /// Mounts a tmpfs at `dir` for the guard's lifetime; `None` (and a note) where mounting is not

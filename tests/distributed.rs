@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus};
+use common::{lockstep, losses, ok, output_text, run, small, with, workers_of, write_corpus};
 use lockstep::tensor_io;
 
 fn weights(run_dir: &Path, step: usize) -> HashMap<String, tch::Tensor> {
@@ -87,15 +87,19 @@ fn two_ranks_match_one_rank_with_the_same_global_batch() {
                 "training.batch_size=4",
                 "--set",
                 "logging.run_name=two",
+                // Recomputed activations on the ranks: the same gradients bit for bit.
+                "--set",
+                "training.activation_checkpointing=full",
             ],
         ),
     );
     assert!(two.contains("[CPU0] Step [5/5]"), "{two}");
+    // Training flags after `--`, as torchrun users type them.
     ok(
         dir,
         &with(
             &base,
-            &["run", "--nproc", "2", "--cpu"],
+            &["run", "--nproc", "2", "--cpu", "--"],
             &[
                 "--max-steps",
                 "5",
@@ -207,32 +211,6 @@ fn two_rank_checkpoints_resume_on_two_ranks_and_on_one() {
 }
 
 /// Worker processes (children of `launcher`) and their RANK.
-fn workers_of(launcher: u32) -> Vec<(u32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        let ppid: u32 = after.split(' ').nth(1).unwrap().parse().unwrap();
-        if ppid != launcher {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let rank = env
-            .split(|b| *b == 0)
-            .filter_map(|kv| std::str::from_utf8(kv).ok())
-            .find_map(|kv| kv.strip_prefix("RANK="))
-            .unwrap_or("?")
-            .to_string();
-        found.push((pid, rank));
-    }
-    found
-}
-
 fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
 }

@@ -10,7 +10,7 @@ use std::path::Path;
 use lockstep::data::tokenizer::Tokenizer;
 use lockstep::data::tokfile::TokFileWriter;
 use lockstep::model::generate::{generate, generate_uncached, GenerateOptions};
-use lockstep::model::{hf, KvCache, Llama};
+use lockstep::model::{hf, AttentionBackend, KvCache, Llama};
 use lockstep::tensor_io::{self, SafeFile};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
@@ -40,7 +40,8 @@ fn strings(a: &[&str]) -> Vec<String> {
 }
 
 fn logits_of(dir: &Path, tokens: &Tensor) -> Tensor {
-    let (_vs, model) = hf::load_model(dir, Device::Cpu, Kind::Float, 64, "sdpa").unwrap();
+    let (_vs, model) =
+        hf::load_model(dir, Device::Cpu, Kind::Float, 64, AttentionBackend::Sdpa).unwrap();
     tch::no_grad(|| model.forward(tokens))
 }
 
@@ -65,8 +66,8 @@ fn export_loads_in_transformers_and_eval_matches() {
     );
 
     common::ok(dir, &common::with(&base, &["train"], &["--max-steps", "6"]));
-    // A second run with a tokenizer.json (a byte-level BPE trained on the corpus): its export
-    // carries the tokenizer.
+    // A second run with a tokenizer.json (a byte-level BPE trained on the corpus), named by its
+    // directory: its export carries the tokenizer.
     let tokenizer_json = dir.join("tokenizer.json");
     common::run_python(
         "tests/reference/hf_interop.py",
@@ -80,7 +81,7 @@ fn export_loads_in_transformers_and_eval_matches() {
         "--set".to_string(),
         "logging.run_name=bpe".to_string(),
         "--set".to_string(),
-        format!("data.tokenizer={}", tokenizer_json.display()),
+        format!("data.tokenizer={}", dir.display()),
     ];
     let bpe: Vec<String> = base.iter().cloned().chain(bpe_run).collect();
     common::ok(dir, &common::with(&bpe, &["train"], &["--max-steps", "2"]));
@@ -392,6 +393,112 @@ fn export_loads_in_transformers_and_eval_matches() {
     assert!(a["text"].is_string());
 }
 
+/// ASCII, punctuation, contractions, digit runs, tabs, whitespace runs, CRLF and blank lines,
+/// accents (precomposed and combining), CJK, Cyrillic, Greek, emoji with joiners and skin
+/// tones, Unicode spaces, and trailing whitespace after a newline.
+const VARIED: &str = "Hello, World! It's 3.14159 -- isn't it? YOU'LL see.\n\n\tTabs,   runs of \
+    spaces,\r\nCRLF; numbers 1234567890 and 42.\n\n\n  indented\nÜnïcödé café\u{301} naïve — \
+    日本語のテキスト、中文，한국어 Ελληνικά Кириллица.\nEmoji: 🦀🚀 👩\u{200d}👩\u{200d}👧 👍🏽\
+    \u{a0}nbsp\u{3000}wide  \n  ";
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// An export of a model trained with a built-in tiktoken encoding carries a tokenizer.json
+/// that transformers' AutoTokenizer loads: it encodes varied text to exactly lockstep's ids
+/// and decodes them back, maps `<|endoftext|>` to the EOS id, and names the same eos/bos as
+/// generation_config.json and config.json. lockstep's own tokenizer.json reader agrees too.
+#[test]
+fn export_of_tiktoken_model_loads_with_auto_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = common::write_corpus(dir);
+    // Narrow models: o200k's 200k-row embeddings stay small.
+    let narrow = [
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "model.intermediate_size=32",
+        "model.num_layers=1",
+    ];
+    let encodings = ["gpt2", "cl100k_base", "o200k_base"];
+    for name in encodings {
+        let mut args = common::small(&corpus);
+        for set in narrow.iter().map(|s| s.to_string()).chain([
+            format!("data.tokenizer={name}"),
+            format!("logging.run_name={name}"),
+        ]) {
+            args.extend(["--set".to_string(), set]);
+        }
+        common::ok(dir, &common::with(&args, &["train"], &["--max-steps", "1"]));
+        common::ok(dir, &common::with(&args, &["export"], &["--hf", name]));
+    }
+    let special = "a<|endoftext|>b";
+    let play = std::fs::read_to_string(corpus.join("doc0.txt")).unwrap();
+    std::fs::write(
+        dir.join("tokenizers.json"),
+        json!({"dirs": encodings.map(|n| dir.join(n)), "texts": [VARIED, special, play]})
+            .to_string(),
+    )
+    .unwrap();
+    common::run_python(
+        "tests/reference/hf_interop.py",
+        &["tokenizers", dir.to_str().unwrap()],
+    );
+    let result = read_json(&dir.join("tokenizers_result.json"));
+    for (i, name) in encodings.into_iter().enumerate() {
+        let out = dir.join(name);
+        let tok = Tokenizer::load(name).unwrap();
+        let eos = tok.eos_id();
+        let hf = &result[i];
+        let varied = tok.encode(VARIED);
+        assert_eq!(
+            hf["texts"][0]["ids"],
+            json!(varied),
+            "{name}: AutoTokenizer ids"
+        );
+        assert_eq!(
+            hf["texts"][0]["decoded"], VARIED,
+            "{name}: AutoTokenizer decode"
+        );
+        // transformers reads the special token's spelling as the token; lockstep's training
+        // text keeps it ordinary text.
+        let with_eos = [tok.encode("a"), vec![eos], tok.encode("b")].concat();
+        assert_eq!(hf["texts"][1]["ids"], json!(with_eos), "{name}");
+        assert_eq!(hf["texts"][1]["decoded"], special, "{name}");
+        assert_eq!(
+            hf["texts"][2]["ids"],
+            json!(tok.encode(&play)),
+            "{name}: 30 kB of a play"
+        );
+        assert_eq!(hf["eos"], json!(["<|endoftext|>", eos]), "{name}");
+        assert_eq!(hf["bos"], json!(["<|endoftext|>", eos]), "{name}");
+
+        let generation = read_json(&out.join("generation_config.json"));
+        let config = read_json(&out.join("config.json"));
+        for (file, v) in [("generation_config", &generation), ("config", &config)] {
+            assert_eq!(v["eos_token_id"], hf["eos"][1], "{name}: {file}.json eos");
+            assert_eq!(v["bos_token_id"], hf["bos"][1], "{name}: {file}.json bos");
+        }
+        let tc = read_json(&out.join("tokenizer_config.json"));
+        assert_eq!(tc["add_bos_token"], false, "{name}: lockstep adds no BOS");
+        let map = read_json(&out.join("special_tokens_map.json"));
+        assert_eq!(map["eos_token"], tc["eos_token"]);
+        assert_eq!(map["bos_token"], tc["bos_token"]);
+        // lockstep.json keeps the encoding's name, for lockstep's own eval/generate.
+        assert_eq!(read_json(&out.join("lockstep.json"))["tokenizer"], name);
+        // lockstep's reader of tokenizer.json files (tokenizers crate, special spellings kept
+        // ordinary) gives tiktoken's ids too.
+        let file = Tokenizer::load(out.join("tokenizer.json").to_str().unwrap()).unwrap();
+        assert_eq!(file.eos_id(), eos, "{name}");
+        for (k, text) in [VARIED, special, &play].into_iter().enumerate() {
+            assert_eq!(file.encode(text), tok.encode(text), "{name}: text {k}");
+        }
+    }
+}
+
 fn greedy(eos: Vec<i64>, max_new_tokens: usize) -> GenerateOptions {
     GenerateOptions {
         max_new_tokens,
@@ -484,7 +591,7 @@ fn generate_matches_transformers_and_cache_matches_recompute() {
 
     // Library level, both attention backends: cached greedy == recomputed greedy, and the cache's
     // logits equal full forward passes, whether the prompt goes in at once or in chunks.
-    for backend in ["sdpa", "math"] {
+    for backend in [AttentionBackend::Sdpa, AttentionBackend::Math] {
         let (_vs, model) =
             hf::load_model(&model_dir, Device::Cpu, Kind::Float, 128, backend).unwrap();
         for prompt in &prompts {
@@ -532,7 +639,7 @@ fn generate_matches_transformers_and_cache_matches_recompute() {
 
 /// Logits of forward_with_cache, fed `tokens` in chunks (a multi-token prefill, then several
 /// tokens on top of a cache, then single tokens), equal one forward pass over all of them.
-fn check_cache_logits(model: &Llama, prompt: &[i64], backend: &str) {
+fn check_cache_logits(model: &Llama, prompt: &[i64], backend: AttentionBackend) {
     let tokens = Tensor::from_slice(prompt).view([1, -1]);
     let full = tch::no_grad(|| model.forward(&tokens));
     let len = prompt.len() as i64;

@@ -1,5 +1,8 @@
 //! lockstep's LLaMA against transformers' LlamaForCausalLM on the same weights and batch: loss,
 //! every gradient norm, and parameters after 3 AdamW steps with clipping, within 1e-5 relative.
+//! The model runs as training runs it by default: the LM head + cross-entropy in chunks (here
+//! of 40 tokens, so the 3 × 32-token batch spans three, one of them partial), and the
+//! training steps with full activation checkpointing.
 
 mod common;
 
@@ -7,9 +10,12 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use lockstep::config::{self, Sources};
-use lockstep::model::{hf, Llama};
+use lockstep::dist::SingleProcess;
+use lockstep::model::{hf, ActivationCheckpointing, ActivationMemory, AttentionBackend, Llama};
 use lockstep::tensor_io::{self, SafeFile};
-use lockstep::train::optim::{clip_grad_norm, AdamW, AdamWParams};
+use lockstep::train::guard::Guard;
+use lockstep::train::optim::{AdamWParams, Optimizer};
+use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -17,10 +23,10 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-12)
 }
 
-fn load_model(dir: &Path, backend: &str) -> (VarStore, Llama) {
+fn load_model(dir: &Path, backend: AttentionBackend) -> (VarStore, Llama) {
     let mut m = config::resolve(&Sources::default()).unwrap().config.model;
     m.num_layers = 2;
-    m.attention_backend = backend.into();
+    m.attention_backend = backend;
     let shape = hf::shape_from_dir(&dir.join("model"), &m).unwrap();
     assert_eq!(
         (shape.num_heads, shape.num_kv_heads),
@@ -28,7 +34,11 @@ fn load_model(dir: &Path, backend: &str) -> (VarStore, Llama) {
         "the reference uses GQA"
     );
     let vs = VarStore::new(Device::Cpu);
-    let model = Llama::new(&vs.root(), &shape, 64, Kind::Float);
+    let mut model = Llama::new(&vs.root(), &shape, 64, Kind::Float);
+    model.set_activation_memory(ActivationMemory {
+        checkpointing: ActivationCheckpointing::Full,
+        loss_chunk_tokens: 40,
+    });
     hf::load_weights(&dir.join("model"), &vs).unwrap();
     (vs, model)
 }
@@ -59,7 +69,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
             .unwrap();
     let (x, y) = batch(dir);
 
-    let (vs, model) = load_model(dir, "sdpa");
+    let (vs, model) = load_model(dir, AttentionBackend::Sdpa);
     let loss = model.loss(&x, &y);
     let want = reference["loss"].as_f64().unwrap();
     assert!(
@@ -105,7 +115,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
     }
 
     // The math backend is the same function.
-    let (_, math) = load_model(dir, "math");
+    let (_, math) = load_model(dir, AttentionBackend::Math);
     assert!(rel(math.loss(&x, &y).double_value(&[]), want) < 1e-5);
 
     let before: HashMap<String, Tensor> = params
@@ -118,26 +128,45 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let mut opt = AdamW::new(
-        params
-            .iter()
-            .map(|(n, p)| (n.clone(), p.shallow_clone()))
-            .collect(),
-        hp,
-    );
+    let mut opt = Optimizer::new(&params, hp, 0, &SingleProcess, 25.0, Kind::Float);
     opt.zero_grad();
+    // The trainer's own step: forward/backward, norm, guard, clip(1.0), fused AdamW.
+    let mut guard = Guard::new(
+        &config::resolve(&Sources::default())
+            .unwrap()
+            .config
+            .training,
+    );
+    let step_cfg = StepConfig {
+        grad_accum: 1,
+        max_grad_norm: 1.0,
+        bucket_mb: 25.0,
+        overlap: false,
+    };
+    let plan = StepPlan {
+        lr: 1e-3,
+        ..Default::default()
+    };
     for step in 0..3 {
-        let l = model.loss(&x, &y);
-        l.backward();
-        let norm = clip_grad_norm(&opt.gradients(), 1.0).double_value(&[]);
-        opt.step(1e-3).unwrap();
-        opt.zero_grad();
+        let batch = std::iter::once(Batch::new(x.shallow_clone(), y.shallow_clone()));
+        let out = train_step(
+            &model,
+            &mut opt,
+            &mut SingleProcess,
+            &mut guard,
+            &step_cfg,
+            &plan,
+            batch,
+        )
+        .unwrap();
+        assert!(out.event.is_none(), "the guard lets a finite step through");
         let want_l = reference["step_losses"][step].as_f64().unwrap();
         let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
-        assert!(rel(l.double_value(&[]), want_l) < 1e-5, "step {step} loss");
+        assert!(rel(out.loss, want_l) < 1e-5, "step {step} loss");
         assert!(
-            rel(norm, want_n) < 1e-5,
-            "step {step} grad norm {norm} vs {want_n}"
+            rel(out.grad_norm, want_n) < 1e-5,
+            "step {step} grad norm {} vs {want_n}",
+            out.grad_norm
         );
     }
     let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors"))

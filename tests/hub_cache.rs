@@ -364,9 +364,10 @@ fn models_tokenizers_and_datasets_resolve_from_the_cache() {
         "{:#}",
         dataset_files(Path::new("nobody/nothing")).unwrap_err()
     );
+    // Missing everywhere: a missing local path first, then where the hub cache was searched.
     assert!(
-        err.starts_with("nobody/nothing: cannot read the dataset (No such file")
-            && err.contains("It is not a cached Hugging Face dataset either")
+        err.starts_with("data.path = \"nobody/nothing\": no such file or directory: ")
+            && err.contains("If \"nobody/nothing\" is meant as a Hugging Face dataset: it is not in the local cache either")
             && err.contains("hf download --repo-type dataset nobody/nothing")
             && err.contains(hub.to_str().unwrap()),
         "{err}"
@@ -379,9 +380,13 @@ fn models_tokenizers_and_datasets_resolve_from_the_cache() {
         err.contains("has no nope") && err.contains("[README.md, data]"),
         "{err}"
     );
-    // A missing local file keeps the ordinary error.
+    // A missing local file is only that: no Hub text for a name with a data-file extension.
     let err = format!("{:#}", dataset_files(Path::new("corpus.txt")).unwrap_err());
-    assert!(err.contains("cannot read the dataset"), "{err}");
+    assert!(
+        err.contains("data.path = \"corpus.txt\": no such file or directory")
+            && !err.contains("Hugging Face"),
+        "{err}"
+    );
 }
 
 /// `lockstep prepare` with a Hub dataset name and a Hub tokenizer id, offline.

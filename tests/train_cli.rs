@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{losses, ok, output_text, run, small, write_corpus};
+use common::{lockstep, losses, ok, output_text, run, small, write_corpus};
 
 fn args(base: &[String], extra: &[&str]) -> Vec<String> {
     base.iter()
@@ -34,6 +34,50 @@ fn prepare_caches_and_training_loss_falls() {
     );
     let step_line = regex_like_step_line(&out);
     assert!(step_line, "no step line in:\n{out}");
+    // A compact start: what runs where, not the resolved config, which is in the run directory.
+    assert!(
+        !out.contains("Resolved config") && !out.contains("\"training\": {"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[CPU0] Run: runs/tiny (preset tiny; full config in runs/tiny/config.json)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[CPU0] Batch: 4 × 64 tokens × 1 accumulation × 1 rank = 256 tokens per step"),
+        "{out}"
+    );
+    let saved_config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("runs/tiny/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved_config["training"]["context_length"], 64);
+    // It ends with the commands that use the final checkpoint, and they work as printed.
+    let next: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("[CPU0]   "))
+        .collect();
+    assert_eq!(next.len(), 3, "export, eval, generate:\n{out}");
+    assert!(
+        next[0].contains(" export --hf exports/tiny --checkpoint runs/tiny/checkpoints/step_40"),
+        "{out}"
+    );
+    for command in &next {
+        let words: Vec<String> = command
+            .split_whitespace()
+            .skip(1) // the binary
+            .map(|w| w.trim_matches('"'))
+            .map(|w| {
+                if w == "64" {
+                    "4".to_string()
+                } else {
+                    w.to_string()
+                }
+            }) // a short sample
+            .collect();
+        ok(tmp.path(), &words);
+    }
+    assert!(tmp.path().join("exports/tiny/model.safetensors").is_file());
     assert!(out.contains("Validation | Step [40/40]"), "{out}");
     let l = losses(&tmp.path().join("runs/tiny/metrics.jsonl"));
     let (first, last) = (l.first().unwrap().1, l.last().unwrap().1);
@@ -88,12 +132,34 @@ fn resume_is_bitwise_identical_to_an_uninterrupted_run() {
         ok(tmp.path(), &a)
     };
     train("straight", &["--max-steps", "20"]);
-    let first = train("resumed", &["--max-steps", "20", "--stop-at-step", "10"]);
+    // The interrupted run recomputes its activations (selective, then full after the resume):
+    // checkpointing changes no bit of the gradients, so nothing may differ.
+    let first = train(
+        "resumed",
+        &[
+            "--max-steps",
+            "20",
+            "--stop-at-step",
+            "10",
+            "--set",
+            "training.activation_checkpointing=selective",
+        ],
+    );
     assert!(
         first.contains("Checkpoint saved") && first.contains("step_10"),
         "{first}"
     );
-    let out = train("resumed", &["--max-steps", "20", "--resume", "auto"]);
+    let out = train(
+        "resumed",
+        &[
+            "--max-steps",
+            "20",
+            "--resume",
+            "auto",
+            "--set",
+            "training.activation_checkpointing=full",
+        ],
+    );
     assert!(
         out.contains("Resumed from") && out.contains("at step 10"),
         "{out}"
@@ -212,12 +278,7 @@ fn bf16_compute_tracks_fp32_and_keeps_fp32_master_weights() {
         }
         a.extend(["--max-steps".to_string(), "5".to_string()]);
         let out = ok(tmp.path(), &a);
-        let kind = if dtype == "bf16" {
-            "BFloat16 compute"
-        } else {
-            "Float compute"
-        };
-        assert!(out.contains(kind), "{out}");
+        assert!(out.contains(&format!("| {dtype} compute")), "{out}");
         losses(&tmp.path().join(format!("runs/{dtype}/metrics.jsonl")))
     };
     let (fp32, bf16) = (run_with("fp32"), run_with("bf16"));
@@ -303,4 +364,162 @@ fn tensorboard_events_hold_the_same_losses_as_metrics_jsonl() {
         .map(|(s, l)| format!("({s}, {})", (*l as f32) as f64))
         .collect();
     assert_eq!(lines.next().unwrap(), format!("[{}]", want.join(", ")));
+}
+
+#[test]
+fn a_second_training_in_the_same_run_directory_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let mut a = vec!["train".to_string()];
+    a.extend(small(&corpus));
+    a.extend(["--max-steps".to_string(), "100000".to_string()]);
+    let mut first = lockstep(tmp.path())
+        .args(&a)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let metrics = tmp.path().join("runs/tiny/metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while losses_or_empty(&metrics).len() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first run never logged a step"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let started = std::time::Instant::now();
+    let out = run(tmp.path(), &a);
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "runs/tiny is in use by another training process (pid {}",
+            first.id()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("--set logging.run_name=NAME"), "{text}");
+    assert!(
+        !text.contains("Data:"),
+        "refused before preparing anything:\n{text}"
+    );
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "refused at once, not after setup"
+    );
+
+    // The first run is undisturbed: SIGTERM makes it checkpoint and exit 0, and its records
+    // are its own, one line per step.
+    // SAFETY: signalling a child we spawned and have not reaped.
+    unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(first.wait().unwrap().success());
+    let steps: Vec<u64> = losses(&metrics).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
+    // With the holder gone, the directory can be used again.
+    let mut again = vec!["train".to_string()];
+    again.extend(small(&corpus));
+    again.extend(
+        [
+            "--max-steps",
+            "100000",
+            "--resume",
+            "auto",
+            "--stop-at-step",
+        ]
+        .map(String::from),
+    );
+    again.push((steps.len() + 1).to_string());
+    ok(tmp.path(), &again);
+}
+
+fn losses_or_empty(metrics: &std::path::Path) -> Vec<(u64, f64)> {
+    match std::fs::read_to_string(metrics) {
+        Ok(text) if text.ends_with('\n') => losses(metrics),
+        _ => Vec::new(),
+    }
+}
+
+/// The default corpus is compiled into the binary: `prepare` and `train` work from a directory
+/// that is not the repository, it is prepared once and cached, and it gives the same token files
+/// as the repository's data/shakespeare directory read as an ordinary local path.
+#[test]
+fn default_corpus_is_built_in_and_works_from_any_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    assert!(!cwd.join("data").exists());
+    let config = ok(cwd, &["config".into(), "--preset".into(), "tiny".into()]);
+    let v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(v["data"]["path"], "builtin:shakespeare");
+
+    let prep = |extra: &[&str]| {
+        let mut a: Vec<String> = ["prepare", "--preset", "tiny"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        ok(cwd, &a)
+    };
+    // data/README.md: 1,566,001 gpt2 tokens in 42 documents.
+    let first = prep(&[]);
+    assert!(
+        first.contains("Data: prepared .lockstep/cache/")
+            && first.contains("(1481490 train + 84511 val tokens"),
+        "{first}"
+    );
+    assert!(prep(&[]).contains("Data: cache hit"));
+    // The hit took the largest ids from meta.json (still valid after the entry's rename into
+    // place): nothing was scanned into max-ids/.
+    assert!(!cwd.join(".lockstep/cache/max-ids").exists());
+    let entries: Vec<_> = std::fs::read_dir(cwd.join(".lockstep/cache"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(entries[0].join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["inputs"]["dataset"], "builtin:shakespeare");
+    assert_eq!(meta["inputs"]["files"].as_array().unwrap().len(), 42);
+    assert_eq!(meta["train"]["max_token_id"], 50256);
+
+    // The same corpus as a local directory: another cache entry, the same bytes.
+    let dir = common::root().join("data/shakespeare");
+    let local = prep(&[
+        "--set",
+        &format!("data.path={}", dir.display()),
+        "--set",
+        "data.cache_dir=local-cache",
+    ]);
+    assert!(local.contains("Data: prepared local-cache/"), "{local}");
+    let local_entry = std::fs::read_dir(cwd.join("local-cache"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    for f in ["train.tok", "val.tok"] {
+        assert!(
+            std::fs::read(entries[0].join(f)).unwrap()
+                == std::fs::read(local_entry.join(f)).unwrap(),
+            "{f} differs between builtin:shakespeare and {}",
+            dir.display()
+        );
+    }
+
+    // train with the default data.path (a small model: seconds).
+    let mut base = small(std::path::Path::new("unused"));
+    base.truncate(base.len() - 2); // drop `--set data.path=unused`: keep the default
+    let out = ok(
+        cwd,
+        &args(&["train".into()], &[])
+            .into_iter()
+            .chain(base)
+            .chain(["--max-steps".into(), "2".into()])
+            .collect::<Vec<_>>(),
+    );
+    // (Its context length differs from the preset's, which is part of the cache key.)
+    assert!(out.contains("Data: prepared .lockstep/cache/"), "{out}");
+    assert!(cwd
+        .join("runs/tiny/checkpoints/step_2/trainer.json")
+        .is_file());
 }

@@ -16,7 +16,7 @@ use super::{find_tokenizer, model_dir, parse_compute, parse_device, TrainedWith}
 use crate::data::sources::{list_files, read_documents};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokfile::{is_token_file, TokenFile};
-use crate::model::{hf, Llama};
+use crate::model::{hf, AttentionBackend, Llama};
 
 #[derive(Args, Debug, Clone)]
 pub struct EvalArgs {
@@ -38,8 +38,8 @@ pub struct EvalArgs {
     /// (lockstep.json / trainer.json), else min(max_position_embeddings, 2048).
     #[arg(long, value_name = "T")]
     pub context_length: Option<usize>,
-    /// Tokenizer for text data; default: DIR/tokenizer.json, else the one the model was trained
-    /// with.
+    /// Tokenizer for text data; default: the built-in encoding the model was trained with, else
+    /// DIR/tokenizer.json, else the tokenizer file it was trained with.
     #[arg(long, value_name = "NAME|PATH")]
     pub tokenizer: Option<String>,
     /// Evaluate only the first N batches.
@@ -142,19 +142,32 @@ fn load_stream(args: &EvalArgs, tok: Option<&Tokenizer>) -> Result<Stream> {
     Ok(Stream::Memory(tokenize_text(data, tok, &args.text_field)?))
 }
 
-/// Mean cross-entropy over the first `max_windows` windows of T + 1 tokens (summed in f64) and
+/// How a stream is cut into evaluation windows.
+#[derive(Debug, Clone, Copy)]
+pub struct Windows {
+    /// T: each window holds T + 1 tokens and predicts T.
+    pub context: usize,
+    /// Windows per forward pass.
+    pub batch_size: usize,
+    /// Evaluate at most this many windows from the start.
+    pub max: u64,
+}
+
+/// Mean cross-entropy over the first `windows.max` windows of T + 1 tokens (summed in f64) and
 /// how many windows that was. `fill(start, len, out)` copies tokens of the stream.
-#[allow(clippy::too_many_arguments)]
 pub fn evaluate_windows(
     model: &Llama,
     stream_len: u64,
     fill: &dyn Fn(u64, usize, &mut [i64]),
-    ctx: usize,
-    batch_size: usize,
-    max_windows: u64,
+    windows_spec: Windows,
     device: Device,
     what: &Path,
 ) -> Result<(f64, u64)> {
+    let Windows {
+        context: ctx,
+        batch_size,
+        max: max_windows,
+    } = windows_spec;
     let w = ctx as u64 + 1;
     let windows = (stream_len / w).min(max_windows);
     let vocab = model.shape.vocab_size as i64;
@@ -199,8 +212,8 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
     let device = parse_device(&args.device)?;
     let compute = parse_compute(&args.dtype)?;
     let dir = model_dir(&args.model)?;
-    let shape =
-        hf::dir_shape(&dir, "sdpa").with_context(|| format!("--model {}", args.model.display()))?;
+    let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
+        .with_context(|| format!("--model {}", args.model.display()))?;
     let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
     if let Some(t) = &tok {
         ensure!(
@@ -214,6 +227,9 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         );
     }
     let stream = load_stream(args, tok.as_ref())?;
+    if let Stream::File(file) = &stream {
+        crate::data::check_file_ids_fit(&args.data, file, shape.vocab_size)?;
+    }
     let n = stream.len();
     let trained = TrainedWith::read(&dir)?;
     let mut ctx = args
@@ -240,21 +256,17 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         );
         ctx = short;
     }
-    let (_vs, model) = hf::load_model(&dir, device, compute, ctx, "sdpa")?;
+    let (_vs, model) = hf::load_model(&dir, device, compute, ctx, AttentionBackend::Sdpa)?;
     let max_windows = args
         .max_batches
         .map_or(u64::MAX, |b| (b * args.batch_size) as u64);
     let fill = |at: u64, len: usize, out: &mut [i64]| stream.window(at, len, out);
-    let (loss, windows) = evaluate_windows(
-        &model,
-        n,
-        &fill,
-        ctx,
-        args.batch_size,
-        max_windows,
-        device,
-        &args.data,
-    )?;
+    let spec = Windows {
+        context: ctx,
+        batch_size: args.batch_size,
+        max: max_windows,
+    };
+    let (loss, windows) = evaluate_windows(&model, n, &fill, spec, device, &args.data)?;
     Ok(EvalResult {
         loss,
         perplexity: loss.exp(),

@@ -6,7 +6,9 @@
 //!   config.json              LlamaForCausalLM config; torch_dtype = the exported dtype
 //!   generation_config.json   bos/eos ids of the tokenizer (where it has them)
 //!   model.safetensors        or model-0000i-of-0000N.safetensors + model.safetensors.index.json
-//!   tokenizer.json           when data.tokenizer is a tokenizer.json (+ tokenizer_config.json)
+//!   tokenizer.json           data.tokenizer's tokenizer.json, or for a built-in tiktoken
+//!                            encoding an equivalent one generated from its ranks
+//!   tokenizer_config.json    tokenizer class, bos/eos spellings (+ special_tokens_map.json)
 //!   lockstep.json            source checkpoint, step, tokenizer name, context length
 //! ```
 //!
@@ -23,7 +25,7 @@ use tch::Kind;
 use super::PROVENANCE_FILE;
 use crate::config::Resolved;
 use crate::data::tokenizer::Tokenizer;
-use crate::model::hf;
+use crate::model::{hf, AttentionBackend};
 use crate::train::{checkpoint, setup};
 
 #[derive(Args, Debug, Clone)]
@@ -148,18 +150,25 @@ struct Specials {
 
 fn specials(tok: &Tokenizer, spec: &str) -> Specials {
     let eos_text = tok.decode(&[tok.eos_id()]).unwrap_or_default();
+    if !Path::new(spec).is_file() {
+        // A tiktoken encoding has no BOS of its own. As in GPT-2's files, <|endoftext|> is
+        // both: lockstep's training stream puts it between documents, so it is what every
+        // document but the first followed. It is named, never added (add_bos_token: false).
+        return Specials {
+            eos: (tok.eos_id(), eos_text.clone()),
+            bos: Some((tok.eos_id(), eos_text)),
+        };
+    }
     let mut bos = None;
-    if Path::new(spec).is_file() {
-        if let Ok(inner) = tokenizers::Tokenizer::from_file(spec) {
-            bos = ["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"]
-                .iter()
-                .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string())));
-            if let Some(s) = inner.id_to_token(tok.eos_id()) {
-                return Specials {
-                    eos: (tok.eos_id(), s),
-                    bos,
-                };
-            }
+    if let Ok(inner) = tokenizers::Tokenizer::from_file(spec) {
+        bos = ["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"]
+            .iter()
+            .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string())));
+        if let Some(s) = inner.id_to_token(tok.eos_id()) {
+            return Specials {
+                eos: (tok.eos_id(), s),
+                bos,
+            };
         }
     }
     Specials {
@@ -193,7 +202,7 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     ensure!(args.max_shard_mb > 0, "--max-shard-mb must be at least 1");
     check_out(&out, args.force)?;
     let source = source_checkpoint(resolved, &args.checkpoint)?;
-    let shape = hf::dir_shape(&source, "sdpa")?;
+    let shape = hf::dir_shape(&source, AttentionBackend::Sdpa)?;
     let weights = hf::Weights::open(&source)?;
     weights.check(&shape, &source)?;
 
@@ -203,15 +212,21 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     let trained_cfg = trainer.as_ref().map(|t| &t["config"]);
     let step = trainer.as_ref().and_then(|t| t["step"].as_u64());
     // The tokenizer the checkpoint was trained with, else the one the flags resolve to.
-    let tok_spec = trained_cfg
+    let mut tok_spec = trained_cfg
         .and_then(|c| c["data"]["tokenizer"].as_str())
         .unwrap_or(&resolved.config.data.tokenizer)
         .to_string();
     let context_length = trained_cfg
         .and_then(|c| c["training"]["context_length"].as_u64())
         .unwrap_or(resolved.config.training.context_length as u64);
-    let tok = match Tokenizer::load(&tok_spec) {
-        Ok(t) => Some(t),
+    // A directory or Hub id stands for its tokenizer.json (in the Hub cache since training).
+    let loaded = crate::data::hub::resolve_tokenizer(&tok_spec)
+        .and_then(|file| Ok((Tokenizer::load(&file)?, file)));
+    let tok = match loaded {
+        Ok((t, file)) => {
+            tok_spec = file;
+            Some(t)
+        }
         Err(e) => {
             eprintln!(
                 "[export] warning: tokenizer `{tok_spec}` cannot be loaded ({e:#}); the export \
@@ -238,15 +253,18 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
             tmp.display()
         )
     })?;
+    let from = Provenance {
+        source: &source,
+        step,
+        context_length,
+    };
     let written = write_contents(
         &tmp,
-        &source,
         &shape,
         &weights,
         args,
         tok.as_ref().map(|t| (t, tok_spec.as_str())),
-        step,
-        context_length,
+        &from,
     );
     let (files, weight_bytes, shards) = match written {
         Ok(w) => w,
@@ -294,17 +312,26 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Where an export comes from, for lockstep.json.
+struct Provenance<'a> {
+    source: &'a Path,
+    step: Option<u64>,
+    context_length: u64,
+}
+
 fn write_contents(
     dir: &Path,
-    source: &Path,
     shape: &crate::model::LlamaShape,
     weights: &hf::Weights,
     args: &ExportArgs,
     tok: Option<(&Tokenizer, &str)>,
-    step: Option<u64>,
-    context_length: u64,
+    from: &Provenance,
 ) -> Result<(Vec<String>, u64, usize)> {
+    let Provenance {
+        source,
+        step,
+        context_length,
+    } = *from;
     let (kind, dtype_name) = dtype(&args.dtype);
     let tensors = hf::expected_tensors(shape);
     let written = hf::write_weights(dir, &tensors, kind, args.max_shard_mb * 1_000_000, |name| {
@@ -340,26 +367,12 @@ fn write_contents(
     )?;
     files.push("generation_config.json".into());
 
+    // lockstep.json keeps a built-in encoding's name, so that lockstep's own eval and generate
+    // use tiktoken itself (and match .tok files by its hash); a tokenizer.json is named as such.
     let mut tokenizer_entry = tok.map(|(_, spec)| spec.to_string());
-    if let (Some((_, spec)), Some(sp)) = (tok, &specials) {
+    if let (Some((t, spec)), Some(sp)) = (tok, &specials) {
+        files.extend(write_tokenizer_files(dir, t, spec, sp, shape)?);
         if Path::new(spec).is_file() {
-            let dst = dir.join("tokenizer.json");
-            fs::copy(spec, &dst).with_context(|| {
-                format!("cannot copy the tokenizer {spec} to {}", dst.display())
-            })?;
-            fs::File::open(&dst)?.sync_all()?;
-            files.push("tokenizer.json".into());
-            let mut tc = json!({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": sp.eos.1,
-                "model_max_length": shape.max_position_embeddings,
-                "clean_up_tokenization_spaces": false,
-            });
-            if let Some((_, b)) = &sp.bos {
-                tc["bos_token"] = json!(b);
-            }
-            write_json(&dir.join("tokenizer_config.json"), &tc)?;
-            files.push("tokenizer_config.json".into());
             tokenizer_entry = Some("tokenizer.json".into());
         }
     }
@@ -377,6 +390,51 @@ fn write_contents(
     )?;
     files.push(PROVENANCE_FILE.into());
     Ok((files, written.total_size, shards))
+}
+
+/// tokenizer.json (a copy of the one trained with, or generated for a tiktoken encoding),
+/// tokenizer_config.json and special_tokens_map.json, so that `AutoTokenizer` loads the
+/// export. Returns the names written.
+fn write_tokenizer_files(
+    dir: &Path,
+    tok: &Tokenizer,
+    spec: &str,
+    sp: &Specials,
+    shape: &crate::model::LlamaShape,
+) -> Result<Vec<String>> {
+    let dst = dir.join("tokenizer.json");
+    let json = tok
+        .hf_tokenizer_json()
+        .with_context(|| format!("the tokenizer {spec} for {}", dst.display()))?;
+    fs::write(&dst, json).with_context(|| format!("{}: cannot write", dst.display()))?;
+    fs::File::open(&dst)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", dst.display()))?;
+
+    let mut config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": sp.eos.1,
+        "model_max_length": shape.max_position_embeddings,
+        "clean_up_tokenization_spaces": false,
+    });
+    let mut special_map = json!({"eos_token": sp.eos.1});
+    if let Some((_, b)) = &sp.bos {
+        config["bos_token"] = json!(b);
+        special_map["bos_token"] = json!(b);
+    }
+    if !Path::new(spec).is_file() {
+        // Encoding a prompt adds neither, as lockstep's own encoding does not. Said explicitly
+        // for converters that would otherwise guess (llama.cpp's records these two flags).
+        config["add_bos_token"] = json!(false);
+        config["add_eos_token"] = json!(false);
+    }
+    write_json(&dir.join("tokenizer_config.json"), &config)?;
+    write_json(&dir.join("special_tokens_map.json"), &special_map)?;
+    Ok(vec![
+        "tokenizer.json".into(),
+        "tokenizer_config.json".into(),
+        "special_tokens_map.json".into(),
+    ])
 }
 
 /// `lockstep export`: export and say what was written.

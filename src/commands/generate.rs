@@ -12,7 +12,7 @@ use serde_json::json;
 use super::{find_tokenizer, model_dir, parse_compute, parse_device};
 use crate::data::tokenizer::Tokenizer;
 use crate::model::generate::{generate, generate_uncached, GenerateOptions};
-use crate::model::hf;
+use crate::model::{hf, AttentionBackend};
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
@@ -41,7 +41,8 @@ pub struct GenerateArgs {
     pub top_p: f64,
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Tokenizer; default: DIR/tokenizer.json, else the one the model was trained with.
+    /// Tokenizer; default: the built-in encoding the model was trained with, else
+    /// DIR/tokenizer.json, else the tokenizer file it was trained with.
     #[arg(long, value_name = "NAME|PATH")]
     pub tokenizer: Option<String>,
     /// Keep going past end-of-sequence tokens.
@@ -65,8 +66,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let compute = parse_compute(&args.dtype)?;
     let dir = model_dir(&args.model)?;
-    let shape =
-        hf::dir_shape(&dir, "sdpa").with_context(|| format!("--model {}", args.model.display()))?;
+    let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
+        .with_context(|| format!("--model {}", args.model.display()))?;
     let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
     let prompt: Vec<i64> = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -117,7 +118,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         eos,
     };
     opts.validate()?;
-    let (_vs, model) = hf::load_model(&dir, device, compute, total, "sdpa")?;
+    let (_vs, model) = hf::load_model(&dir, device, compute, total, AttentionBackend::Sdpa)?;
     let out = if args.no_kv_cache {
         generate_uncached(&model, &prompt, &opts, device)?
     } else {

@@ -1,11 +1,12 @@
 //! The Hugging Face interop and inference commands: `export` (checkpoint → transformers
 //! directory), `eval` (loss and perplexity of a model directory on a file) and `generate`
-//! (KV-cached sampling). Shared here: what a model directory says about how it was trained,
+//! (KV-cached sampling); `plan` (what a config needs per rank, before it runs). Shared here: what a model directory says about how it was trained,
 //! and the device/dtype flags.
 
 pub mod eval;
 pub mod export;
 pub mod generate;
+pub mod plan;
 
 use std::path::{Path, PathBuf};
 
@@ -13,8 +14,8 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use tch::{Device, Kind};
 
-use crate::data::tokenizer::Tokenizer;
-use crate::train::setup::{cuda_available, load_cuda_backend};
+use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
+use crate::sys::cuda::{cuda_available, load_cuda_backend};
 
 /// Written by `export` next to the weights: where they came from and what a later `eval` or
 /// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
@@ -75,8 +76,13 @@ pub fn model_dir(model: &Path) -> Result<PathBuf> {
     }
 }
 
-/// The tokenizer for a model directory: `--tokenizer`, else the directory's `tokenizer.json`,
-/// else the one its `lockstep.json`/`trainer.json` names. None when nothing names one.
+/// The tokenizer for a model directory: `--tokenizer`, else the built-in encoding its
+/// `lockstep.json`/`trainer.json` names, else the directory's `tokenizer.json`, else the file
+/// its `lockstep.json`/`trainer.json` names. None when nothing names one.
+///
+/// An export of a built-in encoding holds a tokenizer.json generated from it (for
+/// transformers); tiktoken itself gives the same ids, faster, and its hash is the one that
+/// `.tok` files prepared for the model carry.
 pub fn find_tokenizer(dir: &Path, explicit: Option<&str>) -> Result<Option<Tokenizer>> {
     if let Some(spec) = explicit {
         let file = crate::data::hub::resolve_tokenizer_as("--tokenizer", spec)?;
@@ -84,11 +90,18 @@ pub fn find_tokenizer(dir: &Path, explicit: Option<&str>) -> Result<Option<Token
             .map(Some)
             .with_context(|| format!("--tokenizer {spec}"));
     }
+    let trained = TrainedWith::read(dir)?;
+    if let Some(name) = trained
+        .tokenizer
+        .as_deref()
+        .filter(|t| BUILTIN_NAMES.contains(t))
+    {
+        return Tokenizer::load(name).map(Some);
+    }
     let local = dir.join("tokenizer.json");
     if local.is_file() {
         return Tokenizer::load(&local.to_string_lossy()).map(Some);
     }
-    let trained = TrainedWith::read(dir)?;
     match (trained.tokenizer, trained.source) {
         (Some(spec), Some(src)) => Tokenizer::load(&spec).map(Some).with_context(|| {
             format!(

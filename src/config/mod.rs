@@ -2,6 +2,7 @@
 //! named flags. Every layer is checked against `schema::KEYS` before it is merged, so an error
 //! names the layer (file, preset or flag) the bad key came from.
 
+mod choices;
 pub mod presets;
 pub mod schema;
 mod types;
@@ -11,7 +12,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+pub use choices::*;
 pub use types::*;
+pub use validate::{check_backend_device, MIN_SOURCE_SHARE};
 
 /// A config problem the user must fix; `main` maps it to exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +41,12 @@ pub struct Resolved {
 }
 
 impl Resolved {
+    /// A config that was resolved elsewhere (the launcher's worker spec), checked again.
+    pub fn new(config: Config, preset: String) -> Result<Resolved, ConfigError> {
+        validate::check(&config)?;
+        Ok(Resolved { config, preset })
+    }
+
     pub fn to_json(&self) -> Value {
         serde_json::to_value(&self.config).expect("config serializes")
     }
@@ -162,14 +171,20 @@ fn suggestion_suffix(key: &str) -> String {
 }
 
 fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(), ConfigError> {
-    if spec.kind.accepts(value) {
-        return Ok(());
+    match spec.kind {
+        _ if spec.kind.accepts(value) => Ok(()),
+        // A list of records: name the entry and field at fault rather than print the whole list.
+        schema::Kind::Records(_) if value.is_array() => err(format!(
+            "{origin}: {}{}",
+            spec.key,
+            spec.kind.problem(value).unwrap_or_default()
+        )),
+        _ => err(format!(
+            "{origin}: {} = {value} is not allowed; expected {}",
+            spec.key,
+            spec.kind.describe()
+        )),
     }
-    err(format!(
-        "{origin}: {} = {value} is not allowed; expected {}",
-        spec.key,
-        spec.kind.describe()
-    ))
 }
 
 /// `--set section.key=value`: the value is JSON where it parses as such, else a plain string,

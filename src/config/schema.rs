@@ -4,6 +4,11 @@
 
 use serde_json::Value;
 
+use super::choices::{
+    ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase,
+};
+
 /// What a key accepts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Kind {
@@ -19,7 +24,42 @@ pub enum Kind {
     OptStr,
     /// A whole number >= 0, or null for "not set".
     OptUInt,
+    /// A list of objects with these fields (`data.sources`); each field's kind is a scalar one.
+    Records(&'static [Field]),
 }
+
+/// One field of a [`Kind::Records`] entry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Field {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// Every entry must have it (else it may be left out).
+    pub required: bool,
+}
+
+/// The fields of a `data.sources` entry (`types::SourceConfig`).
+pub const SOURCE_FIELDS: &[Field] = &[
+    Field {
+        name: "path",
+        kind: Kind::Str,
+        required: true,
+    },
+    Field {
+        name: "weight",
+        kind: Kind::Float,
+        required: true,
+    },
+    Field {
+        name: "text_field",
+        kind: Kind::Str,
+        required: false,
+    },
+    Field {
+        name: "name",
+        kind: Kind::Str,
+        required: false,
+    },
+];
 
 impl Kind {
     pub fn describe(self) -> String {
@@ -31,7 +71,63 @@ impl Kind {
             Kind::Choice(c) => format!("one of {}", c.join(" | ")),
             Kind::OptStr => "string or null".into(),
             Kind::OptUInt => "integer >= 0 or null".into(),
+            Kind::Records(fields) => {
+                let fields: Vec<String> = fields
+                    .iter()
+                    .map(|f| {
+                        let opt = if f.required { "" } else { "?" };
+                        format!("{}{opt}: {}", f.name, f.kind.describe())
+                    })
+                    .collect();
+                format!("list of {{{}}}", fields.join(", "))
+            }
         }
+    }
+
+    /// What is wrong with `v` for this kind, naming the entry and field of a list of records
+    /// (`[1].weight`, an unknown field with the nearest known one); None when `v` fits.
+    pub fn problem(self, v: &Value) -> Option<String> {
+        let Kind::Records(fields) = self else {
+            return (!self.accepts(v)).then(|| format!("expected {}", self.describe()));
+        };
+        let Some(entries) = v.as_array() else {
+            return Some(format!("expected {}", self.describe()));
+        };
+        for (i, entry) in entries.iter().enumerate() {
+            let Some(obj) = entry.as_object() else {
+                return Some(format!("[{i}] = {entry} must be an object {{...}}"));
+            };
+            for (name, value) in obj {
+                let Some(field) = fields.iter().find(|f| f.name == name) else {
+                    let names: Vec<&str> = fields.iter().map(|f| f.name).collect();
+                    let near = names
+                        .iter()
+                        .min_by_key(|n| strsim::levenshtein(n, name))
+                        .filter(|n| strsim::levenshtein(n, name) <= 3)
+                        .map_or_else(String::new, |n| format!(" (did you mean \"{n}\"?)"));
+                    return Some(format!(
+                        "[{i}] has an unknown field \"{name}\"{near}; fields are {}",
+                        names.join(", ")
+                    ));
+                };
+                if !field.kind.accepts(value) {
+                    return Some(format!(
+                        "[{i}].{name} = {value} is not allowed; expected {}",
+                        field.kind.describe()
+                    ));
+                }
+            }
+            if let Some(missing) = fields
+                .iter()
+                .find(|f| f.required && !obj.contains_key(f.name))
+            {
+                return Some(format!(
+                    "[{i}] has no \"{}\"; every entry needs it",
+                    missing.name
+                ));
+            }
+        }
+        None
     }
 
     /// Whether `v` has this kind. Integral floats count as integers (JSON writers emit `8.0`).
@@ -49,6 +145,7 @@ impl Kind {
             Kind::Choice(c) => v.as_str().is_some_and(|s| c.contains(&s)),
             Kind::OptStr => v.is_null() || v.is_string(),
             Kind::OptUInt => v.is_null() || uint(v),
+            Kind::Records(_) => self.problem(v).is_none(),
         }
     }
 }
@@ -100,13 +197,16 @@ keys! {
     "model.rope_theta", Kind::Float, "500000.0", "RoPE base frequency.";
     "model.rms_norm_eps", Kind::Float, "1e-5", "RMSNorm epsilon.";
     "model.tie_word_embeddings", Kind::Bool, "false", "Share the token embedding with the LM head.";
-    "model.attention_backend", Kind::Choice(&["sdpa", "flash_attention_2", "math", "eager"]), "\"sdpa\"", "sdpa (alias flash_attention_2) = libtorch scaled_dot_product_attention, which picks flash/memory-efficient kernels; math (alias eager) = explicit softmax(QK^T/sqrt(d))V, for debugging.";
+    "model.attention_backend", Kind::Choice(AttentionBackend::NAMES), "\"sdpa\"", "sdpa (alias flash_attention_2) = libtorch scaled_dot_product_attention, which picks flash/memory-efficient kernels; math (alias eager) = explicit softmax(QK^T/sqrt(d))V, for debugging.";
     "model.init_std", Kind::Float, "0.02", "Standard deviation of the normal init of linear and embedding weights (RMSNorm weights start at 1).";
-    "data.path", Kind::Str, "\"data/shakespeare\"", "Corpus: a .txt/.jsonl/.parquet file, a directory of them, a glob pattern, a Hugging Face dataset in the local hub cache (owner/name[/config]), or a prepared .tok / nanoGPT .bin / llm.c shard. Relative to the working directory.";
+    "data.path", Kind::Str, "\"builtin:shakespeare\"", "Corpus: builtin:shakespeare (Shakespeare's works, 5 MB, compiled into lockstep: works from any directory), a .txt/.jsonl/.parquet file, a directory of them, a glob pattern, a Hugging Face dataset in the local hub cache (owner/name[/config]; used when no such local path exists), or a prepared .tok / nanoGPT .bin / llm.c shard. Relative to the working directory.";
     "data.tokenizer", Kind::Str, "\"gpt2\"", "gpt2 (= r50k_base), p50k_base, cl100k_base, o200k_base (embedded, offline), a path to a tokenizer.json, or a Hugging Face id owner/name[@revision] (its tokenizer.json from the local hub cache, downloaded into it when missing unless HF_HUB_OFFLINE=1).";
     "data.text_field", Kind::Str, "\"text\"", "Field (.jsonl) or string column (.parquet) holding the document text.";
-    "data.val_fraction", Kind::Float, "0.05", "Fraction of the token stream held out for validation (0 = none).";
-    "data.num_samples", Kind::OptUInt, "null", "Use only the first N documents of the corpus; null = all.";
+    "data.val_fraction", Kind::Float, "0.05", "Fraction of the token stream held out for validation (0 = none); each source of data.sources keeps its own.";
+    "data.num_samples", Kind::OptUInt, "null", "Use only the first N documents of the corpus (of each source of data.sources); null = all.";
+    "data.sources", Kind::Records(SOURCE_FIELDS), "[]", "A weighted mixture instead of data.path: each entry a corpus as data.path accepts it, with its sampling weight (relative; normalised over the list), optionally its own text_field and a name for logs (default: the file or directory name). Each source is prepared and cached on its own, keeps its own held-out split (per-source val_loss), and gets training samples in proportion to its weight from a seeded schedule; a source that runs out starts its next epoch with a new order. Empty = the one source data.path.";
+    "data.document_masking", Kind::Bool, "false", "Packed windows hold several documents (each ending with EOS): a token attends only to earlier tokens of its own document. Boundaries come from the .tok file's document offsets (a nanoGPT .bin or llm.c shard has none). CPU: SDPA with a block-diagonal causal mask; CUDA bf16: variable-length flash attention where libtorch has it, else the mask.";
+    "data.reset_position_ids", Kind::Bool, "false", "RoPE positions restart at 0 at each document start inside a window, as if each document were its own sequence. Beside data.document_masking it changes results only by rounding (RoPE sees the distance between tokens, and masked attention never crosses a document); alone, it changes the distances at which documents see each other.";
     "data.cache_dir", Kind::Str, "\".lockstep/cache\"", "Where prepared token files are cached, keyed by tokenizer, dataset files, context length and sample count.";
     "training.batch_size", Kind::UInt, "1", "Sequences per micro-batch per rank.";
     "training.learning_rate", Kind::Float, "1e-5", "Peak learning rate (after warmup).";
@@ -116,7 +216,7 @@ keys! {
     "training.context_length", Kind::UInt, "8192", "Tokens per sequence; <= model.max_position_embeddings.";
     "training.grad_accum_nums", Kind::UInt, "1", "Micro-batches per optimizer step. Alias: grad_accum_steps.";
     "training.num_workers", Kind::UInt, "0", "Threads that tokenize in `prepare` (0 = all cores). Batches come straight from the memory-mapped token file and need no workers.";
-    "training.dtype", Kind::Choice(&["auto", "fp32", "bf16"]), "\"auto\"", "Compute precision; bf16 keeps fp32 master weights and AdamW moments. auto = bf16 on CUDA, fp32 on CPU.";
+    "training.dtype", Kind::Choice(DtypeChoice::NAMES), "\"auto\"", "Compute precision; bf16 keeps fp32 master weights and AdamW moments. auto = bf16 on CUDA, fp32 on CPU.";
     "training.weight_decay", Kind::Float, "0.1", "Decoupled AdamW weight decay, applied to matrices and embeddings only (not norms or biases).";
     "training.beta1", Kind::Float, "0.9", "AdamW beta1.";
     "training.beta2", Kind::Float, "0.95", "AdamW beta2.";
@@ -125,34 +225,44 @@ keys! {
     "training.eval_interval", Kind::UInt, "0", "Validation loss every N steps and at the end (0 = only at the end).";
     "training.eval_batches", Kind::UInt, "4", "Batches of the held-out split per validation (0 = no validation).";
     "training.nan_check", Kind::Bool, "true", "Stop on a non-finite loss or gradient norm, with a per-tensor report of where NaN/Inf appear.";
-    "training.nan_policy", Kind::Choice(&["abort", "skip", "rollback"]), "\"abort\"", "On a NaN/Inf loss or gradient norm (after the report, a nan_step_N checkpoint and a debug dump): abort (exit code 3), skip (drop the update, go on), or rollback (reload the latest checkpoint, multiply the LR by rollback_lr_factor, go on with new data).";
+    "training.nan_policy", Kind::Choice(GuardPolicy::NAMES), "\"abort\"", "On a NaN/Inf loss or gradient norm (after the report, a nan_step_N checkpoint and a debug dump): abort (exit code 3), skip (drop the update, go on), or rollback (reload the latest checkpoint, multiply the LR by rollback_lr_factor, go on with new data).";
     "training.max_nan_skips", Kind::UInt, "10", "Skips plus rollbacks (NaN or spike) allowed in one run before it aborts with exit code 3.";
     "training.rollback_lr_factor", Kind::Float, "0.5", "LR multiplier applied at each rollback (cumulative; saved in checkpoints).";
     "training.spike_zscore", Kind::Float, "0.0", "Loss-spike detection: a loss this many standard deviations above the recent window triggers training.spike_policy (0 = off).";
     "training.spike_window", Kind::UInt, "100", "Recent losses the spike detector compares against.";
-    "training.spike_policy", Kind::Choice(&["skip", "rollback", "abort"]), "\"skip\"", "What a loss spike does: skip the update, roll back, or abort.";
-    "system.device", Kind::Choice(&["auto", "cpu", "cuda"]), "\"auto\"", "auto = CUDA when available, else CPU.";
+    "training.activation_checkpointing", Kind::Choice(ActivationCheckpointing::NAMES), "\"none\"", "Activation memory of the decoder layers. none = keep what autograd saves; full = keep only each layer's input ([batch, context, hidden] fp32) and recompute the layer in backward (about one more forward); selective = keep the attention half of each layer (RMSNorm, q/k/v after RoPE, the attention output and log-sum-exp, the o_proj input, the residual after attention) and recompute the MLP half (post-attention RMSNorm, gate/up projections, SiLU, product, down projection). Gradients are the same in every mode (bit for bit on CPU, where recomputation is deterministic).";
+    "training.loss_chunk_tokens", Kind::UInt, "1024", "LM head + cross-entropy in chunks of this many tokens, each chunk's logits computed, reduced and back-propagated before the next, so the [tokens, vocab] logits never exist at once (0 = one chunk of the whole micro-batch). 1024 tokens of fp32 logits are 206 MB at vocabulary 50257 and 525 MB at 128256.";
+    "training.spike_policy", Kind::Choice(GuardPolicy::NAMES), "\"skip\"", "What a loss spike does: skip the update, roll back, or abort.";
+    "system.device", Kind::Choice(DeviceChoice::NAMES), "\"auto\"", "auto = CUDA when available, else CPU.";
     "system.device_id", Kind::UInt, "0", "CUDA device index for a single-process run.";
     "system.seed", Kind::UInt, "1337", "Seed of the initial weights and the data order.";
     "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores, or OMP_NUM_THREADS, which `lockstep run` sets to cores / workers).";
     "system.max_memory_gb", Kind::Float, "0.0", "Warn when a rank's resident memory exceeds this many GB (0 = never).";
     "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
     "system.bucket_mb", Kind::Float, "25.0", "Size of the flat buckets gradients are all-reduced in (MB).";
-    "system.dist_backend", Kind::Choice(&["auto", "nccl", "ring"]), "\"auto\"", "Collectives of a multi-rank run. auto = NCCL on CUDA ranks (gradients and parameters on the GPU; scalars and barriers on the CPU ring, which names a missing rank), the Rust TCP ring on CPU ranks. ring = the TCP ring everywhere (CUDA tensors go through host memory: slow, a fallback when NCCL is broken).";
+    "system.overlap_comm", Kind::Bool, "true", "Average each bucket of gradients across ranks as soon as backward has finished its layers, on a communication thread, while the lower layers' backward runs (results bitwise equal to false, which reduces after backward). Applies to the TCP ring; NCCL ranks reduce after backward until the overlap is verified on GPUs.";
+    "system.zero_stage", Kind::UInt, "0", "Sharded data parallelism: 0 = replicated (every rank holds all optimizer state), 1 = AdamW moments and fp32 master weights sharded across ranks, 2 = gradients reduce-scattered to their owner's shard too.";
+    "system.memory_check", Kind::Choice(MemoryCheck::NAMES), "\"refuse\"", "Before building the model, `train` estimates each rank's peak memory as `lockstep plan` does and compares it with system.memory_budget_gb: refuse = exit with code 2 and the cheapest change that fits when it does not; warn = print that and start anyway; off = no estimate.";
+    "system.memory_budget_gb", Kind::Float, "0.0", "Memory one rank may use, in GB, for system.memory_check: 0 = what the device has free at start (CPU: MemAvailable of /proc/meminfo divided among the node's ranks; CUDA: the GPU's free memory from NVML).";
+    "system.dist_backend", Kind::Choice(DistBackendChoice::NAMES), "\"auto\"", "Collectives of a multi-rank run. auto = NCCL on CUDA ranks (gradients and parameters on the GPU; scalars and barriers on the CPU ring, which names a missing rank), the Rust TCP ring on CPU ranks. ring = the TCP ring everywhere (CUDA tensors go through host memory: slow, a fallback when NCCL is broken).";
     "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
     "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
     "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";
     "logging.tensorboard", Kind::Bool, "true", "Rank 0 writes TensorBoard event files (loss, lr, grad norm, tokens/s, MFU, validation, RSS) to <run dir>/tensorboard/ at every logged step.";
     "logging.memory_interval", Kind::UInt, "100", "Log resident memory (and the peak) every N steps (0 = only the peak at the end).";
     "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
+    "logging.straggler_pct", Kind::Float, "20.0", "Every logging.interval steps, rank 0 names the slowest rank when its time per step on its own work (data, forward, backward, optimizer; not waiting for others) exceeds the median of all ranks by more than this many percent (0 = off; one small all-reduce per check).";
     "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
     "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
-    "debug.fault", Kind::Choice(&["none", "exit", "stop"]), "\"none\"", "Testing aid (fault injection): at the start of step debug.fault_step, rank debug.fault_rank exits with debug.fault_exit_code (exit) or stops itself with SIGSTOP (stop, a hung rank). Used by the launcher and timeout tests.";
+    "debug.fault", Kind::Choice(FaultChoice::NAMES), "\"none\"", "Testing aid (fault injection): at the start of step debug.fault_step, rank debug.fault_rank exits with debug.fault_exit_code (exit) or stops itself with SIGSTOP (stop, a hung rank); slow makes it sleep debug.fault_delay_ms at the start of that step and every later one (a straggler). Used by the launcher, timeout, restart and straggler tests.";
     "debug.fault_rank", Kind::UInt, "0", "Testing aid: the rank that debug.fault hits.";
     "debug.fault_step", Kind::UInt, "1", "Testing aid: the step (1-based) at whose start debug.fault fires.";
     "debug.fault_exit_code", Kind::UInt, "3", "Testing aid: exit code for debug.fault = exit.";
+    "debug.fault_delay_ms", Kind::UInt, "0", "Testing aid: milliseconds debug.fault = slow sleeps per step.";
     "debug.inject_nan_at_step", Kind::UInt, "0", "Testing aid: make step N (1-based) non-finite to exercise training.nan_policy (0 = off).";
     "debug.inject_nan_param", Kind::OptStr, "null", "Testing aid: with inject_nan_at_step, put the NaN into this parameter's gradient (HF name) instead of the loss.";
+    "debug.inject_oom", Kind::Choice(OomPhase::NAMES), "\"none\"", "Testing aid: provoke a real allocation failure (a petabyte) in this phase of step debug.inject_oom_step (model_build: before the model is built), to exercise the out-of-memory report.";
+    "debug.inject_oom_step", Kind::UInt, "1", "Testing aid: the step (1-based) in which debug.inject_oom fires.";
     "checkpoint.dir", Kind::OptStr, "null", "Checkpoint directory; null = <logging.dir>/<run>/checkpoints.";
 }
 
@@ -198,7 +308,8 @@ pub fn markdown_table() -> String {
         out.push_str(&format!(
             "| `{}` | {} | `{}` | {} |\n",
             k.key,
-            k.kind.describe(),
+            // A bare `|` would end the table cell.
+            k.kind.describe().replace(" | ", " \\| "),
             k.default,
             k.doc
         ));

@@ -201,7 +201,7 @@ fn impossible_shapes_are_rejected_with_a_fix() {
     );
     let e = error_of(&set(&["system.dist_backend=nccl", "system.device=cpu"]));
     assert!(
-        e.contains("system.dist_backend = nccl needs CUDA ranks but system.device = cpu"),
+        e.contains("system.dist_backend = nccl needs CUDA ranks, but system.device = cpu"),
         "{e}"
     );
     let e = error_of(&set(&["training.min_lr=1"]));
@@ -237,4 +237,90 @@ fn config_docs_are_current() {
         on_disk == schema::markdown_table(),
         "docs/CONFIG.md is stale: run `lockstep config --markdown > docs/CONFIG.md`"
     );
+}
+
+#[test]
+fn data_sources_are_a_checked_list_of_records() {
+    let (_f, src) = with_file(
+        r#"{"data": {"sources": [
+            {"path": "web.jsonl", "weight": 0.7},
+            {"path": "code/", "weight": 0.3, "text_field": "content", "name": "code"}
+        ], "document_masking": true}}"#,
+    );
+    let c = resolve(&src).unwrap().config;
+    assert_eq!(c.data.sources.len(), 2);
+    assert_eq!(
+        (c.data.sources[0].path.as_str(), c.data.sources[0].weight),
+        ("web.jsonl", 0.7)
+    );
+    assert_eq!(c.data.sources[0].text_field, None);
+    assert_eq!(c.data.sources[1].text_field.as_deref(), Some("content"));
+    assert!(c.data.document_masking && !c.data.reset_position_ids);
+    // The resolved config (what checkpoints and the worker spec carry) reads back the same.
+    let back: Config =
+        serde_json::from_value(Resolved::new(c.clone(), "x".into()).unwrap().to_json()).unwrap();
+    assert_eq!(back, c);
+
+    let set = |s: &str| Sources {
+        sets: vec![s.to_string()],
+        ..Default::default()
+    };
+    let c = resolve(&set(r#"data.sources=[{"path":"a.txt","weight":1}]"#))
+        .unwrap()
+        .config;
+    assert_eq!(c.data.sources[0].weight, 1.0);
+
+    let e = error_of(&set(r#"data.sources=[{"path":"a.txt","wieght":1}]"#));
+    assert!(
+        e.contains("data.sources[0] has an unknown field \"wieght\" (did you mean \"weight\"?)"),
+        "{e}"
+    );
+    let e = error_of(&set(r#"data.sources=[{"path":"a.txt"}]"#));
+    assert!(e.contains("data.sources[0] has no \"weight\""), "{e}");
+    let e = error_of(&set(r#"data.sources=[{"path":"a.txt","weight":"half"}]"#));
+    assert!(
+        e.contains("data.sources[0].weight = \"half\" is not allowed; expected number"),
+        "{e}"
+    );
+    let e = error_of(&set("data.sources=a.txt"));
+    assert!(
+        e.contains("expected list of {path: string, weight: number"),
+        "{e}"
+    );
+    // A typo of the key itself still gets the nearest key.
+    let e = error_of(&set(r#"data.source=[]"#));
+    assert!(e.contains("did you mean \"data.sources\""), "{e}");
+}
+
+#[test]
+fn data_sources_rules_name_the_entry_and_the_fix() {
+    let sets = |s: &[&str]| Sources {
+        sets: s.iter().map(|x| x.to_string()).collect(),
+        ..Default::default()
+    };
+    let e = error_of(&sets(&[
+        "data.path=corpus.txt",
+        r#"data.sources=[{"path":"a.txt","weight":1}]"#,
+    ]));
+    assert!(
+        e.contains("data.path = \"corpus.txt\" and data.sources are both set"),
+        "{e}"
+    );
+    let e = error_of(&sets(&[
+        r#"data.sources=[{"path":"a.txt","weight":1},{"path":"b.txt","weight":0}]"#,
+    ]));
+    assert!(e.contains("data.sources[1].weight = 0: must be > 0"), "{e}");
+    let e = error_of(&sets(&[
+        r#"data.sources=[{"path":"a.txt","weight":1},{"path":"b.txt","weight":1e-6}]"#,
+    ]));
+    assert!(e.contains("data.sources[1].weight = 0.000001"), "{e}");
+    let e = error_of(&sets(&[
+        r#"data.sources=[{"path":"a","weight":1,"name":"x"},{"path":"b","weight":1,"name":"x"}]"#,
+    ]));
+    assert!(
+        e.contains("data.sources[1].name = \"x\" is used twice"),
+        "{e}"
+    );
+    let e = error_of(&sets(&[r#"data.sources=[{"path":" ","weight":1}]"#]));
+    assert!(e.contains("data.sources[0].path is empty"), "{e}");
 }

@@ -3,6 +3,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::choices::{
+    ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase,
+};
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -29,7 +34,7 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
-    pub attention_backend: String,
+    pub attention_backend: AttentionBackend,
     pub init_std: f64,
 }
 
@@ -41,7 +46,24 @@ pub struct DataConfig {
     pub text_field: String,
     pub val_fraction: f64,
     pub num_samples: Option<u64>,
+    pub sources: Vec<SourceConfig>,
+    pub document_masking: bool,
+    pub reset_position_ids: bool,
     pub cache_dir: String,
+}
+
+/// One entry of `data.sources` (its fields are `schema::SOURCE_FIELDS`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    pub path: String,
+    pub weight: f64,
+    /// None = `data.text_field`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_field: Option<String>,
+    /// None = derived from the path (`data::mixture::source_name`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -55,7 +77,7 @@ pub struct TrainingConfig {
     pub context_length: usize,
     pub grad_accum_nums: usize,
     pub num_workers: usize,
-    pub dtype: String,
+    pub dtype: DtypeChoice,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -64,25 +86,31 @@ pub struct TrainingConfig {
     pub eval_interval: usize,
     pub eval_batches: usize,
     pub nan_check: bool,
-    pub nan_policy: String,
+    pub nan_policy: GuardPolicy,
     pub max_nan_skips: usize,
     pub rollback_lr_factor: f64,
     pub spike_zscore: f64,
     pub spike_window: usize,
-    pub spike_policy: String,
+    pub spike_policy: GuardPolicy,
+    pub activation_checkpointing: ActivationCheckpointing,
+    pub loss_chunk_tokens: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SystemConfig {
-    pub device: String,
+    pub device: DeviceChoice,
     pub device_id: usize,
     pub seed: u64,
     pub num_threads: usize,
     pub max_memory_gb: f64,
     pub collective_timeout_s: u64,
     pub bucket_mb: f64,
-    pub dist_backend: String,
+    pub zero_stage: usize,
+    pub overlap_comm: bool,
+    pub memory_check: MemoryCheck,
+    pub memory_budget_gb: f64,
+    pub dist_backend: DistBackendChoice,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,6 +122,7 @@ pub struct LoggingConfig {
     pub memory_interval: usize,
     pub tensorboard: bool,
     pub run_name: Option<String>,
+    pub straggler_pct: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -108,10 +137,13 @@ pub struct CheckpointConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DebugConfig {
-    pub fault: String,
+    pub fault: FaultChoice,
     pub fault_rank: usize,
     pub fault_step: usize,
     pub fault_exit_code: usize,
+    pub fault_delay_ms: usize,
     pub inject_nan_at_step: usize,
     pub inject_nan_param: Option<String>,
+    pub inject_oom: OomPhase,
+    pub inject_oom_step: usize,
 }

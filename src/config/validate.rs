@@ -1,7 +1,7 @@
 //! Checks that need more than one key or a range: each error names the key(s), the value(s) and
 //! what would be allowed.
 
-use super::{Config, ConfigError};
+use super::{Config, ConfigError, DeviceChoice, DistBackendChoice};
 
 pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut problems = Vec::new();
@@ -51,10 +51,10 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             nearest_divisor(m.num_attention_heads, m.num_key_value_heads)
         ));
     }
-    if c.system.dist_backend == "nccl" && c.system.device == "cpu" {
-        bad(
-            "system.dist_backend = nccl needs CUDA ranks but system.device = cpu; use system.dist_backend=auto or ring, or system.device=cuda".to_owned(),
-        );
+    if c.system.device == DeviceChoice::Cpu {
+        if let Err(e) = check_backend_device(c.system.dist_backend, false, "system.device = cpu") {
+            bad(e.0);
+        }
     }
     if t.context_length > m.max_position_embeddings {
         bad(format!(
@@ -87,6 +87,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     for (key, v) in [
         ("training.weight_decay", t.weight_decay),
         ("training.max_grad_norm", t.max_grad_norm),
+        ("logging.straggler_pct", c.logging.straggler_pct),
     ] {
         if v < 0.0 {
             bad(format!("{key} = {v}: must be >= 0"));
@@ -116,6 +117,18 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             c.system.bucket_mb
         ));
     }
+    if c.system.zero_stage > 2 {
+        bad(format!(
+            "system.zero_stage = {}: must be 0 (replicated), 1 (optimizer state sharded) or 2 (gradients sharded too)",
+            c.system.zero_stage
+        ));
+    }
+    if c.system.memory_budget_gb < 0.0 {
+        bad(format!(
+            "system.memory_budget_gb = {}: must be >= 0 (0 = what the device has free)",
+            c.system.memory_budget_gb
+        ));
+    }
     if c.system.collective_timeout_s == 0 {
         bad("system.collective_timeout_s = 0: must be at least 1".into());
     }
@@ -125,6 +138,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             c.data.val_fraction
         ));
     }
+    check_sources(c, &mut bad);
     if let Some(path) = &m.model_path {
         if path.trim().is_empty() {
             bad(
@@ -144,10 +158,78 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     }
 }
 
+/// The smallest share of the mixture a source may have: the schedule deals samples in blocks
+/// (`data::mixture`) whose length grows as the smallest share shrinks.
+pub const MIN_SOURCE_SHARE: f64 = 1e-4;
+
+/// `data.sources`: weights, paths and names that make a mixture, and no `data.path` beside it.
+fn check_sources(c: &Config, bad: &mut impl FnMut(String)) {
+    let sources = &c.data.sources;
+    if sources.is_empty() {
+        return;
+    }
+    let default_path: String = super::schema::find("data.path")
+        .and_then(|k| serde_json::from_str(k.default).ok())
+        .unwrap_or_default();
+    if c.data.path != default_path {
+        bad(format!(
+            "data.path = {:?} and data.sources are both set; list {:?} as one of data.sources (with a weight) or remove data.path",
+            c.data.path, c.data.path
+        ));
+    }
+    let total: f64 = sources.iter().map(|s| s.weight.max(0.0)).sum();
+    let mut names = std::collections::HashSet::new();
+    for (i, s) in sources.iter().enumerate() {
+        if s.weight <= 0.0 {
+            bad(format!(
+                "data.sources[{i}].weight = {}: must be > 0 (leave the source out to skip it)",
+                s.weight
+            ));
+        } else if total > 0.0 && s.weight / total < MIN_SOURCE_SHARE {
+            bad(format!(
+                "data.sources[{i}].weight = {} is {:.1e} of the total {total}; a source needs a share of at least {MIN_SOURCE_SHARE:e}",
+                s.weight,
+                s.weight / total
+            ));
+        }
+        if s.path.trim().is_empty() {
+            bad(format!(
+                "data.sources[{i}].path is empty; give the corpus to read"
+            ));
+        }
+        if let Some(name) = &s.name {
+            if name.trim().is_empty() {
+                bad(format!("data.sources[{i}].name is empty; leave it out to name the source after its path"));
+            } else if !names.insert(name.as_str()) {
+                bad(format!(
+                    "data.sources[{i}].name = {name:?} is used twice; source names must differ"
+                ));
+            }
+        }
+    }
+}
+
 /// The divisor of `n` closest to `want`, for a concrete suggestion in an error.
 fn nearest_divisor(n: usize, want: usize) -> usize {
     (1..=n.max(1))
         .filter(|d| n.is_multiple_of(*d))
         .min_by_key(|d| d.abs_diff(want))
         .unwrap_or(1)
+}
+
+/// The one rule tying `system.dist_backend` to the device: NCCL reduces on CUDA devices only.
+/// Checked wherever the device becomes known: statically for `system.device = cpu`, by the
+/// launcher for CPU workers, and by a rank whose `auto` device came up as CPU. `runs_on` says
+/// which ("lockstep run starts CPU workers").
+pub fn check_backend_device(
+    backend: DistBackendChoice,
+    cuda: bool,
+    runs_on: &str,
+) -> Result<(), ConfigError> {
+    if backend == DistBackendChoice::Nccl && !cuda {
+        return Err(ConfigError(format!(
+            "system.dist_backend = nccl needs CUDA ranks, but {runs_on}; use system.dist_backend=auto or ring, or run on GPUs"
+        )));
+    }
+    Ok(())
 }

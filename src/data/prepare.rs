@@ -12,7 +12,8 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::hub::resolve_tokenizer;
-use super::sources::{dataset_files, dataset_fingerprint, read_documents};
+use super::ids::{max_token_id, MaxIdRecord};
+use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
@@ -31,7 +32,8 @@ const SEGMENT_BYTES: usize = 256 << 10;
 pub struct PrepareSpec {
     /// Tokenizer name or `tokenizer.json` path (see [`Tokenizer::load`]).
     pub tokenizer: String,
-    /// A text file, a directory of text files, or a ready token file.
+    /// `data.path`: a built-in corpus (`builtin:shakespeare`), a text file, a directory of
+    /// them, a glob pattern, a cached Hub dataset, or a ready token file.
     pub path: PathBuf,
     /// JSON key holding the document text in `.jsonl` files.
     pub text_field: String,
@@ -71,6 +73,10 @@ pub struct Prepared {
     pub train_tokens: u64,
     /// Tokens in `val` (0 without one).
     pub val_tokens: u64,
+    /// The largest token id in `train` (`None` without tokens); see [`super::check_ids_fit`].
+    pub train_max_id: Option<u32>,
+    /// The largest token id in `val`.
+    pub val_max_id: Option<u32>,
 }
 
 /// Returns token files for `spec`, tokenizing only when the cache has no
@@ -90,18 +96,18 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
     }
     let tok = Tokenizer::load(&resolve_tokenizer(&spec.tokenizer)?)?;
     if is_token_file(&spec.path) {
-        return use_token_file(&spec.path, &tok, &spec.tokenizer);
+        return use_token_file(spec, &tok);
     }
 
-    // A file, a directory, a glob pattern or a cached Hugging Face dataset.
-    let dataset = dataset_files(&spec.path)?;
-    let files = dataset.files;
+    // A built-in corpus, a file, a directory, a glob pattern or a cached Hugging Face dataset.
+    let dataset = resolve_dataset(&spec.path)?;
+    let (dataset_id, files) = dataset.fingerprint()?;
     let inputs = json!({
         "format_version": CACHE_FORMAT_VERSION,
         "tokenizer": tok.id(),
         "tokenizer_hash": blake3::Hash::from(tok.definition_hash()).to_hex().as_str(),
-        "dataset": dataset.id,
-        "files": dataset_fingerprint(&dataset.root, &files)?,
+        "dataset": dataset_id,
+        "files": files,
         "text_field": spec.text_field,
         "val_fraction": spec.val_fraction,
         "context_length": spec.context_length,
@@ -117,7 +123,7 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         )
     })?;
     let dir = spec.cache_dir.join(short);
-    if let Some(hit) = cached(&dir, key.as_str(), &tok, spec.val_fraction > 0.0) {
+    if let Some(hit) = cached(&dir, key.as_str(), &tok, spec.val_fraction > 0.0)? {
         return Ok(hit);
     }
 
@@ -127,7 +133,7 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         .join(format!("{short}.tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
-    let built = build(spec, &tok, &files, &tmp, key.as_str(), inputs);
+    let built = build(spec, &tok, &dataset, &tmp, key.as_str(), inputs);
     let built = match built {
         Ok(b) => b,
         Err(e) => {
@@ -152,13 +158,17 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         tokenizer_id: tok.id(),
         vocab_size: tok.vocab_size(),
         eos_id: tok.eos_id(),
-        train_tokens: built.0,
-        val_tokens: built.1,
+        train_tokens: built.train_tokens,
+        val_tokens: built.val_tokens,
+        train_max_id: built.train_max_id,
+        val_max_id: built.val_max_id,
     })
 }
 
-/// A ready token file is used in place: no cache, no validation split.
-fn use_token_file(path: &Path, tok: &Tokenizer, configured: &str) -> Result<Prepared> {
+/// A ready token file is used in place: no cache entry, no validation split. Only its largest
+/// id may be remembered in the cache directory ([`max_token_id`]).
+fn use_token_file(spec: &PrepareSpec, tok: &Tokenizer) -> Result<Prepared> {
+    let (path, configured) = (spec.path.as_path(), spec.tokenizer.as_str());
     let tf = TokenFile::open(path)?;
     if let Some(h) = tf.tokenizer_hash() {
         if h != tok.definition_hash() {
@@ -178,7 +188,10 @@ fn use_token_file(path: &Path, tok: &Tokenizer, configured: &str) -> Result<Prep
         }
     }
     Ok(Prepared {
-        dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+        dir: match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        },
         train: path.to_path_buf(),
         val: None,
         cache_hit: true,
@@ -187,6 +200,8 @@ fn use_token_file(path: &Path, tok: &Tokenizer, configured: &str) -> Result<Prep
         eos_id: tok.eos_id(),
         train_tokens: tf.num_tokens(),
         val_tokens: 0,
+        train_max_id: max_token_id(path, &tf, Some(&spec.cache_dir))?,
+        val_max_id: None,
     })
 }
 
@@ -206,18 +221,35 @@ fn tokenizer_that_wrote(path: &Path, hash: [u8; 32]) -> Option<String> {
 }
 
 /// The cache entry in `dir` if it is complete, made from `key` and readable.
-fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Option<Prepared> {
-    let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json")).ok()?).ok()?;
-    if meta.get("key")?.as_str()? != key {
-        return None;
-    }
-    let open = |name: &str| -> Option<u64> {
-        let tf = TokenFile::open(&dir.join(name)).ok()?;
-        (tf.tokenizer_hash()? == tok.definition_hash()).then(|| tf.num_tokens())
+fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Option<Prepared>> {
+    let valid = || -> Option<(TokenFile, Option<TokenFile>)> {
+        let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json")).ok()?).ok()?;
+        if meta.get("key")?.as_str()? != key {
+            return None;
+        }
+        let open = |name: &str| -> Option<TokenFile> {
+            let tf = TokenFile::open(&dir.join(name)).ok()?;
+            (tf.tokenizer_hash()? == tok.definition_hash()).then_some(tf)
+        };
+        let val = if want_val {
+            Some(open("val.tok")?)
+        } else {
+            None
+        };
+        Some((open("train.tok")?, val))
     };
-    let train_tokens = open("train.tok")?;
-    let val_tokens = if want_val { open("val.tok")? } else { 0 };
-    Some(Prepared {
+    let Some((train, val)) = valid() else {
+        return Ok(None);
+    };
+    // From meta.json; entries of an older lockstep are scanned once (into the cache's max-ids/).
+    let cache_dir = dir.parent();
+    let train_max_id = max_token_id(&dir.join("train.tok"), &train, cache_dir)?;
+    let val_max_id = match &val {
+        Some(tf) => max_token_id(&dir.join("val.tok"), tf, cache_dir)?,
+        None => None,
+    };
+    let (train_tokens, val_tokens) = (train.num_tokens(), val.map_or(0, |v| v.num_tokens()));
+    Ok(Some(Prepared {
         dir: dir.to_path_buf(),
         train: dir.join("train.tok"),
         val: want_val.then(|| dir.join("val.tok")),
@@ -227,7 +259,9 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Option<Prep
         eos_id: tok.eos_id(),
         train_tokens,
         val_tokens,
-    })
+        train_max_id,
+        val_max_id,
+    }))
 }
 
 /// Removes `<short>.tmp-<pid>` directories left by crashed runs; directories
@@ -269,16 +303,12 @@ impl std::fmt::Display for EnoughDocuments {
 
 impl std::error::Error for EnoughDocuments {}
 
-fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, files: &[PathBuf]) -> Result<Tokenized> {
+fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, dataset: &Dataset) -> Result<Tokenized> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(spec.num_threads)
         .build()
         .map_err(|e| anyhow!("cannot start {} tokenizer threads: {e}", spec.num_threads))?;
-    let total_bytes: u64 = files
-        .iter()
-        .map(|f| fs::metadata(f).map(|m| m.len()).unwrap_or(0))
-        .sum();
-    let bar = progress_bar(spec.progress, total_bytes);
+    let bar = progress_bar(spec.progress, dataset.total_bytes());
     let mut out = Tokenized {
         tokens: Vec::new(),
         doc_starts: Vec::new(),
@@ -288,24 +318,22 @@ fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, files: &[PathBuf]) -> Re
     let mut pending: Vec<String> = Vec::new();
     let mut pending_bytes = 0usize;
     let mut docs = 0u64;
-    for file in files {
-        let read = read_documents(file, &spec.text_field, |doc| {
-            if docs == limit {
-                return Err(EnoughDocuments.into());
-            }
-            docs += 1;
-            pending_bytes += doc.len();
-            pending.push(doc);
-            if pending_bytes >= BATCH_BYTES {
-                flush(&pool, tok, &mut pending, &mut out, &bar)?;
-                pending_bytes = 0;
-            }
-            Ok(())
-        });
-        match read {
-            Err(e) if e.is::<EnoughDocuments>() => break,
-            other => other?,
+    let read = dataset.for_each_document(&spec.text_field, |doc| {
+        if docs == limit {
+            return Err(EnoughDocuments.into());
         }
+        docs += 1;
+        pending_bytes += doc.len();
+        pending.push(doc);
+        if pending_bytes >= BATCH_BYTES {
+            flush(&pool, tok, &mut pending, &mut out, &bar)?;
+            pending_bytes = 0;
+        }
+        Ok(())
+    });
+    match read {
+        Err(e) if e.is::<EnoughDocuments>() => {}
+        other => other?,
     }
     flush(&pool, tok, &mut pending, &mut out, &bar)?;
     bar.finish_and_clear();
@@ -410,17 +438,24 @@ fn choose_cut(doc_starts: &[u64], total: u64, val_fraction: f64, context: u64) -
     }
 }
 
-/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`;
-/// returns (train tokens, val tokens).
+/// Token counts and largest ids of a new cache entry.
+struct Built {
+    train_tokens: u64,
+    val_tokens: u64,
+    train_max_id: Option<u32>,
+    val_max_id: Option<u32>,
+}
+
+/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`.
 fn build(
     spec: &PrepareSpec,
     tok: &Tokenizer,
-    files: &[PathBuf],
+    dataset: &Dataset,
     tmp: &Path,
     key: &str,
     inputs: Value,
-) -> Result<(u64, u64)> {
-    let corpus = tokenize_corpus(spec, tok, files)?;
+) -> Result<Built> {
+    let corpus = tokenize_corpus(spec, tok, dataset)?;
     let total = corpus.tokens.len() as u64;
     let want_val = spec.val_fraction > 0.0;
     if want_val && total < 2 {
@@ -473,8 +508,16 @@ fn build(
         None
     };
 
-    let part =
-        |info: &TokFileInfo| json!({ "tokens": info.num_tokens, "documents": info.num_docs });
+    // The largest id, with the file's stamp so a changed file is never trusted with it.
+    let part = |info: &TokFileInfo| -> Result<Value> {
+        let rec = MaxIdRecord::new(&info.path, info.max_token_id)?;
+        Ok(json!({
+            "tokens": info.num_tokens,
+            "documents": info.num_docs,
+            "max_token_id": rec.max_token_id,
+            "stamp": rec.stamp,
+        }))
+    };
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -487,14 +530,19 @@ fn build(
         "documents": corpus.doc_starts.len(),
         "input_bytes": corpus.input_bytes,
         "split_at_document_boundary": at_boundary,
-        "train": part(&train),
-        "val": val.as_ref().map(part),
+        "train": part(&train)?,
+        "val": val.as_ref().map(part).transpose()?,
         "created_unix_s": created,
     });
     let meta_path = tmp.join("meta.json");
     fs::write(&meta_path, serde_json::to_vec_pretty(&meta)?)
         .with_context(|| format!("{}: cannot write", meta_path.display()))?;
-    Ok((train.num_tokens, val.map_or(0, |v| v.num_tokens)))
+    Ok(Built {
+        train_tokens: train.num_tokens,
+        val_tokens: val.as_ref().map_or(0, |v| v.num_tokens),
+        train_max_id: train.max_token_id,
+        val_max_id: val.and_then(|v| v.max_token_id),
+    })
 }
 
 #[cfg(test)]

@@ -1,9 +1,19 @@
 //! Raw text documents: which files make up a dataset and how each one is
 //! split into documents.
 //!
-//! A dataset is a `.txt`/`.jsonl`/`.parquet` file, a directory walked for
-//! them, a glob pattern (`data/*.parquet`), or the name of a Hugging Face
+//! A dataset is a corpus compiled into the binary (`builtin:shakespeare`, see
+//! [`super::builtin`]), a `.txt`/`.jsonl`/`.parquet` file, a directory walked
+//! for them, a glob pattern (`data/*.parquet`), or the name of a Hugging Face
 //! dataset in the local hub cache (see [`super::hub`]).
+//!
+//! How `data.path` is read, in order: `builtin:<name>` is the built-in corpus;
+//! an existing file or directory is local; a pattern with `*`, `?` or `[` is a
+//! glob; a name shaped like a Hub dataset id (`owner/name[/config]` or a bare
+//! name, no data-file extension) that the hub cache holds is that dataset.
+//! Anything else is a missing local path, reported with the absolute path it
+//! was looked for at; when it is also shaped like a Hub id and its first
+//! component is not a local directory, the message says where the hub cache
+//! was searched too (it may have been meant as either).
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader};
@@ -12,6 +22,9 @@ use std::time::UNIX_EPOCH;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::builtin::{self, BuiltinFile};
 
 /// File extensions read as text sources.
 pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl", "parquet"];
@@ -101,24 +114,116 @@ pub struct DatasetFiles {
     pub id: String,
 }
 
-/// Resolves `data.path` to its files: an existing file or directory (see
-/// [`list_files`]), a glob pattern, or a Hugging Face dataset name found in
-/// the local hub cache ([`super::hub::cached_dataset`]).
+/// What `data.path` names, resolved (see the module docs for the rule).
+#[derive(Debug, Clone)]
+pub enum Dataset {
+    /// Files on disk: a file, a directory, a glob pattern or a cached Hub dataset.
+    Files(DatasetFiles),
+    /// A corpus compiled into the binary, decompressed.
+    Builtin {
+        /// `builtin:<name>`.
+        id: String,
+        /// Its files in reading order, each one document.
+        files: Vec<BuiltinFile>,
+    },
+}
+
+/// Resolves `data.path`: a built-in corpus (`builtin:<name>`), else [`dataset_files`].
+pub fn resolve_dataset(path: &Path) -> Result<Dataset> {
+    if let Some(found) = path.to_str().and_then(builtin::lookup) {
+        let corpus = found?;
+        return Ok(Dataset::Builtin {
+            id: corpus.id(),
+            files: corpus.files()?,
+        });
+    }
+    dataset_files(path).map(Dataset::Files)
+}
+
+impl Dataset {
+    /// The dataset's identity in the cache key: what `data.path` resolved to, and per file its
+    /// relative path with size and mtime (files on disk) or size and BLAKE3 of the content (a
+    /// built-in corpus, whose files have no mtime; a rebuilt binary with other text is another
+    /// dataset).
+    pub fn fingerprint(&self) -> Result<(String, Value)> {
+        Ok(match self {
+            Dataset::Files(d) => (
+                d.id.clone(),
+                serde_json::to_value(dataset_fingerprint(&d.root, &d.files)?)?,
+            ),
+            Dataset::Builtin { id, files } => {
+                let files: Vec<Value> = files
+                    .iter()
+                    .map(|f| {
+                        json!({
+                            "path": f.name,
+                            "size": f.bytes.len(),
+                            "blake3": blake3::hash(&f.bytes).to_hex().as_str(),
+                        })
+                    })
+                    .collect();
+                (id.clone(), Value::Array(files))
+            }
+        })
+    }
+
+    /// Input bytes, for the progress bar.
+    pub fn total_bytes(&self) -> u64 {
+        match self {
+            Dataset::Files(d) => d
+                .files
+                .iter()
+                .map(|f| fs::metadata(f).map(|m| m.len()).unwrap_or(0))
+                .sum(),
+            Dataset::Builtin { files, .. } => files.iter().map(|f| f.bytes.len() as u64).sum(),
+        }
+    }
+
+    /// Calls `f` with every document of the dataset, in order (see [`read_documents`]; a
+    /// built-in corpus's files are `.txt` files). An error from `f` ends the walk.
+    pub fn for_each_document(
+        &self,
+        text_field: &str,
+        mut f: impl FnMut(String) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Dataset::Files(d) => {
+                for file in &d.files {
+                    read_documents(file, text_field, &mut f)?;
+                }
+            }
+            Dataset::Builtin { id, files } => {
+                for file in files {
+                    f(txt_document(
+                        file.bytes.clone(),
+                        &format!("{id}/{}", file.name),
+                    )?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resolves a `data.path` on disk to its files: an existing file or directory (see
+/// [`list_files`]), a glob pattern, or a Hugging Face dataset name found in the local hub cache
+/// ([`super::hub::cached_dataset`]); anything else is a missing path (see the module docs).
 pub fn dataset_files(path: &Path) -> Result<DatasetFiles> {
-    if !path.exists() {
+    // Any other failure (permissions) is reported by list_files with the OS error.
+    let not_found =
+        matches!(fs::metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+    if not_found {
         let text = path.to_string_lossy();
         if is_glob(&text) {
             return glob_files(&text);
         }
-        if super::hub::looks_like_dataset_name(&text) {
+        let hub_like = super::hub::looks_like_dataset_name(&text);
+        if hub_like {
             if let Some(cached) = super::hub::cached_dataset(&text)? {
                 return Ok(cached);
             }
-            let local = list_files(path)
-                .err()
-                .unwrap_or_else(|| anyhow!("not found"));
-            bail!("{local:#}. {}", super::hub::dataset_not_cached(&text));
         }
+        return Err(missing_path(path, hub_like));
     }
     let files = list_files(path)?;
     let canonical = path
@@ -140,6 +245,44 @@ pub fn dataset_files(path: &Path) -> Result<DatasetFiles> {
         root,
         id: canonical.display().to_string(),
     })
+}
+
+/// The error for a `data.path` that is nothing on disk and no cached Hub dataset: the absolute
+/// path it was looked for at, the working directory a relative one is taken from, what
+/// `data.path` accepts, and, for a name that could also be a Hub dataset id (`hub_like`) whose
+/// first component is not a local directory, where the hub cache was searched.
+fn missing_path(path: &Path, hub_like: bool) -> anyhow::Error {
+    let text = path.to_string_lossy();
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut msg = format!(
+        "data.path = {text:?}: no such file or directory: {}",
+        absolute.display()
+    );
+    if path.is_relative() {
+        match std::env::current_dir() {
+            Ok(cwd) => {
+                msg += &format!(
+                    " (a relative data.path is taken from the working directory, {})",
+                    cwd.display()
+                )
+            }
+            Err(e) => msg += &format!(" (the working directory cannot be read: {e})"),
+        }
+    }
+    msg += &format!(
+        ". Point data.path at an existing .{} file, a directory of them, a glob pattern or a \
+         token file (.tok, .bin), or use the corpus built into lockstep: {}",
+        TEXT_EXTENSIONS.join("/."),
+        builtin::names().join(", ")
+    );
+    let first_is_local_dir = path
+        .components()
+        .next()
+        .is_some_and(|c| Path::new(c.as_os_str()).is_dir());
+    if hub_like && !first_is_local_dir {
+        msg += &format!(". {}", super::hub::dataset_not_cached(&text));
+    }
+    anyhow!(msg)
 }
 
 fn is_glob(path: &str) -> bool {
@@ -218,19 +361,7 @@ pub fn read_documents(
         "txt" => {
             let bytes =
                 fs::read(file).with_context(|| format!("{}: cannot read", file.display()))?;
-            let text = String::from_utf8(bytes).map_err(|e| {
-                anyhow!(
-                    "{}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
-                     `iconv -f latin1 -t utf-8`)",
-                    file.display(),
-                    e.utf8_error().valid_up_to()
-                )
-            })?;
-            let text = match text.strip_prefix('\u{feff}') {
-                Some(rest) => rest.to_string(),
-                None => text,
-            };
-            f(text)
+            f(txt_document(bytes, &file.display().to_string())?)
         }
         "jsonl" => read_jsonl(file, text_field, f),
         "parquet" => read_parquet(file, text_field, f),
@@ -240,6 +371,22 @@ pub fn read_documents(
             TEXT_EXTENSIONS.join(" or .")
         ),
     }
+}
+
+/// A `.txt` file's bytes (`what` names it in errors) as its one document: UTF-8, a leading
+/// byte-order mark dropped.
+pub fn txt_document(bytes: Vec<u8>, what: &str) -> Result<String> {
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow!(
+            "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
+             `iconv -f latin1 -t utf-8`)",
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
 }
 
 fn read_jsonl(
@@ -519,6 +666,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("unsupported"), "{err}");
+    }
+
+    #[test]
+    fn missing_paths_and_builtin_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope/corpus");
+        let err = dataset_files(&missing).unwrap_err().to_string();
+        let shown = missing.display().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "data.path = {shown:?}: no such file or directory: {shown}. Point data.path at"
+            )),
+            "{err}"
+        );
+        // Absolute, so neither the working directory nor a Hub id is relevant.
+        assert!(!err.contains("working directory") && !err.contains("Hugging Face"));
+        assert!(err.contains("builtin:shakespeare"), "{err}");
+
+        let err = resolve_dataset(Path::new("builtin:nope")).unwrap_err();
+        assert!(err.to_string().contains("no built-in corpus"), "{err}");
+        match resolve_dataset(Path::new("builtin:shakespeare")).unwrap() {
+            Dataset::Builtin { id, files } => {
+                assert_eq!((id.as_str(), files.len()), ("builtin:shakespeare", 42));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Text tokenizers: the OpenAI BPE encodings embedded in tiktoken-rs (offline)
 //! and Hugging Face `tokenizer.json` files.
 
+mod hf_json;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -271,6 +273,20 @@ impl Tokenizer {
         }
         pieces.push(&text[start..]);
         pieces
+    }
+
+    /// This tokenizer as a Hugging Face `tokenizer.json`, for exports: a tokenizer.json's own
+    /// bytes, and for a tiktoken encoding an equivalent byte-level BPE built from its ranks
+    /// (the same ids for every text; see `hf_json`). About 0.3 s for cl100k, 0.6 s for o200k.
+    pub fn hf_tokenizer_json(&self) -> Result<Vec<u8>> {
+        match &self.kind {
+            Kind::Tiktoken { name, bpe } => {
+                let json = hf_json::from_tiktoken(name, bpe, self.vocab_size)?;
+                Ok((serde_json::to_string_pretty(&json)? + "\n").into_bytes())
+            }
+            Kind::HuggingFace { path, .. } => std::fs::read(path)
+                .with_context(|| format!("{}: cannot read the tokenizer", path.display())),
+        }
     }
 
     /// Decodes ids back to text; fails on unknown ids or invalid UTF-8.

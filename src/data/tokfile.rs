@@ -47,6 +47,8 @@ pub struct TokFileInfo {
     pub num_docs: u64,
     /// Bytes per token.
     pub dtype_bytes: u32,
+    /// The largest token id written (`None` for a file without tokens).
+    pub max_token_id: Option<u32>,
 }
 
 /// Streams documents into a `.tok` file, atomically: data goes to
@@ -60,6 +62,7 @@ pub struct TokFileWriter {
     tokenizer_hash: [u8; 32],
     num_tokens: u64,
     doc_starts: Vec<u64>,
+    max_token_id: Option<u32>,
 }
 
 fn tok_header(dtype: u32, tokens: u64, docs: u64, hash: &[u8; 32]) -> [u8; 64] {
@@ -98,6 +101,7 @@ impl TokFileWriter {
             tokenizer_hash,
             num_tokens: 0,
             doc_starts: Vec::new(),
+            max_token_id: None,
         })
     }
 
@@ -122,6 +126,7 @@ impl TokFileWriter {
         }
         self.doc_starts.push(self.num_tokens);
         self.num_tokens += tokens.len() as u64;
+        self.max_token_id = self.max_token_id.max(tokens.iter().copied().max());
         Ok(())
     }
 
@@ -160,6 +165,7 @@ impl TokFileWriter {
             num_tokens: self.num_tokens,
             num_docs: docs,
             dtype_bytes: self.dtype_bytes,
+            max_token_id: self.max_token_id,
         })
     }
 }
@@ -446,6 +452,36 @@ impl TokenFile {
         le_u64(&self.map, self.offsets_start + 8 * i as usize)
     }
 
+    /// Lengths of the pieces that document starts cut `start..start + len` into, in order
+    /// (summing to `len`): the documents a packed window holds, the first and last possibly
+    /// partial. A binary search over the offsets table, then one entry per boundary inside the
+    /// range; no token is read. A file without document offsets (nanoGPT, llm.c) is one piece.
+    pub fn document_pieces(&self, start: u64, len: usize) -> Vec<usize> {
+        let end = start + len as u64;
+        // The first document starting after `start`: offsets are increasing.
+        let (mut lo, mut hi) = (0, self.num_docs);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.doc_offset(mid) <= start {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut pieces = Vec::new();
+        let mut from = start;
+        for i in lo..self.num_docs {
+            let o = self.doc_offset(i);
+            if o >= end {
+                break;
+            }
+            pieces.push((o - from) as usize);
+            from = o;
+        }
+        pieces.push((end - from) as usize);
+        pieces
+    }
+
     /// Token `i`. Panics if `i >= num_tokens()`.
     pub fn get(&self, i: u64) -> u32 {
         assert!(
@@ -491,6 +527,38 @@ impl TokenFile {
     /// The format this file was read as.
     pub fn source_kind(&self) -> SourceKind {
         self.kind
+    }
+
+    /// The largest token id in the file (`None` when it has no tokens), by reading every token:
+    /// a parallel scan of the mapped data (rayon's global pool). It reads the whole file, so
+    /// callers remember the result ([`super::ids::max_token_id`]).
+    pub fn scan_max_token_id(&self) -> Option<u32> {
+        use rayon::prelude::*;
+        // Chunks of 4 MiB: large enough that scheduling costs nothing, small enough to balance.
+        const CHUNK_BYTES: usize = 4 << 20;
+        let d = self.dtype as usize;
+        let end = self.data_start + self.num_tokens as usize * d;
+        let data = &self.map[self.data_start..end];
+        let chunks = data.par_chunks(CHUNK_BYTES - CHUNK_BYTES % d);
+        match self.dtype {
+            2 => chunks
+                .map(|c| {
+                    c.chunks_exact(2)
+                        .map(|t| u16::from_le_bytes([t[0], t[1]]))
+                        .max()
+                })
+                .max()
+                .flatten()
+                .map(u32::from),
+            _ => chunks
+                .map(|c| {
+                    c.chunks_exact(4)
+                        .map(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]))
+                        .max()
+                })
+                .max()
+                .flatten(),
+        }
     }
 }
 
@@ -660,6 +728,65 @@ mod tests {
             err.contains("truncated") && err.contains("1024+2*3 = 1030"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn largest_id_is_counted_while_writing_and_found_by_scanning() {
+        let dir = tempfile::tempdir().unwrap();
+        // Over one 4 MiB scan chunk, with the largest id in the last chunk.
+        let mut docs: Vec<Vec<u32>> = (0..3u32)
+            .map(|d| (0..1_100_000u32).map(|i| (i * 7 + d) % 40_000).collect())
+            .collect();
+        docs[2][1_099_999] = 60_001;
+        for dtype in [2u32, 4] {
+            let path = dir.path().join(format!("big{dtype}.tok"));
+            let info = write(&path, dtype, &docs);
+            assert_eq!(info.max_token_id, Some(60_001));
+            let f = TokenFile::open(&path).unwrap();
+            assert_eq!(f.scan_max_token_id(), Some(60_001));
+        }
+        let empty = dir.path().join("empty.tok");
+        assert_eq!(write(&empty, 2, &[]).max_token_id, None);
+        assert_eq!(TokenFile::open(&empty).unwrap().scan_max_token_id(), None);
+        let shard = dir.path().join("shard.bin");
+        fs::write(&shard, llmc_shard(20240801, 7, &[5, 128_255, 9], 4)).unwrap();
+        assert_eq!(
+            TokenFile::open(&shard).unwrap().scan_max_token_id(),
+            Some(128_255)
+        );
+    }
+
+    #[test]
+    fn document_pieces_follow_the_offsets() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.tok");
+        // Documents at 0, 3, 4, 9 (lengths 3, 1, 5, 2): 11 tokens.
+        let docs = [vec![1, 2, 0], vec![0], vec![5, 6, 7, 8, 0], vec![9, 0]];
+        write(&path, 2, &docs);
+        let f = TokenFile::open(&path).unwrap();
+        assert_eq!(f.document_pieces(0, 11), vec![3, 1, 5, 2]);
+        assert_eq!(f.document_pieces(0, 3), vec![3]);
+        assert_eq!(f.document_pieces(0, 4), vec![3, 1]);
+        assert_eq!(f.document_pieces(1, 6), vec![2, 1, 3]);
+        assert_eq!(f.document_pieces(3, 1), vec![1]);
+        assert_eq!(f.document_pieces(5, 6), vec![4, 2]);
+        assert_eq!(f.document_pieces(10, 1), vec![1]);
+        // Brute force over every window: pieces sum to the length and cut at document starts.
+        for start in 0..11u64 {
+            for len in 1..=(11 - start) as usize {
+                let pieces = f.document_pieces(start, len);
+                assert_eq!(pieces.iter().sum::<usize>(), len);
+                let mut at = start;
+                for p in &pieces[..pieces.len() - 1] {
+                    at += *p as u64;
+                    assert!([3, 4, 9].contains(&at), "{start}+{len}: cut at {at}");
+                }
+                let inside = [3u64, 4, 9]
+                    .iter()
+                    .filter(|&&o| o > start && o < start + len as u64);
+                assert_eq!(inside.count(), pieces.len() - 1);
+            }
+        }
     }
 
     #[test]

@@ -1,4 +1,6 @@
-//! Reads the rank layout torchrun (or lockstep's own launcher) passes through the environment.
+//! Reads the rank layout torchrun, lockstep's own launcher or srun passes through the
+//! environment. torchrun's variables (RANK, WORLD_SIZE, ...) win; without them, srun's
+//! (SLURM_PROCID, SLURM_NTASKS, ...; see [`super::slurm`]).
 
 use anyhow::{bail, Context, Result};
 
@@ -23,6 +25,11 @@ pub struct DistEnv {
     /// `TORCHELASTIC_RESTART_COUNT` (0 when absent). The agent's store outlives worker
     /// restarts, so the ring namespaces its keys by this to ignore a dead attempt's keys.
     pub restart_count: u64,
+    /// Started by `lockstep run` (`LOCKSTEP_LAUNCHER`), whose launcher hosts the store.
+    pub lockstep_launcher: bool,
+    /// How the layout was derived when that is worth a log line (Slurm: the master address
+    /// from the node list, the port from the job id).
+    pub note: Option<String>,
 }
 
 /// Defaults used when a single-process job leaves the address unset (nothing connects to it).
@@ -42,7 +49,7 @@ impl DistEnv {
         let rank_s = get("RANK");
         let world_s = get("WORLD_SIZE");
         let (rank_s, world_s) = match (rank_s, world_s) {
-            (None, None) => return Ok(None),
+            (None, None) => return Self::from_slurm(&get),
             (Some(_), None) => bail!("RANK is set but WORLD_SIZE is not; set both or neither"),
             (None, Some(_)) => bail!("WORLD_SIZE is set but RANK is not; set both or neither"),
             (Some(r), Some(w)) => (r, w),
@@ -127,6 +134,27 @@ impl DistEnv {
             master_port,
             agent_store,
             restart_count,
+            lockstep_launcher: get("LOCKSTEP_LAUNCHER").is_some(),
+            note: None,
+        }))
+    }
+
+    /// A task started by srun: the layout from the SLURM_* variables (`Ok(None)` outside srun).
+    fn from_slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>> {
+        let Some(t) = super::slurm::task_layout(get)? else {
+            return Ok(None);
+        };
+        Ok(Some(DistEnv {
+            rank: t.rank,
+            world_size: t.world_size,
+            local_rank: t.local_rank,
+            local_world_size: t.local_world_size,
+            master_addr: t.master_addr,
+            master_port: t.master_port,
+            agent_store: false,
+            restart_count: 0,
+            lockstep_launcher: false,
+            note: Some(t.note),
         }))
     }
 }
@@ -186,6 +214,8 @@ mod tests {
                 master_port: 29400,
                 agent_store: false,
                 restart_count: 0,
+                lockstep_launcher: false,
+                note: None,
             }
         );
         let mut v = FULL.to_vec();
@@ -200,6 +230,32 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(!e.agent_store);
+    }
+
+    #[test]
+    fn srun_variables_give_the_layout_unless_torchrun_s_are_set() {
+        let slurm = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "2"),
+            ("SLURM_JOB_NODELIST", "localhost"),
+            ("SLURM_JOB_ID", "123"),
+        ];
+        let e = parse(&slurm).unwrap().unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (1, 2, 1, 2)
+        );
+        assert_eq!(
+            (e.master_addr.as_str(), e.master_port),
+            ("localhost", 15123)
+        );
+        assert!(e.note.unwrap().contains("SLURM_JOB_ID=123"));
+        let mut both = slurm.to_vec();
+        both.extend(FULL);
+        let e = parse(&both).unwrap().unwrap();
+        assert_eq!((e.rank, e.world_size, e.note), (3, 8, None));
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! Data-parallel synchronisation of tensors through a `ProcessGroup`: gradients are averaged and
-//! initial parameters broadcast in flat buckets of `bucket_mb`, so a model of hundreds of
-//! tensors costs a handful of collectives rather than one per tensor. Buckets are built on the
+//! The initial parameters broadcast from rank 0 in flat buckets of `bucket_mb`, so a model of
+//! hundreds of tensors costs a handful of collectives rather than one per tensor (gradients are
+//! averaged as backward finishes them: `train::reduce`). Buckets are built on the
 //! tensors' own device, so NCCL reduces them where they are; the CPU ring copies them to host.
 
 use anyhow::Result;
@@ -50,18 +50,6 @@ fn bucketed(
     Ok(())
 }
 
-/// Averages gradients across ranks (every rank ends with the same mean gradient).
-pub fn all_reduce_gradients(
-    pg: &mut dyn ProcessGroup,
-    grads: &[Tensor],
-    bucket_mb: f64,
-) -> Result<()> {
-    if pg.world_size() == 1 {
-        return Ok(());
-    }
-    bucketed(grads, bucket_mb, |b| pg.all_reduce_avg_tensor(b))
-}
-
 /// Copies rank 0's parameters to every rank, so all start from the same weights.
 pub fn broadcast_parameters(
     pg: &mut dyn ProcessGroup,
@@ -101,7 +89,7 @@ mod tests {
         fn barrier(&mut self) -> Result<()> {
             Ok(())
         }
-        fn all_reduce_avg_tensor(&mut self, t: &Tensor) -> Result<()> {
+        fn broadcast_tensor(&mut self, t: &Tensor, _root: usize) -> Result<()> {
             self.0.push((t.kind(), t.numel() as i64));
             tch::no_grad(|| t.shallow_clone().copy_(&(t * 2)));
             Ok(())
@@ -121,7 +109,7 @@ mod tests {
             Tensor::ones([5], opts),
         ];
         let mut pg = Recorder(Vec::new());
-        all_reduce_gradients(&mut pg, &ts, 1.0)?;
+        broadcast_parameters(&mut pg, &ts, 1.0)?;
         assert_eq!(
             pg.0,
             [

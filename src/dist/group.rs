@@ -45,6 +45,12 @@ pub trait ProcessGroup: Send {
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self) -> Result<()>;
 
+    /// Payload bytes this rank has sent so far, where the backend counts them (the ring);
+    /// None where it does not (NCCL moves device buffers it does not report).
+    fn bytes_sent(&self) -> Option<u64> {
+        None
+    }
+
     /// In-place mean of a contiguous tensor across ranks. Backends that reduce on the device
     /// (NCCL) override this; the default goes through host memory in fp32. NCCL's average
     /// (ncclAvg) and its summation order depend on its algorithm and topology, so the exactness
@@ -57,6 +63,59 @@ pub trait ProcessGroup: Send {
     fn broadcast_tensor(&mut self, t: &Tensor, root: usize) -> Result<()> {
         through_host(t, |buf| self.broadcast_f32(buf, root))
     }
+
+    /// In-place reduce-scatter with mean: `buf` is cut into consecutive pieces of `splits[r]`
+    /// elements, one per rank in rank order (pieces may differ in length or be empty);
+    /// afterwards this rank's piece holds the mean of every rank's piece, and the other pieces
+    /// are unspecified. The default all-reduces the whole buffer (right, but N× the traffic);
+    /// the ring and NCCL send each rank only its piece.
+    fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        check_splits(buf.len(), splits, self.world_size())?;
+        self.all_reduce_avg_f32(buf)
+    }
+
+    /// In-place all-gather: on entry this rank's piece of `buf` (cut as in
+    /// [`ProcessGroup::reduce_scatter_avg_f32`]) holds its data; afterwards every piece holds
+    /// its owner's, bit for bit. The default zeroes the other pieces and all-reduces.
+    fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        check_splits(buf.len(), splits, self.world_size())?;
+        let mine = piece(splits, self.rank());
+        for (i, x) in buf.iter_mut().enumerate() {
+            if !mine.contains(&i) {
+                *x = 0.0;
+            }
+        }
+        self.all_reduce_sum_f32(buf)
+    }
+
+    /// [`ProcessGroup::reduce_scatter_avg_f32`] on a contiguous 1-D tensor. Default through
+    /// host memory in fp32; NCCL overrides it.
+    fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        through_host(t, |buf| self.reduce_scatter_avg_f32(buf, splits))
+    }
+
+    /// [`ProcessGroup::all_gather_f32`] on a contiguous 1-D tensor. Default through host
+    /// memory in fp32; NCCL overrides it.
+    fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        through_host(t, |buf| self.all_gather_f32(buf, splits))
+    }
+}
+
+/// Rank `r`'s range of a buffer cut into `splits`.
+pub fn piece(splits: &[usize], r: usize) -> std::ops::Range<usize> {
+    let start: usize = splits[..r].iter().sum();
+    start..start + splits[r]
+}
+
+/// Every rank must pass one piece per rank, covering the buffer exactly.
+pub(crate) fn check_splits(len: usize, splits: &[usize], world: usize) -> Result<()> {
+    anyhow::ensure!(
+        splits.len() == world && splits.iter().sum::<usize>() == len,
+        "internal: {} pieces of {} elements in all for a buffer of {len} elements in a world of {world}",
+        splits.len(),
+        splits.iter().sum::<usize>()
+    );
+    Ok(())
 }
 
 /// Runs a host-slice collective on a tensor: copy out as fp32, `op`, copy back in place.
@@ -112,6 +171,10 @@ impl ProcessGroup for SingleProcess {
         0
     }
 
+    fn bytes_sent(&self) -> Option<u64> {
+        Some(0)
+    }
+
     fn world_size(&self) -> usize {
         1
     }
@@ -135,6 +198,22 @@ impl ProcessGroup for SingleProcess {
 
     fn barrier(&mut self) -> Result<()> {
         Ok(())
+    }
+
+    fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        check_splits(buf.len(), splits, 1)
+    }
+
+    fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        check_splits(buf.len(), splits, 1)
+    }
+
+    fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        check_splits(t.numel(), splits, 1)
+    }
+
+    fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        check_splits(t.numel(), splits, 1)
     }
 }
 

@@ -16,15 +16,19 @@
 //!   while scalars and barriers stay on the CPU ring, whose timeouts name the missing rank.
 //!   The NCCL communicator bootstraps through the same store.
 //!
-//! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced in
-//! [`grads::all_reduce_gradients`].
+//! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
+//! `train::reduce` as backward finishes them, through [`overlap::with_queue`].
 
 pub mod env;
+pub mod forensics;
 pub mod grads;
 pub mod group;
 pub mod nccl;
+pub mod overlap;
 pub mod ring;
+pub mod slurm;
 pub mod store;
+pub mod zero;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,6 +64,9 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
     let (addr, port) = (env.master_addr.as_str(), env.master_port);
     let host_here = env.rank == 0 && !env.agent_store;
     let store = if host_here {
+        if env.world_size > env.local_world_size {
+            store::check_reachable_name(addr)?;
+        }
         Store::server(addr, port, env.world_size, timeout)?
     } else {
         Store::client(addr, port, timeout).with_context(|| {
@@ -78,7 +85,9 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
         // The agent store outlives worker restarts; namespacing by restart keeps a new attempt
         // from reading the dead attempt's addresses and sequence numbers.
         key_prefix: format!("lockstep/{}/ring/", env.restart_count),
-        store_owner: if env.agent_store {
+        store_owner: if env.agent_store && env.lockstep_launcher {
+            format!("the lockstep run launcher of node 0 on {addr}")
+        } else if env.agent_store {
             format!("the torchrun agent on {addr}")
         } else {
             format!("rank 0 on {addr}")
@@ -93,7 +102,8 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
     let store = Arc::new(store);
     let mut ring = RingGroup::with_config(store.clone(), env.rank, env.world_size, timeout, cfg)?;
     agree_on_backend(&mut ring, backend)?;
-    Ok(match backend {
+    let next_seq = ring.collectives_started() + 1;
+    let group: Box<dyn ProcessGroup> = match backend {
         Backend::Ring => Box::new(ring),
         Backend::Nccl { cuda_device } => {
             let prefix = format!("lockstep/{}/nccl", env.restart_count);
@@ -105,6 +115,16 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
                 timeout,
             )?)
         }
+    };
+    // Every collective from here on is recorded for the hang forensics, numbered on from the
+    // ring's own count so that its error messages ("all-reduce #57 timed out") and the history
+    // agree on the CPU ring.
+    Ok(match forensics::global() {
+        Some(log) => {
+            log.continue_numbering_at(next_seq);
+            Box::new(forensics::Traced::new(group, log))
+        }
+        None => group,
     })
 }
 
@@ -169,6 +189,8 @@ mod tests {
                             master_port: port,
                             agent_store: agent_restart.is_some(),
                             restart_count: agent_restart.unwrap_or(0),
+                            lockstep_launcher: false,
+                            note: None,
                         })
                     })
                 })

@@ -3,19 +3,22 @@
 //! The store is the rendezvous point: ranks publish their ring addresses, the run nonce and
 //! their per-collective sequence numbers here. It is not on the data path.
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void};
 use std::fmt;
-use std::net::TcpListener;
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::time::Duration;
 
 use anyhow::Result;
 
+use crate::sys::ffi::{self as sys_ffi, ShimError};
+
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
 
     extern "C" {
-        #[allow(clippy::too_many_arguments)]
         pub fn ls_store_new(
             host: *const c_char,
             host_len: usize,
@@ -23,12 +26,12 @@ mod ffi {
             is_server: c_int,
             world_size: i64,
             timeout_ms: i64,
+            listen_fd: c_int,
             out: *mut *mut c_void,
             err: *mut *mut c_char,
         ) -> c_int;
         pub fn ls_store_free(h: *mut c_void);
         pub fn ls_store_c10d(h: *mut c_void) -> *mut c_void;
-        pub fn ls_store_free_buf(p: *mut c_void);
         pub fn ls_store_port(h: *const c_void) -> u16;
         pub fn ls_store_set(
             h: *mut c_void,
@@ -124,28 +127,13 @@ unsafe impl Send for Store {}
 // SAFETY: see `Send` above: all methods go through TCPStore's internal lock.
 unsafe impl Sync for Store {}
 
-const ERR_OK: c_int = 0;
+// The shim's error classes (csrc/c10d_store.cpp); any other status is `Other`.
 const ERR_TIMEOUT: c_int = 2;
 const ERR_ADDR_IN_USE: c_int = 3;
 const ERR_NETWORK: c_int = 4;
 
-/// Takes ownership of a shim error string.
-fn take_err(err: *mut c_char) -> String {
-    if err.is_null() {
-        return "unknown TCPStore error (no message)".to_owned();
-    }
-    // SAFETY: the shim returns a malloc'd NUL-terminated string that we own; it is read once
-    // and then freed with the shim's matching free function.
-    let s = unsafe { CStr::from_ptr(err) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: `err` came from the shim's malloc and is not used afterwards.
-    unsafe { ffi::ls_store_free_buf(err.cast()) };
-    s
-}
-
-fn kind_of(code: c_int) -> StoreErrorKind {
-    match code {
+fn kind_of(e: &ShimError) -> StoreErrorKind {
+    match e.status {
         ERR_TIMEOUT => StoreErrorKind::Timeout,
         ERR_ADDR_IN_USE => StoreErrorKind::AddrInUse,
         ERR_NETWORK => StoreErrorKind::Unreachable,
@@ -169,35 +157,44 @@ pub fn free_port() -> u16 {
 }
 
 impl Store {
-    /// Hosts a TCPStore on `port` (all interfaces; 0 picks a free port) and connects to it via
-    /// `host`. `timeout` bounds every blocking `get`/`wait` made through this handle.
+    /// Hosts a TCPStore on `host:port` (0 picks a free port) and connects to it. The socket is
+    /// bound here, to the address `host` resolves to, and handed to the store
+    /// (`TCPStoreOptions::masterListenFd`): left to itself TCPStore listens on every interface,
+    /// so any host that can reach this machine could read and write the run's keys (the ring's
+    /// nonce included). `host` must therefore be an address of this machine: loopback for a
+    /// single-node run, the address the other nodes use otherwise. `timeout` bounds every
+    /// blocking `get`/`wait` made through this handle.
     pub fn server(host: &str, port: u16, world_size: usize, timeout: Duration) -> Result<Store> {
-        Self::open(host, port, true, world_size as i64, timeout).map_err(|e| {
-            match e.downcast_ref::<StoreError>() {
-                Some(se) if se.kind == StoreErrorKind::AddrInUse => {
-                    anyhow::Error::new(StoreError {
-                        kind: StoreErrorKind::AddrInUse,
-                        msg: format!(
-                            "cannot host the rendezvous store on {host}:{port}: address in use; \
-                         choose another --master-port (0 picks a free one)"
-                        ),
-                    })
-                }
-                _ => e,
-            }
-        })
+        let listener = bind_listener(host, port)?;
+        let port = listener.local_addr()?.port();
+        // The store takes over the descriptor it is given whatever happens, so it gets a
+        // duplicate and `listener` closes ours.
+        // SAFETY: dup of a descriptor we own; the result is checked below.
+        let fd = unsafe { libc::dup(listener.as_raw_fd()) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error())
+                .map_err(|e| anyhow::anyhow!("duplicating the store's listening socket: {e}"));
+        }
+        Self::open(host, port, Some(fd), world_size as i64, timeout)
     }
 
     /// Connects to a TCPStore at `host:port`, retrying until `timeout` if it is not up yet.
     pub fn client(host: &str, port: u16, timeout: Duration) -> Result<Store> {
-        Self::open(host, port, false, 0, timeout)
+        Self::open(host, port, None, 0, timeout)
     }
 
-    fn open(host: &str, port: u16, server: bool, world: i64, timeout: Duration) -> Result<Store> {
+    /// A server when `listen_fd` is given (the store takes the descriptor over), else a client.
+    fn open(
+        host: &str,
+        port: u16,
+        listen_fd: Option<c_int>,
+        world: i64,
+        timeout: Duration,
+    ) -> Result<Store> {
+        let server = listen_fd.is_some();
         let mut out: *mut c_void = std::ptr::null_mut();
-        let mut err: *mut c_char = std::ptr::null_mut();
         // SAFETY: `host` is valid for `host.len()` bytes; `out`/`err` are valid out-pointers.
-        let rc = unsafe {
+        let created = sys_ffi::call(|err| unsafe {
             ffi::ls_store_new(
                 host.as_ptr().cast(),
                 host.len(),
@@ -205,18 +202,16 @@ impl Store {
                 c_int::from(server),
                 world,
                 millis(timeout),
+                listen_fd.unwrap_or(-1),
                 &mut out,
-                &mut err,
+                err,
             )
-        };
-        if rc != ERR_OK {
+        });
+        if let Err(e) = created {
             let role = if server { "host" } else { "connect to" };
             return Err(StoreError {
-                kind: kind_of(rc),
-                msg: format!(
-                    "cannot {role} the rendezvous store at {host}:{port}: {}",
-                    take_err(err)
-                ),
+                kind: kind_of(&e),
+                msg: format!("cannot {role} the rendezvous store at {host}:{port}: {e}"),
             }
             .into());
         }
@@ -260,82 +255,73 @@ impl Store {
         self.is_server
     }
 
-    fn check_rc(&self, rc: c_int, err: *mut c_char, what: &str) -> Result<()> {
-        if rc == ERR_OK {
-            return Ok(());
-        }
-        Err(StoreError {
-            kind: kind_of(rc),
-            msg: format!(
-                "store {what} on {}:{} failed: {}",
-                self.host,
-                self.port,
-                take_err(err)
-            ),
-        }
-        .into())
+    /// Runs one shim call (given the `err` out-parameter); a failure becomes a [`StoreError`]
+    /// saying which operation (`what`) failed on which store.
+    fn call(&self, what: &str, f: impl FnOnce(*mut *mut c_char) -> c_int) -> Result<()> {
+        sys_ffi::call(f).map_err(|e| {
+            let msg = format!("store {what} on {}:{} failed: {e}", self.host, self.port);
+            StoreError {
+                kind: kind_of(&e),
+                msg,
+            }
+            .into()
+        })
     }
 
     /// Sets `key` to `value`, overwriting.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let mut err = std::ptr::null_mut();
         // SAFETY: handle is live; key/value pointers are valid for their lengths.
-        let rc = unsafe {
+        self.call(&format!("set of {key:?}"), |err| unsafe {
             ffi::ls_store_set(
                 self.ptr.as_ptr(),
                 key.as_ptr().cast(),
                 key.len(),
                 value.as_ptr(),
                 value.len(),
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("set of {key:?}"))
+        })
     }
 
     /// Returns the value of `key`, blocking until it exists or the store's timeout expires.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let mut data: *mut u8 = std::ptr::null_mut();
         let mut len = 0usize;
-        let mut err = std::ptr::null_mut();
         // SAFETY: handle is live; key is valid for key.len(); out-pointers are valid.
-        let rc = unsafe {
+        self.call(&format!("get of {key:?}"), |err| unsafe {
             ffi::ls_store_get(
                 self.ptr.as_ptr(),
                 key.as_ptr().cast(),
                 key.len(),
                 &mut data,
                 &mut len,
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("get of {key:?}"))?;
+        })?;
         if data.is_null() {
             return Ok(Vec::new());
         }
         // SAFETY: on success the shim returns a malloc'd buffer of exactly `len` bytes that we own.
         let v = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
         // SAFETY: `data` came from the shim's malloc and is not used afterwards.
-        unsafe { ffi::ls_store_free_buf(data.cast()) };
+        unsafe { libc::free(data.cast()) };
         Ok(v)
     }
 
     /// Atomically adds `delta` to the integer at `key` (missing = 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let mut out = 0i64;
-        let mut err = std::ptr::null_mut();
         // SAFETY: handle is live; key is valid for key.len(); out-pointers are valid.
-        let rc = unsafe {
+        self.call(&format!("add to {key:?}"), |err| unsafe {
             ffi::ls_store_add(
                 self.ptr.as_ptr(),
                 key.as_ptr().cast(),
                 key.len(),
                 delta,
                 &mut out,
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("add to {key:?}"))?;
+        })?;
         Ok(out)
     }
 
@@ -343,58 +329,110 @@ impl Store {
     pub fn check(&self, keys: &[&str]) -> Result<bool> {
         let (ptrs, lens) = key_arrays(keys);
         let mut out: c_int = 0;
-        let mut err = std::ptr::null_mut();
         // SAFETY: handle is live; `ptrs[i]` is valid for `lens[i]` bytes and both arrays have
         // `keys.len()` entries borrowed from `keys`, which outlives the call.
-        let rc = unsafe {
+        self.call(&format!("check of {keys:?}"), |err| unsafe {
             ffi::ls_store_check(
                 self.ptr.as_ptr(),
                 ptrs.as_ptr(),
                 lens.as_ptr(),
                 keys.len(),
                 &mut out,
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("check of {keys:?}"))?;
+        })?;
         Ok(out != 0)
     }
 
     /// Blocks until all `keys` exist; a [`StoreErrorKind::Timeout`] error after `timeout`.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let (ptrs, lens) = key_arrays(keys);
-        let mut err = std::ptr::null_mut();
         // SAFETY: as in `check`.
-        let rc = unsafe {
+        self.call(&format!("wait for {keys:?}"), |err| unsafe {
             ffi::ls_store_wait(
                 self.ptr.as_ptr(),
                 ptrs.as_ptr(),
                 lens.as_ptr(),
                 keys.len(),
                 millis(timeout),
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("wait for {keys:?}"))
+        })
     }
 
     /// Deletes `key`; returns whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool> {
         let mut out: c_int = 0;
-        let mut err = std::ptr::null_mut();
         // SAFETY: handle is live; key is valid for key.len(); out-pointers are valid.
-        let rc = unsafe {
+        self.call(&format!("delete of {key:?}"), |err| unsafe {
             ffi::ls_store_delete(
                 self.ptr.as_ptr(),
                 key.as_ptr().cast(),
                 key.len(),
                 &mut out,
-                &mut err,
+                err,
             )
-        };
-        self.check_rc(rc, err, &format!("delete of {key:?}"))?;
+        })?;
         Ok(out != 0)
     }
+}
+
+/// The listening socket of a store hosted at `host:port`: bound to the address `host` resolves
+/// to (IPv4 first, as the ring's route lookup picks), with errors that say what to change.
+fn bind_listener(host: &str, port: u16) -> Result<TcpListener> {
+    let addr = resolve(host, port)?;
+    TcpListener::bind(addr).map_err(|e| {
+        let (kind, why) = match e.kind() {
+            ErrorKind::AddrInUse => (
+                StoreErrorKind::AddrInUse,
+                "address in use; choose another --master-port (0 picks a free one)".to_string(),
+            ),
+            ErrorKind::AddrNotAvailable => (
+                StoreErrorKind::Other,
+                format!(
+                    "{host} resolves to {}, which is not an address of this machine; MASTER_ADDR \
+                     (--master-addr) must name the host that runs rank 0 (node 0)",
+                    addr.ip()
+                ),
+            ),
+            _ => (StoreErrorKind::Other, e.to_string()),
+        };
+        StoreError {
+            kind,
+            msg: format!("cannot host the rendezvous store on {host}:{port}: {why}"),
+        }
+        .into()
+    })
+}
+
+/// For a store that other machines must reach: an error when `host` is a name (not an address
+/// literal) that resolves to a loopback address here, as a host's own name often does through
+/// /etc/hosts (`127.0.1.1 node0`). The store would listen where no other node can connect.
+pub fn check_reachable_name(host: &str) -> Result<()> {
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(()); // an explicit address is taken as meant
+    }
+    let ip = resolve(host, 0)?.ip();
+    anyhow::ensure!(
+        !ip.is_loopback(),
+        "the master address {host} resolves to {ip} on this host, a loopback address that the \
+         other nodes cannot reach (often an /etc/hosts line for the host's own name); set \
+         MASTER_ADDR / --master-addr to this node's network address"
+    );
+    Ok(())
+}
+
+/// `host:port` as a socket address, preferring IPv4 when the name has both.
+pub(crate) fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let all: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| anyhow::anyhow!("cannot resolve the rendezvous host {host:?}: {e}"))?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| all.first())
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("the rendezvous host {host:?} resolves to no address"))
 }
 
 fn key_arrays(keys: &[&str]) -> (Vec<*const c_char>, Vec<usize>) {
@@ -511,6 +549,48 @@ mod tests {
         let e = client.get("k").unwrap_err();
         assert_eq!(kind(&e), StoreErrorKind::Unreachable, "{e:#}");
         Ok(())
+    }
+
+    /// The server listens on the address it was given only: the whole of 127.0.0.0/8 reaches
+    /// this machine, yet 127.0.0.2 is refused when the store was bound to 127.0.0.1.
+    #[test]
+    fn server_listens_on_its_address_only() -> Result<()> {
+        let t = Duration::from_secs(20);
+        let server = Store::server("127.0.0.1", 0, 1, t)?;
+        let port = server.port();
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+        let other = std::net::TcpStream::connect(("127.0.0.2", port));
+        assert!(
+            other.is_err(),
+            "the store on 127.0.0.1:{port} also accepted a connection on 127.0.0.2"
+        );
+        server.set("k", b"v")?;
+        assert_eq!(Store::client("127.0.0.1", port, t)?.get("k")?, b"v");
+        Ok(())
+    }
+
+    #[test]
+    fn hosting_on_an_address_of_another_machine_is_a_clear_error() {
+        // TEST-NET-3 (RFC 5737): never an address of this machine.
+        let e = Store::server("203.0.113.7", 0, 1, Duration::from_secs(5)).unwrap_err();
+        let msg = format!("{e}");
+        assert!(
+            msg.contains("203.0.113.7") && msg.contains("not an address of this machine"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_name_for_loopback_cannot_serve_other_nodes() {
+        let e = check_reachable_name("localhost").unwrap_err();
+        assert!(
+            format!("{e}").contains("localhost resolves to 127.0.0.1"),
+            "{e}"
+        );
+        assert!(
+            check_reachable_name("127.0.0.1").is_ok(),
+            "a literal is meant"
+        );
     }
 
     #[test]

@@ -1,19 +1,27 @@
-//! `lockstep run`: starts one worker process per rank and supervises them.
+//! `lockstep run`: starts one worker process per rank, supervises them, and restarts them all
+//! from the latest checkpoint when one fails (`--max-restarts`).
 //!
 //! The launcher is deliberately small and torchrun-like:
-//! - `port` resolves the rendezvous port (a free one for `0`, a busy check otherwise);
+//! - `run` is the command: devices (also from Slurm's variables), checks, data preparation, the
+//!   workers' spec, launch;
+//! - `rendezvous`: node 0's launcher hosts the run's TCPStore (bound to the master address
+//!   only), which outlives the workers; the launchers of all nodes agree on each restart there;
 //! - `spawn` starts each worker with the rank environment, in its own process group and
 //!   with a parent-death signal, so no worker outlives the launcher;
 //! - `output` prefixes, filters and logs every line the workers print;
-//! - `supervise` waits for the workers, tears the group down when one fails and forwards
-//!   SIGINT/SIGTERM (handlers from `signals`);
+//! - `supervise` waits for the workers, tears the group down when one fails (here or on
+//!   another node) and forwards SIGINT/SIGTERM (handlers from `signals`);
+//! - `hang` turns the workers' trace files into the one-screen hang report (on a collective
+//!   timeout, and on SIGUSR1);
 //! - `gpus` finds GPUs through NVML loaded at run time and parses `--gpus` lists.
 //!
 //! Everything here is Linux-specific (process groups, `prctl`, `/proc`).
 
 mod gpus;
+mod hang;
 mod output;
-mod port;
+mod rendezvous;
+mod run;
 mod signals;
 mod spawn;
 mod supervise;
@@ -28,7 +36,11 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 pub use gpus::{detect_gpus, parse_gpu_list, pick_free_gpus, GpuInfo};
+pub use rendezvous::{decide, Decision, FailureReport, NodeReport, Rendezvous, RestartPolicy};
+pub use run::{run, LaunchArgs};
 pub use supervise::{ExitKind, RankFailure};
+
+use rendezvous::AttemptPeers;
 
 /// Which devices the workers of this node run on; one worker per entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,10 +71,15 @@ pub struct LaunchPlan {
     pub nnodes: usize,
     /// This node's index in `0..nnodes`.
     pub node_rank: usize,
-    /// Address of node 0, exported as `MASTER_ADDR`.
+    /// Address of node 0, exported as `MASTER_ADDR`; node 0's launcher hosts the rendezvous
+    /// store there (on that address only).
     pub master_addr: String,
     /// Rendezvous port exported as `MASTER_PORT`; 0 picks a free one (single node only).
     pub master_port: u16,
+    /// How long a node waits for node 0's launcher (to connect, and for its decisions).
+    pub rendezvous_timeout: Duration,
+    /// Restarts after failures, and what they resume from.
+    pub restart: RestartPolicy,
     /// Directory for `rank_<global rank>.log`, usually `logs/<run-id>/`; created if missing.
     pub log_dir: PathBuf,
     /// Time between SIGTERM and SIGKILL when the workers are stopped, after a worker failed
@@ -99,17 +116,33 @@ impl Sinks {
 /// What happened to a launch, for callers that want more than the exit code.
 #[derive(Debug, Clone)]
 pub struct Outcome {
-    /// The code the launcher should exit with: 0, the first failing worker's code
-    /// (128 + signal for a signal), or 130/143 after SIGINT/SIGTERM.
+    /// The code the launcher should exit with: 0, the failing worker's code (128 + signal for
+    /// a signal) once no restart is left, or 130/143 after SIGINT/SIGTERM.
     pub exit_code: i32,
     /// The port exported as `MASTER_PORT` (the picked one when the plan said 0).
     pub master_port: u16,
-    /// The first worker that failed on its own (not one stopped by the launcher).
+    /// The worker of this node that failed on its own in the last attempt, if one did.
     pub failure: Option<RankFailure>,
     /// SIGINT/SIGTERM that made the launcher stop the workers, if any.
     pub interrupted_by: Option<i32>,
-    /// Process ids the workers had; all of them are reaped when `launch` returns.
+    /// Process ids the workers had, over all attempts; all are reaped when `launch` returns.
     pub pids: Vec<u32>,
+    /// Restarts made.
+    pub restarts: usize,
+}
+
+/// The arguments of a restart given what it resumes from (`None`: the latest complete
+/// checkpoint, `--resume auto`).
+pub type RestartArgs<'a> = &'a dyn Fn(Option<&Path>) -> Result<Vec<String>>;
+
+/// What the workers run.
+pub struct Job<'a> {
+    pub program: &'a Path,
+    /// Arguments of the first attempt.
+    pub args: Vec<String>,
+    /// Arguments of a restart given what it resumes from (`None`: the latest complete
+    /// checkpoint, `--resume auto`); without it restarts reuse `args`.
+    pub restart_args: Option<RestartArgs<'a>>,
 }
 
 /// Starts the workers of `plan` running `program args...`, supervises them and returns the
@@ -119,56 +152,111 @@ pub fn launch(plan: &LaunchPlan, program: &Path, args: &[String]) -> Result<i32>
 }
 
 /// [`launch`] with injectable sinks and the full [`Outcome`].
-///
-/// SIGINT/SIGTERM handlers are installed for the duration of the call (process-wide) and the
-/// previous ones restored before it returns. Every worker is reaped, and each worker's process
-/// group is swept with SIGKILL once the worker has exited, so nothing it started survives.
-/// Must be called from a thread that lives until it returns: the workers' parent-death signal
-/// is tied to the thread that spawned them.
 pub fn launch_with(
     plan: &LaunchPlan,
     program: &Path,
     args: &[String],
     sinks: &Sinks,
 ) -> Result<Outcome> {
+    let job = Job {
+        program,
+        args: args.to_vec(),
+        restart_args: None,
+    };
+    launch_in(preflight(plan)?, plan, &job, sinks)
+}
+
+/// Checks `plan` and opens its rendezvous (node 0 binds the port, a free one for 0; the other
+/// nodes connect) before the caller does expensive work such as tokenizing.
+pub fn preflight(plan: &LaunchPlan) -> Result<Rendezvous> {
     validate(plan)?;
+    Rendezvous::open(plan)
+}
+
+/// Runs `job` on this node's workers through `rdzv` (from [`preflight`]) until it succeeds,
+/// fails with no restart left, or is interrupted.
+///
+/// SIGINT/SIGTERM/SIGUSR1 handlers are installed for the duration of the call (process-wide)
+/// and the previous ones restored before it returns. Every worker is reaped, and each worker's
+/// process group is swept with SIGKILL once the worker has exited, so nothing it started
+/// survives. Must be called from a thread that lives until it returns: the workers'
+/// parent-death signal is tied to the thread that spawned them.
+pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) -> Result<Outcome> {
     if let Devices::Gpus(ids) = &plan.devices {
         check_gpu_ids(ids, &detect_gpus())?;
         warn_inherited_cuda_visible(sinks);
     }
-    let master_port = port::resolve(plan)?;
     std::fs::create_dir_all(&plan.log_dir)
         .with_context(|| format!("creating log directory {}", plan.log_dir.display()))?;
-
+    let master_port = rdzv.port();
     // Handlers go in before the first fork so a Ctrl-C during start-up is forwarded too.
     let signals = signals::Watch::install()?;
-    let mut workers = spawn::spawn_all(plan, master_port, program, args, sinks)?;
-    let pids = workers.iter().map(|w| w.pid()).collect();
-    let result = supervise::supervise(&mut workers, plan.grace, sinks, &signals);
-    // Drain what the workers printed last; bounded because a process that escaped its group
-    // could hold a pipe open forever.
-    for w in &workers {
-        w.output.wait_closed(Duration::from_secs(2));
+    let mut pids = Vec::new();
+    let mut args = job.args.clone();
+    let mut prev_before_first_step = false;
+    let mut attempt = 0;
+    loop {
+        let mut peers = AttemptPeers::new(&rdzv, attempt);
+        let sup = match signals.take() {
+            // A signal between two attempts: start nothing, and stop the other nodes too.
+            Some((_, sig)) if attempt > 0 => {
+                rdzv.request_stop(attempt);
+                supervise::Supervision {
+                    failure: None,
+                    interrupted_by: Some(sig),
+                }
+            }
+            _ => {
+                let mut workers =
+                    spawn::spawn_all(plan, master_port, attempt, job.program, &args, sinks)?;
+                pids.extend(workers.iter().map(|w| w.pid()));
+                let sup =
+                    supervise::supervise(&mut workers, plan.grace, sinks, &signals, &mut peers);
+                // Drain what the workers printed last; bounded because a process that escaped
+                // its group could hold a pipe open forever.
+                for w in &workers {
+                    w.output.wait_closed(Duration::from_secs(2));
+                }
+                sup
+            }
+        };
+        let report = NodeReport {
+            node: plan.node_rank,
+            failure: sup
+                .failure
+                .as_ref()
+                .map(|f| FailureReport::of(f, plan.node_rank)),
+            interrupted_by: sup.interrupted_by,
+        };
+        match rdzv.agree(attempt, &report, &plan.restart, prev_before_first_step)? {
+            Decision::Finish { exit_code, message } => {
+                if let Some(m) = message {
+                    output::write_line(&sinks.diag, &format!("lockstep run: {m}"));
+                }
+                return Ok(Outcome {
+                    exit_code,
+                    master_port,
+                    failure: sup.failure,
+                    interrupted_by: sup.interrupted_by,
+                    pids,
+                    restarts: attempt,
+                });
+            }
+            Decision::Restart {
+                resume,
+                message,
+                before_first_step,
+            } => {
+                output::write_line(&sinks.diag, &format!("lockstep run: {message}"));
+                prev_before_first_step = before_first_step;
+                args = match job.restart_args {
+                    Some(f) => f(resume.as_deref())?,
+                    None => job.args.clone(),
+                };
+                attempt += 1;
+            }
+        }
     }
-    drop(signals);
-    Ok(Outcome {
-        exit_code: result.exit_code,
-        master_port,
-        failure: result.failure,
-        interrupted_by: result.interrupted_by,
-        pids,
-    })
-}
-
-/// Checks `plan` and resolves its port (a free one for 0) before the caller does expensive
-/// work such as tokenizing: the returned plan names the port the workers will get.
-pub fn preflight(plan: &LaunchPlan) -> Result<LaunchPlan> {
-    validate(plan)?;
-    let master_port = port::resolve(plan)?;
-    Ok(LaunchPlan {
-        master_port,
-        ..plan.clone()
-    })
 }
 
 /// Rejects plans that cannot work before anything is started.

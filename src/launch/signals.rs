@@ -1,4 +1,5 @@
-//! SIGINT/SIGTERM handling for the launcher.
+//! Signal handling for the launcher: SIGINT/SIGTERM (stop the workers) and SIGUSR1 (a hang
+//! report, and a snapshot from every worker, without stopping anything).
 //!
 //! The handler only bumps atomics (async-signal-safe); the supervision loop polls them. The
 //! handlers are process-wide, so installation is reference-counted: the first [`Watch`]
@@ -10,11 +11,13 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Result};
 
-/// Signals forwarded to the workers.
-const HANDLED: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
+/// Signals the launcher handles.
+const HANDLED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1];
 
-/// How many handled signals arrived since the process started.
+/// How many SIGINT/SIGTERMs arrived since the process started.
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+/// How many SIGUSR1s arrived since the process started.
+static USR1: AtomicUsize = AtomicUsize::new(0);
 /// The most recent handled signal.
 static LAST: AtomicI32 = AtomicI32::new(0);
 
@@ -23,6 +26,10 @@ static INSTALLED: Mutex<(usize, Vec<(libc::c_int, libc::sigaction)>)> = Mutex::n
 
 extern "C" fn on_signal(sig: libc::c_int) {
     // Only lock-free atomics here: anything else is not async-signal-safe.
+    if sig == libc::SIGUSR1 {
+        USR1.fetch_add(1, Ordering::SeqCst);
+        return;
+    }
     LAST.store(sig, Ordering::SeqCst);
     COUNT.fetch_add(1, Ordering::SeqCst);
 }
@@ -30,6 +37,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
 /// Handlers installed for as long as this value lives.
 pub(super) struct Watch {
     seen: AtomicUsize,
+    seen_usr1: AtomicUsize,
 }
 
 impl Watch {
@@ -52,6 +60,7 @@ impl Watch {
         installed.0 += 1;
         Ok(Watch {
             seen: AtomicUsize::new(COUNT.load(Ordering::SeqCst)),
+            seen_usr1: AtomicUsize::new(USR1.load(Ordering::SeqCst)),
         })
     }
 
@@ -60,6 +69,12 @@ impl Watch {
         let now = COUNT.load(Ordering::SeqCst);
         let before = self.seen.swap(now, Ordering::SeqCst);
         (now > before).then(|| (now - before, LAST.load(Ordering::SeqCst)))
+    }
+
+    /// Whether SIGUSR1 arrived since the last call.
+    pub(super) fn take_usr1(&self) -> bool {
+        let now = USR1.load(Ordering::SeqCst);
+        self.seen_usr1.swap(now, Ordering::SeqCst) < now
     }
 }
 

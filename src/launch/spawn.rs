@@ -1,6 +1,7 @@
 //! Starting the workers.
 
 use std::fs::OpenOptions;
+use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -10,6 +11,7 @@ use anyhow::{Context, Result};
 
 use super::output::RankOutput;
 use super::{Devices, LaunchPlan, Sinks};
+use crate::dist::forensics::TRACE_ENV;
 
 /// One running (or exited) worker.
 pub(super) struct Worker {
@@ -20,6 +22,8 @@ pub(super) struct Worker {
     pub(super) child: Child,
     pub(super) output: Arc<RankOutput>,
     pub(super) log_path: PathBuf,
+    /// The worker's trace file (phase, step, recent collectives; see `dist::forensics`).
+    pub(super) trace: PathBuf,
 }
 
 impl Worker {
@@ -36,10 +40,16 @@ impl Worker {
     }
 }
 
-/// The environment of one worker, in a fixed order (handy for tests and `--dry-run`s).
+/// The environment of one worker of attempt `attempt` (0, then 1 for the first restart...), in
+/// a fixed order (handy for tests).
+///
+/// The store is the launcher's (node 0's), as under torchrun's elastic agent, so it outlives
+/// worker restarts: the workers join it as clients (`TORCHELASTIC_USE_AGENT_STORE`) and
+/// namespace their keys by the attempt (`TORCHELASTIC_RESTART_COUNT`).
 pub(super) fn worker_env(
     plan: &LaunchPlan,
     master_port: u16,
+    attempt: usize,
     local_rank: usize,
 ) -> Vec<(&'static str, String)> {
     let local_world = plan.devices.local_world();
@@ -53,6 +63,14 @@ pub(super) fn worker_env(
         ("MASTER_PORT", master_port.to_string()),
         ("LOCKSTEP_LAUNCHER", "1".to_string()),
         ("LOCKSTEP_TAG", tag(plan, local_rank)),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
+        ("TORCHELASTIC_RESTART_COUNT", attempt.to_string()),
+        (
+            TRACE_ENV,
+            trace_path(plan, global_rank(plan, local_rank))
+                .display()
+                .to_string(),
+        ),
     ];
     match &plan.devices {
         Devices::Gpus(ids) => {
@@ -69,8 +87,15 @@ pub(super) fn worker_env(
     env
 }
 
+/// Where rank `rank` keeps its trace file: beside its log, absolute because the worker reads
+/// it from the environment.
+pub(super) fn trace_path(plan: &LaunchPlan, rank: usize) -> PathBuf {
+    let dir = std::path::absolute(&plan.log_dir).unwrap_or_else(|_| plan.log_dir.clone());
+    dir.join(format!("rank_{rank}.trace"))
+}
+
 /// Ranks are numbered node by node: node `r` holds `r * local_world ..`.
-fn global_rank(plan: &LaunchPlan, local_rank: usize) -> usize {
+pub(super) fn global_rank(plan: &LaunchPlan, local_rank: usize) -> usize {
     plan.node_rank * plan.devices.local_world() + local_rank
 }
 
@@ -82,18 +107,19 @@ pub(super) fn tag(plan: &LaunchPlan, local_rank: usize) -> String {
     }
 }
 
-/// Starts every local worker. If one cannot be started, the ones already running are
-/// killed and reaped before the error is returned.
+/// Starts every local worker of attempt `attempt`. If one cannot be started, the ones
+/// already running are killed and reaped before the error is returned.
 pub(super) fn spawn_all(
     plan: &LaunchPlan,
     master_port: u16,
+    attempt: usize,
     program: &Path,
     args: &[String],
     sinks: &Sinks,
 ) -> Result<Vec<Worker>> {
     let mut workers: Vec<Worker> = Vec::new();
     for local_rank in 0..plan.devices.local_world() {
-        match spawn_one(plan, master_port, local_rank, program, args, sinks) {
+        match spawn_one(plan, master_port, attempt, local_rank, program, args, sinks) {
             Ok(w) => workers.push(w),
             Err(e) => {
                 for w in &mut workers {
@@ -110,19 +136,31 @@ pub(super) fn spawn_all(
 fn spawn_one(
     plan: &LaunchPlan,
     master_port: u16,
+    attempt: usize,
     local_rank: usize,
     program: &Path,
     args: &[String],
     sinks: &Sinks,
 ) -> Result<Worker> {
-    let env = worker_env(plan, master_port, local_rank);
+    let env = worker_env(plan, master_port, attempt, local_rank);
     let rank = global_rank(plan, local_rank);
     let log_path = plan.log_dir.join(format!("rank_{rank}.log"));
-    let log = OpenOptions::new()
+    let mut log = OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
+    if attempt > 0 {
+        // Every attempt appends to the same log; mark where this one starts.
+        let _ = writeln!(
+            log,
+            "{} lockstep run: restart {attempt}: the worker starts again",
+            tag(plan, local_rank)
+        );
+    }
+    // A trace left by the previous attempt must not be read as this one's.
+    let trace = trace_path(plan, rank);
+    let _ = std::fs::remove_file(&trace);
 
     // One pipe for stdout and stderr, like `2>&1`: a single reader sees the lines in the order
     // the worker wrote them, so an error stays after the lines that led to it.
@@ -182,6 +220,7 @@ fn spawn_one(
         child,
         output,
         log_path,
+        trace,
     };
     // The thread is detached: it ends at end-of-file, which `RankOutput::wait_closed` awaits.
     if let Err(e) = worker.output.follow(pipe) {

@@ -1,24 +1,30 @@
 //! Waiting for the workers and stopping them together.
 //!
 //! The loop polls every [`POLL`]: signals first, then each worker with a non-blocking
-//! `waitid`. The first worker that fails on its own decides the exit code and makes the
-//! launcher SIGTERM the others; a SIGINT/SIGTERM to the launcher does the same; anything
-//! still running `grace` later, or at a second signal, is SIGKILLed.
+//! `waitid`, then (less often) whether another node's launcher asked everyone to stop. The
+//! first worker that fails on its own decides the exit code and makes the launcher SIGTERM the
+//! others; a SIGINT/SIGTERM to the launcher, or a failure on another node, does the same;
+//! anything still running `grace` later, or at a second signal, is SIGKILLed. SIGUSR1 prints a
+//! hang report and makes every worker print its own snapshot; nothing stops.
 
 use std::fmt;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
+use super::hang;
 use super::output;
 use super::signals::Watch;
 use super::spawn::{kill_group, Worker};
 use super::Sinks;
+use crate::dist::forensics::{self, trace};
 
 /// How often children and signals are checked; short enough that a stop feels immediate.
 const POLL: Duration = Duration::from_millis(50);
 /// How long a failure report waits for the failed rank's last lines to arrive.
 const TAIL_WAIT: Duration = Duration::from_secs(1);
+/// Polls between two looks at the other nodes (a store round trip each).
+const PEER_POLLS: u32 = 4;
 
 /// How a worker ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,11 +76,38 @@ pub struct RankFailure {
     pub device: String,
     /// How it ended.
     pub exit: ExitKind,
+    /// It completed no optimizer step in this attempt (its trace says so, or it left none).
+    pub before_first_step: bool,
+    /// Its last collective had failed: it most likely exited because another rank did.
+    pub collateral: bool,
+    /// When the launcher found it exited (milliseconds since the Unix epoch).
+    pub at_ms: u64,
+}
+
+impl RankFailure {
+    fn of(w: &Worker, exit: ExitKind) -> RankFailure {
+        let snap = trace::read(&w.trace).ok();
+        RankFailure {
+            rank: w.rank,
+            device: w.device(),
+            exit,
+            before_first_step: snap.as_ref().is_none_or(|s| s.steps_here == 0),
+            collateral: snap.is_some_and(|s| s.gave_up().is_some()),
+            at_ms: forensics::now_ms(),
+        }
+    }
+}
+
+/// The other nodes, as the supervision loop sees them.
+pub(super) trait Peers {
+    /// Whether another node asked every node to stop its workers.
+    fn stop_requested(&mut self) -> bool;
+    /// Asks every other node to stop its workers (a worker of ours failed, or we got a signal).
+    fn request_stop(&mut self);
 }
 
 /// Result of [`supervise`].
 pub(super) struct Supervision {
-    pub(super) exit_code: i32,
     pub(super) failure: Option<RankFailure>,
     pub(super) interrupted_by: Option<i32>,
 }
@@ -95,6 +128,7 @@ struct Supervisor<'a> {
     failure: Option<RankFailure>,
     interrupted_by: Option<i32>,
     stop: Option<Stopping>,
+    peers: &'a mut dyn Peers,
 }
 
 /// Runs until every worker has exited and been reaped.
@@ -103,6 +137,7 @@ pub(super) fn supervise(
     grace: Duration,
     sinks: &Sinks,
     signals: &Watch,
+    peers: &mut dyn Peers,
 ) -> Supervision {
     let mut s = Supervisor {
         exits: vec![None; workers.len()],
@@ -112,25 +147,27 @@ pub(super) fn supervise(
         failure: None,
         interrupted_by: None,
         stop: None,
+        peers,
     };
-    loop {
+    for round in 0u32.. {
         if let Some((count, sig)) = signals.take() {
             s.on_signals(count, sig);
+        }
+        if signals.take_usr1() {
+            s.on_usr1();
         }
         s.reap_exited();
         if s.exits.iter().all(Option::is_some) {
             break;
         }
+        if s.stop.is_none() && round % PEER_POLLS == 0 && s.peers.stop_requested() {
+            s.note("a worker on another node failed (or its launcher was stopped); stopping this node's workers");
+            s.begin_stop();
+        }
         s.kill_after_grace();
         std::thread::sleep(POLL);
     }
-    let exit_code = match (&s.failure, s.interrupted_by) {
-        (Some(f), _) => f.exit.exit_code(),
-        (None, Some(sig)) => 128 + sig,
-        (None, None) => 0,
-    };
     Supervision {
-        exit_code,
         failure: s.failure,
         interrupted_by: s.interrupted_by,
     }
@@ -147,6 +184,7 @@ impl Supervisor<'_> {
                 "got {}; asking the workers to stop (send it again to kill them now)",
                 signal_name(sig)
             ));
+            self.peers.request_stop();
             self.begin_stop();
             repeats -= 1;
         }
@@ -157,9 +195,25 @@ impl Supervisor<'_> {
         }
     }
 
-    /// Reaps whatever has exited; the first worker to fail before any stop began is the
-    /// failure, and makes everyone else stop.
+    /// SIGUSR1: the hang report, and every worker that can take it prints its snapshot.
+    fn on_usr1(&mut self) {
+        let text = hang::report(self.workers, &self.exits, "on SIGUSR1; nothing is stopped");
+        output::write_line(&self.sinks.diag, &text);
+        for (w, e) in self.workers.iter().zip(&self.exits) {
+            // Until a worker has installed its handler, SIGUSR1 would terminate it.
+            let ready = trace::read(&w.trace).is_ok_and(|t| t.ready);
+            if e.is_none() && ready {
+                // SAFETY: plain kill(2) on our own unreaped child.
+                unsafe { libc::kill(w.pid() as libc::pid_t, libc::SIGUSR1) };
+            }
+        }
+    }
+
+    /// Reaps whatever has exited. The first worker to fail before any stop began is the
+    /// failure and makes everyone else stop; of several found failed in one round, one that
+    /// did not just lose a peer (see [`RankFailure::collateral`]) is the better culprit.
     fn reap_exited(&mut self) {
+        let mut failed: Vec<(usize, RankFailure)> = Vec::new();
         for i in 0..self.workers.len() {
             if self.exits[i].is_some() {
                 continue;
@@ -172,15 +226,24 @@ impl Supervisor<'_> {
                 // Exits after a stop began are consequences of the stop, not failures.
                 continue;
             }
-            let w = &self.workers[i];
-            self.failure = Some(RankFailure {
-                rank: w.rank,
-                device: w.device(),
-                exit,
-            });
-            // Stop the others first so they start shutting down while we report.
-            self.begin_stop();
-            report_failure(&self.workers[i], exit, self.sinks);
+            failed.push((i, RankFailure::of(&self.workers[i], exit)));
+        }
+        let Some((i, failure)) = failed.into_iter().min_by_key(|(_, f)| f.collateral) else {
+            return;
+        };
+        let exit = failure.exit;
+        self.failure = Some(failure);
+        // Stop the others first so they start shutting down while we report.
+        self.peers.request_stop();
+        self.begin_stop();
+        report_failure(&self.workers[i], exit, self.sinks);
+        // A collective timed out somewhere: say who is stuck, while a stopped rank still is.
+        let timed_out = self.workers.iter().any(|w| {
+            trace::read(&w.trace).is_ok_and(|t| t.gave_up() == Some(forensics::Outcome::TimedOut))
+        });
+        if timed_out {
+            let text = hang::report(self.workers, &self.exits, "a collective timed out");
+            output::write_line(&self.sinks.diag, &text);
         }
     }
 
@@ -297,7 +360,7 @@ fn report_failure(w: &Worker, exit: ExitKind, sinks: &Sinks) {
 }
 
 /// Conventional name of a signal, for messages.
-fn signal_name(sig: i32) -> String {
+pub(super) fn signal_name(sig: i32) -> String {
     let name = match sig {
         libc::SIGHUP => "SIGHUP",
         libc::SIGINT => "SIGINT",

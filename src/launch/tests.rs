@@ -42,6 +42,8 @@ fn plan(devices: Devices, dir: &Path) -> LaunchPlan {
         node_rank: 0,
         master_addr: "127.0.0.1".into(),
         master_port: 0,
+        rendezvous_timeout: Duration::from_secs(30),
+        restart: RestartPolicy::default(),
         log_dir: dir.join("logs"),
         grace: Duration::from_secs(2),
         log_all_ranks: true,
@@ -188,33 +190,200 @@ fn console_shows_rank0_and_other_ranks_warnings_only() {
     }
 }
 
+/// Runs one launcher per node, each on its own thread (as on its own machine), with `script`
+/// for every worker; node 0 hosts the store on a free port.
+fn run_nodes(nodes: usize, mut p: LaunchPlan, script: &str) -> Vec<(Outcome, Captured)> {
+    p.nnodes = nodes;
+    p.master_port = crate::dist::free_port();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..nodes)
+            .map(|n| {
+                let mut p = p.clone();
+                p.node_rank = n;
+                s.spawn(move || run(&p, script))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn second_node_gets_global_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let mut p = plan(Devices::Cpu(2), dir.path());
-    p.nnodes = 2;
-    p.node_rank = 1;
-    p.master_addr = "10.1.2.3".into();
-    // Not checked on node 1: node 0 is the one listening.
-    p.master_port = 29555;
-    let (out, cap) = run(
-        &p,
+    let p = plan(Devices::Cpu(2), dir.path());
+    let port_of = |out: &Outcome| out.master_port;
+    let nodes = run_nodes(
+        2,
+        p.clone(),
         "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK GROUP_RANK=$GROUP_RANK \
          MASTER=$MASTER_ADDR:$MASTER_PORT\"",
     );
+    let (out, cap) = &nodes[1];
     assert_eq!(out.exit_code, 0);
+    assert_eq!(port_of(out), port_of(&nodes[0].0));
     let console = cap.console();
     for (local, rank) in [(0, 2), (1, 3)] {
         let line = format!(
             "[CPU{rank}] RANK={rank} WORLD_SIZE=4 LOCAL_RANK={local} GROUP_RANK=1 \
-             MASTER=10.1.2.3:29555"
+             MASTER=127.0.0.1:{}",
+            out.master_port
         );
         assert!(console.contains(&line), "missing {line:?} in:\n{console}");
         assert!(read(p.log_dir.join(format!("rank_{rank}.log"))).contains(&line));
     }
-    assert!(!p.log_dir.join("rank_0.log").exists());
+    assert!(!nodes[0].1.console().contains("[CPU2]"));
 }
 
+#[test]
+fn a_node_without_node_0_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = plan(Devices::Cpu(1), dir.path());
+    p.nnodes = 2;
+    p.node_rank = 1;
+    p.master_port = crate::dist::free_port();
+    p.rendezvous_timeout = Duration::from_secs(1);
+    let (_, sinks) = Captured::new();
+    let err = launch_with(&p, Path::new("/bin/true"), &[], &sinks).unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("node 1: cannot reach node 0's launcher at 127.0.0.1:")
+            && msg.contains("--node-rank 0"),
+        "{msg}"
+    );
+}
+
+/// A trace file that says "one step done", for shell workers to copy to `$LOCKSTEP_TRACE`
+/// (the launcher tells a failure before the first step from one after it by the trace).
+fn stepped_trace(dir: &Path) -> String {
+    use crate::dist::forensics::{trace::TraceFile, Forensics};
+    let path = dir.join("stepped.trace");
+    Forensics::new(0, "[CPU0]", Some(TraceFile::create(&path, 0).unwrap())).step_done(1);
+    format!("cp {} \"$LOCKSTEP_TRACE\"", path.display())
+}
+
+fn restarts(max: usize, p: LaunchPlan) -> LaunchPlan {
+    LaunchPlan {
+        restart: RestartPolicy {
+            max_restarts: max,
+            ..Default::default()
+        },
+        ..p
+    }
+}
+
+#[test]
+fn failed_attempts_restart_every_worker_until_one_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = restarts(3, plan(Devices::Cpu(2), dir.path()));
+    let stepped = stepped_trace(dir.path());
+    // Rank 1 fails in attempts 0 and 1 after its first step; attempt 2 succeeds.
+    let (out, cap) = run(
+        &p,
+        &format!(
+            "{stepped}; echo attempt $TORCHELASTIC_RESTART_COUNT; \
+             if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then exit 5; fi; \
+             [ $RANK = 1 ] || sleep 0.3"
+        ),
+    );
+    let diag = cap.diag();
+    assert_eq!(out.exit_code, 0, "{diag}");
+    assert_eq!(out.restarts, 2);
+    assert_eq!(out.pids.len(), 6, "two workers per attempt");
+    assert!(
+        diag.contains("lockstep run: restart 1 of 3: rank 1 (CPU) exited with code 5; all workers restart with --resume auto"),
+        "{diag}"
+    );
+    assert!(
+        diag.contains("lockstep run: restart 2 of 3: rank 1"),
+        "{diag}"
+    );
+    assert!(!diag.contains("restart 3"), "{diag}");
+    let log = read(p.log_dir.join("rank_0.log"));
+    assert!(
+        log.contains("[CPU0] attempt 0") && log.contains("[CPU0] attempt 2"),
+        "{log}"
+    );
+    assert!(
+        log.contains("[CPU0] lockstep run: restart 2: the worker starts again"),
+        "{log}"
+    );
+    assert_all_gone(&out.pids);
+}
+
+#[test]
+fn out_of_restarts_the_launcher_exits_with_the_workers_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = restarts(2, plan(Devices::Cpu(2), dir.path()));
+    let stepped = stepped_trace(dir.path());
+    let (out, cap) = run(
+        &p,
+        &format!("{stepped}; if [ $RANK = 1 ]; then exit 9; fi; exec sleep 60"),
+    );
+    let diag = cap.diag();
+    assert_eq!(out.exit_code, 9, "{diag}");
+    assert_eq!(out.restarts, 2);
+    assert!(diag.contains("restart 2 of 2"), "{diag}");
+    assert!(
+        diag.contains(
+            "lockstep run: giving up: rank 1 (CPU) exited with code 9 after 2 restarts \
+             (--max-restarts 2); exiting with its code 9"
+        ),
+        "{diag}"
+    );
+    assert_all_gone(&out.pids);
+}
+
+#[test]
+fn failing_before_the_first_step_twice_in_a_row_stops_the_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = restarts(5, plan(Devices::Cpu(2), dir.path()));
+    // No trace file: the workers never got as far as a step.
+    let (out, cap) = run(&p, "if [ $RANK = 0 ]; then exit 2; fi; exec sleep 60");
+    let diag = cap.diag();
+    assert_eq!(out.exit_code, 2, "{diag}");
+    assert_eq!(out.restarts, 1, "{diag}");
+    assert!(
+        diag.contains("restart 1 of 5: rank 0 (CPU) exited with code 2 before its first step"),
+        "{diag}"
+    );
+    assert!(
+        diag.contains("not restarting: rank 0 (CPU) exited with code 2 before its first step, as in the previous attempt"),
+        "{diag}"
+    );
+}
+
+#[test]
+fn a_failure_on_one_node_restarts_the_workers_of_every_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = restarts(2, plan(Devices::Cpu(1), dir.path()));
+    let stepped = stepped_trace(dir.path());
+    // Rank 1 (node 1) fails in attempt 0; rank 0 (node 0) would run for a minute unless its
+    // launcher stops it because of node 1.
+    let nodes = run_nodes(
+        2,
+        p,
+        &format!(
+            "{stepped}; echo attempt $TORCHELASTIC_RESTART_COUNT; \
+             if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+               if [ $RANK = 1 ]; then exit 4; else exec sleep 60; fi; fi"
+        ),
+    );
+    for (n, (out, cap)) in nodes.iter().enumerate() {
+        let diag = cap.diag();
+        assert_eq!(out.exit_code, 0, "node {n}: {diag}");
+        assert_eq!(out.restarts, 1, "node {n}: {diag}");
+        assert!(
+            diag.contains("restart 1 of 2: rank 1 (node 1, CPU) exited with code 4"),
+            "node {n}: {diag}"
+        );
+        assert!(cap.console().contains(&format!("[CPU{n}] attempt 1")));
+        assert_all_gone(&out.pids);
+    }
+    assert!(nodes[0]
+        .1
+        .diag()
+        .contains("a worker on another node failed"));
+}
 #[test]
 fn gpu_workers_see_exactly_their_device() {
     if !detect_gpus().is_empty() {
@@ -416,11 +585,21 @@ fn child_launcher() {
     let script = std::env::var("LOCKSTEP_LAUNCH_TEST_SCRIPT").unwrap();
     let mut p = plan(Devices::Cpu(2), Path::new(&dir));
     p.grace = Duration::from_secs(30);
-    let before = [handler(libc::SIGINT), handler(libc::SIGTERM)];
+    let before = [
+        handler(libc::SIGINT),
+        handler(libc::SIGTERM),
+        handler(libc::SIGUSR1),
+    ];
     let code = launch(&p, Path::new("/bin/sh"), &sh(&script)).unwrap();
     std::io::stdout().flush().unwrap();
     // Alone in this process, the launcher must leave the dispositions as it found them.
-    if before != [handler(libc::SIGINT), handler(libc::SIGTERM)] {
+    if before
+        != [
+            handler(libc::SIGINT),
+            handler(libc::SIGTERM),
+            handler(libc::SIGUSR1),
+        ]
+    {
         eprintln!("signal handlers were not restored");
         std::process::exit(99);
     }
@@ -538,6 +717,33 @@ fn second_sigterm_kills_at_once_and_returns_143() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(err.contains("got SIGTERM; killing the workers"), "{err}");
     assert_all_gone(&pids);
+}
+
+#[test]
+fn sigusr1_reports_and_stops_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let mut child = start_child_launcher(
+        dir.path(),
+        &format!("echo $$ > {d}/pid_$RANK; touch {d}/ready_$RANK; exec sleep 60"),
+    );
+    let pids = wait_ready(dir.path());
+    send(&child, libc::SIGUSR1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !read(dir.path().join("launcher.err")).contains("hang report (on SIGUSR1") {
+        assert!(Instant::now() < deadline, "no report");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Shell workers have no SIGUSR1 handler (no trace says so): they must not get one.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(pids.iter().all(|&p| alive(p)), "SIGUSR1 stopped a worker");
+    let err = read(dir.path().join("launcher.err"));
+    assert!(
+        err.contains("(no trace: the worker did not get as far"),
+        "{err}"
+    );
+    send(&child, libc::SIGKILL);
+    child.wait().unwrap();
 }
 
 #[test]

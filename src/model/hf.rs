@@ -119,7 +119,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
         init_std: c["initializer_range"].as_f64().unwrap_or(m.init_std),
-        attention: AttentionBackend::from_config(&m.attention_backend),
+        attention: m.attention_backend,
     })
 }
 
@@ -225,7 +225,7 @@ pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
 }
 
 /// The shape of a Hugging Face Llama directory at its full depth (every layer it has).
-pub fn dir_shape(dir: &Path, attention_backend: &str) -> Result<LlamaShape> {
+pub fn dir_shape(dir: &Path, attention_backend: AttentionBackend) -> Result<LlamaShape> {
     let path = dir.join("config.json");
     ensure!(
         dir.is_dir(),
@@ -251,7 +251,7 @@ pub fn dir_shape(dir: &Path, attention_backend: &str) -> Result<LlamaShape> {
         .config
         .model;
     m.num_layers = layers as usize;
-    m.attention_backend = attention_backend.to_string();
+    m.attention_backend = attention_backend;
     shape_from_dir(dir, &m)
 }
 
@@ -262,7 +262,7 @@ pub fn load_model(
     device: tch::Device,
     compute: Kind,
     max_seq: usize,
-    attention_backend: &str,
+    attention_backend: AttentionBackend,
 ) -> Result<(VarStore, super::Llama)> {
     let shape = dir_shape(dir, attention_backend)?;
     let mut vs = VarStore::new(device);
@@ -331,6 +331,11 @@ impl Weights {
 
     pub fn contains(&self, name: &str) -> bool {
         self.owner.contains_key(name)
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.owner.keys().cloned().collect()
     }
 
     fn file(&self, name: &str) -> Result<&SafeFile> {

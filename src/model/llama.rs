@@ -10,6 +10,9 @@
 use tch::nn::{Init, Path};
 use tch::{Kind, Reduction, Tensor};
 
+use super::backward::ActivationMemory;
+use super::documents::DocumentMask;
+use super::flash;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
 
@@ -34,6 +37,7 @@ pub struct Llama {
     lm_head: Option<Tensor>,
     rope: Rope,
     compute: Kind,
+    memory: ActivationMemory,
 }
 
 /// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
@@ -140,28 +144,100 @@ impl Llama {
             lm_head,
             rope,
             compute,
+            memory: ActivationMemory::default(),
         }
     }
 
     /// Logits [batch, seq, vocab] for token ids [batch, seq] (int64), in the compute dtype.
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_with(tokens, None)
+    }
+
+    /// `forward` of packed rows whose documents attend only within themselves and/or restart
+    /// their positions, as `docs` says (None = plain causal rows).
+    pub fn forward_with(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
+        self.lm_head(&self.hidden(tokens, docs))
+    }
+
+    /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads.
+    fn hidden(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
+        let mut x = self.embed(tokens);
+        for i in 0..self.layers.len() {
+            x = self.decoder_layer(&x, i, docs);
+        }
+        self.final_norm(&x)
+    }
+
+    /// The token embeddings [batch, seq, hidden] (fp32) of ids [batch, seq]: the residual stream.
+    pub(super) fn embed(&self, tokens: &Tensor) -> Tensor {
         let seq = tokens.size()[1] as usize;
         assert!(
             seq <= self.rope.max_len(),
             "sequence {seq} longer than the RoPE table"
         );
-        let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
-        for layer in &self.layers {
-            let h = self.rms_norm(&x, &layer.input_layernorm);
-            // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor
-            // autograd saved for backward.
-            x = &x + self.attention(&h, layer);
-            let h = self.rms_norm(&x, &layer.post_attention_layernorm);
-            let gate = self.linear(&h, &layer.gate_proj).silu();
-            x = &x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
-        }
-        let x = self.rms_norm(&x, &self.norm);
-        self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+        // The residual stream is fp32 even when the weights themselves are bf16 (a sharded
+        // optimizer keeps the fp32 masters apart); a no-op for fp32 weights.
+        Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(Kind::Float)
+    }
+
+    /// Decoder layer `i` on the residual stream `x` (`docs`: the rows' documents, if packed).
+    pub(super) fn decoder_layer(
+        &self,
+        x: &Tensor,
+        i: usize,
+        docs: Option<&DocumentMask>,
+    ) -> Tensor {
+        self.mlp_block(&self.attention_block(x, i, docs), i)
+    }
+
+    /// `x` + attention(RMSNorm(x)) of layer `i`: the first half of a decoder layer.
+    pub(super) fn attention_block(
+        &self,
+        x: &Tensor,
+        i: usize,
+        docs: Option<&DocumentMask>,
+    ) -> Tensor {
+        let layer = &self.layers[i];
+        let h = self.rms_norm(x, &layer.input_layernorm);
+        // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor autograd
+        // saved for backward.
+        x + self.attention(&h, layer, docs)
+    }
+    /// `x` + SwiGLU(RMSNorm(x)) of layer `i`: the second half of a decoder layer.
+    pub(super) fn mlp_block(&self, x: &Tensor, i: usize) -> Tensor {
+        let layer = &self.layers[i];
+        let h = self.rms_norm(x, &layer.post_attention_layernorm);
+        let gate = self.linear(&h, &layer.gate_proj).silu();
+        x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj)
+    }
+
+    /// The RMSNorm after the last decoder layer.
+    pub(super) fn final_norm(&self, x: &Tensor) -> Tensor {
+        self.rms_norm(x, &self.norm)
+    }
+
+    /// Logits (compute dtype) of final-normed hidden states.
+    pub(super) fn lm_head(&self, h: &Tensor) -> Tensor {
+        self.linear(h, self.head_weight())
+    }
+
+    /// The LM head's weight [vocab, hidden] (the embedding matrix when tied).
+    pub(super) fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// The dtype the matmuls run in.
+    pub(super) fn compute(&self) -> Kind {
+        self.compute
+    }
+
+    /// Whether the LM head is the embedding matrix (no separate `lm_head.weight`).
+    pub fn tied(&self) -> bool {
+        self.lm_head.is_none()
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 
     /// Logits [batch, t, vocab] of `tokens` [batch, t] placed at positions `cache.len()..+t`,
@@ -194,14 +270,53 @@ impl Llama {
         self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
     }
 
-    /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s].
+    /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s]
+    /// (targets of -100 are ignored). The LM head runs in chunks of
+    /// `activation_memory().loss_chunk_tokens` tokens, so under `no_grad` (validation) the
+    /// [tokens, vocab] logits never exist at once; with a graph, every chunk's logits are kept
+    /// for backward. Training goes through `forward_backward` (backward.rs) instead.
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.forward(inputs);
-        let vocab = logits.size()[2];
-        logits
-            .view([-1, vocab])
+        self.loss_with(inputs, targets, None)
+    }
+
+    /// `loss` of packed rows with document structure `docs` (see `forward_with`).
+    pub fn loss_with(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+    ) -> Tensor {
+        let hidden = self.hidden(inputs, docs);
+        let d = hidden.size()[2];
+        let flat = hidden.view([-1, d]);
+        let targets = targets.reshape([-1]);
+        let count = super::backward::counted_targets(&targets);
+        let mut total: Option<Tensor> = None;
+        for (start, len) in super::backward::chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
+            let part =
+                self.chunk_loss_sum(&flat.narrow(0, start, len), &targets.narrow(0, start, len));
+            total = Some(match total {
+                Some(t) => t + part,
+                None => part,
+            });
+        }
+        total.expect("at least one token") / count
+    }
+
+    /// Summed cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n].
+    pub(super) fn chunk_loss_sum(&self, hidden: &Tensor, targets: &Tensor) -> Tensor {
+        self.lm_head(hidden)
             .to_kind(Kind::Float)
-            .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Mean, -100, 0.0)
+            .cross_entropy_loss::<Tensor>(targets, None, Reduction::Sum, -100, 0.0)
+    }
+
+    /// How the training pass trades memory for compute (set from the config by the trainer).
+    pub fn activation_memory(&self) -> ActivationMemory {
+        self.memory
+    }
+
+    pub fn set_activation_memory(&mut self, memory: ActivationMemory) {
+        self.memory = memory;
     }
 
     fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
@@ -222,34 +337,60 @@ impl Llama {
     }
 
     /// Query, key and value heads of `h` ([b, heads, t, head_dim]), rotated for positions
-    /// pos..pos + t.
-    fn qkv(&self, h: &Tensor, layer: &Layer, pos: usize) -> (Tensor, Tensor, Tensor) {
+    /// pos..pos + t, or for per-token `positions` [b, t] where given.
+    fn qkv(
+        &self,
+        h: &Tensor,
+        layer: &Layer,
+        pos: usize,
+        positions: Option<&Tensor>,
+    ) -> (Tensor, Tensor, Tensor) {
         let s = &self.shape;
         let (b, t) = (h.size()[0], h.size()[1]);
         let hd = s.head_dim() as i64;
         let heads =
             |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
-        let q = self.rope.apply_at(&heads(&layer.q_proj, s.num_heads), pos);
-        let k = self
-            .rope
-            .apply_at(&heads(&layer.k_proj, s.num_kv_heads), pos);
+        let rotate = |x: Tensor| match positions {
+            Some(p) => self.rope.apply_positions(&x, p),
+            None => self.rope.apply_at(&x, pos),
+        };
+        let q = rotate(heads(&layer.q_proj, s.num_heads));
+        let k = rotate(heads(&layer.k_proj, s.num_kv_heads));
         (q, k, heads(&layer.v_proj, s.num_kv_heads))
     }
 
     /// Causal attention of queries at positions past..past + t over keys and values at
-    /// positions 0..past + t, then the output projection.
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, past: usize, layer: &Layer) -> Tensor {
+    /// positions 0..past + t (within each document where `docs` masks), then the output
+    /// projection.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        past: usize,
+        layer: &Layer,
+        docs: Option<&DocumentMask>,
+    ) -> Tensor {
         let s = &self.shape;
         let (b, t) = (q.size()[0], q.size()[2]);
         let total = past as i64 + t;
         // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
         // transformers asks for it), which saves materialising repeated keys and values.
         let group = (s.num_heads / s.num_kv_heads) as i64;
-        let y = match s.attention {
-            AttentionBackend::Sdpa => {
+        let docs = docs.filter(|d| d.masks_attention());
+        // On CUDA, packed documents take variable-length flash attention where it runs.
+        let varlen = docs
+            .filter(|_| s.attention == AttentionBackend::Sdpa)
+            .and_then(|d| flash::varlen_attention(q, k, v, d));
+        let y = match (s.attention, varlen) {
+            (_, Some(y)) => y,
+            (AttentionBackend::Sdpa, None) => {
+                // Packed documents see only their own document (block-diagonal causal mask).
                 // Training and a prefill are the plain causal case; one new token sees every
                 // cached position; several new tokens after cached ones need the offset mask.
-                let (mask, causal) = if past == 0 {
+                let (mask, causal) = if let Some(d) = docs {
+                    (Some(d.attention_mask().shallow_clone()), false)
+                } else if past == 0 {
                     (None, true)
                 } else if t == 1 {
                     (None, false)
@@ -270,7 +411,7 @@ impl Llama {
                     group > 1,
                 )
             }
-            AttentionBackend::Math => {
+            (AttentionBackend::Math, None) => {
                 let repeat = |x: &Tensor| {
                     if group > 1 {
                         x.repeat_interleave_self_int(group, 1, None)
@@ -278,12 +419,11 @@ impl Llama {
                         x.shallow_clone()
                     }
                 };
-                math_attention(
-                    q,
-                    &repeat(k),
-                    &repeat(v),
-                    &offset_causal_mask(t, total, q.device()),
-                )
+                let masked = match docs {
+                    Some(d) => d.attention_mask().logical_not(),
+                    None => offset_causal_mask(t, total, q.device()),
+                };
+                math_attention(q, &repeat(k), &repeat(v), &masked)
             }
         };
         let y = y
@@ -292,9 +432,9 @@ impl Llama {
         self.linear(&y, &layer.o_proj)
     }
 
-    fn attention(&self, h: &Tensor, layer: &Layer) -> Tensor {
-        let (q, k, v) = self.qkv(h, layer, 0);
-        self.attend(&q, &k, &v, 0, layer)
+    fn attention(&self, h: &Tensor, layer: &Layer, docs: Option<&DocumentMask>) -> Tensor {
+        let (q, k, v) = self.qkv(h, layer, 0, docs.and_then(DocumentMask::positions));
+        self.attend(&q, &k, &v, 0, layer, docs)
     }
 
     /// `attention` for new tokens at positions pos..pos + t: their keys and values are written
@@ -306,7 +446,7 @@ impl Llama {
         (k_buf, v_buf): &(Tensor, Tensor),
         pos: usize,
     ) -> Tensor {
-        let (q, k_new, v_new) = self.qkv(h, layer, pos);
+        let (q, k_new, v_new) = self.qkv(h, layer, pos, None);
         let t = h.size()[1];
         k_buf
             .narrow(2, pos as i64, t)
@@ -321,6 +461,7 @@ impl Llama {
             &v_buf.narrow(2, 0, total),
             pos,
             layer,
+            None,
         )
     }
 

@@ -1,11 +1,17 @@
-//! The LLaMA model: shape, RoPE, the decoder, Hugging Face directories (load and write), and
-//! KV-cached generation.
+//! The LLaMA model: shape, RoPE, the decoder (with packed-document attention), the training
+//! pass (forward + backward a layer at a time, activation checkpointing, the chunked LM head),
+//! Hugging Face directories (load and write), and KV-cached generation.
 
+pub mod backward;
+pub mod documents;
+mod flash;
 pub mod generate;
 pub mod hf;
 pub mod llama;
 pub mod rope;
 pub mod shape;
 
+pub use backward::{ActivationCheckpointing, ActivationMemory, GradUnit};
+pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
 pub use shape::{AttentionBackend, LlamaShape};

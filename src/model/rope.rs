@@ -47,6 +47,19 @@ impl Rope {
         x * cos + rotate_half(x) * sin
     }
 
+    /// Rotates `x` of shape [batch, heads, seq, head_dim] for per-token `positions` [batch, seq]
+    /// (int64): documents packed into one window, each restarting at 0.
+    pub fn apply_positions(&self, x: &Tensor, positions: &Tensor) -> Tensor {
+        let (b, t) = (positions.size()[0], positions.size()[1]);
+        let at = |table: &Tensor| {
+            table
+                .index_select(0, &positions.reshape([-1]))
+                .view([b, 1, t, -1])
+                .to_kind(x.kind())
+        };
+        x * at(&self.cos) + rotate_half(x) * at(&self.sin)
+    }
+
     pub fn max_len(&self) -> usize {
         self.cos.size()[0] as usize
     }

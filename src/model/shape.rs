@@ -3,23 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::AttentionBackend;
 use crate::config::ModelConfig;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AttentionBackend {
-    Sdpa,
-    Math,
-}
-
-impl AttentionBackend {
-    pub fn from_config(name: &str) -> AttentionBackend {
-        match name {
-            "math" | "eager" => AttentionBackend::Math,
-            _ => AttentionBackend::Sdpa,
-        }
-    }
-}
 
 /// Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"` in config.json): long wavelengths
 /// are divided by `factor`, short ones kept, and those in between interpolated.
@@ -72,7 +57,7 @@ impl LlamaShape {
             rms_norm_eps: m.rms_norm_eps,
             tie_word_embeddings: m.tie_word_embeddings,
             init_std: m.init_std,
-            attention: AttentionBackend::from_config(&m.attention_backend),
+            attention: m.attention_backend,
         })
     }
 

@@ -1,58 +1,132 @@
-//! Batches from the memory-mapped token file, and the validation loss.
+//! Validation: the mean loss over a fixed set of windows of each source's held-out split, every
+//! `training.eval_interval` steps and at the end. A mixture's validation loss is the
+//! weight-averaged loss of its sources; each source's own is reported beside it.
 
 use anyhow::Result;
-use tch::{Device, Tensor};
+use tch::Device;
 
+use super::loader::{batch, Packing, SourceTokens};
 use crate::config::Config;
-use crate::data::sampler::{fill_batch, Sampler};
-use crate::data::tokfile::TokenFile;
+use crate::data::mixture::source_seed;
+use crate::data::sampler::Sampler;
 use crate::dist::ProcessGroup;
 use crate::model::Llama;
 
-/// One batch of `indices` windows as (inputs, targets), each [len, context] on `device`.
-pub fn batch(
-    tokens: &TokenFile,
-    sampler: &Sampler,
-    indices: &[u64],
-    ctx: usize,
-    buf: &mut Vec<i64>,
+pub struct Validator {
+    /// The sources with a validation split, each with its index in the source list (which
+    /// seeds its window order, as in training).
+    sources: Vec<(usize, SourceTokens)>,
+    /// `training.eval_interval` (0 = only at the end).
+    interval: usize,
+    /// `training.eval_batches` × `training.batch_size` windows per validation and source.
+    batches: usize,
+    batch_size: usize,
+    context_length: usize,
+    packing: Packing,
+    seed: u64,
     device: Device,
-) -> (Tensor, Tensor) {
-    fill_batch(tokens, sampler, indices, ctx, buf);
-    let rows = Tensor::from_slice(buf)
-        .view([indices.len() as i64, ctx as i64 + 1])
-        .to_device(device);
-    (rows.narrow(1, 0, ctx as i64), rows.narrow(1, 1, ctx as i64))
 }
 
-/// Mean loss over the first `eval_batches` × batch_size windows of the validation file, in a
-/// fixed order; each rank evaluates its share (window i → rank i mod world) and the sums meet
-/// in one all-reduce.
-pub fn evaluate(
-    model: &Llama,
-    val: &TokenFile,
-    cfg: &Config,
-    device: Device,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Option<f64>> {
-    let (ctx, bs) = (cfg.training.context_length, cfg.training.batch_size);
-    if cfg.training.eval_batches == 0 || val.num_tokens() < ctx as u64 + 1 {
-        return Ok(None);
-    }
-    let sampler = Sampler::new(val.num_tokens(), ctx, cfg.system.seed)?;
-    let n = (cfg.training.eval_batches * bs).min(sampler.num_windows() as usize) as u64;
-    let mut buf = Vec::new();
-    let mut total = 0.0;
-    let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
-    let all: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
-    let chunks: Vec<&[u64]> = all.chunks(bs).collect();
-    tch::no_grad(|| {
-        for idx in &chunks {
-            let (x, y) = batch(val, &sampler, idx, ctx, &mut buf, device);
-            total += model.loss(&x, &y).double_value(&[]) * idx.len() as f64;
+/// One validation's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Validation {
+    /// The mean loss (a mixture: its sources' losses averaged by weight).
+    pub loss: f64,
+    /// Each evaluated source's mean loss, by name, in source order.
+    pub by_source: Vec<(String, f64)>,
+}
+
+impl Validator {
+    /// `val[s]` is source s's held-out split, if it has one. None without any.
+    pub fn new(
+        val: Vec<Option<SourceTokens>>,
+        cfg: &Config,
+        device: Device,
+    ) -> Result<Option<Validator>> {
+        let packing = Packing::from_config(cfg);
+        let mut sources = Vec::new();
+        for (i, v) in val.into_iter().enumerate() {
+            if let Some(v) = v {
+                packing.check(&v.tokens, &format!("the validation split of {}", v.name))?;
+                sources.push((i, v));
+            }
         }
-    });
-    let mut sum = [total as f32];
-    pg.all_reduce_sum_f32(&mut sum)?;
-    Ok(Some(sum[0] as f64 / n as f64))
+        if sources.is_empty() {
+            return Ok(None);
+        }
+        let t = &cfg.training;
+        Ok(Some(Validator {
+            sources,
+            interval: t.eval_interval,
+            batches: t.eval_batches,
+            batch_size: t.batch_size,
+            context_length: t.context_length,
+            packing,
+            seed: cfg.system.seed,
+            device,
+        }))
+    }
+
+    /// Every `interval` steps and after the last step.
+    pub fn due(&self, step: usize, last: bool) -> bool {
+        last || (self.interval > 0 && step.is_multiple_of(self.interval))
+    }
+
+    /// Mean loss over the first `eval_batches` × batch_size windows of each source's validation
+    /// file, in a fixed order; each rank evaluates its share (window i → rank i mod world) and
+    /// the sums meet in one all-reduce. None when there is nothing to evaluate.
+    pub fn run(&self, model: &Llama, pg: &mut dyn ProcessGroup) -> Result<Option<Validation>> {
+        let (ctx, bs) = (self.context_length, self.batch_size);
+        let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
+        if self.batches == 0 {
+            return Ok(None);
+        }
+        let mut buf = Vec::new();
+        // Per source: (windows evaluated over all ranks, this rank's loss sum).
+        let mut counts = Vec::with_capacity(self.sources.len());
+        let mut sums = Vec::with_capacity(self.sources.len());
+        for (i, source) in &self.sources {
+            let tokens = &source.tokens;
+            if tokens.num_tokens() < ctx as u64 + 1 {
+                counts.push(0);
+                sums.push(0.0f32);
+                continue;
+            }
+            let sampler = Sampler::new(tokens.num_tokens(), ctx, source_seed(self.seed, *i))?;
+            let n = (self.batches * bs).min(sampler.num_windows() as usize) as u64;
+            let mine: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
+            let mut total = 0.0;
+            tch::no_grad(|| {
+                for idx in mine.chunks(bs) {
+                    let rows = idx.iter().map(|&i| (tokens, sampler.window_start(i)));
+                    let b = batch(rows, ctx, self.packing, &mut buf, self.device);
+                    let loss = model.loss_with(&b.inputs, &b.targets, b.documents.as_ref());
+                    total += loss.double_value(&[]) * idx.len() as f64;
+                }
+            });
+            counts.push(n);
+            sums.push(total as f32);
+        }
+        if counts.iter().all(|&n| n == 0) {
+            return Ok(None);
+        }
+        pg.all_reduce_sum_f32(&mut sums)?;
+        let mut by_source = Vec::new();
+        let (mut weighted, mut weights) = (0.0, 0.0);
+        for (((_, source), n), sum) in self.sources.iter().zip(counts).zip(sums) {
+            if n == 0 {
+                continue;
+            }
+            let mean = sum as f64 / n as f64;
+            by_source.push((source.name.clone(), mean));
+            weighted += source.weight * mean;
+            weights += source.weight;
+        }
+        let loss = match by_source.as_slice() {
+            // Exactly the source's mean (w·x/w may round).
+            [(_, only)] => *only,
+            _ => weighted / weights,
+        };
+        Ok(Some(Validation { loss, by_source }))
+    }
 }

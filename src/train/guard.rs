@@ -4,7 +4,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::optim::AdamW;
+use crate::config::{GuardPolicy, TrainingConfig};
 
 /// A tensor's NaN and Inf counts and first values, or None when it is all finite.
 pub struct Finding {
@@ -72,17 +72,26 @@ fn section(title: &str, findings: &[Finding]) -> String {
     out
 }
 
+/// Every parameter with its full (averaged) gradient, the latter undefined where there is none:
+/// what the report and the dump look at, on every zero stage alike.
+pub struct Evidence<'a> {
+    pub params: &'a [(String, Tensor)],
+    /// Aligned with `params`.
+    pub grads: &'a [Tensor],
+}
+
 /// Builds the report; `tag` is `[CPU0]`-style, shown as `[CPU 0]` in the banner.
-pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, opt: &AdamW) -> String {
-    let params: Vec<Finding> = opt
+pub fn report_text(tag: &str, step: usize, loss: f64, grad_norm: f64, ev: &Evidence) -> String {
+    let params: Vec<Finding> = ev
         .params
         .iter()
-        .filter_map(|p| inspect(&p.name, &p.param))
+        .filter_map(|(name, p)| inspect(name, p))
         .collect();
-    let grads: Vec<Finding> = opt
+    let grads: Vec<Finding> = ev
         .params
         .iter()
-        .filter_map(|p| inspect(&p.name, &p.param.grad()))
+        .zip(ev.grads)
+        .filter_map(|((name, _), g)| inspect(name, g))
         .collect();
     let what = if grads.is_empty() && params.is_empty() {
         "NaN LOSS"
@@ -129,23 +138,73 @@ pub enum Event {
     Spike { z: f64 },
 }
 
-/// What to do about an event (`training.nan_policy` / `training.spike_policy`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Action {
-    Abort,
-    /// Drop this step's update and go on with the next batch.
-    Skip,
-    /// Reload the latest complete checkpoint, scale the LR down, go on with the next batch.
-    Rollback,
+impl Event {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Event::NonFinite => "non-finite loss or gradient norm",
+            Event::Spike { .. } => "loss spike",
+        }
+    }
 }
 
-impl Action {
-    pub fn from_config(name: &str) -> Action {
-        match name {
-            "skip" => Action::Skip,
-            "rollback" => Action::Rollback,
-            _ => Action::Abort,
+/// The guard of a run: checks every step's loss and global gradient norm (`training.nan_check`)
+/// and watches for loss spikes (`training.spike_zscore`), and says what a bad step leads to
+/// (`training.nan_policy` / `spike_policy`, at most `training.max_nan_skips` times).
+pub struct Guard {
+    nan_check: bool,
+    spikes: Option<SpikeDetector>,
+    nan_policy: GuardPolicy,
+    spike_policy: GuardPolicy,
+    /// Skips plus rollbacks allowed in one run.
+    pub max_events: usize,
+    /// `training.spike_window`, for the warning's text.
+    spike_window: usize,
+}
+
+impl Guard {
+    pub fn new(t: &TrainingConfig) -> Guard {
+        Guard {
+            nan_check: t.nan_check,
+            spikes: SpikeDetector::new(t.spike_window, t.spike_zscore),
+            nan_policy: t.nan_policy,
+            spike_policy: t.spike_policy,
+            max_events: t.max_nan_skips,
+            spike_window: t.spike_window,
         }
+    }
+
+    /// Whether a step with this (global) loss and gradient norm must not be applied.
+    pub fn judge(&self, loss: f64, grad_norm: f64) -> Option<Event> {
+        if self.nan_check && !(loss.is_finite() && grad_norm.is_finite()) {
+            return Some(Event::NonFinite);
+        }
+        self.spikes
+            .as_ref()
+            .and_then(|s| s.spike(loss))
+            .map(|z| Event::Spike { z })
+    }
+
+    /// Records the loss of an applied step in the spike detector's window.
+    pub fn accept(&mut self, loss: f64) {
+        if let (Some(s), true) = (self.spikes.as_mut(), loss.is_finite()) {
+            s.accept(loss);
+        }
+    }
+
+    /// What the config says to do about `event`.
+    pub fn policy(&self, event: Event) -> GuardPolicy {
+        match event {
+            Event::NonFinite => self.nan_policy,
+            Event::Spike { .. } => self.spike_policy,
+        }
+    }
+
+    /// The warning printed for a loss spike.
+    pub fn spike_warning(&self, tag: &str, step: usize, loss: f64, z: f64) -> String {
+        format!(
+            "{tag} WARNING: loss spike at step {step}: loss {loss:.4} is {z:.1} standard deviations above the last {} losses",
+            self.spike_window
+        )
     }
 }
 
@@ -190,13 +249,12 @@ impl SpikeDetector {
 
 /// Parameters and gradients as safetensors (`<name>` and `<name>.grad`), readable from numpy
 /// with `safetensors.numpy.load_file`.
-pub fn dump(path: &std::path::Path, opt: &AdamW) -> anyhow::Result<()> {
+pub fn dump(path: &std::path::Path, ev: &Evidence) -> anyhow::Result<()> {
     let mut tensors = Vec::new();
-    for p in &opt.params {
-        tensors.push((p.name.clone(), p.param.detach()));
-        let g = p.param.grad();
+    for ((name, p), g) in ev.params.iter().zip(ev.grads) {
+        tensors.push((name.clone(), p.detach()));
         if g.defined() {
-            tensors.push((format!("{}.grad", p.name), g.detach()));
+            tensors.push((format!("{name}.grad"), g.detach()));
         }
     }
     if let Some(dir) = path.parent() {
@@ -229,14 +287,13 @@ mod tests {
         let loss =
             (&a * Tensor::from_slice(&[f32::NAN, 1.0, 1.0])).sum(Kind::Float) + b.sum(Kind::Float);
         loss.backward();
-        let hp = super::super::optim::AdamWParams {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.0,
+        let grads = [a.grad(), b.grad()];
+        let params = [("a".to_string(), a), ("b".to_string(), b)];
+        let ev = Evidence {
+            params: &params,
+            grads: &grads,
         };
-        let opt = AdamW::new(vec![("a".into(), a), ("b".into(), b)], hp);
-        let text = report_text("[GPU6]", 0, f64::NAN, f64::NAN, &opt);
+        let text = report_text("[GPU6]", 0, f64::NAN, f64::NAN, &ev);
         assert!(text.contains("NaN GRADIENT DETECTED [GPU 6]"), "{text}");
         assert!(
             text.contains("Gradients with NaN/Inf (1 tensors)"),

@@ -1,13 +1,37 @@
-//! Training: the loop (`trainer`), what it sets up first (`setup`), batches and validation
-//! (`eval`), AdamW and the LR schedule (`optim`), checkpoints (`checkpoint`), the NaN/Inf and
-//! loss-spike guard (`guard`) and SIGTERM/SIGINT handling (`preempt`).
+//! Training. `Trainer` (trainer.rs) is composed of the components below and runs the loop;
+//! `train_step` (step.rs) is one optimizer step; `rank` starts one rank from its environment.
+//!
+//! - `setup`: what a run decides first (device, collectives, precision, directories, data, shape)
+//! - `loader`: this rank's micro-batches; `eval`: the validation loss
+//! - `optim`: AdamW (fused), the LR schedule, clipping, and the `Optimizer` of a run;
+//!   `zero`: AdamW sharded across ranks (ZeRO stages 1 and 2); `reduce`: gradients averaged
+//!   across ranks as backward finishes them
+//! - `guard`: NaN/Inf and loss spikes; `faults`: the `debug.*` hooks
+//! - `fit`: the start check against the memory plan, and the out-of-memory report
+//! - `recorder`: step line, metrics.jsonl, TensorBoard, memory line
+//! - `checkpoint`: checkpoint files and the `Checkpointer`; `rundir`: the run directory's lock
+//! - `preempt`: SIGTERM/SIGINT; `stragglers`: naming a rank slower than the others
 
 pub mod checkpoint;
 pub mod eval;
+pub mod faults;
+pub mod fit;
 pub mod guard;
+pub mod loader;
 pub mod optim;
 pub mod preempt;
+pub mod rank;
+pub mod recorder;
+pub mod reduce;
+pub mod rundir;
 pub mod setup;
+pub mod step;
+pub mod stragglers;
 pub mod trainer;
+pub mod zero;
 
-pub use trainer::{train, Resume, RunOptions, Summary, Topology};
+pub use loader::Batch;
+pub use rank::train_rank;
+pub use setup::{Rank, Resume, RunOptions, Topology};
+pub use step::{train_step, NanInjection, StepConfig, StepOutcome, StepPlan};
+pub use trainer::{Summary, Trainer};

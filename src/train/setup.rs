@@ -1,69 +1,114 @@
-//! Everything a run decides before its first step: device, precision, run and checkpoint
-//! directories, the prepared data, the model shape and the checkpoint to resume from.
+//! Everything a run decides before its first step: where this rank runs (device, collectives,
+//! precision), its run and checkpoint directories, the prepared data, the model shape and the
+//! checkpoint to resume from.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use super::checkpoint;
-use super::trainer::{Resume, Topology};
-use crate::config::{Config, ConfigError, Resolved};
+use crate::config::{
+    check_backend_device, Config, DeviceChoice, DistBackendChoice, DtypeChoice, Resolved,
+};
 use crate::data::prepare::{prepare, PrepareSpec, Prepared};
 use crate::dist::Backend;
 use crate::model::{hf, LlamaShape};
+use crate::sys::cuda::{cuda_available, load_cuda_backend};
+
+/// Where to resume from (`--resume`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resume {
+    /// The latest complete checkpoint in the checkpoint directory, or a fresh start if none.
+    Auto,
+    Dir(PathBuf),
+}
+
+impl std::str::FromStr for Resume {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(if s == "auto" {
+            Resume::Auto
+        } else {
+            Resume::Dir(PathBuf::from(s))
+        })
+    }
+}
+
+/// Per-invocation choices that are not part of the run's config.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunOptions {
+    pub resume: Option<Resume>,
+    /// Checkpoint and exit after this step (time-sliced jobs); the schedule still spans max_steps.
+    pub stop_at_step: Option<usize>,
+}
+
+/// This process's place among the ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct Topology {
+    pub rank: usize,
+    pub world: usize,
+    /// Rank on this node: under torchrun it picks the CUDA device.
+    pub local_rank: usize,
+}
+
+impl Topology {
+    pub const SINGLE: Topology = Topology {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+    };
+}
+
+/// A rank as the trainer sees it: its place, the device it resolved once at start, and the tag
+/// (`[GPU3]`, `[CPU1]`) its lines carry.
+#[derive(Debug, Clone)]
+pub struct Rank {
+    pub topo: Topology,
+    pub device: Device,
+    pub tag: String,
+}
+
+impl Rank {
+    /// Resolves this rank's device (`system.device`) once; everything after uses `device`.
+    pub fn new(cfg: &Config, topo: Topology) -> Result<Rank> {
+        let device = resolve_device(cfg, topo)?;
+        Ok(Rank {
+            topo,
+            device,
+            tag: crate::telemetry::rank_tag(device.is_cuda(), topo.rank),
+        })
+    }
+
+    /// Rank 0: the one that prints the run's summary and writes its records and checkpoints.
+    pub fn lead(&self) -> bool {
+        self.topo.rank == 0
+    }
+}
 
 /// The CUDA index of this rank: `lockstep run` narrows CUDA_VISIBLE_DEVICES to one GPU per
-/// worker (index 0); torchrun leaves all visible, so LOCAL_RANK picks one.
+/// worker (index 0), and so does srun with `--gpus-per-task=1`; torchrun leaves all visible,
+/// so LOCAL_RANK picks one.
 fn cuda_index(cfg: &Config, topo: Topology) -> usize {
+    let one_visible = std::env::var("CUDA_VISIBLE_DEVICES")
+        .is_ok_and(|v| !v.trim().is_empty() && !v.contains(','));
     if topo.world == 1 {
         cfg.system.device_id
-    } else if std::env::var_os("LOCKSTEP_LAUNCHER").is_some() {
+    } else if std::env::var_os("LOCKSTEP_LAUNCHER").is_some() || one_visible {
         0
     } else {
         topo.local_rank
     }
 }
 
-/// Loads libtorch's CUDA backend. The linker drops `libtorch_cuda.so` from the binary's needed
-/// libraries (nothing references its symbols; it registers kernels when loaded), so without
-/// this `tch::Cuda::is_available()` is false even on a GPU machine. Loaded on demand so that
-/// CPU runs neither pay for the ~1 GB library nor depend on the CUDA libraries being intact.
-pub fn load_cuda_backend() -> Result<(), String> {
-    static LOADED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-    LOADED
-        .get_or_init(|| {
-            let name = c"libtorch_cuda.so";
-            // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process.
-            let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-            if handle.is_null() {
-                // SAFETY: dlerror returns a thread-local NUL-terminated message or NULL.
-                let err = unsafe { libc::dlerror() };
-                let msg = if err.is_null() {
-                    "unknown error".to_string()
-                } else {
-                    unsafe { std::ffi::CStr::from_ptr(err) }
-                        .to_string_lossy()
-                        .into_owned()
-                };
-                return Err(msg);
-            }
-            Ok(())
-        })
-        .clone()
-}
-
-/// Whether libtorch can run on CUDA here: the backend loads and a device is visible.
-pub fn cuda_available() -> bool {
-    load_cuda_backend().is_ok() && tch::Cuda::is_available()
-}
-
-pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
+fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
     let index = cuda_index(cfg, topo);
-    Ok(match cfg.system.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => {
+    Ok(match cfg.system.device {
+        DeviceChoice::Cpu => Device::Cpu,
+        DeviceChoice::Cuda => {
             if let Err(e) = load_cuda_backend() {
                 bail!("system.device = cuda but libtorch's CUDA backend does not load ({e}); point LD_LIBRARY_PATH at a CUDA build of torch 2.11's lib/, or use system.device=cpu");
             }
@@ -72,30 +117,29 @@ pub fn resolve_device(cfg: &Config, topo: Topology) -> Result<Device> {
             }
             Device::Cuda(index)
         }
-        _ if cuda_available() => Device::Cuda(index),
-        _ => Device::Cpu,
+        DeviceChoice::Auto if cuda_available() => Device::Cuda(index),
+        DeviceChoice::Auto => Device::Cpu,
     })
 }
 
 /// The collectives of a multi-rank run on `device` (`system.dist_backend`).
 pub fn dist_backend(cfg: &Config, device: Device) -> Result<Backend> {
-    Ok(match (cfg.system.dist_backend.as_str(), device) {
-        ("ring", _) | ("auto", Device::Cpu) => Backend::Ring,
+    let runs_on = format!(
+        "this rank runs on the CPU (system.device = {})",
+        cfg.system.device
+    );
+    check_backend_device(cfg.system.dist_backend, device.is_cuda(), &runs_on)?;
+    Ok(match (cfg.system.dist_backend, device) {
+        (DistBackendChoice::Ring, _) | (_, Device::Cpu) => Backend::Ring,
         (_, Device::Cuda(cuda_device)) => Backend::Nccl { cuda_device },
-        _ => {
-            return Err(ConfigError(format!(
-                "system.dist_backend = nccl needs CUDA ranks, but this rank runs on {device:?} \
-                 (system.device = {}); use system.dist_backend=auto or ring",
-                cfg.system.device
-            ))
-            .into())
-        }
+        (_, other) => bail!("device {other:?} is not supported; use system.device=cpu or cuda"),
     })
 }
 
+/// The dtype the matmuls run in (`training.dtype`; master weights stay fp32).
 pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
-    match (cfg.training.dtype.as_str(), device) {
-        ("bf16", _) | ("auto", Device::Cuda(_)) => Kind::BFloat16,
+    match (cfg.training.dtype, device) {
+        (DtypeChoice::Bf16, _) | (DtypeChoice::Auto, Device::Cuda(_)) => Kind::BFloat16,
         _ => Kind::Float,
     }
 }
@@ -112,37 +156,123 @@ pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
     }
 }
 
-pub fn prepare_spec(cfg: &Config, progress: bool) -> PrepareSpec {
-    PrepareSpec {
-        tokenizer: cfg.data.tokenizer.clone(),
-        path: PathBuf::from(&cfg.data.path),
-        text_field: cfg.data.text_field.clone(),
-        val_fraction: cfg.data.val_fraction,
+/// One source of the run's data: `data.path`, or an entry of `data.sources`.
+#[derive(Debug, Clone)]
+pub struct SourceSpec {
+    /// For logs, metrics and TensorBoard tags.
+    pub name: String,
+    /// Relative sampling weight (1 for `data.path`).
+    pub weight: f64,
+    pub prepare: PrepareSpec,
+}
+
+/// A source with its token files.
+#[derive(Debug, Clone)]
+pub struct DataSource {
+    pub name: String,
+    pub weight: f64,
+    pub prepared: Prepared,
+}
+
+/// The run's sources: the entries of `data.sources`, else `data.path` alone. Each is prepared
+/// and cached on its own, so adding a source never tokenizes the others again.
+pub fn source_specs(cfg: &Config, progress: bool) -> Vec<SourceSpec> {
+    let d = &cfg.data;
+    let spec = |path: &str, text_field: Option<&str>| PrepareSpec {
+        tokenizer: d.tokenizer.clone(),
+        path: PathBuf::from(path),
+        text_field: text_field.unwrap_or(&d.text_field).to_string(),
+        val_fraction: d.val_fraction,
         context_length: cfg.training.context_length,
-        num_samples: cfg.data.num_samples,
-        cache_dir: PathBuf::from(&cfg.data.cache_dir),
+        num_samples: d.num_samples,
+        cache_dir: PathBuf::from(&d.cache_dir),
         num_threads: cfg.training.num_workers,
         progress,
+    };
+    if d.sources.is_empty() {
+        let name = crate::data::source_names(&[(None, d.path.as_str())]).remove(0);
+        return vec![SourceSpec {
+            name,
+            weight: 1.0,
+            prepare: spec(&d.path, None),
+        }];
     }
+    let named: Vec<(Option<&str>, &str)> = d
+        .sources
+        .iter()
+        .map(|s| (s.name.as_deref(), s.path.as_str()))
+        .collect();
+    let names = crate::data::source_names(&named);
+    d.sources
+        .iter()
+        .zip(names)
+        .map(|(s, name)| SourceSpec {
+            name,
+            weight: s.weight,
+            prepare: spec(&s.path, s.text_field.as_deref()),
+        })
+        .collect()
 }
 
-/// Prepares (or finds cached) token files and says which.
-pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Prepared> {
-    let start = Instant::now();
-    let p = prepare(&prepare_spec(cfg, true))?;
-    let what = if p.cache_hit { "cache hit" } else { "prepared" };
-    println!(
-        "{tag} Data: {what} {} ({} train + {} val tokens, tokenizer {}, {:.1}s)",
-        p.dir.display(),
-        p.train_tokens,
-        p.val_tokens,
-        p.tokenizer_id,
-        start.elapsed().as_secs_f64()
-    );
-    Ok(p)
+/// Every source's token files, prepared or found in the cache, without a word (ranks that
+/// find what local rank 0 or the launcher prepared).
+pub fn prepare_quietly(cfg: &Config) -> Result<Vec<DataSource>> {
+    source_specs(cfg, false)
+        .into_iter()
+        .map(|s| {
+            Ok(DataSource {
+                prepared: prepare(&s.prepare)?,
+                name: s.name,
+                weight: s.weight,
+            })
+        })
+        .collect()
 }
 
-pub fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
+/// Prepares (or finds cached) every source's token files and says which.
+pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Vec<DataSource>> {
+    let mixture = !cfg.data.sources.is_empty();
+    let mut out = Vec::new();
+    for (i, s) in source_specs(cfg, true).into_iter().enumerate() {
+        let start = Instant::now();
+        let p = prepare(&s.prepare).map_err(|e| {
+            if mixture {
+                e.context(format!("data.sources[{i}] ({})", s.name))
+            } else {
+                e
+            }
+        })?;
+        let what = if p.cache_hit { "cache hit" } else { "prepared" };
+        let which = if mixture {
+            format!(" {} (weight {})", s.name, s.weight)
+        } else {
+            String::new()
+        };
+        println!(
+            "{tag} Data{which}: {what} {} ({} train + {} val tokens, tokenizer {}, {:.1}s)",
+            p.dir.display(),
+            p.train_tokens,
+            p.val_tokens,
+            p.tokenizer_id,
+            start.elapsed().as_secs_f64()
+        );
+        out.push(DataSource {
+            name: s.name,
+            weight: s.weight,
+            prepared: p,
+        });
+    }
+    Ok(out)
+}
+
+/// The model's shape, checked against the data: the vocabulary covers the tokenizer's and
+/// every source's token ids.
+pub fn model_shape(cfg: &Config, sources: &[DataSource]) -> Result<LlamaShape> {
+    let data = &sources
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no data source"))?
+        .prepared;
+    let vocab = data.vocab_size;
     let shape = match &cfg.model.model_path {
         Some(dir) => hf::shape_from_dir(&crate::data::hub::resolve_model(dir)?, &cfg.model)?,
         None => LlamaShape::from_config(&cfg.model, vocab)?,
@@ -152,6 +282,9 @@ pub fn model_shape(cfg: &Config, vocab: usize) -> Result<LlamaShape> {
         "the model's vocabulary ({}) is smaller than the tokenizer's ({vocab}); the tokenizer in data.tokenizer does not fit this model",
         shape.vocab_size
     );
+    for s in sources {
+        crate::data::check_ids_fit(&s.prepared, shape.vocab_size)?;
+    }
     Ok(shape)
 }
 
@@ -190,7 +323,7 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{resolve, Sources};
+    use crate::config::{resolve, ConfigError, Sources};
 
     fn with(sets: &[&str]) -> Config {
         resolve(&Sources {
@@ -217,8 +350,9 @@ mod tests {
         let e = dist_backend(&nccl, Device::Cpu).unwrap_err();
         assert!(e.downcast_ref::<ConfigError>().is_some());
         assert!(
-            e.to_string()
-                .contains("use system.dist_backend=auto or ring"),
+            e.to_string().contains(
+                "needs CUDA ranks, but this rank runs on the CPU (system.device = auto); use system.dist_backend=auto or ring"
+            ),
             "{e}"
         );
     }

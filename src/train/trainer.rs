@@ -1,78 +1,39 @@
-//! The training loop, top to bottom: set up (device, data, model, AdamW, resume), then per step:
-//! micro-batches → backward → all-reduce → clip → guard → AdamW → log / validate / checkpoint.
+//! The trainer: built once from its components, then the loop, which reads top to bottom —
+//! each step asks the data loader for its micro-batches, `train_step` does the step, and the
+//! validator, recorder and checkpointer are asked whether they are due.
+//!
+//! Components (each in its own module): `Loader` (this rank's batches), `train_step` (one
+//! optimizer step), `Guard` (NaN/Inf and loss spikes), `Validator`, `Recorder` (step line,
+//! metrics, TensorBoard, memory), `Checkpointer`, `Faults` (the `debug.*` hooks), and the
+//! `TrainerState` that a checkpoint carries.
 
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
-use serde_json::json;
+use anyhow::{Context, Result};
 use tch::nn::VarStore;
-use tch::{Device, Kind, Tensor};
+use tch::Tensor;
 
-use super::checkpoint::{self, TrainerState};
-use super::eval::{batch, evaluate};
-use super::guard::{self, Action, Event, NanAbort, SpikeDetector};
-use super::optim::{clip_to, grad_norm, AdamW, AdamWParams, Schedule};
+use super::checkpoint::{self, Checkpointer, TrainerState};
+use super::eval::Validator;
+use super::faults::{self, Faults};
+use super::fit;
+use super::guard::{self, Event, Guard, NanAbort};
+use super::loader::{Loader, SourceTokens};
+use super::optim::{AdamWParams, Optimizer, Schedule};
 use super::preempt;
-use super::setup::{
-    checkpoint_dir, compute_kind, model_shape, prepare_data, prepare_spec, resolve_device,
-    resume_target, run_dir,
-};
-use crate::config::{Config, Resolved, TrainingConfig};
-use crate::data::hub;
-use crate::data::prepare::prepare;
-use crate::data::sampler::{rank_indices, Sampler};
+use super::recorder::Recorder;
+use super::rundir::RunDir;
+use super::setup::{self, DataSource, Rank, RunOptions};
+use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
+use super::stragglers::Stragglers;
+use crate::config::{Config, DistBackendChoice, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
-use crate::dist::grads::{all_reduce_gradients, broadcast_parameters};
+use crate::dist::forensics;
+use crate::dist::grads::broadcast_parameters;
 use crate::dist::ProcessGroup;
-use crate::model::{hf, Llama, LlamaShape};
-use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
-use crate::telemetry::tensorboard::EventWriter;
-use crate::telemetry::{self, Metrics, StepLine};
-
-/// Where to resume from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Resume {
-    /// The latest complete checkpoint in the checkpoint directory, or a fresh start if none.
-    Auto,
-    Dir(PathBuf),
-}
-
-impl std::str::FromStr for Resume {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(if s == "auto" {
-            Resume::Auto
-        } else {
-            Resume::Dir(PathBuf::from(s))
-        })
-    }
-}
-
-/// This process's place among the ranks.
-#[derive(Debug, Clone, Copy)]
-pub struct Topology {
-    pub rank: usize,
-    pub world: usize,
-    /// Rank on this node: under torchrun it picks the CUDA device.
-    pub local_rank: usize,
-}
-
-impl Topology {
-    pub const SINGLE: Topology = Topology {
-        rank: 0,
-        world: 1,
-        local_rank: 0,
-    };
-}
-
-/// Per-invocation choices that are not part of the run's config.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    pub resume: Option<Resume>,
-    /// Checkpoint and exit after this step (time-sliced jobs); the schedule still spans max_steps.
-    pub stop_at_step: Option<usize>,
-}
+use crate::model::{hf, ActivationMemory, Llama, LlamaShape};
+use crate::sys::phase::{self, Phase};
+use crate::telemetry::memory::{gb, peak_rss_bytes};
 
 /// What a finished run reports back (tests read it).
 #[derive(Debug, Clone)]
@@ -86,712 +47,563 @@ pub struct Summary {
     pub preempted: bool,
 }
 
-/// Running sums for the per-phase timing line (`logging.verbose`) and Tok/s.
-#[derive(Default)]
-struct Window {
-    start: Option<Instant>,
-    steps: usize,
-    data_s: f64,
-    compute_s: f64,
-    comm_s: f64,
-    opt_s: f64,
+pub struct Trainer<'a> {
+    cfg: &'a Config,
+    rank: Rank,
+    pg: &'a mut dyn ProcessGroup,
+    /// Owns the parameters; `params` and the model hold shallow clones of them.
+    _vs: VarStore,
+    /// Every parameter under its Hugging Face name, in HF order: what checkpoints hold.
+    params: Vec<(String, Tensor)>,
+    model: Llama,
+    opt: Optimizer,
+    schedule: Schedule,
+    step_cfg: StepConfig,
+    loader: Loader,
+    validator: Option<Validator>,
+    guard: Guard,
+    recorder: Recorder,
+    checkpointer: Checkpointer,
+    faults: Faults,
+    stragglers: Stragglers,
+    state: TrainerState,
+    run_dir: PathBuf,
+    /// Rank 0's lock on the run directory, held for the whole run.
+    _claim: Option<RunDir>,
+    /// The run's sources (one without `data.sources`).
+    data: Vec<DataSource>,
+    /// The loop stops after this step (`--stop-at-step`, else `training.max_steps`).
+    last_step: usize,
 }
 
-impl Window {
-    fn reset(&mut self) {
-        *self = Window {
-            start: Some(Instant::now()),
-            ..Default::default()
-        };
-    }
-}
-
-pub fn train(
-    resolved: &Resolved,
-    opts: &RunOptions,
-    topo: Topology,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Summary> {
-    let cfg = &resolved.config;
-    let t = &cfg.training;
-    let lead = topo.rank == 0;
-    if cfg.system.num_threads > 0 {
-        tch::set_num_threads(cfg.system.num_threads as i32);
-    }
-    let device = resolve_device(cfg, topo)?;
-    let tag = telemetry::rank_tag(device.is_cuda(), topo.rank);
-    let run_dir = run_dir(resolved);
-    let ckpt_root = checkpoint_dir(resolved);
-    let resume_dir = resume_target(&ckpt_root, opts.resume.as_ref(), &tag)?;
-    if lead {
-        let config_json = serde_json::to_string_pretty(&resolved.to_json())?;
-        println!(
-            "{tag} Resolved config (preset {}):\n{config_json}",
-            resolved.preset
-        );
-    }
-
-    // Data: every rank maps the same prepared file. Local rank 0 prepares (or finds the
-    // launcher's cache) first, so ranks of one node never tokenize the same corpus at once.
-    let prepared = if topo.local_rank == 0 {
-        Some(prepare_data(cfg, &tag)?)
-    } else {
-        None
-    };
-    pg.barrier()?;
-    let prepared = match prepared {
-        Some(p) => p,
-        None => prepare(&prepare_spec(cfg, false))?,
-    };
-    let tokens = TokenFile::open(&prepared.train)?;
-    let val = prepared
-        .val
-        .as_ref()
-        .map(|p| TokenFile::open(p))
-        .transpose()?;
-    let data = TrainData {
-        sampler: Sampler::new(tokens.num_tokens(), t.context_length, cfg.system.seed)?,
-        tokens,
-        context_length: t.context_length,
-        device,
-    };
-
-    // Model and optimizer.
-    tch::manual_seed(cfg.system.seed as i64);
-    let shape = model_shape(cfg, prepared.vocab_size)?;
-    let vs = VarStore::new(device);
-    let model = Llama::new(
-        &vs.root(),
-        &shape,
-        t.context_length,
-        compute_kind(cfg, device),
-    );
-    if let Some(dir) = &cfg.model.model_path {
-        let path = hub::resolve_model(dir)?;
-        hf::load_weights(&path, &vs)?;
-        println!(
-            "{tag} Loaded weights from {dir} ({}, {} layers)",
-            path.display(),
-            shape.num_layers
-        );
-    }
-    let params = Llama::named_parameters(&vs);
-    check_injection_target(cfg, &params)?;
-    let hp = AdamWParams {
-        beta1: t.beta1,
-        beta2: t.beta2,
-        eps: t.adam_eps,
-        weight_decay: t.weight_decay,
-    };
-    let mut opt = AdamW::new(
-        params
-            .iter()
-            .map(|(n, p)| (n.clone(), p.shallow_clone()))
-            .collect(),
-        hp,
-    );
-    let mut state = TrainerState {
-        format: checkpoint::FORMAT_VERSION,
-        step: 0,
-        samples_consumed: 0,
-        seed: cfg.system.seed,
-        adam_step: 0,
-        loss: f64::NAN,
-        world_size: topo.world,
-        lr_scale: 1.0,
-        guard_events: 0,
-        model_shape: shape.clone(),
-        config: resolved.to_json(),
-        versions: checkpoint::versions(),
-    };
-    if let Some(dir) = &resume_dir {
-        let saved = checkpoint::load(dir, &shape, &params, &mut opt)?;
-        anyhow::ensure!(
-            saved.seed == cfg.system.seed,
-            "{}: checkpoint was trained with system.seed = {}, config has {}; the data order would change. Set system.seed={}",
-            dir.display(), saved.seed, cfg.system.seed, saved.seed
-        );
-        state = TrainerState {
-            world_size: topo.world,
-            config: resolved.to_json(),
-            ..saved
-        };
-        println!(
-            "{tag} Resumed from {} at step {} ({} samples consumed)",
-            dir.display(),
-            state.step,
-            state.samples_consumed
-        );
-    }
-    // The run is accepted (data found, checkpoint compatible): only now touch its directory,
-    // so a rejected start leaves an earlier run's config.json and checkpoints as they were.
-    std::fs::create_dir_all(&run_dir).with_context(|| {
-        format!(
-            "logging.dir: cannot create run directory {}; choose a writable logging.dir",
-            run_dir.display()
-        )
-    })?;
-    if lead {
-        let config_path = run_dir.join("config.json");
-        std::fs::write(
-            &config_path,
-            serde_json::to_string_pretty(&resolved.to_json())?,
-        )
-        .with_context(|| {
-            format!(
-                "{}: cannot write; is logging.dir writable?",
-                config_path.display()
-            )
-        })?;
-        // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
-        checkpoint::check_writable(&ckpt_root)?;
-    }
-    // Every rank starts from rank 0's weights (fresh init, HF weights or checkpoint alike).
-    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-    broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
-    // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never joined
-    // it into the ring's timeout naming that rank, rather than a hang at the first loss read.
-    pg.barrier()?;
-
-    let global_batch = (t.batch_size * t.grad_accum_nums * topo.world) as u64;
-    let tokens_per_step = global_batch as f64 * t.context_length as f64;
-    // MFU needs the achieved FLOPs per token and this device's peak (CUDA only, known GPUs).
-    let mfu_basis = match device {
-        tch::Device::Cuda(i) => telemetry::mfu::device_peak(i)
-            .map(|peak| (shape.flops_per_token(t.context_length), peak)),
-        _ => None,
-    };
-    if lead {
-        println!(
-            "{tag} Model: {:.2}M parameters, {} layers, d {}, {} heads / {} kv heads, vocab {} | {device:?}, {:?} compute | {} ranks, {} tokens per step",
-            shape.num_parameters() as f64 / 1e6, shape.num_layers, shape.hidden_size, shape.num_heads,
-            shape.num_kv_heads, shape.vocab_size, compute_kind(cfg, device), topo.world, tokens_per_step
-        );
-    }
-
-    let schedule = Schedule {
-        peak: t.learning_rate,
-        floor: t.min_lr,
-        warmup: t.warmup_steps,
-        total: t.max_steps,
-    };
-    let mut spikes = SpikeDetector::new(t.spike_window, t.spike_zscore);
-    let mut records = if lead {
-        let tensorboard = if cfg.logging.tensorboard {
-            let mut tb = EventWriter::create(&run_dir.join("tensorboard"))?;
-            if state.step > 0 {
-                // Resumed: points from here on replace any the earlier process wrote.
-                tb.session_start(state.step as i64 + 1)?;
-            }
-            Some(tb)
-        } else {
-            None
-        };
-        Some(Records {
-            metrics: Metrics::open(&run_dir.join("metrics.jsonl"))?,
-            tensorboard,
-        })
-    } else {
-        None
-    };
-    let mut summary = Summary {
-        losses: Vec::new(),
-        final_step: state.step,
-        run_dir: run_dir.clone(),
-        last_checkpoint: None,
-        val_loss: None,
-        preempted: false,
-    };
-    let mut buf = Vec::new();
-    let mut window = Window::default();
-    window.reset();
-    let mut nan_injected = false;
-    preempt::install();
-
-    // The injected NaN fires once, also when a rollback replays its step.
-    let mut inject_now = |step: usize| {
-        cfg.debug.inject_nan_at_step == step && !std::mem::replace(&mut nan_injected, true)
-    };
-    let last_step = opts
-        .stop_at_step
-        .map_or(t.max_steps, |s| s.min(t.max_steps));
-    while state.step < last_step {
-        let step = state.step;
-        inject_fault(cfg, topo, step + 1, &tag);
-        let lr = schedule.lr(step) * state.lr_scale;
-        let inject_nan = inject_now(step + 1);
-
-        // Forward/backward over the micro-batches of this rank's share of the global order.
-        let phase = Instant::now();
-        let mine: Vec<u64> = rank_indices(
-            state.samples_consumed,
-            global_batch,
-            topo.rank as u64,
-            topo.world as u64,
-        )
-        .collect();
-        let nan_loss = inject_nan && cfg.debug.inject_nan_param.is_none();
-        let (local_loss, data_time) = forward_backward(&model, &data, &mine, t, &mut buf, nan_loss);
-        state.samples_consumed += global_batch;
-        window.compute_s += phase.elapsed().as_secs_f64() - data_time;
-        window.data_s += data_time;
-
-        // The all-reduce phase ends at the norm's read: on NCCL that is where the host waits
-        // for the queued gradient all-reduce.
-        let phase = Instant::now();
-        let grads = opt.gradients();
-        let (loss, stop_requested) = synchronize(pg, &grads, local_loss, cfg.system.bucket_mb)?;
-        if inject_nan {
-            inject_nan_gradient(cfg, &opt);
+impl<'a> Trainer<'a> {
+    /// Sets a run up: claims the run directory, prepares the data, builds the model and AdamW,
+    /// resumes, and brings every rank to rank 0's weights.
+    pub fn new(
+        resolved: &'a Resolved,
+        opts: &RunOptions,
+        rank: Rank,
+        pg: &'a mut dyn ProcessGroup,
+    ) -> Result<Trainer<'a>> {
+        let cfg = &resolved.config;
+        let t = &cfg.training;
+        if cfg.system.num_threads > 0 {
+            tch::set_num_threads(cfg.system.num_threads as i32);
         }
-        let norm_tensor = grad_norm(&grads);
-        let norm = norm_tensor.double_value(&[]);
-        window.comm_s += phase.elapsed().as_secs_f64();
+        // Before anything else, so a second process on this run directory stops at once.
+        let run_dir = setup::run_dir(resolved);
+        let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
+        let checkpointer = Checkpointer::new(
+            setup::checkpoint_dir(resolved),
+            &cfg.checkpoint,
+            rank.lead(),
+        );
+        let resume_dir =
+            setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
 
-        // The guard: NaN/Inf (always checked when nan_check is on) and loss spikes.
-        let event = if t.nan_check && !(loss.is_finite() && norm.is_finite()) {
-            Some(Event::NonFinite)
-        } else {
-            spikes
-                .as_ref()
-                .and_then(|s| s.spike(loss))
-                .map(|z| Event::Spike { z })
-        };
-        if let Some(event) = event {
-            let action = on_guard_event(
-                event,
-                step + 1,
-                loss,
-                norm,
-                &opt,
-                &mut state,
-                cfg,
-                &ckpt_root,
-                &run_dir,
-                &tag,
-                lead,
-                pg,
-            )?;
-            match action {
-                Action::Abort => unreachable!("on_guard_event returns the abort as an error"),
-                Action::Skip => {
-                    opt.zero_grad();
-                    state.step += 1;
-                }
-                Action::Rollback => {
-                    let tb = records.as_mut().and_then(|r| r.tensorboard.as_mut());
-                    roll_back(
-                        &ckpt_root, &shape, &params, &mut opt, &mut state, t, tb, &tag,
-                    )?;
-                }
-            }
-            continue;
+        // Before anything of the model's size is allocated, and without `model.model_path`
+        // (whose config.json comes with its download) before the data is prepared too.
+        if cfg.model.model_path.is_none() {
+            fit::check(cfg, &crate::plan::shape(cfg)?, &rank)?;
         }
-        if let (Some(s), true) = (spikes.as_mut(), loss.is_finite()) {
-            s.accept(loss);
+        let data = prepare_on_node(cfg, &rank, pg)?;
+        let shape = setup::model_shape(cfg, &data)?;
+        if cfg.model.model_path.is_some() {
+            fit::check(cfg, &shape, &rank)?;
         }
-        clip_to(&grads, &norm_tensor, t.max_grad_norm);
+        let (train, val) = open_sources(&data)?.into_iter().unzip();
+        let loader = Loader::new(train, cfg, &rank)?;
+        let validator = Validator::new(val, cfg, rank.device)?;
 
-        let phase = Instant::now();
-        opt.step(lr)?;
-        opt.zero_grad();
-        window.opt_s += phase.elapsed().as_secs_f64();
-        state.step = step + 1;
-        state.adam_step = opt.step;
-        state.loss = loss;
-        summary.losses.push(loss);
-        window.steps += 1;
-
-        let done = state.step == last_step || stop_requested;
-        let eval_now = val.is_some()
-            && (done || (t.eval_interval > 0 && state.step.is_multiple_of(t.eval_interval)));
-        let val_loss = if eval_now {
-            evaluate(&model, val.as_ref().unwrap(), cfg, device, pg)?
-        } else {
-            None
-        };
-        summary.val_loss = val_loss.or(summary.val_loss);
-        if state.step.is_multiple_of(cfg.logging.interval) || done || val_loss.is_some() {
-            if let Some(records) = records.as_mut() {
-                log_step(
-                    &tag,
-                    &state,
-                    t.max_steps,
-                    lr,
-                    norm,
-                    tokens_per_step,
-                    val_loss,
-                    &window,
-                    cfg,
-                    records,
-                    mfu_basis.map(|(flops, peak)| (flops, peak * topo.world as f64)),
-                )?;
-            }
-            window.reset();
-        }
-        report_memory(cfg, state.step, &tag, device);
-
-        let interval = cfg.checkpoint.interval;
-        if done || (interval > 0 && state.step.is_multiple_of(interval)) {
-            // Every rank holds the same weights and moments: rank 0 writes, the others wait so
-            // that no rank runs ahead of a checkpoint that might fail.
-            if lead {
-                let name = format!("step_{}", state.step);
-                let keep = cfg.checkpoint.keep_last;
-                let dir = checkpoint::save(&ckpt_root, &name, &params, &opt, &state, keep)?;
-                println!("{tag} Checkpoint saved: {}", dir.display());
-                summary.last_checkpoint = Some(dir);
-            }
-            pg.barrier()?;
-            window.reset();
-        }
-        if stop_requested {
+        faults::arm_model_build_oom(cfg, rank.device);
+        phase::enter(Phase::ModelBuild);
+        tch::manual_seed(cfg.system.seed as i64);
+        let vs = VarStore::new(rank.device);
+        let compute = setup::compute_kind(cfg, rank.device);
+        let mut model = Llama::new(&vs.root(), &shape, t.context_length, compute);
+        model.set_activation_memory(ActivationMemory::from_config(t));
+        if let Some(dir) = &cfg.model.model_path {
+            let path = crate::data::hub::resolve_model(dir)?;
+            hf::load_weights(&path, &vs)?;
             println!(
-                "{tag} Stopped by signal at step {}: checkpoint saved; continue with --resume auto",
-                state.step
+                "{} Loaded weights from {dir} ({}, {} layers)",
+                rank.tag,
+                path.display(),
+                shape.num_layers
             );
-            summary.preempted = true;
-            break;
         }
+        let params = Llama::named_parameters(&vs);
+        let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
+        // Every rank starts from rank 0's weights (fresh init or HF weights); a checkpoint
+        // below overwrites them identically on every rank.
+        let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+        broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
+        // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
+        // joined it into the ring's timeout naming that rank, rather than a hang later.
+        pg.barrier()?;
+        let mut opt = Optimizer::new(
+            &params,
+            AdamWParams::from_config(t),
+            cfg.system.zero_stage,
+            pg,
+            cfg.system.bucket_mb,
+            compute,
+        );
+        let mut state = fresh_state(resolved, &shape, rank.topo.world);
+        if let Some(dir) = &resume_dir {
+            state = resume(dir, &shape, &params, &mut opt, resolved, &rank)?;
+        }
+
+        // The start is accepted (data found, checkpoint compatible): only now write into the
+        // run directory, so a refused start leaves an earlier run's files as they were.
+        if let Some(claim) = claim.as_mut() {
+            claim.accept();
+            write_config(&run_dir, resolved)?;
+            // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
+            checkpoint::check_writable(checkpointer.root())?;
+            print_summary(
+                resolved,
+                &rank,
+                &shape,
+                compute,
+                &run_dir,
+                checkpointer.root(),
+            );
+        }
+
+        let mfu_basis = match rank.device {
+            tch::Device::Cuda(i) => crate::telemetry::mfu::device_peak(i)
+                .map(|peak| (shape.flops_per_token(t.context_length), peak)),
+            _ => None,
+        };
+        let recorder = Recorder::new(cfg, &rank, &run_dir, mfu_basis, state.step)?;
+        let stragglers = Stragglers::new(cfg, &rank, state.step);
+        forensics::resumed_at(state.step);
+        let mut step_cfg = StepConfig::from_config(cfg);
+        // The overlap runs the ring from a second thread; NCCL's from a second thread is not
+        // verified on GPUs yet, so CUDA ranks on NCCL reduce after backward.
+        step_cfg.overlap &=
+            !rank.device.is_cuda() || cfg.system.dist_backend == DistBackendChoice::Ring;
+        let last_step = opts
+            .stop_at_step
+            .map_or(t.max_steps, |s| s.min(t.max_steps));
+        Ok(Trainer {
+            cfg,
+            pg,
+            _vs: vs,
+            params,
+            model,
+            opt,
+            schedule: Schedule::from_config(t),
+            step_cfg,
+            loader,
+            validator,
+            guard: Guard::new(t),
+            recorder,
+            checkpointer,
+            faults,
+            stragglers,
+            state,
+            run_dir,
+            _claim: claim,
+            data,
+            last_step,
+            rank,
+        })
     }
-    summary.final_step = state.step;
-    // Rank 0 hosts the store: nobody may leave while others still use it.
-    pg.barrier()?;
-    if lead {
-        if state.step >= t.max_steps && summary.losses.is_empty() {
+
+    /// The loop.
+    pub fn run(mut self) -> Result<Summary> {
+        let mut summary = Summary {
+            losses: Vec::new(),
+            final_step: self.state.step,
+            run_dir: self.run_dir.clone(),
+            last_checkpoint: None,
+            val_loss: None,
+            preempted: false,
+        };
+        preempt::install();
+        while self.state.step < self.last_step {
+            let step = self.state.step + 1; // 1-based: the step being taken
+            phase::enter(Phase::Data);
+            self.faults.at_step_start(step);
+            let plan = StepPlan {
+                lr: self.schedule.lr(self.state.step) * self.state.lr_scale,
+                inject: self.faults.nan_injection(step),
+            };
+            let batches = self.loader.micro_batches(self.state.samples_consumed);
+            let out = train_step(
+                &self.model,
+                &mut self.opt,
+                &mut *self.pg,
+                &mut self.guard,
+                &self.step_cfg,
+                &plan,
+                batches,
+            )?;
+            self.state.samples_consumed += self.loader.global_batch;
+            if let Some(event) = out.event {
+                self.on_guard_event(event, step, &out)?;
+                continue;
+            }
+            self.state.step = step;
+            forensics::step_done(step);
+            self.state.adam_step = self.opt.steps();
+            self.state.loss = out.loss;
+            summary.losses.push(out.loss);
+            self.recorder.add(&out.timing);
+
+            let last = step == self.last_step || out.stop_requested;
+            let val = match &self.validator {
+                Some(v) if v.due(step, last) => {
+                    phase::enter(Phase::Eval);
+                    v.run(&self.model, &mut *self.pg)?
+                }
+                _ => None,
+            };
+            summary.val_loss = val.as_ref().map(|v| v.loss).or(summary.val_loss);
+            if self.recorder.due(step, last, val.is_some()) {
+                let by_source = self.loader.tokens_by_source(self.state.samples_consumed);
+                self.recorder
+                    .log(&self.state, plan.lr, &out, val.as_ref(), &by_source)?;
+            }
+            self.recorder.memory(step, &self.opt.state_bytes());
+            self.stragglers.check(step, &mut *self.pg)?;
+            if self.checkpointer.due(step, last) {
+                phase::enter(Phase::Checkpoint);
+                let saved =
+                    self.checkpointer
+                        .save(&self.params, &self.opt, &self.state, &mut *self.pg)?;
+                if let Some(dir) = saved {
+                    println!("{} Checkpoint saved: {}", self.rank.tag, dir.display());
+                    summary.last_checkpoint = Some(dir);
+                }
+                self.recorder.restart_window();
+            }
+            if out.stop_requested {
+                println!(
+                    "{} Stopped by signal at step {step}: checkpoint saved; continue with --resume auto",
+                    self.rank.tag
+                );
+                summary.preempted = true;
+                break;
+            }
+        }
+        self.finish(summary)
+    }
+
+    /// After the loop: wait for every rank (rank 0 hosts the store), then say what was done and
+    /// what to do with the result.
+    fn finish(self, mut summary: Summary) -> Result<Summary> {
+        phase::enter(Phase::Finish);
+        summary.final_step = self.state.step;
+        self.pg.barrier()?;
+        if !self.rank.lead() {
+            return Ok(summary);
+        }
+        let tag = &self.rank.tag;
+        if self.state.step >= self.cfg.training.max_steps && summary.losses.is_empty() {
             println!(
                 "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
-                state.step
+                self.state.step
             );
         }
         println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
-    }
-    Ok(summary)
-}
-
-/// The token file and the order its windows are read in; every rank maps the same file.
-struct TrainData {
-    tokens: TokenFile,
-    sampler: Sampler,
-    context_length: usize,
-    device: Device,
-}
-
-/// One step's forward and backward over this rank's `mine` samples in micro-batches of
-/// `training.batch_size`. Each micro-batch's loss is scaled by 1/grad_accum_nums before backward,
-/// so the accumulated gradient is the step's mean. Returns this rank's mean loss and the
-/// seconds spent assembling batches. `nan_loss`: debug.inject_nan_at_step without a parameter.
-fn forward_backward(
-    model: &Llama,
-    data: &TrainData,
-    mine: &[u64],
-    t: &TrainingConfig,
-    buf: &mut Vec<i64>,
-    nan_loss: bool,
-) -> (f64, f64) {
-    let mut loss_sum = Tensor::zeros([], (Kind::Float, data.device));
-    let mut data_time = 0.0;
-    for micro in mine.chunks(t.batch_size) {
-        let d0 = Instant::now();
-        let (x, y) = batch(
-            &data.tokens,
-            &data.sampler,
-            micro,
-            data.context_length,
-            buf,
-            data.device,
-        );
-        data_time += d0.elapsed().as_secs_f64();
-        let mut loss = model.loss(&x, &y);
-        if nan_loss {
-            loss = &loss * f64::NAN;
+        if let Some(ckpt) = &summary.last_checkpoint {
+            print_next_steps(tag, ckpt, &self.data[0].prepared);
         }
-        (&loss / t.grad_accum_nums as f64).backward();
-        loss_sum += loss.detach();
+        Ok(summary)
     }
-    // Read before any collective is queued: on CUDA, reading it after an NCCL all-reduce was
-    // queued would wait for that all-reduce, and a stalled peer would hang this rank here
-    // instead of failing the host-side agreement below with the peer's rank named.
-    let local_loss = loss_sum.double_value(&[]) / t.grad_accum_nums as f64;
-    (local_loss, data_time)
-}
 
-/// Data parallelism, once per step after the last micro-batch: averages the gradients across
-/// ranks, and sums the losses and stop requests so that every rank sees the same global loss
-/// and takes the same branch afterwards. Returns (global mean loss, stop requested anywhere).
-fn synchronize(
-    pg: &mut dyn ProcessGroup,
-    grads: &[Tensor],
-    local_loss: f64,
-    bucket_mb: f64,
-) -> Result<(f64, bool)> {
-    all_reduce_gradients(pg, grads, bucket_mb)?;
-    let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
-    pg.all_reduce_sum_f32(&mut shared)?;
-    Ok((shared[0] as f64 / pg.world_size() as f64, shared[1] > 0.0))
-}
-
-/// training.nan_policy / spike_policy = rollback: back to the latest checkpoint's weights,
-/// moments and step, with the LR scaled down. The data position is kept (samples_consumed goes
-/// on), so the replayed steps see new data rather than the batches that went bad.
-#[allow(clippy::too_many_arguments)]
-fn roll_back(
-    ckpt_root: &Path,
-    shape: &LlamaShape,
-    params: &[(String, Tensor)],
-    opt: &mut AdamW,
-    state: &mut TrainerState,
-    t: &TrainingConfig,
-    tensorboard: Option<&mut EventWriter>,
-    tag: &str,
-) -> Result<()> {
-    let dir = checkpoint::latest(ckpt_root).context("rollback needs a checkpoint")?;
-    let saved = checkpoint::load(&dir, shape, params, opt)?;
-    opt.zero_grad();
-    state.step = saved.step;
-    state.adam_step = saved.adam_step;
-    state.lr_scale *= t.rollback_lr_factor;
-    if let Some(tb) = tensorboard {
-        tb.session_start(saved.step as i64 + 1)?;
-    }
-    println!(
-        "{tag} Rolled back to {} (step {}); LR scale now {}",
-        dir.display(),
-        saved.step,
-        state.lr_scale
-    );
-    Ok(())
-}
-
-/// Prints the step line (and validation, timing) and appends the metrics record.
-#[allow(clippy::too_many_arguments)]
-fn log_step(
-    tag: &str,
-    state: &TrainerState,
-    max_steps: usize,
-    lr: f64,
-    norm: f64,
-    tokens_per_step: f64,
-    val_loss: Option<f64>,
-    window: &Window,
-    cfg: &Config,
-    records: &mut Records,
-    mfu_basis: Option<(f64, f64)>,
-) -> Result<()> {
-    let n = window.steps.max(1) as f64;
-    let step_time = window.start.map_or(0.0, |s| s.elapsed().as_secs_f64()) / n;
-    let tok_s = tokens_per_step / step_time.max(1e-9);
-    // (FLOPs per token, summed peak of all ranks' devices); Tok/s is global.
-    let mfu = mfu_basis.map(|(flops_per_token, peak)| tok_s * flops_per_token / peak);
-    let line = StepLine {
-        tag,
-        step: state.step,
-        max_steps,
-        loss: state.loss,
-        lr,
-        grad_norm: norm,
-        tokens_per_s: tok_s,
-        eta_s: step_time * (max_steps - state.step) as f64,
-        mfu,
-    };
-    println!("{line}");
-    if let Some(v) = val_loss {
-        println!(
-            "{tag} Validation | Step [{}/{max_steps}] | Val Loss: {v:.4} | Val PPL: {:.2}",
-            state.step,
-            v.exp()
-        );
-    }
-    if cfg.logging.verbose {
-        println!(
-            "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms",
-            1e3 * window.data_s / n, 1e3 * window.compute_s / n, 1e3 * window.comm_s / n, 1e3 * window.opt_s / n
-        );
-    }
-    let rss = gb(rss_bytes());
-    records.metrics.record(&json!({
-        "step": state.step, "loss": state.loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
-        "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
-        "guard_events": state.guard_events, "mfu": mfu,
-    }))?;
-    if let Some(tb) = records.tensorboard.as_mut() {
-        let s = state.step as i64;
-        tb.scalar("train/loss", s, state.loss)?;
-        tb.scalar("train/lr", s, lr)?;
-        tb.scalar("train/grad_norm", s, norm)?;
-        tb.scalar("train/tokens_per_s", s, tok_s)?;
-        if let Some(m) = mfu {
-            tb.scalar("train/mfu", s, m)?;
-        }
-        if let Some(v) = val_loss {
-            tb.scalar("val/loss", s, v)?;
-            tb.scalar("val/ppl", s, v.exp())?;
-        }
-        tb.scalar("memory/rss_gb", s, rss)?;
-        tb.flush()?;
-    }
-    Ok(())
-}
-
-/// Rank 0's records of the run: metrics.jsonl and, with logging.tensorboard, event files.
-struct Records {
-    metrics: Metrics,
-    tensorboard: Option<EventWriter>,
-}
-
-/// Every `logging.memory_interval` steps: RSS on rank 0; a warning on any rank above the limit.
-fn report_memory(cfg: &Config, step: usize, tag: &str, device: tch::Device) {
-    let every = cfg.logging.memory_interval;
-    if every == 0 || !step.is_multiple_of(every) {
-        return;
-    }
-    let rss = gb(rss_bytes());
-    // On CUDA, NVML's view of this rank's GPU: what the caching allocator reserved plus the
-    // CUDA context (libtorch's allocator statistics are not reachable through tch).
-    let gpu = match device {
-        tch::Device::Cuda(i) => telemetry::mfu::nvml_device(i)
-            .map(|g| {
-                format!(
-                    " | GPU used {:.2} of {:.2} GB",
-                    gb(g.memory_used),
-                    gb(g.memory_total)
-                )
-            })
-            .unwrap_or_default(),
-        _ => String::new(),
-    };
-    println!(
-        "{tag} Memory | RSS {rss:.2} GB | peak {:.2} GB{gpu}",
-        gb(peak_rss_bytes())
-    );
-    let limit = cfg.system.max_memory_gb;
-    if limit > 0.0 && rss > limit {
-        eprintln!(
-            "{tag} WARNING: resident memory {rss:.2} GB exceeds system.max_memory_gb = {limit}"
-        );
-    }
-}
-
-/// Reports a guard event, saves the evidence (rank 0), and decides what the loop does. The
-/// abort comes back as a `NanAbort` error (exit code 3).
-#[allow(clippy::too_many_arguments)]
-fn on_guard_event(
-    event: Event,
-    step: usize,
-    loss: f64,
-    norm: f64,
-    opt: &AdamW,
-    state: &mut TrainerState,
-    cfg: &Config,
-    ckpt_root: &Path,
-    run_dir: &Path,
-    tag: &str,
-    lead: bool,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Action> {
-    let t = &cfg.training;
-    let action = match event {
-        Event::NonFinite => {
-            if lead {
-                let mut text = guard::report_text(tag, step, loss, norm, opt);
+    /// A step the guard stopped: report it and keep the evidence (rank 0), then follow the
+    /// policy — abort (exit code 3), skip the update, or roll back to the latest checkpoint.
+    fn on_guard_event(&mut self, event: Event, step: usize, out: &StepOutcome) -> Result<()> {
+        let tag = self.rank.tag.clone();
+        let (loss, norm) = (out.loss, out.grad_norm);
+        match event {
+            Event::NonFinite => {
+                // Every rank takes part: the gradients may be sharded, and so may the save.
+                let grads = self.opt.full_gradients(&self.params, &mut *self.pg)?;
                 let name = format!("nan_step_{step}");
-                let params: Vec<(String, Tensor)> = opt
-                    .params
-                    .iter()
-                    .map(|p| (p.name.clone(), p.param.shallow_clone()))
-                    .collect();
                 let evidence = TrainerState {
                     step,
                     loss,
-                    ..state.clone()
+                    ..self.state.clone()
                 };
-                let dir = checkpoint::save(ckpt_root, &name, &params, opt, &evidence, usize::MAX)?;
-                let dump = run_dir.join("debug").join(format!("{name}.safetensors"));
-                guard::dump(&dump, opt)?;
-                text.push_str(&format!(
-                    "\nCheckpoint saved: {}\nDebug tensors saved: {}",
-                    dir.display(),
-                    dump.display()
-                ));
-                eprintln!("{text}");
+                let dir = self.checkpointer.save_named(
+                    &name,
+                    &self.params,
+                    &self.opt,
+                    &evidence,
+                    &mut *self.pg,
+                )?;
+                if let Some(dir) = dir {
+                    let ev = guard::Evidence {
+                        params: &self.params,
+                        grads: &grads,
+                    };
+                    let mut text = guard::report_text(&tag, step, loss, norm, &ev);
+                    let dump = self
+                        .run_dir
+                        .join("debug")
+                        .join(format!("{name}.safetensors"));
+                    guard::dump(&dump, &ev)?;
+                    text.push_str(&format!(
+                        "\nCheckpoint saved: {}\nDebug tensors saved: {}",
+                        dir.display(),
+                        dump.display()
+                    ));
+                    eprintln!("{text}");
+                }
             }
-            Action::from_config(&t.nan_policy)
+            Event::Spike { z } => eprintln!("{}", self.guard.spike_warning(&tag, step, loss, z)),
         }
-        Event::Spike { z } => {
-            eprintln!("{tag} WARNING: loss spike at step {step}: loss {loss:.4} is {z:.1} standard deviations above the last {} losses", t.spike_window);
-            Action::from_config(&t.spike_policy)
+        self.pg.barrier()?;
+        let what = event.describe();
+        let policy = self.guard.policy(event);
+        if policy == GuardPolicy::Abort {
+            return Err(NanAbort(format!(
+                "{tag} {what} at step {step}; stopping (training.nan_policy / spike_policy = abort)"
+            ))
+            .into());
         }
+        self.state.guard_events += 1;
+        if self.state.guard_events > self.guard.max_events {
+            return Err(NanAbort(format!(
+                "{tag} {what} at step {step}: {} guard events exceed training.max_nan_skips = {}; stopping",
+                self.state.guard_events, self.guard.max_events
+            ))
+            .into());
+        }
+        let rollback_to = match policy {
+            GuardPolicy::Rollback => Some(self.checkpointer.latest().ok_or_else(|| {
+                NanAbort(format!(
+                    "{tag} {what} at step {step}: rollback needs a complete checkpoint in {} and there is none yet; set checkpoint.interval",
+                    self.checkpointer.root().display()
+                ))
+            })?),
+            _ => None,
+        };
+        if self.rank.lead() {
+            let verb = if rollback_to.is_some() {
+                "rolling back"
+            } else {
+                "skipping the update"
+            };
+            println!(
+                "{tag} Guard: {what} at step {step}; {verb} ({} of {} allowed)",
+                self.state.guard_events, self.guard.max_events
+            );
+        }
+        self.opt.zero_grad();
+        match rollback_to {
+            Some(dir) => self.roll_back(&dir),
+            None => {
+                self.state.step += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Back to a checkpoint's weights, moments and step, with the LR scaled down by
+    /// `training.rollback_lr_factor`. The data position is kept (samples_consumed goes on), so
+    /// the replayed steps see new data rather than the batches that went bad.
+    fn roll_back(&mut self, dir: &std::path::Path) -> Result<()> {
+        let saved = checkpoint::load(dir, &self.model.shape, &self.params, &mut self.opt)?;
+        self.state.step = saved.step;
+        self.state.adam_step = saved.adam_step;
+        self.state.lr_scale *= self.cfg.training.rollback_lr_factor;
+        self.recorder.rewind(saved.step)?;
+        println!(
+            "{} Rolled back to {} (step {}); LR scale now {}",
+            self.rank.tag,
+            dir.display(),
+            saved.step,
+            self.state.lr_scale
+        );
+        Ok(())
+    }
+}
+
+/// The data every rank maps. Local rank 0 prepares it (or finds the launcher's cache) first, so
+/// ranks of one node never tokenize the same corpus at once; the others then find it cached.
+fn prepare_on_node(
+    cfg: &Config,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Vec<DataSource>> {
+    let prepared = if rank.topo.local_rank == 0 {
+        Some(setup::prepare_data(cfg, &rank.tag)?)
+    } else {
+        None
     };
     pg.barrier()?;
-    let what = if event == Event::NonFinite {
-        "non-finite loss or gradient norm"
-    } else {
-        "loss spike"
+    match prepared {
+        Some(p) => Ok(p),
+        None => setup::prepare_quietly(cfg),
+    }
+}
+
+/// Every source's training tokens, and its validation tokens where it has a split.
+fn open_sources(data: &[DataSource]) -> Result<Vec<(SourceTokens, Option<SourceTokens>)>> {
+    let open = |s: &DataSource, path: &std::path::Path| -> Result<SourceTokens> {
+        Ok(SourceTokens {
+            name: s.name.clone(),
+            weight: s.weight,
+            tokens: TokenFile::open(path)?,
+        })
     };
-    if action == Action::Abort {
-        return Err(NanAbort(format!(
-            "{tag} {what} at step {step}; stopping (training.nan_policy / spike_policy = abort)"
-        ))
-        .into());
+    data.iter()
+        .map(|s| {
+            let val = s.prepared.val.as_deref().map(|p| open(s, p)).transpose()?;
+            Ok((open(s, &s.prepared.train)?, val))
+        })
+        .collect()
+}
+
+fn fresh_state(resolved: &Resolved, shape: &LlamaShape, world: usize) -> TrainerState {
+    TrainerState {
+        format: checkpoint::FORMAT_VERSION,
+        step: 0,
+        samples_consumed: 0,
+        seed: resolved.config.system.seed,
+        adam_step: 0,
+        loss: f64::NAN,
+        world_size: world,
+        lr_scale: 1.0,
+        guard_events: 0,
+        model_shape: shape.clone(),
+        zero_stage: resolved.config.system.zero_stage,
+        config: resolved.to_json(),
+        versions: checkpoint::versions(),
     }
-    state.guard_events += 1;
-    if state.guard_events > t.max_nan_skips {
-        return Err(NanAbort(format!(
-            "{tag} {what} at step {step}: {} guard events exceed training.max_nan_skips = {}; stopping",
-            state.guard_events, t.max_nan_skips
-        ))
-        .into());
-    }
-    if action == Action::Rollback && checkpoint::latest(ckpt_root).is_none() {
-        return Err(NanAbort(format!(
-            "{tag} {what} at step {step}: rollback needs a complete checkpoint in {} and there is none yet; set checkpoint.interval",
-            ckpt_root.display()
-        ))
-        .into());
-    }
-    let verb = if action == Action::Skip {
-        "skipping the update"
-    } else {
-        "rolling back"
-    };
-    if lead {
+}
+
+/// Loads a checkpoint into the parameters and moments and returns the state to continue from.
+fn resume(
+    dir: &std::path::Path,
+    shape: &LlamaShape,
+    params: &[(String, Tensor)],
+    opt: &mut Optimizer,
+    resolved: &Resolved,
+    rank: &Rank,
+) -> Result<TrainerState> {
+    let seed = resolved.config.system.seed;
+    let saved = checkpoint::load(dir, shape, params, opt)?;
+    anyhow::ensure!(
+        saved.seed == seed,
+        "{}: checkpoint was trained with system.seed = {}, config has {seed}; the data order would change. Set system.seed={}",
+        dir.display(), saved.seed, saved.seed
+    );
+    println!(
+        "{} Resumed from {} at step {} ({} samples consumed)",
+        rank.tag,
+        dir.display(),
+        saved.step,
+        saved.samples_consumed
+    );
+    Ok(TrainerState {
+        world_size: rank.topo.world,
+        zero_stage: resolved.config.system.zero_stage,
+        config: resolved.to_json(),
+        ..saved
+    })
+}
+
+/// The full resolved config, beside the run's records (and in every checkpoint's trainer.json).
+fn write_config(run_dir: &std::path::Path, resolved: &Resolved) -> Result<()> {
+    let path = run_dir.join("config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&resolved.to_json())?)
+        .with_context(|| format!("{}: cannot write; is logging.dir writable?", path.display()))
+}
+
+/// A few lines on what this run is; the full config is in the run directory (and printed here
+/// with `logging.verbose`).
+fn print_summary(
+    resolved: &Resolved,
+    rank: &Rank,
+    shape: &LlamaShape,
+    compute: tch::Kind,
+    run_dir: &std::path::Path,
+    checkpoints: &std::path::Path,
+) {
+    let (cfg, tag) = (&resolved.config, &rank.tag);
+    let t = &cfg.training;
+    let world = rank.topo.world;
+    if cfg.logging.verbose {
+        let json = serde_json::to_string_pretty(&resolved.to_json()).unwrap_or_default();
         println!(
-            "{tag} Guard: {what} at step {step}; {verb} ({} of {} allowed)",
-            state.guard_events, t.max_nan_skips
+            "{tag} Resolved config (preset {}):\n{json}",
+            resolved.preset
         );
     }
-    Ok(action)
-}
-
-fn check_injection_target(cfg: &Config, params: &[(String, Tensor)]) -> Result<()> {
-    if let Some(name) = &cfg.debug.inject_nan_param {
-        if !params.iter().any(|(n, _)| n == name) {
-            bail!("debug.inject_nan_param = {name:?} is not a parameter of this model (e.g. model.layers.0.mlp.up_proj.weight)");
-        }
-    }
-    Ok(())
-}
-
-/// `debug.inject_nan_param`: a NaN in one gradient, after the all-reduce so every rank agrees.
-fn inject_nan_gradient(cfg: &Config, opt: &AdamW) {
-    let Some(name) = &cfg.debug.inject_nan_param else {
-        return;
+    let device = match rank.device {
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        _ => match tch::get_num_threads() {
+            1 => "CPU, 1 thread".to_string(),
+            n => format!("CPU, {n} threads"),
+        },
     };
-    if let Some(p) = opt.params.iter().find(|p| &p.name == name) {
-        let _ = p.param.grad().view(-1).get(0).fill_(f64::NAN);
-    }
+    let dtype = if compute == tch::Kind::BFloat16 {
+        "bf16"
+    } else {
+        "fp32"
+    };
+    println!(
+        "{tag} Run: {} (preset {}; full config in {}) | {world} rank{} | {device} | {dtype} compute",
+        run_dir.display(),
+        resolved.preset,
+        run_dir.join("config.json").display(),
+        if world == 1 { "" } else { "s" },
+    );
+    println!(
+        "{tag} Model: {:.2}M parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}",
+        shape.num_parameters() as f64 / 1e6,
+        shape.num_layers,
+        shape.hidden_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.intermediate_size,
+        shape.vocab_size
+    );
+    println!(
+        "{tag} Batch: {} × {} tokens × {} accumulation × {world} rank{} = {} tokens per step | {} steps, LR {} (warmup {}, cosine to {})",
+        t.batch_size,
+        t.context_length,
+        t.grad_accum_nums,
+        if world == 1 { "" } else { "s" },
+        t.batch_size * t.context_length * t.grad_accum_nums * world,
+        t.max_steps,
+        crate::telemetry::sci(t.learning_rate),
+        t.warmup_steps,
+        crate::telemetry::sci(t.min_lr),
+    );
+    let every = match cfg.checkpoint.interval {
+        0 => "at the end".to_string(),
+        n => format!("every {n} steps and at the end"),
+    };
+    println!(
+        "{tag} Checkpoints: {} ({every}, keeping {})",
+        checkpoints.display(),
+        cfg.checkpoint.keep_last
+    );
 }
 
-/// `debug.fault`: a deliberate crash or hang of one rank, for the launcher and timeout tests.
-fn inject_fault(cfg: &Config, topo: Topology, step: usize, tag: &str) {
-    let d = &cfg.debug;
-    if d.fault == "none" || d.fault_rank != topo.rank || d.fault_step != step {
-        return;
-    }
-    eprintln!("{tag} debug.fault = {} injected at step {step}", d.fault);
-    if d.fault == "exit" {
-        std::process::exit(d.fault_exit_code as i32);
-    }
-    // SAFETY: raising a signal on ourselves has no memory-safety preconditions.
-    unsafe { libc::raise(libc::SIGSTOP) };
+/// What to do with the final checkpoint: the export, eval and generate commands for it.
+fn print_next_steps(tag: &str, ckpt: &std::path::Path, prepared: &crate::data::Prepared) {
+    let exe = std::env::args()
+        .next()
+        .filter(|a| a.contains('/'))
+        .unwrap_or_else(|| "lockstep".into());
+    let name = ckpt
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.file_name())
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let ckpt = ckpt.display();
+    let data = prepared.val.as_ref().unwrap_or(&prepared.train).display();
+    println!("{tag} Next: a Hugging Face directory, the loss on held-out data, a sample:");
+    println!("{tag}   {exe} export --hf exports/{name} --checkpoint {ckpt}");
+    println!("{tag}   {exe} eval --model {ckpt} --data {data}");
+    println!("{tag}   {exe} generate --model {ckpt} --prompt \"The\" --max-new-tokens 64");
 }

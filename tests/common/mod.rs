@@ -148,3 +148,30 @@ pub fn with(base: &[String], head: &[&str], tail: &[&str]) -> Vec<String> {
         .chain(tail.iter().map(|s| s.to_string()))
         .collect()
 }
+
+/// The (pid, RANK) of every live child of a `lockstep run` launcher.
+pub fn workers_of(launcher: u32) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let ppid: u32 = after.split(' ').nth(1).unwrap().parse().unwrap();
+        if ppid != launcher {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let rank = env
+            .split(|b| *b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix("RANK="))
+            .unwrap_or("?")
+            .to_string();
+        found.push((pid, rank));
+    }
+    found
+}

@@ -11,6 +11,11 @@ usage:
       token and id go to result.json.
       Then the mean cross-entropy of eval.dir over the consecutive non-overlapping windows of T + 1
       tokens of WORK/stream.safetensors ("tokens" [n]) goes to WORK/result.json, with the window count.
+  hf_interop.py tokenizers WORK
+      WORK/tokenizers.json: {"dirs": [DIR, ...], "texts": [TEXT, ...]}. Loads every DIR with
+      AutoTokenizer only and writes WORK/tokenizers_result.json: per DIR its class, eos/bos
+      tokens and ids, and per text the ids of tok(text) (special tokens added as the
+      tokenizer's defaults say) and tok.decode of those ids.
   hf_interop.py tokenizer WORK TEXT_FILE
       Trains a 512-token byte-level BPE (special tokens <s>, </s>) on TEXT_FILE with `tokenizers`
       and saves it as WORK/tokenizer.json.
@@ -26,7 +31,7 @@ import os
 import sys
 
 mode, work = sys.argv[1], sys.argv[2]
-if mode != "tokenizer":
+if mode not in ("tokenizer", "tokenizers"):
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
@@ -47,6 +52,22 @@ def tokenizer():
     )
     tok.train([sys.argv[3]], trainer)
     tok.save(f"{work}/tokenizer.json")
+
+
+def tokenizers():
+    from transformers import AutoTokenizer
+
+    params = json.load(open(f"{work}/tokenizers.json"))
+    result = []
+    for d in params["dirs"]:
+        tok = AutoTokenizer.from_pretrained(d)
+        entry = {"class": type(tok).__name__, "eos": [tok.eos_token, tok.eos_token_id],
+                 "bos": [tok.bos_token, tok.bos_token_id], "texts": []}
+        for text in params["texts"]:
+            ids = tok(text)["input_ids"]
+            entry["texts"].append({"ids": ids, "decoded": tok.decode(ids)})
+        result.append(entry)
+    json.dump(result, open(f"{work}/tokenizers_result.json", "w"))
 
 
 def check():
@@ -145,4 +166,4 @@ def generate():
                "unstopped": free}, open(f"{work}/generate.json", "w"))
 
 
-{"check": check, "generate": generate, "tokenizer": tokenizer}[mode]()
+{"check": check, "generate": generate, "tokenizer": tokenizer, "tokenizers": tokenizers}[mode]()

@@ -191,7 +191,7 @@ pub fn cached_dataset(name: &str) -> Result<Option<DatasetFiles>> {
     }))
 }
 
-/// What to add to the file-not-found error of a `data.path` that could name a Hub dataset.
+/// What to add to the missing-path error of a `data.path` that could also name a Hub dataset.
 pub fn dataset_not_cached(name: &str) -> String {
     let parts: Vec<&str> = name.split('/').collect();
     let repo = if parts.len() >= 2 {
@@ -204,8 +204,8 @@ pub fn dataset_not_cached(name: &str) -> String {
         .map(|r| r.display().to_string())
         .collect();
     format!(
-        "It is not a cached Hugging Face dataset either (looked in {}). lockstep does not \
-         download datasets. {}",
+        "If {name:?} is meant as a Hugging Face dataset: it is not in the local cache either \
+         (looked in {}), and lockstep does not download datasets. {}",
         looked.join(" and "),
         how_to_get("dataset", &repo, None, &[])
     )

@@ -1,7 +1,16 @@
 //! Ring tests: every rank is a thread of this process with its own store client.
 
-use super::*;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::collectives::BCAST_SEGMENT;
+use super::wire::Hello;
+use super::{RingConfig, RingGroup};
+use crate::dist::group::{piece, ProcessGroup};
+use crate::dist::store::Store;
 
 const STORE_T: Duration = Duration::from_secs(20);
 
@@ -92,6 +101,80 @@ fn all_reduce_sum_matches_sequential_sum_and_is_bitwise_identical() {
                 }
             }
         }
+    }
+}
+
+/// Uneven pieces, empty ones included, as a flat parameter space cut at shard boundaries gives.
+#[test]
+fn reduce_scatter_and_all_gather_over_uneven_pieces() {
+    for world in [1, 2, 3, 4] {
+        let cases: Vec<Vec<usize>> = vec![
+            vec![5; world],
+            (0..world).map(|r| [0, 3, 1_000, 7][r % 4]).collect(),
+            (0..world)
+                .map(|r| if r == 0 { 300_001 } else { 0 })
+                .collect(),
+        ];
+        let results = run_ranks(world, Duration::from_secs(10), |r, mut g| {
+            cases
+                .iter()
+                .map(|splits| {
+                    let n = splits.iter().sum();
+                    let mut buf = values(r, n, true);
+                    g.reduce_scatter_avg_f32(&mut buf, splits).unwrap();
+                    let mine = buf[piece(splits, r)].to_vec();
+                    // All-gather what the reduce-scatter produced: the averaged buffer.
+                    let mut all = vec![f32::NAN; n];
+                    all[piece(splits, r)].copy_from_slice(&mine);
+                    g.all_gather_f32(&mut all, splits).unwrap();
+                    all
+                })
+                .collect::<Vec<_>>()
+        });
+        for (i, splits) in cases.iter().enumerate() {
+            let n: usize = splits.iter().sum();
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| values(r, n, true)).collect();
+            let mean: Vec<f32> = (0..n)
+                .map(|j| inputs.iter().fold(0.0f32, |acc, v| acc + v[j]) / world as f32)
+                .collect();
+            for (r, res) in results.iter().enumerate() {
+                assert_eq!(res[i], mean, "world {world} splits {splits:?} rank {r}");
+            }
+        }
+    }
+}
+
+/// With two ranks every sum has two terms, so the reduce-scatter equals the all-reduce bit for
+/// bit (what makes ZeRO-2 on two ranks bitwise equal to replicated training).
+#[test]
+fn two_rank_reduce_scatter_is_bitwise_the_all_reduce() {
+    let n = 100_003;
+    let splits = [40_000, 60_003];
+    let out = run_ranks(2, Duration::from_secs(10), |r, mut g| {
+        let mut a = values(r, n, false);
+        g.all_reduce_avg_f32(&mut a).unwrap();
+        let mut b = values(r, n, false);
+        g.reduce_scatter_avg_f32(&mut b, &splits).unwrap();
+        let p = piece(&splits, r);
+        a[p.clone()]
+            .iter()
+            .zip(&b[p])
+            .all(|(x, y)| x.to_bits() == y.to_bits())
+    });
+    assert_eq!(out, [true, true]);
+}
+
+#[test]
+fn ranks_that_disagree_on_the_pieces_fail_instead_of_mixing_data() {
+    let errs = run_ranks(2, Duration::from_secs(5), |r, mut g| {
+        let splits = if r == 0 { [2, 2] } else { [1, 3] };
+        let mut buf = vec![1.0; 4];
+        g.reduce_scatter_avg_f32(&mut buf, &splits)
+            .err()
+            .map(|e| format!("{e:#}"))
+    });
+    for e in errs {
+        assert!(e.is_some(), "a disagreement must fail");
     }
 }
 

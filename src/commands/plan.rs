@@ -1,0 +1,106 @@
+//! `lockstep plan`: what a configuration needs per rank — memory by buffer for every zero stage
+//! and activation checkpointing mode, FLOPs, step time, communication, scaling — and whether it
+//! fits, before anything is prepared or allocated. The estimate is `crate::plan`'s, the same
+//! one `train` checks at start.
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+
+use crate::config::{DeviceChoice, Resolved};
+use crate::plan::{self, budget, gb, report, Layout, Setting, Target};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlanDevice {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// Data-parallel ranks (GPUs, or CPU processes with --device cpu).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub gpus: usize,
+    /// Memory per device in GB (default: the visible GPU's total, else 80; with --device cpu,
+    /// system.memory_budget_gb or this machine's MemAvailable shared by the ranks).
+    #[arg(long, value_name = "GB")]
+    pub gpu_memory_gb: Option<f64>,
+    /// The device to plan for (default: what `train` would use). `cpu` estimates the peak
+    /// RSS of a CPU run, libtorch's runtime included.
+    #[arg(long, value_enum)]
+    pub device: Option<PlanDevice>,
+    /// Assumed fraction of the device's peak FLOP/s reached (step time and tokens/s).
+    #[arg(long, default_value_t = 0.4)]
+    pub mfu: f64,
+    /// Print one JSON object: every rank layout with its breakdown in bytes, total_bytes and
+    /// fits; FLOPs, step time, communication, scaling and the advice.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
+    let cfg = &resolved.config;
+    anyhow::ensure!(args.gpus >= 1, "--gpus 0: plan for at least one rank");
+    anyhow::ensure!(
+        args.mfu > 0.0 && args.mfu <= 1.0,
+        "--mfu {}: a fraction in (0, 1]",
+        args.mfu
+    );
+    let device = match args.device {
+        Some(PlanDevice::Cpu) => plan::Device::Cpu,
+        Some(PlanDevice::Cuda) => plan::Device::Cuda,
+        None => match cfg.system.device {
+            DeviceChoice::Cpu => plan::Device::Cpu,
+            DeviceChoice::Cuda => plan::Device::Cuda,
+            DeviceChoice::Auto if crate::sys::cuda::cuda_available() => plan::Device::Cuda,
+            DeviceChoice::Auto => plan::Device::Cpu,
+        },
+    };
+    let world = args.gpus;
+    let budget = match (args.gpu_memory_gb, device) {
+        (Some(g), _) => (g * 1e9, "--gpu-memory-gb".to_string()),
+        (None, plan::Device::Cuda) => match budget::gpu_memory(0) {
+            Some((_, total)) => (total, "cuda:0's memory (NVML)".to_string()),
+            None => (80e9, "80 GB assumed: no GPU visible".to_string()),
+        },
+        (None, plan::Device::Cpu) if cfg.system.memory_budget_gb > 0.0 => (
+            cfg.system.memory_budget_gb * 1e9,
+            "system.memory_budget_gb".to_string(),
+        ),
+        (None, plan::Device::Cpu) => {
+            let avail = budget::mem_available().unwrap_or(0.0);
+            let shared = if world > 1 {
+                format!(" / {world} ranks")
+            } else {
+                String::new()
+            };
+            (
+                avail / world as f64,
+                format!("MemAvailable {}{shared}", gb(avail)),
+            )
+        }
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu_threads = match cfg.system.num_threads {
+        0 => (cores / world).max(1),
+        n => n,
+    };
+    let setting = Setting::new(
+        cfg,
+        plan::shape(cfg)?,
+        Target {
+            device,
+            world,
+            budget,
+            mfu: args.mfu,
+            cpu_threads,
+        },
+    );
+    let layout = Layout::from_config(cfg);
+    let r = report::build(&setting, &layout);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", report::text(&r, &setting));
+    }
+    Ok(())
+}

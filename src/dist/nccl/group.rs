@@ -1,0 +1,213 @@
+//! [`NcclGroup`]: a CUDA rank's process group, NCCL (through the shim) for device tensors and
+//! the CPU ring for everything else.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use tch::Tensor;
+
+use super::loader::{shim, PiecesFn, Shim};
+use crate::dist::group::{self, ProcessGroup};
+use crate::dist::ring::RingGroup;
+use crate::dist::store::Store;
+use crate::sys::ffi::{call, ShimError};
+
+/// The key ProcessGroupNCCL's monitor polls at the store's root for a flight-recorder dump
+/// signal from another rank (`kStoreDumpKey` in libtorch 2.11).
+pub const DUMP_SIGNAL_KEY: &str = "exception_dump";
+
+/// The watchdog's limit for one NCCL collective: longer than the ring's, so that a stalled
+/// peer is reported by the ring (which names it) before the watchdog aborts the process.
+pub fn watchdog_timeout(collective_timeout: Duration) -> Duration {
+    collective_timeout + (collective_timeout / 10).max(Duration::from_secs(60))
+}
+
+/// A CUDA rank's process group: NCCL for device tensors, the CPU ring for the rest.
+pub struct NcclGroup {
+    shim: &'static Shim,
+    handle: *mut c_void,
+    cpu: RingGroup,
+    /// Set by any failed collective: the drop then aborts the communicators instead of
+    /// flushing them, since a collective may never finish.
+    failed: bool,
+    /// An NCCL collective was queued and no ring collective has succeeded since, so a peer may
+    /// never have matched it: a drop now must abort too (shutdown would wait for it forever).
+    pending: bool,
+    // Keeps the store that ProcessGroupNCCL also references alive on the Rust side.
+    _store: Arc<Store>,
+}
+
+// SAFETY: ProcessGroupNCCL is thread-safe and the handle is only used through `&mut self`.
+unsafe impl Send for NcclGroup {}
+
+impl NcclGroup {
+    /// Joins the NCCL group on CUDA device `cuda_device` (this process's index), with keys under
+    /// `key_prefix` in `store`, and connects eagerly so a broken NCCL setup fails here rather
+    /// than at the first all-reduce. `cpu` is the already-formed ring of the same ranks.
+    pub fn new(
+        store: Arc<Store>,
+        cpu: RingGroup,
+        cuda_device: usize,
+        key_prefix: &str,
+        collective_timeout: Duration,
+    ) -> Result<NcclGroup> {
+        let shim = shim()?;
+        let (rank, world) = (cpu.rank(), cpu.world_size());
+        let mut handle = std::ptr::null_mut();
+        let timeout_ms =
+            i64::try_from(watchdog_timeout(collective_timeout).as_millis()).unwrap_or(i64::MAX);
+        // SAFETY: the store pointer is live (we hold `store`), the prefix is valid for its
+        // length, and the out-pointers are valid.
+        let created = call(|err| unsafe {
+            (shim.new)(
+                store.c10d_ptr(),
+                key_prefix.as_ptr().cast(),
+                key_prefix.len(),
+                rank as c_int,
+                world as c_int,
+                cuda_device as c_int,
+                timeout_ms,
+                &mut handle,
+                err,
+            )
+        });
+        if let Err(e) = created {
+            bail!("rank {rank}: cannot create the NCCL process group on cuda:{cuda_device}: {e}");
+        }
+        Ok(NcclGroup {
+            shim,
+            handle,
+            cpu,
+            failed: false,
+            pending: false,
+            _store: store,
+        })
+    }
+
+    /// Records the outcome of an NCCL collective `what` on `t`.
+    fn check(&mut self, r: Result<(), ShimError>, what: &str, t: &Tensor) -> Result<()> {
+        let Err(e) = r else {
+            self.pending = true;
+            return Ok(());
+        };
+        self.failed = true;
+        bail!(
+            "rank {}: NCCL {what} of {} {:?} elements on {:?} failed: {e}",
+            self.rank(),
+            t.numel(),
+            t.kind(),
+            t.device(),
+        )
+    }
+
+    /// Ring collectives mark the group failed too (a missing peer also strands NCCL); a ring
+    /// collective that succeeds shows every rank has queued the NCCL work that came before it,
+    /// so that work will complete.
+    fn on_cpu<T>(&mut self, f: impl FnOnce(&mut RingGroup) -> Result<T>) -> Result<T> {
+        let r = f(&mut self.cpu);
+        match r {
+            Ok(_) => self.pending = false,
+            Err(_) => self.failed = true,
+        }
+        r
+    }
+}
+
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.cpu.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.cpu.world_size()
+    }
+
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.on_cpu(|c| c.all_reduce_sum_f32(buf))
+    }
+
+    fn broadcast_f32(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.on_cpu(|c| c.broadcast_f32(buf, root))
+    }
+
+    fn all_reduce_max_f64(&mut self, x: f64) -> Result<f64> {
+        self.on_cpu(|c| c.all_reduce_max_f64(x))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.on_cpu(|c| c.barrier())
+    }
+
+    fn all_reduce_avg_tensor(&mut self, t: &Tensor) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.all_reduce_avg_f32(b));
+        }
+        // SAFETY: `handle` is live; `t.as_ptr()` is tch's `at::Tensor*`, alive for the call.
+        let r = call(|err| unsafe {
+            (self.shim.all_reduce)(self.handle, t.as_ptr() as *mut c_void, 1, err)
+        });
+        self.check(r, "all-reduce", t)
+    }
+
+    fn broadcast_tensor(&mut self, t: &Tensor, root: usize) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.broadcast_f32(b, root));
+        }
+        // SAFETY: as in `all_reduce_avg_tensor`.
+        let r = call(|err| unsafe {
+            (self.shim.broadcast)(self.handle, t.as_ptr() as *mut c_void, root as c_int, err)
+        });
+        self.check(r, "broadcast", t)
+    }
+
+    fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        self.on_cpu(|c| c.reduce_scatter_avg_f32(buf, splits))
+    }
+
+    fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        self.on_cpu(|c| c.all_gather_f32(buf, splits))
+    }
+
+    fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.reduce_scatter_avg_f32(b, splits));
+        }
+        self.pieces_op(t, splits, self.shim.reduce_scatter, "reduce-scatter")
+    }
+
+    fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.all_gather_f32(b, splits));
+        }
+        self.pieces_op(t, splits, self.shim.all_gather, "all-gather")
+    }
+}
+
+impl NcclGroup {
+    /// An uneven collective of the shim on a flat CUDA tensor.
+    fn pieces_op(&mut self, t: &Tensor, splits: &[usize], op: PiecesFn, what: &str) -> Result<()> {
+        group::check_splits(t.numel(), splits, self.world_size())?;
+        let splits: Vec<i64> = splits.iter().map(|&s| s as i64).collect();
+        // SAFETY: `handle` is live; the tensor handle and the splits outlive the call.
+        let r = call(|err| unsafe {
+            op(
+                self.handle,
+                t.as_ptr() as *mut c_void,
+                splits.as_ptr(),
+                splits.len() as c_int,
+                err,
+            )
+        });
+        self.check(r, what, t)
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        let abort = self.failed || self.pending;
+        // SAFETY: `handle` is live and never used after this.
+        unsafe { (self.shim.free)(self.handle, c_int::from(abort)) };
+    }
+}

@@ -1,0 +1,214 @@
+//! The flat parameter space of sharded data parallelism (`system.zero_stage` ≥ 1).
+//!
+//! Every trainable parameter gets a range of one flat index space: first the weight-decayed
+//! ones (matrices and embeddings), then the 1-D ones (norm weights), each group in the order it
+//! is given (Hugging Face order), so any contiguous slice meets at most two decay groups. The
+//! space is padded to a multiple of the world size N, and rank r owns the contiguous slice
+//! `[r·S, (r+1)·S)` with `S = padded / N`: its fp32 master weights, AdamW moments and (stage 2)
+//! gradient shard are exactly that slice. A checkpoint records each parameter's piece by its
+//! element range, so any layout can be re-cut into any other (another world size or stage).
+//!
+//! Pure index arithmetic: no tensors here.
+
+use std::ops::Range;
+
+/// One parameter's place in the flat space.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlatParam {
+    pub name: String,
+    pub numel: usize,
+    /// First element in the flat space.
+    pub start: usize,
+    pub decay: bool,
+    /// Index in the caller's parameter list.
+    pub index: usize,
+}
+
+impl FlatParam {
+    pub fn range(&self) -> Range<usize> {
+        self.start..self.start + self.numel
+    }
+}
+
+/// The part of one parameter that falls into a flat range.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    /// Position in [`FlatLayout::params`].
+    pub param: usize,
+    /// Element range within the parameter (flattened).
+    pub local: Range<usize>,
+    /// The same elements in the flat space.
+    pub flat: Range<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct FlatLayout {
+    /// In flat order: decayed parameters first, then the others.
+    pub params: Vec<FlatParam>,
+    /// Elements of all parameters (before padding).
+    pub total: usize,
+    /// Ranks the space is cut for.
+    pub world: usize,
+    /// Elements each rank owns (`padded / world`).
+    pub shard: usize,
+}
+
+impl FlatLayout {
+    /// `params`: (name, number of elements, weight-decayed) in the caller's order.
+    pub fn new<'a>(params: impl IntoIterator<Item = (&'a str, usize, bool)>, world: usize) -> Self {
+        let given: Vec<(&str, usize, bool)> = params.into_iter().collect();
+        let mut out = Vec::with_capacity(given.len());
+        let mut at = 0;
+        for decay in [true, false] {
+            for (index, &(name, numel, d)) in given.iter().enumerate() {
+                if d == decay {
+                    out.push(FlatParam {
+                        name: name.to_string(),
+                        numel,
+                        start: at,
+                        decay,
+                        index,
+                    });
+                    at += numel;
+                }
+            }
+        }
+        let world = world.max(1);
+        FlatLayout {
+            params: out,
+            total: at,
+            world,
+            shard: at.div_ceil(world),
+        }
+    }
+
+    /// The padded size of the space.
+    pub fn padded(&self) -> usize {
+        self.shard * self.world
+    }
+
+    /// The slice rank `r` owns.
+    pub fn owned(&self, r: usize) -> Range<usize> {
+        r * self.shard..(r + 1) * self.shard
+    }
+
+    /// Each rank's share of a flat range (the pieces of an uneven reduce-scatter/all-gather).
+    pub fn splits(&self, range: &Range<usize>) -> Vec<usize> {
+        (0..self.world)
+            .map(|r| intersect(range, &self.owned(r)).len())
+            .collect()
+    }
+
+    /// The parameter pieces inside a flat range, in flat order (padding has none).
+    pub fn pieces(&self, range: Range<usize>) -> Vec<Piece> {
+        // Parameters are sorted by start; find the first that ends after range.start.
+        let first = self
+            .params
+            .partition_point(|p| p.start + p.numel <= range.start);
+        self.params[first..]
+            .iter()
+            .enumerate()
+            .take_while(|(_, p)| p.start < range.end)
+            .filter_map(|(i, p)| {
+                let flat = intersect(&range, &p.range());
+                (!flat.is_empty()).then(|| Piece {
+                    param: first + i,
+                    local: flat.start - p.start..flat.end - p.start,
+                    flat,
+                })
+            })
+            .collect()
+    }
+
+    /// Consecutive ranges of at most `cap` elements covering the padded space: the buckets the
+    /// gradients are reduce-scattered and the parameters all-gathered in.
+    pub fn buckets(&self, cap: usize) -> Vec<Range<usize>> {
+        let cap = cap.max(1);
+        (0..self.padded())
+            .step_by(cap)
+            .map(|s| s..(s + cap).min(self.padded()))
+            .collect()
+    }
+
+    /// The rank whose slice holds a parameter's first element: the one that writes the
+    /// parameter into a checkpoint.
+    pub fn writer(&self, p: &FlatParam) -> usize {
+        (p.start / self.shard.max(1)).min(self.world - 1)
+    }
+}
+
+/// The overlap of two ranges (empty when they do not meet).
+pub fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    let (s, e) = (a.start.max(b.start), a.end.min(b.end));
+    if s < e {
+        s..e
+    } else {
+        s..s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(world: usize) -> FlatLayout {
+        // HF order: embedding (decay), a norm (no decay), a matrix (decay), the final norm.
+        FlatLayout::new(
+            [
+                ("embed", 12, true),
+                ("norm1", 4, false),
+                ("w", 6, true),
+                ("norm", 4, false),
+            ],
+            world,
+        )
+    }
+
+    #[test]
+    fn decayed_parameters_come_first_and_the_space_is_padded() {
+        let l = layout(3);
+        let order: Vec<(&str, usize)> = l
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.start))
+            .collect();
+        assert_eq!(
+            order,
+            [("embed", 0), ("w", 12), ("norm1", 18), ("norm", 22)]
+        );
+        assert_eq!((l.total, l.shard, l.padded()), (26, 9, 27));
+        assert_eq!(l.owned(2), 18..27);
+        assert_eq!(l.params[1].index, 2, "w is the caller's third parameter");
+    }
+
+    #[test]
+    fn pieces_and_splits_cover_a_range_exactly() {
+        let l = layout(3);
+        let p = l.pieces(10..20);
+        let names: Vec<(&str, Range<usize>)> = p
+            .iter()
+            .map(|x| (l.params[x.param].name.as_str(), x.local.clone()))
+            .collect();
+        assert_eq!(names, [("embed", 10..12), ("w", 0..6), ("norm1", 0..2)]);
+        assert_eq!(l.splits(&(10..20)), [0, 8, 2]);
+        assert_eq!(l.splits(&(0..27)), [9, 9, 9]);
+        assert!(l.pieces(26..27).is_empty(), "padding holds no parameter");
+        let covered: usize = l.buckets(5).iter().map(|b| b.len()).sum();
+        assert_eq!(covered, 27);
+        assert_eq!(l.buckets(5).last(), Some(&(25..27)));
+    }
+
+    #[test]
+    fn a_parameter_is_written_by_the_owner_of_its_first_element() {
+        let l = layout(2);
+        assert_eq!(l.writer(&l.params[1]), 0, "w starts at 12 < 13");
+        assert_eq!(l.writer(&l.params[2]), 1, "norm1 starts at 18");
+    }
+
+    #[test]
+    fn one_rank_owns_everything() {
+        let l = layout(1);
+        assert_eq!((l.shard, l.owned(0)), (26, 0..26));
+        assert_eq!(l.splits(&(0..26)), [26]);
+    }
+}

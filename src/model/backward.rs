@@ -1,0 +1,409 @@
+//! Forward and backward of one micro-batch, a decoder layer at a time: activation
+//! checkpointing, the chunked LM head + cross-entropy, and a callback when a unit's gradients
+//! are final.
+//!
+//! ## Design note: why layer by layer in Rust, not a C++ checkpoint function
+//! libtorch's C++ API has no activation checkpointing (`torch.utils.checkpoint` is Python; the
+//! 2.11 headers hold only the engine's `CheckpointValidGuard`), and tch exposes none. The two
+//! ways to get it were:
+//! (a) run the layers forward without a graph where activations are not to be kept, keep each
+//!     layer's input, and go backward one layer at a time: recompute the layer from its input
+//!     with a graph and back-propagate the gradient that came from the layer above (a
+//!     vector-Jacobian product seeded with that gradient), the parameters' `.grad`
+//!     accumulating as in one whole backward;
+//! (b) a `torch::autograd::Function` in a C++ shim whose backward recomputes the layer.
+//! (b) needs the recomputation — the model, written in Rust — to be called back from inside
+//! libtorch's autograd engine: on CUDA from the engine's device thread, with a Rust panic
+//! unable to cross the C++ frames, and a nested backward inside a backward. (a) needs one small
+//! shim, `csrc/autograd.cpp`: `torch::autograd::backward(roots, grads)` (tch's `backward`
+//! always seeds with ones). Everything else stays ordinary tch code on the calling thread, and
+//! (a) gives the step what the overlap of gradient reductions needs for free: the backward is
+//! an explicit loop, so "layer i's gradients are final" is a point in the code.
+//! The evidence that (a) loses nothing: gradients are bitwise equal to one whole backward in
+//! every mode on CPU (recomputation is deterministic there: same kernels, same shapes, same
+//! threads; tests in tests/activation_memory.rs, fp32 and bf16, GQA, tied and untied), and
+//! the time it costs is the recomputation itself (BENCHMARKS.md, section 6).
+//!
+//! ## What each mode keeps (per decoder layer, between the forward and its backward)
+//! - `none`: the graph autograd builds — every tensor the layer's ops save.
+//! - `full`: the layer's input, [batch, seq, hidden] fp32. The layer runs forward without a
+//!   graph and again, with one, during backward.
+//! - `selective`: the attention half's graph (input RMSNorm's input and output, q/k/v after
+//!   RoPE, the attention output and its log-sum-exp, the o_proj input) and the residual
+//!   stream after it. The MLP half (post-attention RMSNorm, gate/up projections, SiLU, their
+//!   product, the down projection) runs without a graph and again, with one, during backward.
+//!   It keeps about a third of `none`'s tensors and recomputes no attention.
+//!
+//! ## The chunked LM head
+//! The final RMSNorm's output is kept once ([tokens, hidden] fp32). The LM head and the
+//! cross-entropy run on `loss_chunk_tokens` tokens at a time, without an autograd graph: a
+//! chunk's logits are computed, reduced to its summed loss and turned into their gradient in
+//! the same buffer (softmax − one-hot, what log-softmax + NLL's backward gives), the gradient
+//! for its rows of the hidden states is written into a [tokens, hidden] buffer and the head
+//! weight's gradient added in place; then the backward continues from that buffer into the
+//! final norm and the decoder. The loss is the sum over chunks divided by the number of targets
+//! (not -100), the same mean as one cross-entropy over all tokens (within 1e-6 in fp32; with
+//! bf16 the head weight's gradient differs at bf16 resolution).
+//!
+//! ## Order of the units whose gradients become final ([`GradUnit`])
+//! `LmHead` (untied only) → `FinalNorm` → `Layer(L-1)` → … → `Layer(0)` → `Embedding`. With
+//! tied embeddings there is no `LmHead` unit: the LM head's gradient lands in
+//! `model.embed_tokens.weight`, which is final only at `Embedding`.
+
+use anyhow::Result;
+use tch::{Kind, Tensor};
+use torch_sys::C_tensor;
+
+use super::documents::DocumentMask;
+use super::llama::Llama;
+pub use crate::config::ActivationCheckpointing;
+use crate::sys::phase::{self, Phase};
+
+extern "C" {
+    /// csrc/autograd.cpp: torch::autograd::backward(roots, grads); a status and `err` as in
+    /// crate::sys::ffi.
+    fn lockstep_backward(
+        roots: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        n: usize,
+        err: *mut *mut libc::c_char,
+    ) -> libc::c_int;
+}
+
+/// How a training pass trades memory for compute (`training.activation_checkpointing`,
+/// `training.loss_chunk_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivationMemory {
+    pub checkpointing: ActivationCheckpointing,
+    /// Tokens per LM-head chunk; 0 = the whole micro-batch in one chunk.
+    pub loss_chunk_tokens: usize,
+}
+
+impl Default for ActivationMemory {
+    /// Everything kept, one chunk: what a plain forward + backward does.
+    fn default() -> Self {
+        ActivationMemory {
+            checkpointing: ActivationCheckpointing::None,
+            loss_chunk_tokens: 0,
+        }
+    }
+}
+
+impl ActivationMemory {
+    pub fn from_config(t: &crate::config::TrainingConfig) -> ActivationMemory {
+        ActivationMemory {
+            checkpointing: t.activation_checkpointing,
+            loss_chunk_tokens: t.loss_chunk_tokens,
+        }
+    }
+}
+
+/// A group of parameters whose gradients become final together during the backward of a
+/// micro-batch, in the order listed in the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradUnit {
+    /// `lm_head.weight` (untied models only).
+    LmHead,
+    /// `model.norm.weight`.
+    FinalNorm,
+    /// Every `model.layers.{i}.*` parameter.
+    Layer(usize),
+    /// `model.embed_tokens.weight` (with tied embeddings, also the LM head).
+    Embedding,
+}
+
+impl GradUnit {
+    /// The unit that holds the parameter with this Hugging Face name.
+    pub fn of_parameter(name: &str) -> Option<GradUnit> {
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            return rest
+                .split('.')
+                .next()
+                .and_then(|i| i.parse().ok())
+                .map(GradUnit::Layer);
+        }
+        match name {
+            "lm_head.weight" => Some(GradUnit::LmHead),
+            "model.norm.weight" => Some(GradUnit::FinalNorm),
+            "model.embed_tokens.weight" => Some(GradUnit::Embedding),
+            _ => None,
+        }
+    }
+}
+
+/// What a decoder layer keeps between its forward and its backward.
+enum Kept {
+    /// `none`: the layer's graph, from its input (a leaf) to its output.
+    Graph { input: Tensor, output: Tensor },
+    /// `full`: the layer's input, without a graph.
+    Input(Tensor),
+    /// `selective`: the attention half's graph, from the input (a leaf) to the residual after
+    /// attention.
+    Attention { input: Tensor, middle: Tensor },
+}
+
+/// A tensor with no history that autograd accumulates a gradient into: where one segment of
+/// the backward hands its gradient to the next.
+fn leaf(x: &Tensor) -> Tensor {
+    x.detach().set_requires_grad(true)
+}
+
+/// Back-propagates `grad` from `root` (whose graph is then freed), accumulating into the
+/// `.grad` of the leaves behind it.
+fn backward_from(root: &Tensor, grad: &Tensor) -> Result<()> {
+    let roots = [root.as_ptr() as *mut C_tensor];
+    let grads = [grad.as_ptr() as *mut C_tensor];
+    // SAFETY: both pointers are live tch tensor handles (`at::Tensor*`) borrowed for the call;
+    // the shim catches every C++ exception.
+    crate::sys::ffi::call(|err| unsafe {
+        lockstep_backward(roots.as_ptr(), grads.as_ptr(), 1, err)
+    })
+    .map_err(|e| anyhow::anyhow!("backward failed: {e}"))
+}
+
+/// The gradient autograd accumulated into a leaf.
+fn grad_of(leaf: &Tensor) -> Result<Tensor> {
+    let g = leaf.grad();
+    anyhow::ensure!(
+        g.defined(),
+        "internal error: no gradient reached a layer boundary"
+    );
+    Ok(g)
+}
+
+/// (start, length) of the chunks of `n` rows, `chunk` rows each (0 = one chunk).
+pub(super) fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
+    let step = if chunk == 0 { n.max(1) } else { chunk as i64 };
+    (0..n)
+        .step_by(step as usize)
+        .map(move |s| (s, step.min(n - s)))
+}
+
+/// The number of targets that count (not -100), as an fp32 tensor: the mean's divisor, kept on
+/// the device so that no host sync is needed.
+pub(super) fn counted_targets(targets: &Tensor) -> Tensor {
+    targets.ne(-100).sum(Kind::Float)
+}
+
+impl Llama {
+    /// Forward and backward of one micro-batch: inputs and targets [batch, seq] (int64). The
+    /// gradients of `loss_scale` × the mean cross-entropy accumulate into the parameters'
+    /// `.grad`, as `(loss(inputs, targets) * loss_scale).backward()` would, with the activation
+    /// memory of [`Llama::activation_memory`]. `on_final(unit)` is called as soon as a unit's
+    /// gradients for this micro-batch are complete, in the order of the module docs; an error
+    /// from it stops the pass. Returns the unscaled mean loss (0-dim fp32, no graph).
+    pub fn forward_backward(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+        loss_scale: f64,
+        on_final: &mut dyn FnMut(GradUnit) -> Result<()>,
+    ) -> Result<Tensor> {
+        phase::enter(Phase::Forward);
+        let embedded = self.embed(inputs);
+        let mut x = embedded.detach();
+        let mut kept = Vec::with_capacity(self.num_layers());
+        for i in 0..self.num_layers() {
+            let (k, out) = self.layer_forward(&x, i, docs);
+            kept.push(k);
+            x = out;
+        }
+
+        let (loss, mut grad) = self.head_forward_backward(&x, targets, loss_scale, on_final)?;
+
+        for (i, k) in kept.into_iter().enumerate().rev() {
+            phase::enter(Phase::Backward);
+            grad = self.layer_backward(k, i, &grad, docs)?;
+            on_final(GradUnit::Layer(i))?;
+        }
+        phase::enter(Phase::Backward);
+        backward_from(&embedded, &grad)?;
+        on_final(GradUnit::Embedding)?;
+        Ok(loss)
+    }
+
+    /// Layer `i`'s forward on the residual stream `x` (no history): what it keeps for its
+    /// backward, and its output (no history).
+    fn layer_forward(&self, x: &Tensor, i: usize, docs: Option<&DocumentMask>) -> (Kept, Tensor) {
+        match self.activation_memory().checkpointing {
+            ActivationCheckpointing::None => {
+                let input = leaf(x);
+                let output = self.decoder_layer(&input, i, docs);
+                let next = output.detach();
+                (Kept::Graph { input, output }, next)
+            }
+            ActivationCheckpointing::Full => {
+                let next = tch::no_grad(|| self.decoder_layer(x, i, docs));
+                (Kept::Input(x.shallow_clone()), next)
+            }
+            ActivationCheckpointing::Selective => {
+                let input = leaf(x);
+                let middle = self.attention_block(&input, i, docs);
+                let next = tch::no_grad(|| self.mlp_block(&middle, i));
+                (Kept::Attention { input, middle }, next)
+            }
+        }
+    }
+
+    /// Layer `i`'s backward: the gradient w.r.t. its output in, w.r.t. its input out; its
+    /// parameters' gradients accumulate on the way (recomputing what was not kept).
+    fn layer_backward(
+        &self,
+        kept: Kept,
+        i: usize,
+        grad: &Tensor,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Tensor> {
+        match kept {
+            Kept::Graph { input, output } => {
+                backward_from(&output, grad)?;
+                grad_of(&input)
+            }
+            Kept::Input(x) => {
+                let input = leaf(&x);
+                let output = self.decoder_layer(&input, i, docs);
+                backward_from(&output, grad)?;
+                grad_of(&input)
+            }
+            Kept::Attention { input, middle } => {
+                let mid = leaf(&middle);
+                let output = self.mlp_block(&mid, i);
+                backward_from(&output, grad)?;
+                backward_from(&middle, &grad_of(&mid)?)?;
+                grad_of(&input)
+            }
+        }
+    }
+
+    /// Final norm, LM head and cross-entropy on the decoder's output `x` (no history), forward
+    /// and backward, chunk by chunk. Returns the mean loss and the gradient w.r.t. `x`.
+    ///
+    /// No autograd graph is built for the head: a chunk's logits are turned into their
+    /// cross-entropy and, in the same buffer, its gradient (`cross_entropy_in_place`), and the
+    /// head's two matmuls are done here — the weight cast to the compute dtype once per
+    /// micro-batch, not per chunk, and each chunk's weight gradient added into the parameter's
+    /// gradient in place (`addmm_` in fp32) rather than materialised as a [vocab, hidden]
+    /// tensor per chunk. A chunk then needs one [tokens, vocab] fp32 buffer (plus its compute
+    /// dtype copy with bf16) where autograd's log-softmax and its two gradients needed three.
+    fn head_forward_backward(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        on_final: &mut dyn FnMut(GradUnit) -> Result<()>,
+    ) -> Result<(Tensor, Tensor)> {
+        let top = leaf(x);
+        let normed = self.final_norm(&top);
+        let hidden = normed.detach().view([-1, normed.size()[2]]);
+        let targets = targets.reshape([-1]);
+        let count = counted_targets(&targets);
+        // d(loss_scale · Σ chunk sums / count) / d(chunk sum).
+        let grad_scale = (loss_scale / &count).to_kind(Kind::Float);
+        let weight = self.head_weight();
+        let compute = self.compute();
+        let grad_hidden = hidden.empty_like();
+        // This micro-batch's gradient of the head weight, when the parameter has none yet.
+        let mut fresh: Option<Tensor> = None;
+        let mut loss_sum = Tensor::zeros([], (Kind::Float, x.device()));
+        tch::no_grad(|| -> Result<()> {
+            let w = weight.to_kind(compute);
+            for (start, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens)
+            {
+                phase::enter(Phase::Forward);
+                let rows = hidden.narrow(0, start, len).to_kind(compute);
+                let logits = rows.matmul(&w.tr()).to_kind(Kind::Float);
+                let (sum, d_logits) =
+                    cross_entropy_in_place(logits, &targets.narrow(0, start, len), &grad_scale);
+                loss_sum += sum / &count;
+                phase::enter(Phase::Backward);
+                let d_logits = d_logits.to_kind(compute);
+                grad_hidden
+                    .narrow(0, start, len)
+                    .copy_(&d_logits.matmul(&w));
+                let accumulated = weight.grad();
+                let into = if accumulated.defined() {
+                    Some(accumulated)
+                } else {
+                    fresh.as_ref().map(Tensor::shallow_clone)
+                };
+                match into {
+                    Some(mut g) if compute == Kind::Float => {
+                        let _ = g.addmm_(&d_logits.tr(), &rows);
+                    }
+                    Some(mut g) => g += d_logits.tr().matmul(&rows),
+                    None => fresh = Some(d_logits.tr().matmul(&rows).to_kind(Kind::Float)),
+                }
+            }
+            Ok(())
+        })?;
+        if let Some(g) = fresh {
+            // The parameter's first gradient: autograd creates `.grad` from it.
+            backward_from(&weight.view_as(weight), &g)?;
+        }
+        if !self.tied() {
+            on_final(GradUnit::LmHead)?;
+        }
+        backward_from(&normed, &grad_hidden.view_as(&normed))?;
+        on_final(GradUnit::FinalNorm)?;
+        Ok((loss_sum, grad_of(&top)?))
+    }
+}
+
+/// Cross-entropy of fp32 `logits` [n, vocab] against `targets` [n] (-100 = ignored), summed
+/// over the rows, and its gradient times `grad_scale` (0-dim), computed in the logits' own
+/// buffer: with m the row maximum and s = Σ exp(x − m), the loss of a row is m + ln s − x_t and
+/// its gradient exp(x − m)/s − onehot(t) — what log-softmax + NLL and their backward compute,
+/// without their two extra [n, vocab] tensors.
+fn cross_entropy_in_place(
+    logits: Tensor,
+    targets: &Tensor,
+    grad_scale: &Tensor,
+) -> (Tensor, Tensor) {
+    let valid = targets.ne(-100).to_kind(Kind::Float).unsqueeze(1);
+    let target = targets.clamp_min(0).unsqueeze(1);
+    let picked = logits.gather(1, &target, false);
+    let max = logits.amax([1].as_slice(), true);
+    let mut e = logits;
+    let _ = e.g_sub_(&max).exp_();
+    let sum = e.sum_dim_intlist([1].as_slice(), true, Kind::Float);
+    let loss = ((&max + sum.log() - picked) * &valid).sum(Kind::Float);
+    let _ = e.g_div_(&sum);
+    let _ = e.scatter_add_(1, &target, &(-&valid));
+    let _ = e.g_mul_(&(valid * grad_scale));
+    (loss, e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_row_once() {
+        let c: Vec<_> = chunks(10, 4).collect();
+        assert_eq!(c, [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(chunks(10, 0).collect::<Vec<_>>(), [(0, 10)]);
+        assert_eq!(chunks(10, 64).collect::<Vec<_>>(), [(0, 10)]);
+    }
+
+    #[test]
+    fn every_parameter_name_has_a_unit() {
+        assert_eq!(
+            GradUnit::of_parameter("model.layers.12.mlp.up_proj.weight"),
+            Some(GradUnit::Layer(12))
+        );
+        assert_eq!(
+            GradUnit::of_parameter("lm_head.weight"),
+            Some(GradUnit::LmHead)
+        );
+        assert_eq!(
+            GradUnit::of_parameter("model.norm.weight"),
+            Some(GradUnit::FinalNorm)
+        );
+        assert_eq!(
+            GradUnit::of_parameter("model.embed_tokens.weight"),
+            Some(GradUnit::Embedding)
+        );
+        assert_eq!(GradUnit::of_parameter("model.other"), None);
+    }
+}

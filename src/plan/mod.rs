@@ -1,0 +1,232 @@
+//! What a configuration needs before it runs: per-rank memory, FLOPs, step time,
+//! communication and scaling — behind `lockstep plan` and `train`'s start check.
+//!
+//! Design note. The estimate is a closed-form model of this code base, not a generic rule of
+//! thumb: every term counts a buffer lockstep allocates (see `memory.rs` for the activation
+//! accounting, op by op), so the same function answers "does it fit" for `train` and prints the
+//! breakdown for `plan`, and a change in the model code has one place to be reflected in. It
+//! is checked against the measured peak RSS of CPU runs (tests/plan_memory.rs, within 15%;
+//! figures in BENCHMARKS.md). The zero-stage terms follow DESIGN.md's "Sharded data
+//! parallelism": stage 0 holds fp32 weights, gradients and two moments (16 B/param); stage 1
+//! shards the moments and, with bf16 compute, keeps bf16 working weights plus an fp32 master
+//! shard; stage 2 also shards the gradients. Gradients are fp32 at every stage, as the
+//! buckets reduce them today.
+//! Step time is FLOPs over an assumed utilisation of the device's peak, and communication is
+//! the ring algorithm's bandwidth term over stated link speeds: both are stated in the output
+//! as assumptions, because they are.
+
+pub mod advice;
+pub mod budget;
+pub mod comm;
+pub mod memory;
+pub mod report;
+
+use serde::Serialize;
+
+use crate::config::{Config, DtypeChoice};
+use crate::model::{ActivationCheckpointing, LlamaShape};
+
+pub use advice::Change;
+pub use memory::Memory;
+
+/// What the plan is for: where it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// The fixed facts of a run: model, context, precision, device and ranks.
+#[derive(Debug, Clone)]
+pub struct Setting {
+    pub shape: LlamaShape,
+    pub context: usize,
+    /// bf16 matmuls (master weights and moments stay fp32).
+    pub bf16: bool,
+    pub device: Device,
+    /// Data-parallel ranks (GPUs, or CPU processes).
+    pub world: usize,
+    /// `system.bucket_mb` in bytes.
+    pub bucket_bytes: f64,
+    /// Memory one rank may use (bytes), and where that figure came from.
+    pub budget: f64,
+    pub budget_source: String,
+    /// Dense peak FLOP/s of one device for the compute dtype, and where the figure came from.
+    pub peak_flops: f64,
+    pub peak_source: String,
+    /// Assumed fraction of the peak that the executed FLOPs reach.
+    pub mfu: f64,
+    /// Collective bandwidth (bytes/s per rank) within a node and across nodes, and ranks per
+    /// node.
+    pub intra_bw: f64,
+    pub inter_bw: f64,
+    pub node_size: usize,
+}
+
+/// What the plan is asked about beyond the config: the device, the ranks and the memory each
+/// may use.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub device: Device,
+    pub world: usize,
+    /// Memory one rank may use (bytes), and where the figure comes from.
+    pub budget: (f64, String),
+    /// Assumed utilisation of the peak FLOP/s.
+    pub mfu: f64,
+    /// CPU threads per rank (CPU throughput only).
+    pub cpu_threads: usize,
+}
+
+impl Setting {
+    pub fn new(cfg: &Config, shape: LlamaShape, t: Target) -> Setting {
+        let bf16 = bf16_compute(cfg, t.device);
+        let (peak_flops, peak_source) = budget::peak_flops(t.device, bf16, t.cpu_threads);
+        let (intra_bw, inter_bw, node_size) = budget::links(t.device, t.world);
+        Setting {
+            shape,
+            context: cfg.training.context_length,
+            bf16,
+            device: t.device,
+            world: t.world.max(1),
+            bucket_bytes: cfg.system.bucket_mb * 1e6,
+            budget: t.budget.0,
+            budget_source: t.budget.1,
+            peak_flops,
+            peak_source,
+            mfu: t.mfu,
+            intra_bw,
+            inter_bw,
+            node_size,
+        }
+    }
+
+    pub fn compute_bytes(&self) -> f64 {
+        if self.bf16 {
+            2.0
+        } else {
+            4.0
+        }
+    }
+}
+
+/// The knobs that trade memory for time: what the advice may change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    pub zero_stage: usize,
+    pub activation_checkpointing: ActivationCheckpointing,
+    pub loss_chunk_tokens: usize,
+    /// Sequences per micro-batch and micro-batches per step.
+    pub batch: usize,
+    pub grad_accum: usize,
+}
+
+impl Layout {
+    pub fn from_config(cfg: &Config) -> Layout {
+        let t = &cfg.training;
+        Layout {
+            zero_stage: cfg.system.zero_stage,
+            activation_checkpointing: t.activation_checkpointing,
+            loss_chunk_tokens: t.loss_chunk_tokens,
+            batch: t.batch_size,
+            grad_accum: t.grad_accum_nums,
+        }
+    }
+
+    /// Tokens one rank trains per step.
+    pub fn tokens_per_step(&self, context: usize) -> usize {
+        self.batch * self.grad_accum * context
+    }
+}
+
+/// The model's shape without preparing data: from `model.model_path`'s config.json, else from
+/// the config keys and the tokenizer's vocabulary (loaded only when `model.vocab_size` is null).
+pub fn shape(cfg: &Config) -> anyhow::Result<LlamaShape> {
+    use anyhow::Context;
+    if let Some(dir) = &cfg.model.model_path {
+        return crate::model::hf::shape_from_dir(
+            &crate::data::hub::resolve_model(dir)?,
+            &cfg.model,
+        );
+    }
+    let vocab = match cfg.model.vocab_size {
+        Some(v) => v,
+        None => {
+            let spec = &cfg.data.tokenizer;
+            crate::data::tokenizer::Tokenizer::load(&crate::data::hub::resolve_tokenizer(spec)?)
+                .with_context(|| format!("data.tokenizer = {spec}"))?
+                .vocab_size()
+        }
+    };
+    LlamaShape::from_config(&cfg.model, vocab)
+}
+
+/// Whether bf16 matmuls run (`training.dtype`; auto = bf16 on CUDA).
+pub fn bf16_compute(cfg: &Config, device: Device) -> bool {
+    match cfg.training.dtype {
+        DtypeChoice::Bf16 => true,
+        DtypeChoice::Fp32 => false,
+        DtypeChoice::Auto => device == Device::Cuda,
+    }
+}
+
+/// The FLOPs of one token of training: the model's (forward + backward, as MFU counts them)
+/// and those the activation checkpointing adds by recomputing forward work in backward.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Flops {
+    pub model: f64,
+    pub recomputed: f64,
+}
+
+pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
+    let sh = &s.shape;
+    let model = sh.flops_per_token(s.context);
+    let (d, hd) = (sh.hidden_size as f64, sh.head_dim() as f64);
+    let layers = sh.num_layers as f64;
+    let attn_proj = d * hd * (2.0 * sh.num_heads as f64 + 2.0 * sh.num_kv_heads as f64);
+    let mlp = 3.0 * d * sh.intermediate_size as f64;
+    // A forward is a third of the 6-per-weight count; causal attention's forward likewise.
+    let recomputed = match l.activation_checkpointing {
+        ActivationCheckpointing::None => 0.0,
+        ActivationCheckpointing::Full => {
+            layers * (2.0 * (attn_proj + mlp) + 2.0 * s.context as f64 * d)
+        }
+        ActivationCheckpointing::Selective => layers * 2.0 * mlp,
+    };
+    Flops { model, recomputed }
+}
+
+/// Seconds of computation of one step on one rank at the assumed utilisation.
+pub fn compute_seconds(s: &Setting, l: &Layout) -> f64 {
+    let f = flops_per_token(s, l);
+    l.tokens_per_step(s.context) as f64 * (f.model + f.recomputed) / (s.peak_flops * s.mfu)
+}
+
+/// One layout's estimate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Estimate {
+    pub layout: Layout,
+    pub memory: Memory,
+    pub total_bytes: f64,
+    pub fits: bool,
+    /// Seconds per step: computation plus communication that is not overlapped.
+    pub step_seconds: f64,
+}
+
+pub fn estimate(s: &Setting, l: &Layout) -> Estimate {
+    let memory = memory::estimate(s, l);
+    let total = memory.total();
+    let comm = comm::seconds_per_step(s, l, s.world);
+    Estimate {
+        layout: *l,
+        memory,
+        total_bytes: total,
+        fits: total <= s.budget,
+        step_seconds: compute_seconds(s, l) + comm,
+    }
+}
+
+/// Bytes as GB with two decimals (the unit of the memory line and of `system.memory_budget_gb`).
+pub fn gb(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
+}

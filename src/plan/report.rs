@@ -1,0 +1,363 @@
+//! The whole plan of a configuration, as `lockstep plan` prints it (text or JSON).
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::advice::{self, Change};
+use super::comm::{self, Scaling};
+use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
+use crate::model::ActivationCheckpointing;
+
+/// World sizes of the scaling table.
+pub const SCALING_RANKS: [usize; 3] = [8, 64, 512];
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub model: ModelSummary,
+    pub device: super::Device,
+    pub compute_dtype: &'static str,
+    pub ranks: usize,
+    pub context_length: usize,
+    /// Memory one rank may use, and where the figure comes from.
+    pub budget_bytes: f64,
+    pub budget_source: String,
+    /// The configured layout.
+    pub configured: Estimate,
+    /// One object per rank layout: every zero stage × activation checkpointing mode at the
+    /// configured micro-batch and LM-head chunking.
+    pub layouts: Vec<Estimate>,
+    pub flops_per_token: Flops,
+    pub peak_flops: f64,
+    pub peak_source: String,
+    pub mfu: f64,
+    pub step_seconds: f64,
+    /// Tokens per second of one rank, and of all ranks.
+    pub tokens_per_second: f64,
+    pub tokens_per_second_total: f64,
+    /// Bytes one rank sends per step at each zero stage (index = stage) among `ranks`.
+    pub comm_bytes_per_step: [f64; 3],
+    pub intra_node_bandwidth: f64,
+    pub inter_node_bandwidth: f64,
+    pub node_size: usize,
+    pub scaling: Vec<Scaling>,
+    pub fits: bool,
+    /// When the configured layout does not fit: the cheapest one that does (None: nothing does).
+    pub advice: Option<Change>,
+    /// When nothing fits: the most frugal layout and what it needs.
+    pub smallest: Option<Change>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSummary {
+    pub parameters: usize,
+    pub layers: usize,
+    pub hidden_size: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub tied_embeddings: bool,
+}
+
+pub fn build(s: &Setting, l: &Layout) -> Report {
+    let configured = estimate(s, l);
+    let mut layouts = Vec::new();
+    for zero_stage in 0..=2 {
+        for activation_checkpointing in [
+            ActivationCheckpointing::None,
+            ActivationCheckpointing::Selective,
+            ActivationCheckpointing::Full,
+        ] {
+            layouts.push(estimate(
+                s,
+                &Layout {
+                    zero_stage,
+                    activation_checkpointing,
+                    ..*l
+                },
+            ));
+        }
+    }
+    let fits = configured.fits;
+    let advice = (!fits)
+        .then(|| advice::cheapest_within(s, l, s.budget))
+        .flatten();
+    let smallest = (!fits && advice.is_none()).then(|| advice::smallest(s, l));
+    let tokens = l.tokens_per_step(s.context) as f64;
+    let sh = &s.shape;
+    Report {
+        model: ModelSummary {
+            parameters: sh.num_parameters(),
+            layers: sh.num_layers,
+            hidden_size: sh.hidden_size,
+            heads: sh.num_heads,
+            kv_heads: sh.num_kv_heads,
+            intermediate_size: sh.intermediate_size,
+            vocab_size: sh.vocab_size,
+            tied_embeddings: sh.tie_word_embeddings,
+        },
+        device: s.device,
+        compute_dtype: if s.bf16 { "bf16" } else { "fp32" },
+        ranks: s.world,
+        context_length: s.context,
+        budget_bytes: s.budget,
+        budget_source: s.budget_source.clone(),
+        flops_per_token: flops_per_token(s, l),
+        peak_flops: s.peak_flops,
+        peak_source: s.peak_source.clone(),
+        mfu: s.mfu,
+        step_seconds: configured.step_seconds,
+        tokens_per_second: tokens / configured.step_seconds,
+        tokens_per_second_total: tokens * s.world as f64 / configured.step_seconds,
+        comm_bytes_per_step: [0, 1, 2].map(|z| comm::bytes_per_step(s, l, z, s.world)),
+        intra_node_bandwidth: s.intra_bw,
+        inter_node_bandwidth: s.inter_bw,
+        node_size: s.node_size,
+        scaling: SCALING_RANKS
+            .iter()
+            .map(|&n| comm::scaling(s, l, n))
+            .collect(),
+        configured,
+        layouts,
+        fits,
+        advice,
+        smallest,
+    }
+}
+
+fn what(name: &str, s: &Setting, l: &Layout) -> String {
+    let chunk = match l.loss_chunk_tokens {
+        0 => "one chunk of the micro-batch".to_string(),
+        c => format!("chunks of {} tokens", c.min(l.batch * s.context)),
+    };
+    match name {
+        "weights" if l.zero_stage == 0 => "fp32 parameters (also the master copy)".into(),
+        "weights" => format!(
+            "{} working parameters",
+            if s.bf16 { "bf16" } else { "fp32" }
+        ),
+        "master weights" if l.zero_stage >= 1 && s.bf16 => "fp32 shard of this rank".into(),
+        "master weights" => "none separate".into(),
+        "moments" if l.zero_stage >= 1 => "AdamW m and v, fp32, this rank's shard".into(),
+        "moments" => "AdamW m and v, fp32".into(),
+        "gradients" if l.zero_stage >= 2 => {
+            "fp32 shard + one bucket + the largest unit in flight".into()
+        }
+        "gradients" => "fp32".into(),
+        "activations" => format!(
+            "{}, {} layers × {} tokens",
+            match l.activation_checkpointing {
+                ActivationCheckpointing::None => "no checkpointing: every saved tensor",
+                ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
+                ActivationCheckpointing::Selective =>
+                    "selective: attention halves + one MLP recomputed",
+            },
+            s.shape.num_layers,
+            l.batch * s.context
+        ),
+        "logits" => format!(
+            "{chunk} × vocab {}: fp32{}, hidden states and their gradient",
+            s.shape.vocab_size,
+            if s.bf16 { " + bf16" } else { "" }
+        ),
+        "workspace" => {
+            let mut w = match s.device {
+                super::Device::Cpu => "libtorch runtime, allocator slack".to_string(),
+                super::Device::Cuda => "CUDA context".to_string(),
+            };
+            if s.bf16 {
+                w.push_str(", bf16 LM-head weight and gradient");
+            }
+            if s.world > 1 {
+                w.push_str(", two gradient buckets");
+            }
+            w
+        }
+        _ => String::new(),
+    }
+}
+
+/// The plan as text.
+pub fn text(r: &Report, s: &Setting) -> String {
+    let l = &r.configured.layout;
+    let mut o = String::new();
+    let m = &r.model;
+    let _ = writeln!(
+        o,
+        "Model: {:.3} B parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}{}",
+        m.parameters as f64 / 1e9,
+        m.layers,
+        m.hidden_size,
+        m.heads,
+        m.kv_heads,
+        m.intermediate_size,
+        m.vocab_size,
+        if m.tied_embeddings { ", tied" } else { "" }
+    );
+    let device = match r.device {
+        super::Device::Cpu => "CPU process",
+        super::Device::Cuda => "GPU",
+    };
+    let _ = writeln!(
+        o,
+        "Layout: {} {device}{} | {} compute | micro-batch {} × {} tokens × {} accumulation | zero stage {} | activation checkpointing {} | loss chunks {}",
+        r.ranks,
+        if r.ranks == 1 { "" } else { "s" },
+        r.compute_dtype,
+        l.batch,
+        r.context_length,
+        l.grad_accum,
+        l.zero_stage,
+        l.activation_checkpointing,
+        match l.loss_chunk_tokens {
+            0 => "off".to_string(),
+            c => format!("{c} tokens"),
+        }
+    );
+    let _ = writeln!(
+        o,
+        "\nPer-rank peak memory (during a micro-batch's backward, {}):",
+        match r.configured.memory.peak_during {
+            super::memory::PeakPhase::LmHead => "at an LM-head chunk",
+            super::memory::PeakPhase::DecoderBackward => "at a decoder layer's backward",
+        }
+    );
+    for (name, bytes) in r.configured.memory.parts() {
+        let note = if name == "logits" && bytes == 0.0 {
+            "below the peak: a decoder layer's backward needs more".to_string()
+        } else {
+            what(name, s, l)
+        };
+        let _ = writeln!(o, "  {name:<15} {:>10}   {note}", gb(bytes));
+    }
+    let verdict = if r.fits { "fits" } else { "DOES NOT FIT" };
+    let _ = writeln!(
+        o,
+        "  {:<15} {:>10}   of {} ({}): {verdict}",
+        "total",
+        gb(r.configured.total_bytes),
+        gb(r.budget_bytes),
+        r.budget_source
+    );
+
+    let _ = writeln!(o, "\nEvery layout (GB per rank; * = fits):");
+    let _ = writeln!(
+        o,
+        "  zero stage {:>12}{:>12}{:>12}",
+        "none", "selective", "full"
+    );
+    for stage in 0..=2 {
+        let _ = write!(o, "  {stage:<10} ");
+        for e in r.layouts.iter().filter(|e| e.layout.zero_stage == stage) {
+            let _ = write!(
+                o,
+                "{:>11.2}{}",
+                e.total_bytes / 1e9,
+                if e.fits { "*" } else { " " }
+            );
+        }
+        let _ = writeln!(o);
+    }
+
+    let f = &r.flops_per_token;
+    let _ = writeln!(
+        o,
+        "\nCompute: {:.2} GFLOP per token ({:.2} model{}); at {:.0}% of {:.1} TFLOP/s ({}): step {:.3} s, {:.0} tokens/s per rank, {:.0} in all",
+        (f.model + f.recomputed) / 1e9,
+        f.model / 1e9,
+        if f.recomputed > 0.0 {
+            format!(" + {:.2} recomputed by {} checkpointing", f.recomputed / 1e9, l.activation_checkpointing)
+        } else {
+            String::new()
+        },
+        r.mfu * 100.0,
+        r.peak_flops / 1e12,
+        r.peak_source,
+        r.step_seconds,
+        r.tokens_per_second,
+        r.tokens_per_second_total
+    );
+    let _ = writeln!(
+        o,
+        "Communication per step per rank among {} rank{} (ring; fp32 gradients): stage 0 {}, stage 1 {}, stage 2 {}",
+        r.ranks,
+        if r.ranks == 1 { "" } else { "s" },
+        gb(r.comm_bytes_per_step[0]),
+        gb(r.comm_bytes_per_step[1]),
+        gb(r.comm_bytes_per_step[2])
+    );
+    let _ = writeln!(
+        o,
+        "Scaling at zero stage {} (same batch per rank; {:.0} GB/s within a node of {}, {:.0} GB/s across nodes):",
+        l.zero_stage,
+        r.intra_node_bandwidth / 1e9,
+        r.node_size,
+        r.inter_node_bandwidth / 1e9
+    );
+    let _ = writeln!(
+        o,
+        "  {:>6} {:>14} {:>12} {:>22} {:>22}",
+        "ranks", "sent per rank", "comm time", "efficiency (today)", "(reductions overlapped)"
+    );
+    for sc in &r.scaling {
+        let _ = writeln!(
+            o,
+            "  {:>6} {:>14} {:>10.3} s {:>21.1}% {:>21.1}%",
+            sc.ranks,
+            gb(sc.bytes_per_rank),
+            sc.comm_seconds,
+            sc.efficiency * 100.0,
+            sc.efficiency_overlapped * 100.0
+        );
+    }
+    let _ = writeln!(o);
+    if r.fits {
+        let _ = writeln!(
+            o,
+            "Fits: {} of {} per rank.",
+            gb(r.configured.total_bytes),
+            gb(r.budget_bytes)
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "Does not fit: {} needed, {} available. {}",
+            gb(r.configured.total_bytes),
+            gb(r.budget_bytes),
+            advice_text(r)
+        );
+    }
+    o
+}
+
+/// When the configured layout does not fit: the cheapest change that does, or what even the
+/// most frugal layout needs. Empty when it fits.
+pub fn advice_text(r: &Report) -> String {
+    let sets = |c: &Change| {
+        c.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    match (&r.advice, &r.smallest) {
+        _ if r.fits => String::new(),
+        (Some(c), _) => format!(
+            "Cheapest change that fits: {} (needs {}, step time {:+.0}%).",
+            sets(c),
+            gb(c.total_bytes),
+            c.slowdown * 100.0
+        ),
+        (None, Some(c)) => format!(
+            "No layout fits: even {} needs {}. Use more ranks (zero stages 1 and 2 shard the optimizer state across them), a shorter training.context_length, or a smaller model.",
+            if c.sets.is_empty() {
+                "the current layout".to_string()
+            } else {
+                sets(c)
+            },
+            gb(c.total_bytes)
+        ),
+        (None, None) => String::new(),
+    }
+}

@@ -1,0 +1,373 @@
+//! What a run tells the world about its steps: the console step line (and, with
+//! `logging.verbose`, the per-phase timing line), `metrics.jsonl`, TensorBoard event files, and
+//! the memory line. Rank 0 writes the records; every rank watches its own memory.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde_json::json;
+use tch::Device;
+
+use super::checkpoint::TrainerState;
+use super::eval::Validation;
+use super::optim::StateBytes;
+use super::setup::Rank;
+use super::step::{StepOutcome, StepTiming};
+use crate::config::Config;
+use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
+use crate::telemetry::tensorboard::EventWriter;
+use crate::telemetry::{self, Metrics, StepLine};
+
+/// Rank 0's files: metrics.jsonl and, with `logging.tensorboard`, event files.
+struct Records {
+    metrics: Metrics,
+    tensorboard: Option<EventWriter>,
+}
+
+/// Step timings summed since the last logged step, for Tok/s, the ETA and the timing line.
+struct Window {
+    start: Instant,
+    steps: usize,
+    timing: StepTiming,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            start: Instant::now(),
+            steps: 0,
+            timing: StepTiming::default(),
+        }
+    }
+}
+
+pub struct Recorder {
+    tag: String,
+    device: Device,
+    /// `logging.interval`: a step line every N steps (and at the last one).
+    interval: usize,
+    /// `logging.memory_interval`; 0 = only the peak at the end.
+    memory_interval: usize,
+    /// `system.max_memory_gb`: warn above it (0 = never).
+    memory_limit_gb: f64,
+    verbose: bool,
+    max_steps: usize,
+    /// Tokens of one optimizer step over all ranks.
+    tokens_per_step: f64,
+    /// (training FLOPs per token, summed dense peak of all ranks' devices): MFU is shown only
+    /// where the device's peak is known (CUDA, a GPU NVML names).
+    mfu_basis: Option<(f64, f64)>,
+    /// None on ranks other than 0.
+    records: Option<Records>,
+    window: Window,
+}
+
+impl Recorder {
+    /// Opens rank 0's records in `run_dir` (appending: a resumed run continues them; TensorBoard
+    /// replaces points after `resumed_at`).
+    pub fn new(
+        cfg: &Config,
+        rank: &Rank,
+        run_dir: &Path,
+        mfu_basis: Option<(f64, f64)>,
+        resumed_at: usize,
+    ) -> Result<Recorder> {
+        let t = &cfg.training;
+        let records = if rank.lead() {
+            let tensorboard = if cfg.logging.tensorboard {
+                let mut tb = EventWriter::create(&run_dir.join("tensorboard"))?;
+                if resumed_at > 0 {
+                    tb.session_start(resumed_at as i64 + 1)?;
+                }
+                Some(tb)
+            } else {
+                None
+            };
+            Some(Records {
+                metrics: Metrics::open(&run_dir.join("metrics.jsonl"))?,
+                tensorboard,
+            })
+        } else {
+            None
+        };
+        let world = rank.topo.world;
+        Ok(Recorder {
+            tag: rank.tag.clone(),
+            device: rank.device,
+            interval: cfg.logging.interval,
+            memory_interval: cfg.logging.memory_interval,
+            memory_limit_gb: cfg.system.max_memory_gb,
+            verbose: cfg.logging.verbose,
+            max_steps: t.max_steps,
+            tokens_per_step: (t.batch_size * t.grad_accum_nums * world * t.context_length) as f64,
+            mfu_basis: mfu_basis.map(|(flops, peak)| (flops, peak * world as f64)),
+            records,
+            window: Window::new(),
+        })
+    }
+
+    /// Adds a finished step's phase times to the window.
+    pub fn add(&mut self, timing: &StepTiming) {
+        self.window.steps += 1;
+        self.window.timing.add(timing);
+    }
+
+    /// Whether step `step` gets a step line: every `logging.interval` steps, at the last step,
+    /// and whenever a validation loss is to be shown.
+    pub fn due(&self, step: usize, last: bool, validated: bool) -> bool {
+        step.is_multiple_of(self.interval) || last || validated
+    }
+
+    /// Prints the step line (and validation, timing, a mixture's tokens per source), appends
+    /// the metrics record and the TensorBoard points, and starts a new timing window.
+    /// `by_source` holds the tokens each source has supplied so far (empty without
+    /// `data.sources`).
+    pub fn log(
+        &mut self,
+        state: &TrainerState,
+        lr: f64,
+        out: &StepOutcome,
+        val: Option<&Validation>,
+        by_source: &[(String, u64)],
+    ) -> Result<()> {
+        let w = &self.window;
+        let n = w.steps.max(1) as f64;
+        let step_time = w.start.elapsed().as_secs_f64() / n;
+        let tok_s = self.tokens_per_step / step_time.max(1e-9);
+        let mfu = self
+            .mfu_basis
+            .map(|(flops_per_token, peak)| tok_s * flops_per_token / peak);
+        let tag = &self.tag;
+        if let Some(records) = self.records.as_mut() {
+            let line = StepLine {
+                tag,
+                step: state.step,
+                max_steps: self.max_steps,
+                loss: state.loss,
+                lr,
+                grad_norm: out.grad_norm,
+                tokens_per_s: tok_s,
+                eta_s: step_time * self.max_steps.saturating_sub(state.step) as f64,
+                mfu,
+            };
+            println!("{line}");
+            if let Some(v) = val {
+                // A mixture's sources each have their own held-out loss.
+                let per_source: String = match v.by_source.as_slice() {
+                    [] | [_] => String::new(),
+                    all => all
+                        .iter()
+                        .map(|(name, l)| format!(" | {name} {l:.4}"))
+                        .collect(),
+                };
+                println!(
+                    "{tag} Validation | Step [{}/{}] | Val Loss: {:.4} | Val PPL: {:.2}{per_source}",
+                    state.step,
+                    self.max_steps,
+                    v.loss,
+                    v.loss.exp()
+                );
+            }
+            if self.verbose {
+                let t = &w.timing;
+                println!(
+                    "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms{}",
+                    1e3 * t.data_s / n, 1e3 * t.compute_s / n, 1e3 * t.comm_s / n, 1e3 * t.optimizer_s / n,
+                    // The ring counts what it sends (a sharded optimizer's all-gather is in the
+                    // optimizer's time); NCCL does not report it.
+                    t.sent_bytes
+                        .filter(|&b| b > 0)
+                        .map_or(String::new(), |b| format!(" | sent {:.1} MB", b as f64 / n / 1e6))
+                );
+                if !by_source.is_empty() {
+                    println!("{tag} {}", source_line(by_source));
+                }
+            }
+            let point = Point {
+                lr,
+                grad_norm: out.grad_norm,
+                tokens_per_s: tok_s,
+                mfu,
+                val,
+                by_source,
+            };
+            records.write(state, &point)?;
+        }
+        self.restart_window();
+        Ok(())
+    }
+
+    /// Starts a new timing window: after a log line, and after pauses that are not training
+    /// (a checkpoint save) so they do not count against Tok/s.
+    pub fn restart_window(&mut self) {
+        self.window = Window::new();
+    }
+
+    /// TensorBoard points from `step + 1` on replace earlier ones (after a rollback).
+    pub fn rewind(&mut self, step: usize) -> Result<()> {
+        if let Some(tb) = self.records.as_mut().and_then(|r| r.tensorboard.as_mut()) {
+            tb.session_start(step as i64 + 1)?;
+        }
+        Ok(())
+    }
+
+    /// Every `logging.memory_interval` steps: the memory line (RSS, its peak, this rank's
+    /// training state by kind, and NVML's view of a CUDA rank's GPU); a warning on any rank
+    /// above `system.max_memory_gb`.
+    pub fn memory(&self, step: usize, state: &StateBytes) {
+        let every = self.memory_interval;
+        if every == 0 || !step.is_multiple_of(every) {
+            return;
+        }
+        let tag = &self.tag;
+        let rss = gb(rss_bytes());
+        // What the caching allocator reserved plus the CUDA context (libtorch's allocator
+        // statistics are not reachable through tch).
+        let gpu = match self.device {
+            Device::Cuda(i) => telemetry::mfu::nvml_device(i)
+                .map(|g| {
+                    format!(
+                        " | GPU used {:.2} of {:.2} GB",
+                        gb(g.memory_used),
+                        gb(g.memory_total)
+                    )
+                })
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        println!(
+            "{tag} Memory | RSS {rss:.2} GB | peak {:.2} GB | state: params {:.3} GB, master {:.3} GB, moments {:.3} GB, grads {:.3} GB{gpu}",
+            gb(peak_rss_bytes()),
+            gb(state.params),
+            gb(state.master),
+            gb(state.moments),
+            gb(state.grads),
+        );
+        let limit = self.memory_limit_gb;
+        if limit > 0.0 && rss > limit {
+            eprintln!(
+                "{tag} WARNING: resident memory {rss:.2} GB exceeds system.max_memory_gb = {limit}"
+            );
+        }
+    }
+}
+
+/// `Data: web 1.23M tokens (50.1%) | code 615.2k tokens (24.9%) | …`: what each source of a
+/// mixture has supplied so far.
+fn source_line(by_source: &[(String, u64)]) -> String {
+    let total: u64 = by_source.iter().map(|(_, n)| n).sum();
+    let parts: Vec<String> = by_source
+        .iter()
+        .map(|(name, n)| {
+            format!(
+                "{name} {} tokens ({:.1}%)",
+                count(*n),
+                100.0 * *n as f64 / total.max(1) as f64
+            )
+        })
+        .collect();
+    format!("Data: {}", parts.join(" | "))
+}
+
+/// 950, 12.3k, 4.56M, 7.89B.
+fn count(n: u64) -> String {
+    let x = n as f64;
+    match n {
+        0..10_000 => n.to_string(),
+        10_000..1_000_000 => format!("{:.1}k", x / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.2}M", x / 1e6),
+        _ => format!("{:.2}B", x / 1e9),
+    }
+}
+
+/// What a logged step records beside the trainer's state.
+struct Point<'a> {
+    lr: f64,
+    grad_norm: f64,
+    tokens_per_s: f64,
+    mfu: Option<f64>,
+    val: Option<&'a Validation>,
+    /// Tokens per source so far (a mixture only).
+    by_source: &'a [(String, u64)],
+}
+
+impl Records {
+    fn write(&mut self, state: &TrainerState, p: &Point) -> Result<()> {
+        let Point {
+            lr,
+            grad_norm: norm,
+            tokens_per_s: tok_s,
+            mfu,
+            val,
+            by_source,
+        } = *p;
+        let rss = gb(rss_bytes());
+        let val_loss = val.map(|v| v.loss);
+        let mut record = json!({
+            "step": state.step, "loss": state.loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+            "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
+            "guard_events": state.guard_events, "mfu": mfu,
+        });
+        // A mixture's records also hold each source's tokens so far and validation loss.
+        if !by_source.is_empty() {
+            let tokens: serde_json::Map<String, serde_json::Value> = by_source
+                .iter()
+                .map(|(name, n)| (name.clone(), json!(n)))
+                .collect();
+            record["tokens_by_source"] = tokens.into();
+            let val_by_source = val.map(|v| {
+                v.by_source
+                    .iter()
+                    .map(|(name, l)| (name.clone(), json!(l)))
+                    .collect::<serde_json::Map<String, serde_json::Value>>()
+            });
+            record["val_loss_by_source"] = json!(val_by_source);
+        }
+        self.metrics.record(&record)?;
+        let Some(tb) = self.tensorboard.as_mut() else {
+            return Ok(());
+        };
+        let s = state.step as i64;
+        tb.scalar("train/loss", s, state.loss)?;
+        tb.scalar("train/lr", s, lr)?;
+        tb.scalar("train/grad_norm", s, norm)?;
+        tb.scalar("train/tokens_per_s", s, tok_s)?;
+        if let Some(m) = mfu {
+            tb.scalar("train/mfu", s, m)?;
+        }
+        if let Some(v) = val {
+            tb.scalar("val/loss", s, v.loss)?;
+            tb.scalar("val/ppl", s, v.loss.exp())?;
+            if !by_source.is_empty() {
+                for (name, l) in &v.by_source {
+                    tb.scalar(&format!("val/loss/{name}"), s, *l)?;
+                }
+            }
+        }
+        for (name, n) in by_source {
+            tb.scalar(&format!("data/tokens/{name}"), s, *n as f64)?;
+        }
+        tb.scalar("memory/rss_gb", s, rss)?;
+        tb.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_line_shows_counts_and_shares() {
+        let line = source_line(&[
+            ("web".into(), 1_230_000),
+            ("code".into(), 615_200),
+            ("math".into(), 950),
+        ]);
+        assert_eq!(
+            line,
+            "Data: web 1.23M tokens (66.6%) | code 615.2k tokens (33.3%) | math 950 tokens (0.1%)"
+        );
+        assert_eq!(count(7_890_000_000), "7.89B");
+    }
+}

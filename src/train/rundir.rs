@@ -1,0 +1,204 @@
+//! The run directory (`logging.dir/<run_name>`) and the lock that gives it to one process.
+//!
+//! Two trainings writing into one run directory interleave their metrics and TensorBoard points
+//! and race on checkpoint names. Rank 0 therefore takes an exclusive `flock` on
+//! `<run dir>/run.lock` before anything else; the kernel drops it when the process ends, however
+//! it ends, so a crashed run never leaves a stale lock. The file holds the holder's pid, host and
+//! start time, which is what a refused second run prints.
+
+use std::fs::{self, File};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+pub const LOCK_FILE: &str = "run.lock";
+
+/// Rank 0's claim on its run directory; held until the process ends.
+pub struct RunDir {
+    path: PathBuf,
+    /// Holds the flock; closing it (when the process ends) releases the directory.
+    _lock: File,
+    /// The directory did not exist before this claim.
+    created: bool,
+    /// The start was accepted: the directory stays, whatever happens next.
+    accepted: bool,
+}
+
+impl RunDir {
+    /// Creates `path` if needed and locks it for this process; fails at once, naming the
+    /// holder, when another process holds it.
+    pub fn claim(path: &Path) -> Result<RunDir> {
+        let created = !path.exists();
+        fs::create_dir_all(path).with_context(|| {
+            format!(
+                "logging.dir: cannot create run directory {}; choose a writable logging.dir",
+                path.display()
+            )
+        })?;
+        let lock_path = path.join(LOCK_FILE);
+        let mut lock = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .with_context(|| format!("{}: cannot open the run's lock file", lock_path.display()))?;
+        if !try_lock(&lock)? {
+            let mut holder = String::new();
+            let _ = lock.read_to_string(&mut holder);
+            bail!(
+                "{} is in use by another training process ({}); its metrics and checkpoints would mix with this run's. \
+                 Wait for it to finish or stop it, or give this run its own directory with --set logging.run_name=NAME",
+                path.display(),
+                describe_holder(&holder)
+            );
+        }
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let host = hostname();
+        lock.set_len(0)?;
+        lock.rewind()?;
+        writeln!(
+            lock,
+            "pid {}\nhost {host}\nstarted {started}",
+            std::process::id()
+        )?;
+        Ok(RunDir {
+            path: path.to_path_buf(),
+            _lock: lock,
+            created,
+            accepted: false,
+        })
+    }
+
+    /// Fails like [`RunDir::claim`] when another process holds `path`, without claiming it
+    /// (the launcher's check before it starts workers).
+    pub fn check_free(path: &Path) -> Result<()> {
+        let Ok(mut file) = File::open(path.join(LOCK_FILE)) else {
+            return Ok(());
+        };
+        if try_lock(&file)? {
+            return Ok(()); // released when `file` closes
+        }
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        bail!(
+            "{} is in use by another training process ({}); wait for it to finish or stop it, or give this run its own directory with --set logging.run_name=NAME",
+            path.display(),
+            describe_holder(&holder)
+        )
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The start was accepted: keep the directory even if the run fails later.
+    pub fn accept(&mut self) {
+        self.accepted = true;
+    }
+}
+
+impl Drop for RunDir {
+    /// A start that was refused (bad data, incompatible checkpoint) leaves no directory it
+    /// created behind; the lock itself goes with the process.
+    fn drop(&mut self) {
+        if self.created && !self.accepted {
+            let _ = fs::remove_file(self.path.join(LOCK_FILE));
+            let _ = fs::remove_dir(&self.path); // only if empty
+        }
+    }
+}
+
+/// flock(LOCK_EX | LOCK_NB): Ok(false) when another open file description holds it.
+fn try_lock(file: &File) -> Result<bool> {
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Ok(false);
+    }
+    Err(err).context("cannot lock the run directory")
+}
+
+/// "pid 1234 on host gpu01, started 12 s ago" from the lock file's contents.
+fn describe_holder(contents: &str) -> String {
+    let field = |name: &str| {
+        contents
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .map(str::trim)
+    };
+    let Some(pid) = field("pid") else {
+        return "its pid is not recorded yet".into();
+    };
+    let mut s = format!("pid {pid}");
+    if let Some(host) = field("host") {
+        s.push_str(&format!(" on host {host}"));
+    }
+    if let Some(started) = field("started").and_then(|v| v.parse::<u64>().ok()) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        s.push_str(&format!(
+            ", started {} ago",
+            crate::telemetry::hms(now.saturating_sub(started) as f64)
+        ));
+    }
+    s
+}
+
+fn hostname() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_claim_is_refused_with_the_holder_and_the_way_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("runs/tiny");
+        let mut first = RunDir::claim(&dir).unwrap();
+        first.accept();
+        // flock conflicts between open file descriptions, so a second claim in this process
+        // behaves like one from another process.
+        let err = RunDir::claim(&dir)
+            .err()
+            .expect("second claim refused")
+            .to_string();
+        let pid = std::process::id();
+        assert!(err.contains(&format!("pid {pid} on host")), "{err}");
+        assert!(err.contains("--set logging.run_name=NAME"), "{err}");
+        assert!(RunDir::check_free(&dir).is_err());
+        drop(first);
+        assert!(RunDir::check_free(&dir).is_ok(), "released with the holder");
+        let again = RunDir::claim(&dir).unwrap();
+        assert_eq!(again.path(), dir);
+    }
+
+    #[test]
+    fn a_refused_start_removes_the_directory_it_created_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let new_dir = tmp.path().join("fresh");
+        drop(RunDir::claim(&new_dir).unwrap());
+        assert!(!new_dir.exists(), "created and not accepted: removed");
+
+        let old = tmp.path().join("old");
+        fs::create_dir(&old).unwrap();
+        fs::write(old.join("metrics.jsonl"), "{}\n").unwrap();
+        drop(RunDir::claim(&old).unwrap());
+        assert!(
+            old.join("metrics.jsonl").exists(),
+            "an existing run is kept"
+        );
+    }
+}

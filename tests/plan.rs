@@ -1,0 +1,332 @@
+//! `lockstep plan`, `train`'s start check against it, and an allocation that fails in the
+//! middle of a run: the plan's numbers follow the zero-stage memory model, its advice fits when
+//! applied, a config that cannot fit is refused before anything is prepared or allocated
+//! (exit 2), and an out-of-memory error names its phase without a panic (exit 1), leaving the
+//! last complete checkpoint as it was.
+
+mod common;
+
+use std::path::Path;
+
+use common::{ok, output_text, run, small, with, write_corpus};
+use serde_json::Value;
+
+fn plan_json(dir: &Path, args: &[&str]) -> Value {
+    let mut a = vec!["plan".to_string(), "--json".to_string()];
+    a.extend(args.iter().map(|s| s.to_string()));
+    serde_json::from_str(&ok(dir, &a)).unwrap()
+}
+
+/// Llama-3.1-8B's shape (the production preset has its dimensions with 4 layers) with its
+/// 128,256-id vocabulary, at context 8192.
+const LLAMA_8B: [&str; 6] = [
+    "--set",
+    "model.num_layers=32",
+    "--set",
+    "model.vocab_size=128256",
+    "--set",
+    "training.context_length=8192",
+];
+
+#[test]
+fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_8B.to_vec();
+    args.extend(["--gpus", "8", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    let params = p["model"]["parameters"].as_f64().unwrap();
+    assert_eq!(params, 8_030_261_248.0, "Llama-3.1-8B");
+    let layouts = p["layouts"].as_array().unwrap();
+    assert_eq!(layouts.len(), 9, "3 zero stages × 3 checkpointing modes");
+    let at = |stage: u64, mode: &str| {
+        layouts
+            .iter()
+            .find(|l| {
+                l["layout"]["zero_stage"] == stage
+                    && l["layout"]["activation_checkpointing"] == mode
+            })
+            .unwrap()
+    };
+    let bytes = |l: &Value, k: &str| l["memory"][k].as_f64().unwrap();
+    // Stage 0: fp32 weights and two moments, 12 bytes per parameter; the gradients, dropped
+    // after each update, at the LM head's peak only the head's own (4 bytes × vocab × hidden),
+    // at a decoder layer's backward all of them.
+    let s0 = at(0, "none");
+    let state = ["weights", "master_weights", "moments"]
+        .iter()
+        .map(|k| bytes(s0, k))
+        .sum::<f64>();
+    assert_eq!(state, 12.0 * params);
+    let head = 4.0 * 128_256.0 * 4096.0;
+    let at_peak = if s0["memory"]["peak_during"] == "lm_head" {
+        head
+    } else {
+        4.0 * params
+    };
+    assert_eq!(bytes(s0, "gradients"), at_peak, "{}", s0["memory"]);
+    // Stage 1 (bf16 compute, 8 ranks): bf16 working weights, an fp32 master shard and moment
+    // shards; gradients still whole.
+    let s1 = at(1, "none");
+    assert_eq!(bytes(s1, "weights"), 2.0 * params);
+    assert_eq!(bytes(s1, "master_weights"), 4.0 * params / 8.0);
+    assert_eq!(bytes(s1, "moments"), 8.0 * params / 8.0);
+    assert!([head, 4.0 * params].contains(&bytes(s1, "gradients")));
+    // Stage 2: this rank's fp32 gradient slice, plus one unit's gradients and their send buffer
+    // in flight (the largest unit: the untied 525M-parameter embedding or LM head).
+    let s2 = at(2, "none");
+    assert_eq!(bytes(s2, "gradients"), 4.0 * params / 8.0 + 2.0 * head);
+    assert!(bytes(s2, "gradients") < 0.3 * 4.0 * params);
+    for l in layouts {
+        let total = l["total_bytes"].as_f64().unwrap();
+        let parts: f64 = l["memory"]
+            .as_object()
+            .unwrap()
+            .values()
+            .filter_map(Value::as_f64)
+            .sum();
+        assert!(
+            (total - parts).abs() < 1.0,
+            "total is the sum of the breakdown"
+        );
+        assert_eq!(l["fits"].as_bool().unwrap(), total <= 80e9);
+    }
+    // Checkpointing only ever lowers the activations, and full keeps the least.
+    for stage in 0..3 {
+        let a = |m| bytes(at(stage, m), "activations");
+        assert!(a("full") < a("selective") && a("selective") < a("none"));
+    }
+    // 8 × 80 GB without checkpointing does not hold 8B at 8192 tokens; full checkpointing at
+    // stage 1 does (torchtitan's Llama-3 8B rows all use activation checkpointing).
+    assert!(!at(0, "none")["fits"].as_bool().unwrap());
+    assert!(at(1, "full")["fits"].as_bool().unwrap());
+    // Communication: an all-reduce of fp32 gradients sends 2·7/8·4·P bytes per rank.
+    let sent = p["comm_bytes_per_step"][0].as_f64().unwrap();
+    assert!(
+        (sent - 2.0 * 7.0 / 8.0 * 4.0 * params).abs() < 1.0,
+        "{sent}"
+    );
+    let scaling = p["scaling"].as_array().unwrap();
+    assert_eq!(
+        scaling
+            .iter()
+            .map(|s| s["ranks"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [8, 64, 512]
+    );
+    assert!(
+        scaling[0]["efficiency"].as_f64().unwrap() > scaling[1]["efficiency"].as_f64().unwrap()
+    );
+}
+
+#[test]
+fn the_advice_fits_when_applied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_8B.to_vec();
+    args.extend(["--gpus", "8", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    assert!(!p["fits"].as_bool().unwrap());
+    let sets: Vec<String> = p["advice"]["sets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect();
+    assert!(!sets.is_empty(), "{p}");
+    let mut again: Vec<&str> = args.clone();
+    for s in &sets {
+        again.extend(["--set", s.as_str()]);
+    }
+    let q = plan_json(tmp.path(), &again);
+    assert!(
+        q["fits"].as_bool().unwrap(),
+        "advice {sets:?} applied:\n{q}"
+    );
+    assert_eq!(
+        q["configured"]["total_bytes"], p["advice"]["total_bytes"],
+        "the advice's estimate is the plan of the advised config"
+    );
+
+    // The text form says the same.
+    let mut a = vec!["plan".to_string()];
+    a.extend(args.iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &a);
+    assert!(text.contains("DOES NOT FIT"), "{text}");
+    assert!(
+        text.contains(&format!("Cheapest change that fits: --set {}", sets[0])),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_config_that_cannot_fit_is_refused_before_anything_is_prepared() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // The production preset (the default) with a 4 GB budget: weights, gradients and moments
+    // alone are 20 GB.
+    let out = run(
+        dir,
+        &[
+            "train".into(),
+            "--set".into(),
+            "system.memory_budget_gb=4".into(),
+        ],
+    );
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    for part in [
+        "error: this config needs an estimated",
+        "per rank (weights 5.14 GB, moments 10.27 GB, gradients 5.14 GB",
+        "but 4.00 GB is available (system.memory_budget_gb)",
+        "No layout fits",
+        "`lockstep plan` with the same flags shows the breakdown",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+    assert!(!text.contains("panicked"), "{text}");
+    // Refused before the data was prepared or anything was written.
+    assert!(!dir.join(".lockstep").exists(), "no data cache");
+    assert!(!dir.join("runs/production/config.json").exists());
+
+    // A config that a change fits names the change, and that change starts.
+    let corpus = write_corpus(dir);
+    let base = small(&corpus);
+    let refused = run(
+        dir,
+        &with(
+            &base,
+            &["train"],
+            &[
+                "--max-steps",
+                "1",
+                "--set",
+                "model.hidden_size=256",
+                "--set",
+                "training.loss_chunk_tokens=0",
+                "--set",
+                "training.batch_size=32",
+                "--set",
+                "system.memory_budget_gb=0.9",
+            ],
+        ),
+    );
+    let text = output_text(&refused);
+    assert_eq!(refused.status.code(), Some(2), "{text}");
+    let advice = text
+        .split("Cheapest change that fits: ")
+        .nth(1)
+        .and_then(|t| t.split(" (needs").next())
+        .unwrap_or_else(|| panic!("no advice in:\n{text}"));
+    let mut args = with(
+        &base,
+        &["train"],
+        &[
+            "--max-steps",
+            "1",
+            "--set",
+            "model.hidden_size=256",
+            "--set",
+            "training.loss_chunk_tokens=0",
+            "--set",
+            "training.batch_size=32",
+            "--set",
+            "system.memory_budget_gb=0.9",
+        ],
+    );
+    args.extend(advice.split_whitespace().map(str::to_string));
+    let started = ok(dir, &args);
+    assert!(started.contains("Memory plan:"), "{started}");
+    // system.memory_check=warn starts anyway, after saying so.
+    let warned = ok(
+        dir,
+        &with(
+            &base,
+            &["train"],
+            &[
+                "--max-steps",
+                "1",
+                "--set",
+                "system.memory_budget_gb=0.01",
+                "--set",
+                "system.memory_check=warn",
+                "--set",
+                "logging.run_name=warned",
+            ],
+        ),
+    );
+    assert!(
+        warned.contains("WARNING: this config needs an estimated"),
+        "{warned}"
+    );
+}
+
+#[test]
+fn out_of_memory_mid_run_names_the_phase_and_keeps_the_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    for (phase, name) in [
+        ("backward", "backward"),
+        ("checkpoint", "checkpoint"),
+        ("model_build", "model build"),
+    ] {
+        let run_name = format!("oom_{phase}");
+        let args = with(
+            &base,
+            &["train"],
+            &[
+                "--max-steps",
+                "3",
+                "--set",
+                "checkpoint.interval=1",
+                "--set",
+                "training.activation_checkpointing=full",
+                "--set",
+                &format!("debug.inject_oom={phase}"),
+                "--set",
+                "debug.inject_oom_step=2",
+                "--set",
+                &format!("logging.run_name={run_name}"),
+            ],
+        );
+        let out = run(dir, &args);
+        let text = output_text(&out);
+        assert_eq!(out.status.code(), Some(1), "{phase}:\n{text}");
+        for part in [
+            format!("error: out of memory in the {name} phase: DefaultCPUAllocator: can't allocate memory"),
+            "Memory in use: RSS".to_string(),
+            "The plan estimated".to_string(),
+            "The last complete checkpoint is untouched".to_string(),
+        ] {
+            assert!(text.contains(&part), "{phase}: expected `{part}` in:\n{text}");
+        }
+        assert!(
+            !text.contains("panicked") && !text.contains("backtrace"),
+            "{phase}: no panic output:\n{text}"
+        );
+        let ckpts = dir.join("runs").join(&run_name).join("checkpoints");
+        if phase == "model_build" {
+            assert!(!ckpts.join("step_1").exists());
+            continue;
+        }
+        // Step 1's checkpoint is complete and is what a resume starts from.
+        let resumed = ok(
+            dir,
+            &with(
+                &base,
+                &["train"],
+                &[
+                    "--max-steps",
+                    "3",
+                    "--set",
+                    "checkpoint.interval=1",
+                    "--set",
+                    &format!("logging.run_name={run_name}"),
+                    "--resume",
+                    "auto",
+                ],
+            ),
+        );
+        assert!(resumed.contains("at step 1"), "{phase}: {resumed}");
+        assert!(resumed.contains("Step [3/3]"), "{phase}: {resumed}");
+    }
+}

@@ -1,0 +1,143 @@
+//! `lockstep plan --device cpu` against the measured peak RSS (VmHWM, the "Peak memory: RSS"
+//! line) of real CPU runs of the tiny preset's model: batch, context, activation checkpointing
+//! mode and LM-head chunking each varied, the estimate within 15%. A larger set is #[ignore]d
+//! (minutes on 2 cores); its figures are in BENCHMARKS.md section 6.
+
+mod common;
+
+use std::path::Path;
+
+use common::{ok, output_text, run};
+
+/// (estimated, measured) peak bytes of a 2-step run with these `--set`s on the tiny preset.
+fn estimate_and_measure(dir: &Path, name: &str, sets: &[&str]) -> (f64, f64) {
+    let mut args: Vec<String> = ["--preset", "tiny"].iter().map(|s| s.to_string()).collect();
+    for s in [
+        "system.num_threads=2",
+        "training.eval_batches=0",
+        "logging.tensorboard=false",
+    ]
+    .iter()
+    .chain(sets)
+    {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    let mut plan = vec![
+        "plan".to_string(),
+        "--device".into(),
+        "cpu".into(),
+        "--json".into(),
+    ];
+    plan.extend(args.iter().cloned());
+    let p: serde_json::Value = serde_json::from_str(&ok(dir, &plan)).unwrap();
+    let estimated = p["configured"]["total_bytes"].as_f64().unwrap();
+
+    let mut train = vec!["train".to_string(), "--max-steps".into(), "2".into()];
+    train.extend(args);
+    train.extend(["--set".to_string(), format!("logging.run_name={name}")]);
+    let out = run(dir, &train);
+    let text = output_text(&out);
+    assert!(out.status.success(), "{name}:\n{text}");
+    let measured: f64 = text
+        .lines()
+        .find_map(|l| l.split("Peak memory: RSS ").nth(1))
+        .and_then(|r| r.trim().strip_suffix(" GB"))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name}: no peak line in:\n{text}"));
+    (estimated, measured * 1e9)
+}
+
+fn check(configs: &[(&str, &[&str])]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut report = String::new();
+    let mut worst: f64 = 0.0;
+    for (name, sets) in configs {
+        let (est, meas) = estimate_and_measure(tmp.path(), name, sets);
+        let err = est / meas - 1.0;
+        report.push_str(&format!(
+            "{name:<28} estimated {:.3} GB, measured {:.3} GB: {:+.1}%\n",
+            est / 1e9,
+            meas / 1e9,
+            err * 100.0
+        ));
+        worst = worst.max(err.abs());
+    }
+    eprint!("{report}");
+    assert!(
+        worst < 0.15,
+        "an estimate is off by more than 15%:\n{report}"
+    );
+}
+
+#[test]
+fn the_estimate_is_within_15_percent_of_the_peak_rss() {
+    check(&[
+        (
+            "b4_none_unchunked",
+            &["training.batch_size=4", "training.loss_chunk_tokens=0"],
+        ),
+        (
+            "b4_full_chunk256",
+            &[
+                "training.batch_size=4",
+                "training.activation_checkpointing=full",
+                "training.loss_chunk_tokens=256",
+            ],
+        ),
+        (
+            "b2_ctx512_selective_chunk1024",
+            &[
+                "training.batch_size=2",
+                "training.context_length=512",
+                "training.activation_checkpointing=selective",
+            ],
+        ),
+        (
+            "b8_ctx128_none_chunk256",
+            &[
+                "training.context_length=128",
+                "training.loss_chunk_tokens=256",
+            ],
+        ),
+    ]);
+}
+
+#[test]
+#[ignore = "minutes on 2 cores; run with --ignored (figures in BENCHMARKS.md)"]
+fn the_estimate_holds_on_deeper_longer_and_bf16_runs() {
+    let deep = [
+        "model.num_layers=8",
+        "training.batch_size=2",
+        "training.context_length=1024",
+        "training.loss_chunk_tokens=256",
+    ];
+    let with = |extra: &'static str| -> Vec<&'static str> {
+        deep.iter().copied().chain([extra]).collect()
+    };
+    let none = with("training.activation_checkpointing=none");
+    let full = with("training.activation_checkpointing=full");
+    let selective = with("training.activation_checkpointing=selective");
+    let bf16 = with("training.dtype=bf16");
+    check(&[
+        ("b8_none_unchunked", &["training.loss_chunk_tokens=0"]),
+        (
+            "b8_selective_unchunked",
+            &[
+                "training.loss_chunk_tokens=0",
+                "training.activation_checkpointing=selective",
+            ],
+        ),
+        (
+            "b16_full_chunk512",
+            &[
+                "training.batch_size=16",
+                "training.activation_checkpointing=full",
+                "training.loss_chunk_tokens=512",
+            ],
+        ),
+        ("deep_none", &none),
+        ("deep_full", &full),
+        ("deep_selective", &selective),
+        ("deep_bf16", &bf16),
+    ]);
+}
