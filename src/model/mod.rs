@@ -3,6 +3,8 @@
 //! Hugging Face directories (load and write), and KV-cached generation.
 
 pub mod backward;
+#[cfg(test)]
+mod device_tests;
 pub mod documents;
 mod flash;
 pub mod generate;
