@@ -110,7 +110,6 @@ fn main() {
     let step_cfg = StepConfig {
         grad_accum: 1,
         max_grad_norm: 1.0,
-        bucket_mb: 25.0,
         overlap: false,
     };
     let plan = StepPlan {

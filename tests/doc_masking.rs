@@ -188,7 +188,6 @@ fn packed_documents_match_transformers_on_separate_sequences() {
         &StepConfig {
             grad_accum: 1,
             max_grad_norm: 1.0,
-            bucket_mb: 25.0,
             overlap: false,
         },
         &StepPlan {

@@ -140,7 +140,6 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
     let step_cfg = StepConfig {
         grad_accum: 1,
         max_grad_norm: 1.0,
-        bucket_mb: 25.0,
         overlap: false,
     };
     let plan = StepPlan {

@@ -27,8 +27,6 @@ pub struct StepConfig {
     pub grad_accum: usize,
     /// `training.max_grad_norm` (0 = no clipping).
     pub max_grad_norm: f64,
-    /// `system.bucket_mb`: flat buckets the gradients are all-reduced in.
-    pub bucket_mb: f64,
     /// Reduce each bucket while backward goes on (`system.overlap_comm`), rather than after.
     pub overlap: bool,
 }
@@ -38,7 +36,6 @@ impl StepConfig {
         StepConfig {
             grad_accum: cfg.training.grad_accum_nums,
             max_grad_norm: cfg.training.max_grad_norm,
-            bucket_mb: cfg.system.bucket_mb,
             overlap: cfg.system.overlap_comm,
         }
     }
