@@ -58,6 +58,18 @@ choice! {
     }
 }
 
+impl DtypeChoice {
+    /// Whether the matmuls run in bf16 on a rank whose device is CUDA (`on_cuda`) or the CPU:
+    /// the one place `auto` is decided, for `train` and for `plan`.
+    pub fn is_bf16(self, on_cuda: bool) -> bool {
+        match self {
+            DtypeChoice::Bf16 => true,
+            DtypeChoice::Fp32 => false,
+            DtypeChoice::Auto => on_cuda,
+        }
+    }
+}
+
 choice! {
     /// `system.dist_backend`: the collectives of a multi-rank run.
     DistBackendChoice {

@@ -23,7 +23,7 @@ pub mod report;
 
 use serde::Serialize;
 
-use crate::config::{Config, DtypeChoice};
+use crate::config::Config;
 use crate::model::{ActivationCheckpointing, LlamaShape};
 
 pub use advice::Change;
@@ -163,11 +163,7 @@ pub fn shape(cfg: &Config) -> anyhow::Result<LlamaShape> {
 
 /// Whether bf16 matmuls run (`training.dtype`; auto = bf16 on CUDA).
 pub fn bf16_compute(cfg: &Config, device: Device) -> bool {
-    match cfg.training.dtype {
-        DtypeChoice::Bf16 => true,
-        DtypeChoice::Fp32 => false,
-        DtypeChoice::Auto => device == Device::Cuda,
-    }
+    cfg.training.dtype.is_bf16(device == Device::Cuda)
 }
 
 /// The FLOPs of one token of training: the model's (forward + backward, as MFU counts them)
@@ -181,10 +177,10 @@ pub struct Flops {
 pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
     let sh = &s.shape;
     let model = sh.flops_per_token(s.context);
-    let (d, hd) = (sh.hidden_size as f64, sh.head_dim() as f64);
+    let d = sh.hidden_size as f64;
     let layers = sh.num_layers as f64;
-    let attn_proj = d * hd * (2.0 * sh.num_heads as f64 + 2.0 * sh.num_kv_heads as f64);
-    let mlp = 3.0 * d * sh.intermediate_size as f64;
+    let attn_proj = sh.attention_matrix_params() as f64;
+    let mlp = sh.mlp_matrix_params() as f64;
     // A forward is a third of the 6-per-weight count; causal attention's forward likewise.
     let recomputed = match l.activation_checkpointing {
         ActivationCheckpointing::None => 0.0,

@@ -10,9 +10,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use super::checkpoint;
-use crate::config::{
-    check_backend_device, Config, DeviceChoice, DistBackendChoice, DtypeChoice, Resolved,
-};
+use crate::config::{check_backend_device, Config, DeviceChoice, DistBackendChoice, Resolved};
 use crate::data::prepare::{prepare, PrepareSpec, Prepared};
 use crate::dist::Backend;
 use crate::model::{hf, LlamaShape};
@@ -138,9 +136,10 @@ pub fn dist_backend(cfg: &Config, device: Device) -> Result<Backend> {
 
 /// The dtype the matmuls run in (`training.dtype`; master weights stay fp32).
 pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
-    match (cfg.training.dtype, device) {
-        (DtypeChoice::Bf16, _) | (DtypeChoice::Auto, Device::Cuda(_)) => Kind::BFloat16,
-        _ => Kind::Float,
+    if cfg.training.dtype.is_bf16(device.is_cuda()) {
+        Kind::BFloat16
+    } else {
+        Kind::Float
     }
 }
 
