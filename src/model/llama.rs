@@ -258,16 +258,12 @@ impl Llama {
             "batch size differs from the cache's"
         );
         let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
-        for (layer, kv) in self.layers.iter().zip(cache.layers.iter()) {
+        for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter()).enumerate() {
             let h = self.rms_norm(&x, &layer.input_layernorm);
-            x = &x + self.attention_cached(&h, layer, kv, pos);
-            let h = self.rms_norm(&x, &layer.post_attention_layernorm);
-            let gate = self.linear(&h, &layer.gate_proj).silu();
-            x = &x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj);
+            x = self.mlp_block(&(&x + self.attention_cached(&h, layer, kv, pos)), i);
         }
         cache.len = pos + t;
-        let x = self.rms_norm(&x, &self.norm);
-        self.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+        self.lm_head(&self.final_norm(&x))
     }
 
     /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s]

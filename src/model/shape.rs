@@ -65,10 +65,19 @@ impl LlamaShape {
         self.hidden_size / self.num_heads
     }
 
+    /// Weights of one decoder layer's attention projections (q, k, v, o).
+    pub fn attention_matrix_params(&self) -> usize {
+        self.hidden_size * self.head_dim() * (2 * self.num_heads + 2 * self.num_kv_heads)
+    }
+
+    /// Weights of one decoder layer's MLP (gate, up, down).
+    pub fn mlp_matrix_params(&self) -> usize {
+        3 * self.hidden_size * self.intermediate_size
+    }
+
     /// Weights of one decoder layer's matrices (the norms are negligible and not matmuls).
     fn layer_matrix_params(&self) -> usize {
-        let (d, hd) = (self.hidden_size, self.head_dim());
-        d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.intermediate_size
+        self.attention_matrix_params() + self.mlp_matrix_params()
     }
 
     /// Trainable parameters (the LM head counted once when tied).

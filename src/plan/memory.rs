@@ -132,8 +132,8 @@ impl Dims {
             kv: kvh * hd,
             heads: h,
             vocab: sh.vocab_size as f64,
-            attn_params: d * hd * (2.0 * h + 2.0 * kvh),
-            mlp_params: 3.0 * d * f,
+            attn_params: sh.attention_matrix_params() as f64,
+            mlp_params: sh.mlp_matrix_params() as f64,
         }
     }
 }
