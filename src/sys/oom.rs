@@ -51,7 +51,7 @@ pub(super) fn on_enter(phase: Phase) {
     }
 }
 
-pub use super::phase::{current, current_on_this_thread, enter};
+pub use super::phase::{current, enter};
 
 /// `debug.inject_oom`: the next [`enter`] of `phase` on this thread fails to allocate.
 pub fn arm(phase: Phase, device: Device) {
@@ -122,7 +122,7 @@ pub fn catch<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
             }
             let chain = format!("{e:#}");
             if is_oom_message(&chain) {
-                Err(OutOfMemory::new(current_on_this_thread(), &chain, resident_bytes()).into())
+                Err(OutOfMemory::new(current(), &chain, resident_bytes()).into())
             } else {
                 Err(e)
             }
@@ -130,7 +130,7 @@ pub fn catch<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
         Err(payload) => match panic_message(payload.as_ref()) {
             Some(msg) if is_oom_message(&msg) => {
                 let rss = RSS_AT_PANIC.with(|r| r.take()).or_else(resident_bytes);
-                Err(OutOfMemory::new(current_on_this_thread(), &msg, rss).into())
+                Err(OutOfMemory::new(current(), &msg, rss).into())
             }
             _ => panic::resume_unwind(payload),
         },

@@ -4,7 +4,6 @@
 //! "rank 1 is stuck in reduce"), which mirrors it into the rank's trace file through the
 //! observer it registers. One enum, so the two always speak of the same phases.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// The phases of a rank's life. The first four are its own work (see [`Phase::busy`]).
@@ -88,20 +87,18 @@ impl std::fmt::Display for Phase {
     }
 }
 
-/// The phase the process entered last (the hang forensics' view from other threads).
-static CURRENT: AtomicU8 = AtomicU8::new(4); // Startup
 static OBSERVER: OnceLock<fn(Phase)> = OnceLock::new();
 
 thread_local! {
     /// The phase this thread entered last: what an allocation failure on this thread is
     /// reported in, whatever other threads (tests, a communication thread) entered meanwhile.
+    /// Other threads see phase changes through the observer (the hang forensics' trace).
     static ON_THIS_THREAD: std::cell::Cell<Phase> = const { std::cell::Cell::new(Phase::Startup) };
 }
 
 /// Marks the start of `p`. If `debug.inject_oom` armed this phase, it fails here, once, with a
 /// real allocation failure ([`super::oom::arm`]).
 pub fn enter(p: Phase) {
-    CURRENT.store(p.code() as u8, Ordering::Relaxed);
     ON_THIS_THREAD.with(|c| c.set(p));
     if let Some(observe) = OBSERVER.get() {
         observe(p);
@@ -109,13 +106,8 @@ pub fn enter(p: Phase) {
     super::oom::on_enter(p);
 }
 
-/// The phase entered last, on any thread.
-pub fn current() -> Phase {
-    Phase::from_code(CURRENT.load(Ordering::Relaxed) as u32)
-}
-
 /// The phase entered last on this thread.
-pub fn current_on_this_thread() -> Phase {
+pub fn current() -> Phase {
     ON_THIS_THREAD.with(std::cell::Cell::get)
 }
 
