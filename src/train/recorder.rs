@@ -212,14 +212,14 @@ impl Recorder {
         Ok(())
     }
 
-    /// Every `logging.memory_interval` steps: the memory line (RSS, its peak, this rank's
-    /// training state by kind, and NVML's view of a CUDA rank's GPU); a warning on any rank
-    /// above `system.max_memory_gb`.
-    pub fn memory(&self, step: usize, state: &StateBytes) {
-        let every = self.memory_interval;
-        if every == 0 || !step.is_multiple_of(every) {
-            return;
-        }
+    /// Whether `step` prints the memory line (every `logging.memory_interval` steps).
+    pub fn memory_due(&self, step: usize) -> bool {
+        self.memory_interval > 0 && step.is_multiple_of(self.memory_interval)
+    }
+
+    /// The memory line (RSS, its peak, this rank's training state by kind, and NVML's view of
+    /// a CUDA rank's GPU); a warning on any rank above `system.max_memory_gb`.
+    pub fn memory(&self, state: &StateBytes) {
         let tag = &self.tag;
         let rss = gb(rss_bytes());
         // What the caching allocator reserved plus the CUDA context (libtorch's allocator

@@ -26,7 +26,7 @@ use super::rundir::RunDir;
 use super::setup::{self, DataSource, Rank, RunOptions};
 use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
-use crate::config::{Config, DistBackendChoice, GuardPolicy, Resolved};
+use crate::config::{Config, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
 use crate::dist::forensics;
 use crate::dist::grads::broadcast_parameters;
@@ -181,9 +181,8 @@ impl<'a> Trainer<'a> {
         forensics::resumed_at(state.step);
         let mut step_cfg = StepConfig::from_config(cfg);
         // The overlap runs the ring from a second thread; NCCL's from a second thread is not
-        // verified on GPUs yet, so CUDA ranks on NCCL reduce after backward.
-        step_cfg.overlap &=
-            !rank.device.is_cuda() || cfg.system.dist_backend == DistBackendChoice::Ring;
+        // verified on GPUs yet, so ranks on NCCL reduce after backward.
+        step_cfg.overlap &= setup::dist_backend(cfg, rank.device)? == crate::dist::Backend::Ring;
         let last_step = opts
             .stop_at_step
             .map_or(t.max_steps, |s| s.min(t.max_steps));
@@ -267,7 +266,9 @@ impl<'a> Trainer<'a> {
                 self.recorder
                     .log(&self.state, plan.lr, &out, val.as_ref(), &by_source)?;
             }
-            self.recorder.memory(step, &self.opt.state_bytes());
+            if self.recorder.memory_due(step) {
+                self.recorder.memory(&self.opt.state_bytes());
+            }
             self.stragglers.check(step, &mut *self.pg)?;
             if self.checkpointer.due(step, last) {
                 phase::enter(Phase::Checkpoint);
