@@ -459,7 +459,7 @@ pub fn write_weights(
     Ok(WrittenWeights { files, total_size })
 }
 
-fn sync_file(path: &Path) -> Result<()> {
+pub(crate) fn sync_file(path: &Path) -> Result<()> {
     std::fs::File::open(path)
         .and_then(|f| f.sync_all())
         .with_context(|| format!("{}: cannot fsync", path.display()))

@@ -218,9 +218,7 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     fs::write(path, bytes).with_context(|| format!("{}: cannot write", path.display()))?;
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync", path.display()))
+    hf::sync_file(path)
 }
 
 /// Saves a complete checkpoint as `root/<name>` and deletes complete ones beyond `keep_last`
@@ -421,14 +419,14 @@ impl ShardFiles {
         if !weights.is_empty() {
             let path = dir.join(self.model_file(self.rank));
             tensor_io::save(&path, weights, Some(format_metadata()))?;
-            sync_file(&path)?;
+            hf::sync_file(&path)?;
         }
         let (moments, mut meta) = opt.moment_pieces();
         meta.insert("lockstep.zero_stage".into(), opt.stage.to_string());
         meta.insert("lockstep.world_size".into(), self.world.to_string());
         let path = dir.join(self.optimizer_file(self.rank));
         tensor_io::save(&path, &moments, Some(meta))?;
-        sync_file(&path)
+        hf::sync_file(&path)
     }
 
     /// Rank 0, once every rank's files are durable: the index, config.json, trainer.json.
@@ -454,12 +452,6 @@ impl ShardFiles {
             serde_json::to_string_pretty(state)?.as_bytes(),
         )
     }
-}
-
-fn sync_file(path: &Path) -> Result<()> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync", path.display()))
 }
 
 /// Fails, with the fix, when `root` cannot hold checkpoints: creates it and a probe directory

@@ -366,8 +366,8 @@ impl ShardedAdamW {
         let mine: Vec<usize> = (0..self.layout.params.len())
             .filter(|&i| self.layout.writer(&self.layout.params[i]) == self.rank)
             .collect();
-        let fp32 = self.params.iter().all(|(_, p)| p.kind() == Kind::Float);
-        if fp32 {
+        // Without masters the working parameters are fp32 and are the masters.
+        let Some(master) = self.master.as_ref() else {
             return Ok(mine
                 .iter()
                 .map(|&i| {
@@ -375,11 +375,7 @@ impl ShardedAdamW {
                     (p.name.clone(), self.params[p.index].1.detach())
                 })
                 .collect());
-        }
-        let master = self
-            .master
-            .as_ref()
-            .expect("non-fp32 parameters keep fp32 masters");
+        };
         let mut out: HashMap<usize, Tensor> = mine
             .iter()
             .map(|&i| {
