@@ -96,7 +96,7 @@ fn main() {
     let mut opt = Optimizer::new(
         &Llama::named_parameters(&vs),
         hp,
-        0,
+        lockstep::config::ZeroStage::Replicated,
         &SingleProcess,
         25.0,
         Kind::Float,

@@ -5,7 +5,7 @@
 //! accumulation. Also the order in which units' gradients become final.
 
 use lockstep::config::{self, Sources};
-use lockstep::model::{ActivationCheckpointing, ActivationMemory, GradUnit, Llama};
+use lockstep::model::{ActivationCheckpointing, ActivationMemory, GradUnit, Llama, UnitEvents};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Reduction, Tensor};
 
@@ -90,7 +90,7 @@ fn pass(model: &Llama, batches: &[(Tensor, Tensor)]) -> f64 {
     let mut total = 0.0;
     for (x, y) in batches {
         let loss = model
-            .forward_backward(x, y, None, scale, &mut |_| Ok(()))
+            .forward_backward(x, y, None, scale, &mut lockstep::model::NoEvents)
             .unwrap();
         total += loss.double_value(&[]);
     }
@@ -204,6 +204,41 @@ fn bf16_tied_gradients_match_in_every_mode() {
     check(true, Kind::BFloat16);
 }
 
+/// Records what a pass tells its caller, checking on the way that a unit's gradients exist
+/// when it is reported final and that every `after` closes an open `before`.
+struct Seen<'a> {
+    vs: &'a VarStore,
+    finals: Vec<GradUnit>,
+    befores: Vec<GradUnit>,
+    open: Vec<GradUnit>,
+}
+
+impl UnitEvents for Seen<'_> {
+    fn before(&mut self, unit: GradUnit) -> anyhow::Result<()> {
+        self.befores.push(unit);
+        self.open.push(unit);
+        Ok(())
+    }
+
+    fn after(&mut self, unit: GradUnit) -> anyhow::Result<()> {
+        let at = self.open.iter().position(|u| *u == unit);
+        assert!(at.is_some(), "after({unit:?}) without before");
+        self.open.remove(at.unwrap());
+        Ok(())
+    }
+
+    fn grads_final(&mut self, unit: GradUnit) -> anyhow::Result<()> {
+        assert!(self.open.contains(&unit), "{unit:?} final outside its use");
+        for (n, t) in self.vs.variables() {
+            if GradUnit::of_parameter(&n) == Some(unit) {
+                assert!(t.grad().defined(), "{unit:?}: {n}");
+            }
+        }
+        self.finals.push(unit);
+        Ok(())
+    }
+}
+
 #[test]
 fn units_become_final_from_the_head_down_to_the_embedding() {
     for tied in [false, true] {
@@ -213,27 +248,24 @@ fn units_become_final_from_the_head_down_to_the_embedding() {
             loss_chunk_tokens: 16,
         });
         let (x, y) = batch(3);
-        let names: Vec<String> = vs.variables().into_keys().collect();
-        let mut order = Vec::new();
-        let _loss = model
-            .forward_backward(&x, &y, None, 1.0, &mut |unit| {
-                // Every parameter of the unit has its gradient by now.
-                for n in names
-                    .iter()
-                    .filter(|n| GradUnit::of_parameter(n) == Some(unit))
-                {
-                    assert!(vs.variables()[n].grad().defined(), "{unit:?}: {n}");
-                }
-                order.push(unit);
-                Ok(())
-            })
-            .unwrap();
+        let mut seen = Seen {
+            vs: &vs,
+            finals: Vec::new(),
+            befores: Vec::new(),
+            open: Vec::new(),
+        };
+        let _loss = model.forward_backward(&x, &y, None, 1.0, &mut seen).unwrap();
         let mut want = vec![GradUnit::FinalNorm];
         if !tied {
             want.insert(0, GradUnit::LmHead);
         }
         want.extend((0..3).rev().map(GradUnit::Layer));
         want.push(GradUnit::Embedding);
-        assert_eq!(order, want, "tied {tied}");
+        assert_eq!(seen.finals, want, "tied {tied}");
+        // The uses come in the order the stage-3 gathers are planned in, and all are closed.
+        assert_eq!(seen.befores, model.unit_order(true), "tied {tied}");
+        assert!(seen.open.is_empty(), "{:?}", seen.open);
+        let head = if tied { GradUnit::Embedding } else { GradUnit::LmHead };
+        assert_eq!(seen.befores[5], head);
     }
 }

@@ -26,6 +26,7 @@ use super::PROVENANCE_FILE;
 use crate::config::Resolved;
 use crate::data::tokenizer::Tokenizer;
 use crate::model::{hf, AttentionBackend};
+use crate::sys::durable::{write_synced, AtomicDir};
 use crate::train::{checkpoint, setup};
 
 #[derive(Args, Debug, Clone)]
@@ -66,14 +67,6 @@ fn dtype(name: &str) -> (Kind, &'static str) {
         "fp16" => (Kind::Half, "float16"),
         _ => (Kind::Float, "float32"),
     }
-}
-
-/// `OUT` with `suffix` appended to its last component (a sibling, so renames stay on one
-/// file system).
-fn sibling(out: &Path, suffix: &str) -> PathBuf {
-    let mut s = out.as_os_str().to_os_string();
-    s.push(suffix);
-    PathBuf::from(s)
 }
 
 fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
@@ -178,17 +171,7 @@ fn specials(tok: &Tokenizer, spec: &str) -> Specials {
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {
-    fs::write(path, serde_json::to_string_pretty(v)? + "\n")
-        .with_context(|| format!("{}: cannot write", path.display()))?;
-    fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync", path.display()))
-}
-
-fn fsync_dir(dir: &Path) -> Result<()> {
-    fs::File::open(dir)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync directory", dir.display()))
+    write_synced(path, (serde_json::to_string_pretty(v)? + "\n").as_bytes())
 }
 
 pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
@@ -241,17 +224,8 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
             format!("--hf {}: cannot create the parent directory", out.display())
         })?;
     }
-    let tmp = sibling(&out, ".tmp");
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp)
-            .with_context(|| format!("{}: cannot remove a stale partial export", tmp.display()))?;
-    }
-    fs::create_dir(&tmp).with_context(|| {
-        format!(
-            "--hf {}: cannot create {}; choose a writable output path",
-            out.display(),
-            tmp.display()
-        )
+    let staging = AtomicDir::begin(&out).with_context(|| {
+        format!("--hf {}: cannot start the export; choose a writable output path", out.display())
     })?;
     let from = Provenance {
         source: &source,
@@ -259,7 +233,7 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
         context_length,
     };
     let written = write_contents(
-        &tmp,
+        staging.path(),
         &shape,
         &weights,
         args,
@@ -269,7 +243,7 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     let (files, weight_bytes, shards) = match written {
         Ok(w) => w,
         Err(e) => {
-            let _ = fs::remove_dir_all(&tmp);
+            staging.abandon();
             return Err(e.context(format!(
                 "exporting {} to {} failed; nothing was written there",
                 source.display(),
@@ -277,30 +251,8 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
             )));
         }
     };
-    fsync_dir(&tmp)?;
     // An existing OUT (empty, or replaced under --force) is moved aside in one rename first.
-    let replaced = sibling(&out, ".replaced.tmp");
-    if out.exists() {
-        if replaced.exists() {
-            fs::remove_dir_all(&replaced)
-                .with_context(|| format!("{}: cannot remove", replaced.display()))?;
-        }
-        fs::rename(&out, &replaced).with_context(|| {
-            format!(
-                "--hf {}: cannot move the old directory aside",
-                out.display()
-            )
-        })?;
-    }
-    fs::rename(&tmp, &out)
-        .with_context(|| format!("{}: cannot rename into place", tmp.display()))?;
-    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fsync_dir(parent)?;
-    }
-    if replaced.exists() {
-        fs::remove_dir_all(&replaced)
-            .with_context(|| format!("{}: cannot delete", replaced.display()))?;
-    }
+    staging.commit()?;
     Ok(Exported {
         source,
         out,
@@ -406,10 +358,7 @@ fn write_tokenizer_files(
     let json = tok
         .hf_tokenizer_json()
         .with_context(|| format!("the tokenizer {spec} for {}", dst.display()))?;
-    fs::write(&dst, json).with_context(|| format!("{}: cannot write", dst.display()))?;
-    fs::File::open(&dst)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync", dst.display()))?;
+    write_synced(&dst, &json)?;
 
     let mut config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",

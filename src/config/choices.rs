@@ -155,6 +155,73 @@ choice! {
     }
 }
 
+/// `system.zero_stage`: what data parallelism shards across the ranks of a shard group (a
+/// number in the config, as DeepSpeed and Megatron users write it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u64", into = "u64")]
+pub enum ZeroStage {
+    /// 0: every rank holds all parameters, gradients and optimizer state.
+    Replicated = 0,
+    /// 1: fp32 master weights and AdamW moments sharded.
+    Optimizer = 1,
+    /// 2: gradients reduce-scattered into their owner's slice too.
+    Gradients = 2,
+    /// 3: the working parameters sharded too, gathered a unit at a time.
+    Parameters = 3,
+}
+
+impl ZeroStage {
+    pub const ALL: [ZeroStage; 4] = [
+        ZeroStage::Replicated,
+        ZeroStage::Optimizer,
+        ZeroStage::Gradients,
+        ZeroStage::Parameters,
+    ];
+    /// The accepted values, for the schema.
+    pub const NUMBERS: &'static [u64] = &[0, 1, 2, 3];
+
+    pub fn number(self) -> usize {
+        self as usize
+    }
+
+    /// Master weights and moments exist only for this rank's slice.
+    pub fn shards_optimizer(self) -> bool {
+        self >= ZeroStage::Optimizer
+    }
+
+    /// Gradients are reduce-scattered into this rank's slice as backward finishes them.
+    pub fn shards_gradients(self) -> bool {
+        self >= ZeroStage::Gradients
+    }
+
+    /// Working parameters exist only as this rank's slice between uses.
+    pub fn shards_parameters(self) -> bool {
+        self == ZeroStage::Parameters
+    }
+}
+
+impl TryFrom<u64> for ZeroStage {
+    type Error = String;
+    fn try_from(n: u64) -> Result<Self, String> {
+        ZeroStage::ALL
+            .into_iter()
+            .find(|s| s.number() as u64 == n)
+            .ok_or_else(|| format!("system.zero_stage = {n}: must be 0, 1, 2 or 3"))
+    }
+}
+
+impl From<ZeroStage> for u64 {
+    fn from(s: ZeroStage) -> u64 {
+        s.number() as u64
+    }
+}
+
+impl std::fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.number())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +236,16 @@ mod tests {
         assert_eq!(eager, AttentionBackend::Math);
         assert_eq!(GuardPolicy::NAMES, ["abort", "skip", "rollback"]);
         assert!(serde_json::from_str::<GuardPolicy>("\"ignore\"").is_err());
+    }
+
+    #[test]
+    fn zero_stages_are_numbers_in_json() {
+        for s in ZeroStage::ALL {
+            let v = serde_json::to_value(s).unwrap();
+            assert_eq!(v, serde_json::json!(s.number()));
+            assert_eq!(serde_json::from_value::<ZeroStage>(v).unwrap(), s);
+        }
+        assert!(serde_json::from_str::<ZeroStage>("4").is_err());
+        assert!(ZeroStage::Parameters.shards_gradients() && !ZeroStage::Optimizer.shards_gradients());
     }
 }

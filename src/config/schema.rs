@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::choices::{
     ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ZeroStage,
 };
 
 /// What a key accepts.
@@ -24,6 +24,8 @@ pub enum Kind {
     OptStr,
     /// A whole number >= 0, or null for "not set".
     OptUInt,
+    /// One of a fixed set of whole numbers.
+    UIntIn(&'static [u64]),
     /// A list of objects with these fields (`data.sources`); each field's kind is a scalar one.
     Records(&'static [Field]),
 }
@@ -71,6 +73,10 @@ impl Kind {
             Kind::Choice(c) => format!("one of {}", c.join(" | ")),
             Kind::OptStr => "string or null".into(),
             Kind::OptUInt => "integer >= 0 or null".into(),
+            Kind::UIntIn(n) => {
+                let n: Vec<String> = n.iter().map(u64::to_string).collect();
+                format!("one of {}", n.join(" | "))
+            }
             Kind::Records(fields) => {
                 let fields: Vec<String> = fields
                     .iter()
@@ -145,6 +151,7 @@ impl Kind {
             Kind::Choice(c) => v.as_str().is_some_and(|s| c.contains(&s)),
             Kind::OptStr => v.is_null() || v.is_string(),
             Kind::OptUInt => v.is_null() || uint(v),
+            Kind::UIntIn(n) => uint(v) && v.as_f64().is_some_and(|f| n.contains(&(f as u64))),
             Kind::Records(_) => self.problem(v).is_none(),
         }
     }
@@ -241,7 +248,8 @@ keys! {
     "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
     "system.bucket_mb", Kind::Float, "25.0", "Size of the flat buckets gradients are all-reduced in (MB).";
     "system.overlap_comm", Kind::Bool, "true", "Average each bucket of gradients across ranks as soon as backward has finished its layers, on a communication thread, while the lower layers' backward runs (results bitwise equal to false, which reduces after backward). Applies to the TCP ring; NCCL ranks reduce after backward until the overlap is verified on GPUs.";
-    "system.zero_stage", Kind::UInt, "0", "Sharded data parallelism: 0 = replicated (every rank holds all optimizer state), 1 = AdamW moments and fp32 master weights sharded across ranks, 2 = gradients reduce-scattered to their owner's shard too.";
+    "system.zero_stage", Kind::UIntIn(ZeroStage::NUMBERS), "0", "Sharded data parallelism: 0 = replicated (every rank holds all optimizer state), 1 = AdamW moments and fp32 master weights sharded across ranks, 2 = gradients reduce-scattered to their owner's shard too, 3 = the working parameters sharded too (each unit - a decoder layer, the embedding, the final norm, the LM head - is all-gathered just before its forward and again before its backward, and freed after each).";
+    "system.prefetch_units", Kind::UInt, "1", "At zero_stage = 3: units whose all-gather is issued ahead of the one computing, so the gather hides behind compute (0 = gather each unit when it is needed). Each costs one unit of full parameters in memory.";
     "system.memory_check", Kind::Choice(MemoryCheck::NAMES), "\"refuse\"", "Before building the model, `train` estimates each rank's peak memory as `lockstep plan` does and compares it with system.memory_budget_gb: refuse = exit with code 2 and the cheapest change that fits when it does not; warn = print that and start anyway; off = no estimate.";
     "system.memory_budget_gb", Kind::Float, "0.0", "Memory one rank may use, in GB, for system.memory_check: 0 = what the device has free at start (CPU: MemAvailable of /proc/meminfo divided among the node's ranks; CUDA: the GPU's free memory from NVML).";
     "system.dist_backend", Kind::Choice(DistBackendChoice::NAMES), "\"auto\"", "Collectives of a multi-rank run. auto = NCCL on CUDA ranks (gradients and parameters on the GPU; scalars and barriers on the CPU ring, which names a missing rank), the Rust TCP ring on CPU ranks. ring = the TCP ring everywhere (CUDA tensors go through host memory: slow, a fallback when NCCL is broken).";

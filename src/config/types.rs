@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choices::{
     ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ZeroStage,
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -106,7 +106,8 @@ pub struct SystemConfig {
     pub max_memory_gb: f64,
     pub collective_timeout_s: u64,
     pub bucket_mb: f64,
-    pub zero_stage: usize,
+    pub zero_stage: ZeroStage,
+    pub prefetch_units: usize,
     pub overlap_comm: bool,
     pub memory_check: MemoryCheck,
     pub memory_budget_gb: f64,

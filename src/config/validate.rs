@@ -117,12 +117,6 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             c.system.bucket_mb
         ));
     }
-    if c.system.zero_stage > 2 {
-        bad(format!(
-            "system.zero_stage = {}: must be 0 (replicated), 1 (optimizer state sharded) or 2 (gradients sharded too)",
-            c.system.zero_stage
-        ));
-    }
     if c.system.memory_budget_gb < 0.0 {
         bad(format!(
             "system.memory_budget_gb = {}: must be >= 0 (0 = what the device has free)",

@@ -88,6 +88,26 @@ pub trait ProcessGroup: Send {
         self.all_reduce_sum_f32(buf)
     }
 
+    /// Every rank's `x`, in rank order, bit for bit: each value travels as four 16-bit pieces,
+    /// each an exact fp32 integer, through [`ProcessGroup::all_gather_f32`]. For sums that must
+    /// not depend on the world size's summation order (the global gradient norm).
+    fn all_gather_f64(&mut self, x: f64) -> Result<Vec<f64>> {
+        let (world, rank) = (self.world_size(), self.rank());
+        let mut buf = vec![0f32; 4 * world];
+        let bits = x.to_bits();
+        for k in 0..4 {
+            buf[4 * rank + k] = ((bits >> (16 * k)) & 0xffff) as f32;
+        }
+        self.all_gather_f32(&mut buf, &vec![4; world])?;
+        Ok(buf
+            .chunks(4)
+            .map(|q| {
+                let bits = (0..4).fold(0u64, |acc, k| acc | ((q[k] as u64) << (16 * k)));
+                f64::from_bits(bits)
+            })
+            .collect())
+    }
+
     /// [`ProcessGroup::reduce_scatter_avg_f32`] on a contiguous 1-D tensor. Default through
     /// host memory in fp32; NCCL overrides it.
     fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
@@ -234,6 +254,9 @@ mod tests {
         assert!(g.all_reduce_max_f64(f64::NAN)?.is_nan());
         g.barrier()?;
         assert_eq!((g.rank(), g.world_size()), (0, 1));
+        for x in [0.1f64, -3.5e300, f64::MIN_POSITIVE, 1.0 / 3.0] {
+            assert_eq!(g.all_gather_f64(x)?[0].to_bits(), x.to_bits());
+        }
         Ok(())
     }
 

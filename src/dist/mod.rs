@@ -17,18 +17,18 @@
 //!   The NCCL communicator bootstraps through the same store.
 //!
 //! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
-//! `train::reduce` as backward finishes them, through [`overlap::with_queue`].
+//! `train::optim::reduce` as backward finishes them, through [`overlap::with_queue`].
 
+pub mod buckets;
 pub mod env;
+pub mod flat_layout;
 pub mod forensics;
-pub mod grads;
 pub mod group;
 pub mod nccl;
 pub mod overlap;
 pub mod ring;
 pub mod slurm;
 pub mod store;
-pub mod zero;
 
 use std::sync::Arc;
 use std::time::Duration;

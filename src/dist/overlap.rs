@@ -11,6 +11,11 @@
 //! (the group is the communication thread's until [`with_queue`] returns), and a job touches
 //! only tensors that backward no longer writes (the gradients of units already final, its own
 //! buffers).
+//!
+//! A caller that needs a job's result before it can go on (zero stage 3 needs a unit's gathered
+//! parameters before its forward) waits for it with [`CommQueue::wait`]: overlapped, on the
+//! job's answer; deferred, by running every job queued so far first, so the order of the
+//! collectives is the same either way.
 
 use std::sync::mpsc;
 
@@ -22,22 +27,47 @@ use super::group::ProcessGroup;
 pub type Job = Box<dyn FnOnce(&mut dyn ProcessGroup) -> Result<()> + Send>;
 
 /// Where a caller hands its jobs while backward runs.
-pub enum CommQueue {
+pub enum CommQueue<'a> {
     /// To the communication thread, now.
     Overlapped(mpsc::Sender<Job>),
-    /// Kept, to run in order after the caller's work.
-    Deferred(Vec<Job>),
+    /// Kept, to run in order after the caller's work (or when it waits for one).
+    Deferred {
+        jobs: Vec<Job>,
+        pg: &'a mut dyn ProcessGroup,
+    },
 }
 
-impl CommQueue {
+impl CommQueue<'_> {
     pub fn submit(&mut self, job: Job) {
         match self {
             // The thread only goes away after a failure, which `with_queue` reports.
             CommQueue::Overlapped(tx) => {
                 let _ = tx.send(job);
             }
-            CommQueue::Deferred(jobs) => jobs.push(job),
+            CommQueue::Deferred { jobs, .. } => jobs.push(job),
         }
+    }
+
+    /// Waits for the answer a submitted job sends on `rx`. Deferred, the jobs queued so far
+    /// run now, in order. A job that failed sends nothing: the error then says so, and
+    /// [`with_queue`] returns the job's own error in preference to it.
+    pub fn wait<T>(&mut self, rx: &mpsc::Receiver<T>) -> Result<T> {
+        if let CommQueue::Deferred { jobs, pg } = self {
+            for job in jobs.drain(..) {
+                job(&mut **pg)?;
+            }
+        }
+        rx.recv()
+            .map_err(|_| anyhow!("a collective on the communication thread failed"))
+    }
+
+    fn finish(self) -> Result<()> {
+        if let CommQueue::Deferred { jobs, pg } = self {
+            for job in jobs {
+                job(&mut *pg)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -50,14 +80,12 @@ pub fn with_queue<T>(
     work: impl FnOnce(&mut CommQueue) -> Result<T>,
 ) -> Result<T> {
     if !overlap {
-        let mut queue = CommQueue::Deferred(Vec::new());
-        let out = work(&mut queue)?;
-        let CommQueue::Deferred(jobs) = queue else {
-            unreachable!("a deferred queue stays deferred")
+        let mut queue = CommQueue::Deferred {
+            jobs: Vec::new(),
+            pg,
         };
-        for job in jobs {
-            job(pg)?;
-        }
+        let out = work(&mut queue)?;
+        queue.finish()?;
         return Ok(out);
     }
     std::thread::scope(|s| {
@@ -104,6 +132,31 @@ mod tests {
             .unwrap();
             assert_eq!(out, 7);
             assert_eq!(*seen.lock().unwrap(), [0, 1, 2, 3, 4], "overlap {overlap}");
+        }
+    }
+
+    #[test]
+    fn a_caller_can_wait_for_a_job_and_the_order_stays() {
+        for overlap in [false, true] {
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let got = with_queue(&mut SingleProcess, overlap, |q| {
+                let first = Arc::clone(&seen);
+                q.submit(Box::new(move |_| {
+                    first.lock().unwrap().push(1);
+                    Ok(())
+                }));
+                let (tx, rx) = mpsc::channel();
+                let second = Arc::clone(&seen);
+                q.submit(Box::new(move |_| {
+                    second.lock().unwrap().push(2);
+                    let _ = tx.send(42);
+                    Ok(())
+                }));
+                q.wait(&rx)
+            })
+            .unwrap();
+            assert_eq!(got, 42);
+            assert_eq!(*seen.lock().unwrap(), [1, 2], "overlap {overlap}");
         }
     }
 

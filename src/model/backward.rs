@@ -112,7 +112,51 @@ pub enum GradUnit {
     Embedding,
 }
 
+/// What a pass tells its caller about the model's units, so that the caller can make a unit's
+/// parameters present just before they are read and let them go after (zero stage 3 gathers
+/// and frees them), and reduce a unit's gradients as soon as they are final.
+pub trait UnitEvents {
+    /// `unit`'s parameters are about to be read: its forward, its recomputation, its backward.
+    fn before(&mut self, _unit: GradUnit) -> Result<()> {
+        Ok(())
+    }
+    /// `unit`'s parameters are not read again until the next `before`.
+    fn after(&mut self, _unit: GradUnit) -> Result<()> {
+        Ok(())
+    }
+    /// `unit`'s gradients for this micro-batch are complete.
+    fn grads_final(&mut self, _unit: GradUnit) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A pass whose caller needs no events: every parameter is always present.
+pub struct NoEvents;
+
+impl UnitEvents for NoEvents {}
+
 impl GradUnit {
+    /// The parameters of `names` grouped by unit, units in the order backward finishes them
+    /// (a parameter no unit claims counts as the embedding's: final only at the very end).
+    pub fn group_in_backward_order(names: &[&str]) -> Vec<(GradUnit, Vec<usize>)> {
+        let rank_of = |u: GradUnit| match u {
+            GradUnit::LmHead => (0, 0),
+            GradUnit::FinalNorm => (1, 0),
+            GradUnit::Layer(i) => (2, usize::MAX - i),
+            GradUnit::Embedding => (3, 0),
+        };
+        let mut units: Vec<(GradUnit, Vec<usize>)> = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            let unit = GradUnit::of_parameter(name).unwrap_or(GradUnit::Embedding);
+            match units.iter_mut().find(|(u, _)| *u == unit) {
+                Some((_, list)) => list.push(i),
+                None => units.push((unit, vec![i])),
+            }
+        }
+        units.sort_by_key(|(u, _)| rank_of(*u));
+        units
+    }
+
     /// The unit that holds the parameter with this Hugging Face name.
     pub fn of_parameter(name: &str) -> Option<GradUnit> {
         if let Some(rest) = name.strip_prefix("model.layers.") {
@@ -189,38 +233,73 @@ impl Llama {
     /// Forward and backward of one micro-batch: inputs and targets [batch, seq] (int64). The
     /// gradients of `loss_scale` × the mean cross-entropy accumulate into the parameters'
     /// `.grad`, as `(loss(inputs, targets) * loss_scale).backward()` would, with the activation
-    /// memory of [`Llama::activation_memory`]. `on_final(unit)` is called as soon as a unit's
+    /// memory of [`Llama::activation_memory`]. `units.grads_final(unit)` is called as soon as a unit's
     /// gradients for this micro-batch are complete, in the order of the module docs; an error
-    /// from it stops the pass. Returns the unscaled mean loss (0-dim fp32, no graph).
+    /// from it stops the pass; `units.before`/`after` bracket every use of a unit's parameters.
+    /// Returns the unscaled mean loss (0-dim fp32, no graph).
     pub fn forward_backward(
         &self,
         inputs: &Tensor,
         targets: &Tensor,
         docs: Option<&DocumentMask>,
         loss_scale: f64,
-        on_final: &mut dyn FnMut(GradUnit) -> Result<()>,
+        units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
         phase::enter(Phase::Forward);
+        units.before(GradUnit::Embedding)?;
         let embedded = self.embed(inputs);
+        units.after(GradUnit::Embedding)?;
         let mut x = embedded.detach();
         let mut kept = Vec::with_capacity(self.num_layers());
         for i in 0..self.num_layers() {
+            units.before(GradUnit::Layer(i))?;
             let (k, out) = self.layer_forward(&x, i, docs);
+            units.after(GradUnit::Layer(i))?;
             kept.push(k);
             x = out;
         }
 
-        let (loss, mut grad) = self.head_forward_backward(&x, targets, loss_scale, on_final)?;
+        let (loss, mut grad) = self.head_forward_backward(&x, targets, loss_scale, units)?;
 
         for (i, k) in kept.into_iter().enumerate().rev() {
             phase::enter(Phase::Backward);
+            units.before(GradUnit::Layer(i))?;
             grad = self.layer_backward(k, i, &grad, docs)?;
-            on_final(GradUnit::Layer(i))?;
+            units.grads_final(GradUnit::Layer(i))?;
+            units.after(GradUnit::Layer(i))?;
         }
         phase::enter(Phase::Backward);
+        // The embedding's backward reads no weight, but its gradient must meet a parameter of
+        // its full shape.
+        units.before(GradUnit::Embedding)?;
         backward_from(&embedded, &grad)?;
-        on_final(GradUnit::Embedding)?;
+        units.grads_final(GradUnit::Embedding)?;
+        units.after(GradUnit::Embedding)?;
         Ok(loss)
+    }
+
+    /// The unit whose weight the LM head reads: its own, or the embedding when tied.
+    pub fn head_unit(&self) -> GradUnit {
+        if self.tied() {
+            GradUnit::Embedding
+        } else {
+            GradUnit::LmHead
+        }
+    }
+
+    /// The units in the order a pass calls [`UnitEvents::before`] on them: the forward
+    /// (embedding, layers, final norm, head), then with `backward` the layers from the last
+    /// and the embedding.
+    pub fn unit_order(&self, backward: bool) -> Vec<GradUnit> {
+        let layers = self.num_layers();
+        let mut order = vec![GradUnit::Embedding];
+        order.extend((0..layers).map(GradUnit::Layer));
+        order.extend([GradUnit::FinalNorm, self.head_unit()]);
+        if backward {
+            order.extend((0..layers).rev().map(GradUnit::Layer));
+            order.push(GradUnit::Embedding);
+        }
+        order
     }
 
     /// Layer `i`'s forward on the residual stream `x` (no history): what it keeps for its
@@ -291,8 +370,10 @@ impl Llama {
         x: &Tensor,
         targets: &Tensor,
         loss_scale: f64,
-        on_final: &mut dyn FnMut(GradUnit) -> Result<()>,
+        units: &mut dyn UnitEvents,
     ) -> Result<(Tensor, Tensor)> {
+        units.before(GradUnit::FinalNorm)?;
+        units.before(self.head_unit())?;
         let top = leaf(x);
         let normed = self.final_norm(&top);
         let hidden = normed.detach().view([-1, normed.size()[2]]);
@@ -342,10 +423,12 @@ impl Llama {
             backward_from(&weight.view_as(weight), &g)?;
         }
         if !self.tied() {
-            on_final(GradUnit::LmHead)?;
+            units.grads_final(GradUnit::LmHead)?;
         }
+        units.after(self.head_unit())?;
         backward_from(&normed, &grad_hidden.view_as(&normed))?;
-        on_final(GradUnit::FinalNorm)?;
+        units.grads_final(GradUnit::FinalNorm)?;
+        units.after(GradUnit::FinalNorm)?;
         Ok((loss_sum, grad_of(&top)?))
     }
 }

@@ -198,7 +198,7 @@ fn training_pass_matches_one_whole_backward_on_the_device() {
                     loss_chunk_tokens: chunk,
                 });
                 let loss = model
-                    .forward_backward(&x, &y, None, 1.0, &mut |_| Ok(()))
+                    .forward_backward(&x, &y, None, 1.0, &mut crate::model::NoEvents)
                     .unwrap()
                     .double_value(&[]);
                 let (err, name) = max_rel(&take_grads(&vs), &want_g);
@@ -342,7 +342,7 @@ fn matches_transformers_on_the_device() {
             loss_chunk_tokens: 40,
         });
         let loss = model
-            .forward_backward(&x, &y, None, 1.0, &mut |_| Ok(()))
+            .forward_backward(&x, &y, None, 1.0, &mut crate::model::NoEvents)
             .unwrap()
             .double_value(&[]);
         let grads = take_grads(&vs);

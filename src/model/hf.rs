@@ -442,7 +442,7 @@ pub fn write_weights(
             .collect::<Result<_>>()?;
         let path = dir.join(file);
         crate::tensor_io::save(&path, &shard, Some(metadata.clone()))?;
-        sync_file(&path)?;
+        crate::sys::durable::sync_file(&path)?;
     }
     let mut files = names;
     if n > 1 {
@@ -451,18 +451,10 @@ pub fn write_weights(
             "weight_map": weight_map,
         });
         let path = dir.join("model.safetensors.index.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&index)?)
-            .with_context(|| format!("{}: cannot write", path.display()))?;
-        sync_file(&path)?;
+        crate::sys::durable::write_synced(&path, serde_json::to_string_pretty(&index)?.as_bytes())?;
         files.push("model.safetensors.index.json".to_string());
     }
     Ok(WrittenWeights { files, total_size })
-}
-
-pub(crate) fn sync_file(path: &Path) -> Result<()> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync", path.display()))
 }
 
 /// End-of-sequence ids from `<dir>/generation_config.json` (an int or a list), else from

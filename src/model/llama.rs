@@ -10,7 +10,7 @@
 use tch::nn::{Init, Path};
 use tch::{Kind, Reduction, Tensor};
 
-use super::backward::ActivationMemory;
+use super::backward::{ActivationMemory, GradUnit, NoEvents, UnitEvents};
 use super::documents::DocumentMask;
 use super::flash;
 use super::rope::Rope;
@@ -156,16 +156,30 @@ impl Llama {
     /// `forward` of packed rows whose documents attend only within themselves and/or restart
     /// their positions, as `docs` says (None = plain causal rows).
     pub fn forward_with(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
-        self.lm_head(&self.hidden(tokens, docs))
+        let hidden = self.hidden(tokens, docs, &mut NoEvents);
+        self.lm_head(&hidden.expect("no events, no errors"))
     }
 
-    /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads.
-    fn hidden(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
+    /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads; `units`
+    /// hears of each unit's use as in `forward_backward`.
+    fn hidden(
+        &self,
+        tokens: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<Tensor> {
+        units.before(GradUnit::Embedding)?;
         let mut x = self.embed(tokens);
+        units.after(GradUnit::Embedding)?;
         for i in 0..self.layers.len() {
+            units.before(GradUnit::Layer(i))?;
             x = self.decoder_layer(&x, i, docs);
+            units.after(GradUnit::Layer(i))?;
         }
-        self.final_norm(&x)
+        units.before(GradUnit::FinalNorm)?;
+        let normed = self.final_norm(&x);
+        units.after(GradUnit::FinalNorm)?;
+        Ok(normed)
     }
 
     /// The token embeddings [batch, seq, hidden] (fp32) of ids [batch, seq]: the residual stream.
@@ -282,12 +296,25 @@ impl Llama {
         targets: &Tensor,
         docs: Option<&DocumentMask>,
     ) -> Tensor {
-        let hidden = self.hidden(inputs, docs);
+        self.loss_units(inputs, targets, docs, &mut NoEvents)
+            .expect("no events, no errors")
+    }
+
+    /// `loss_with`, telling `units` of each unit's use (validation at zero stage 3).
+    pub fn loss_units(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<Tensor> {
+        let hidden = self.hidden(inputs, docs, units)?;
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
         let targets = targets.reshape([-1]);
         let count = super::backward::counted_targets(&targets);
         let mut total: Option<Tensor> = None;
+        units.before(self.head_unit())?;
         for (start, len) in super::backward::chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
             let part =
                 self.chunk_loss_sum(&flat.narrow(0, start, len), &targets.narrow(0, start, len));
@@ -296,7 +323,8 @@ impl Llama {
                 None => part,
             });
         }
-        total.expect("at least one token") / count
+        units.after(self.head_unit())?;
+        Ok(total.expect("at least one token") / count)
     }
 
     /// Summed cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n].

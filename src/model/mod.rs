@@ -13,7 +13,7 @@ pub mod llama;
 pub mod rope;
 pub mod shape;
 
-pub use backward::{ActivationCheckpointing, ActivationMemory, GradUnit};
+pub use backward::{ActivationCheckpointing, ActivationMemory, GradUnit, NoEvents, UnitEvents};
 pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
 pub use shape::{AttentionBackend, LlamaShape};

@@ -125,7 +125,7 @@ impl Layout {
     pub fn from_config(cfg: &Config) -> Layout {
         let t = &cfg.training;
         Layout {
-            zero_stage: cfg.system.zero_stage,
+            zero_stage: cfg.system.zero_stage.number(),
             activation_checkpointing: t.activation_checkpointing,
             loss_chunk_tokens: t.loss_chunk_tokens,
             batch: t.batch_size,

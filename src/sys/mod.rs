@@ -3,11 +3,13 @@
 //!
 //! - [`ffi`]: the C++ shims' error convention, taking ownership of C strings, checked `dlopen`;
 //! - [`cuda`]: loading libtorch's CUDA backend on demand;
+//! - [`durable`]: fsync, and the atomic directory checkpoints and exports are written as;
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics).
 
 pub mod cuda;
+pub mod durable;
 pub mod ffi;
 pub mod nvml;
 pub mod oom;

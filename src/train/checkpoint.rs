@@ -1,4 +1,4 @@
-//! Checkpoints: one directory per step,
+//! Checkpoints: one directory per step. Replicated training (`system.zero_stage = 0`):
 //!
 //! ```text
 //! step_N/
@@ -18,19 +18,25 @@
 //!                                      name in the file's metadata
 //! ```
 //!
-//! and rank 0 renames the directory only after every rank has reported its files durable.
-//! Loading reads whatever pieces there are, so a checkpoint of N ranks at stage s resumes on M
-//! ranks at stage t (`MomentFiles`).
+//! What each rank writes comes from the optimizer (`Optimizer::state`, `Optimizer::writers`),
+//! and loading hands the optimizer a [`Checkpoint`] to read from (`Optimizer::load`): this
+//! module names files and keeps them safe, and never looks inside the optimizer. Loading reads
+//! whatever pieces there are, so a checkpoint of N ranks at stage s resumes on M ranks at
+//! stage t (`MomentFiles`).
 //!
-//! Written into `step_N.tmp/`, every file fsynced, then renamed and the parent fsynced: a
-//! directory named `step_N` is always complete. `trainer.json` is written last, so it doubles as
-//! the completeness marker for directories copied by other tools. Old checkpoints are renamed to
-//! `step_N.deleted.tmp` before they are deleted, and a replaced one to `step_N.replaced.tmp`, so a
-//! crash at any moment leaves only complete `step_N` directories and `*.tmp` leftovers, which
+//! One protocol for every layout (a collective): rank 0 opens `step_N.tmp/`
+//! (`sys::durable::AtomicDir`); every rank writes and fsyncs its files; only when every rank
+//! reports success does rank 0 write the index, config.json and trainer.json (last, so it
+//! doubles as the completeness marker for directories copied by other tools) and rename the
+//! directory. A directory named `step_N` is always complete. Old checkpoints are renamed to
+//! `step_N.deleted.tmp` before they are deleted, and a replaced one to `step_N.replaced.tmp`, so
+//! a crash at any moment leaves only complete `step_N` directories and `*.tmp` leftovers, which
 //! resume ignores and the next save removes (tests/crash_safety.rs kills a run 100 times to
 //! check this).
 
-use std::fs::{self, File};
+use std::collections::HashMap;
+use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -38,10 +44,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use super::optim::{Adam, AdamW, Optimizer, ShardedAdamW};
-use crate::config::CheckpointConfig;
+use super::optim::{Optimizer, RankState, StateSource, Writers};
+use crate::config::{CheckpointConfig, ZeroStage};
+use crate::dist::flat_layout::intersect;
 use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
+use crate::sys::durable::{write_synced, AtomicDir};
 use crate::tensor_io::{self, SafeFile};
 
 pub const FORMAT_VERSION: u32 = 1;
@@ -52,17 +60,14 @@ pub struct Checkpointer {
     root: PathBuf,
     interval: usize,
     keep_last: usize,
-    /// Rank 0 writes; every rank holds the same weights and moments.
-    lead: bool,
 }
 
 impl Checkpointer {
-    pub fn new(root: PathBuf, cfg: &CheckpointConfig, lead: bool) -> Checkpointer {
+    pub fn new(root: PathBuf, cfg: &CheckpointConfig) -> Checkpointer {
         Checkpointer {
             root,
             interval: cfg.interval,
             keep_last: cfg.keep_last,
-            lead,
         }
     }
 
@@ -75,18 +80,16 @@ impl Checkpointer {
         last || (self.interval > 0 && step.is_multiple_of(self.interval))
     }
 
-    /// Saves `step_N` and prunes old ones. Replicated: rank 0 writes everything and the others
-    /// wait, so that no rank runs ahead of a checkpoint that might fail. Sharded: every rank
-    /// writes its parts. Returns the directory on rank 0.
+    /// Saves `step_N` and prunes old ones; every rank calls it. Returns the directory on
+    /// rank 0.
     pub fn save(
         &self,
-        params: &[(String, Tensor)],
         opt: &Optimizer,
         state: &TrainerState,
         pg: &mut dyn ProcessGroup,
     ) -> Result<Option<PathBuf>> {
         let name = format!("step_{}", state.step);
-        self.save_as(&name, params, opt, state, self.keep_last, pg)
+        save(&self.root, &name, opt, state, self.keep_last, pg)
     }
 
     /// A named checkpoint that pruning never deletes (the guard's `nan_step_N` evidence).
@@ -94,35 +97,11 @@ impl Checkpointer {
     pub fn save_named(
         &self,
         name: &str,
-        params: &[(String, Tensor)],
         opt: &Optimizer,
         state: &TrainerState,
         pg: &mut dyn ProcessGroup,
     ) -> Result<Option<PathBuf>> {
-        self.save_as(name, params, opt, state, usize::MAX, pg)
-    }
-
-    fn save_as(
-        &self,
-        name: &str,
-        params: &[(String, Tensor)],
-        opt: &Optimizer,
-        state: &TrainerState,
-        keep_last: usize,
-        pg: &mut dyn ProcessGroup,
-    ) -> Result<Option<PathBuf>> {
-        match &opt.adam {
-            Adam::Replicated(o) => {
-                let saved = if self.lead {
-                    Some(save(&self.root, name, params, o, state, keep_last)?)
-                } else {
-                    None
-                };
-                pg.barrier()?;
-                Ok(saved)
-            }
-            Adam::Sharded(o) => save_sharded(&self.root, name, o, state, keep_last, pg),
-        }
+        save(&self.root, name, opt, state, usize::MAX, pg)
     }
 
     /// The latest complete `step_N`, if any.
@@ -151,14 +130,18 @@ pub struct TrainerState {
     pub guard_events: usize,
     pub model_shape: LlamaShape,
     /// `system.zero_stage` the checkpoint was written with (0 in checkpoints from before it).
-    #[serde(default)]
-    pub zero_stage: usize,
+    #[serde(default = "replicated")]
+    pub zero_stage: ZeroStage,
     pub config: Value,
     pub versions: Value,
 }
 
 fn one() -> f64 {
     1.0
+}
+
+fn replicated() -> ZeroStage {
+    ZeroStage::Replicated
 }
 
 pub fn versions() -> Value {
@@ -210,129 +193,48 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
     list(root).pop().map(|(_, p)| p)
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("{}: cannot fsync directory", dir.display()))
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    fs::write(path, bytes).with_context(|| format!("{}: cannot write", path.display()))?;
-    hf::sync_file(path)
-}
-
-/// Saves a complete checkpoint as `root/<name>` and deletes complete ones beyond `keep_last`
-/// (only `step_N` ones; named ones such as `nan_step_N` are kept). One process writes it all.
-pub fn save(
+/// Saves `root/<name>` and deletes complete checkpoints beyond `keep_last` (only `step_N`
+/// ones; named ones such as `nan_step_N` are kept): the collective protocol of the module docs.
+/// Returns the directory on rank 0.
+fn save(
     root: &Path,
     name: &str,
-    params: &[(String, Tensor)],
-    opt: &AdamW,
-    state: &TrainerState,
-    keep_last: usize,
-) -> Result<PathBuf> {
-    let tmp = begin_save(root, name)?;
-    let written = write_contents(&tmp, params, opt, state);
-    if let Err(e) = written {
-        return Err(abandon(&tmp, e, &root.join(name)));
-    }
-    finish_save(root, name, &tmp, keep_last)
-}
-
-/// Creates `root/<name>.tmp` for a save, after removing what interrupted saves left.
-fn begin_save(root: &Path, name: &str) -> Result<PathBuf> {
-    fs::create_dir_all(root).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
-            root.display()
-        )
-    })?;
-    let tmp = root.join(format!("{name}.tmp"));
-    remove_stale(root, name)?;
-    fs::create_dir(&tmp).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot create {}; choose a writable checkpoint.dir",
-            root.display(),
-            tmp.display()
-        )
-    })?;
-    Ok(tmp)
-}
-
-/// A failed save: no half-written directory stays behind, and the error says the earlier
-/// checkpoints are intact.
-fn abandon(tmp: &Path, e: anyhow::Error, final_dir: &Path) -> anyhow::Error {
-    let _ = fs::remove_dir_all(tmp);
-    e.context(format!(
-        "saving checkpoint {} failed; earlier checkpoints are intact (fix the cause below, \
-         e.g. free space in checkpoint.dir, then continue with --resume auto)",
-        final_dir.display()
-    ))
-}
-
-/// Makes a fully written `tmp` the checkpoint `root/<name>`, then prunes.
-fn finish_save(root: &Path, name: &str, tmp: &Path, keep_last: usize) -> Result<PathBuf> {
-    let final_dir = root.join(name);
-    fsync_dir(tmp)?;
-    // An existing directory of that name is moved aside in one rename (rename cannot replace a
-    // non-empty directory), never deleted file by file under its final name.
-    let replaced = root.join(format!("{name}.replaced.tmp"));
-    if final_dir.exists() {
-        fs::rename(&final_dir, &replaced)
-            .with_context(|| format!("{}: cannot replace", final_dir.display()))?;
-    }
-    fs::rename(tmp, &final_dir)
-        .with_context(|| format!("{}: cannot rename into place", tmp.display()))?;
-    fsync_dir(root)?;
-    if replaced.exists() {
-        fs::remove_dir_all(&replaced)
-            .with_context(|| format!("{}: cannot delete", replaced.display()))?;
-    }
-    prune(root, keep_last)?;
-    Ok(final_dir)
-}
-
-/// The sharded save, a collective: rank 0 opens `<name>.tmp`; every rank writes its model
-/// shard and optimizer piece file and fsyncs them; only when every rank reports success does
-/// rank 0 write the index, config.json and trainer.json (last) and rename the directory. A kill
-/// or a failure anywhere leaves at most a `*.tmp` directory that resume ignores.
-fn save_sharded(
-    root: &Path,
-    name: &str,
-    opt: &ShardedAdamW,
+    opt: &Optimizer,
     state: &TrainerState,
     keep_last: usize,
     pg: &mut dyn ProcessGroup,
 ) -> Result<Option<PathBuf>> {
-    let lead = pg.rank() == 0;
-    let tmp = root.join(format!("{name}.tmp"));
-    let final_dir = root.join(name);
-    agree(
-        pg,
-        if lead {
-            begin_save(root, name).map(drop)
-        } else {
-            Ok(())
-        },
-    )?;
-    // Collective (the fp32 weights of a bf16 run are gathered): before anything that can fail.
-    let weights = opt.checkpoint_weights(pg)?;
-    let parts = ShardFiles::new(opt);
-    let written = parts.write_rank(&tmp, opt, &weights);
+    let dest = root.join(name);
+    let staging = if pg.rank() == 0 {
+        Some(begin_save(root, &dest))
+    } else {
+        None
+    }
+    .transpose();
+    let staging = match staging {
+        Ok(s) => {
+            agree(pg, Ok(()))?;
+            s
+        }
+        Err(e) => return Err(agree(pg, Err(e)).expect_err("a failure stays one")),
+    };
+    // Collective (the fp32 weights of a bf16 or stage-3 run are gathered): before anything
+    // that can fail on one rank only.
+    let mine = opt.state(pg)?;
+    let files = Files {
+        writers: opt.writers(),
+        rank: pg.rank(),
+    };
+    let written = files.write_rank(&AtomicDir::staging_of(&dest), &mine);
     if let Err(e) = agree(pg, written) {
-        return Err(if lead {
-            abandon(&tmp, e, &final_dir)
-        } else {
-            e
+        return Err(match staging {
+            Some(s) => abandon(s, e),
+            None => e,
         });
     }
-    let finished = if lead {
-        parts
-            .write_lead(&tmp, state)
-            .and_then(|()| finish_save(root, name, &tmp, keep_last))
-            .map(Some)
-    } else {
-        Ok(None)
+    let finished = match staging {
+        Some(s) => finish_save(s, &files, state, root, keep_last).map(Some),
+        None => Ok(None),
     };
     let ok = agree(
         pg,
@@ -343,13 +245,57 @@ fn save_sharded(
     );
     match (finished, ok) {
         (Ok(dir), Ok(())) => Ok(dir),
-        (Err(e), _) => Err(if lead {
-            abandon(&tmp, e, &final_dir)
-        } else {
-            e
-        }),
-        (Ok(_), Err(e)) => Err(e),
+        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
     }
+}
+
+/// Rank 0: creates `root` and the staging directory of `dest`, after removing what
+/// interrupted saves left.
+fn begin_save(root: &Path, dest: &Path) -> Result<AtomicDir> {
+    fs::create_dir_all(root).with_context(|| {
+        format!(
+            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
+            root.display()
+        )
+    })?;
+    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    remove_stale(root, name)?;
+    AtomicDir::begin(dest).with_context(|| {
+        format!(
+            "checkpoint.dir {}: cannot start {}; choose a writable checkpoint.dir",
+            root.display(),
+            dest.display()
+        )
+    })
+}
+
+/// A failed save: no half-written directory stays behind, and the error says the earlier
+/// checkpoints are intact.
+fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
+    let dest = staging.dest().to_path_buf();
+    staging.abandon();
+    e.context(format!(
+        "saving checkpoint {} failed; earlier checkpoints are intact (fix the cause below, \
+         e.g. free space in checkpoint.dir, then continue with --resume auto)",
+        dest.display()
+    ))
+}
+
+/// Rank 0, once every rank's files are durable: the index, config.json and trainer.json, the
+/// rename into place, then pruning.
+fn finish_save(
+    staging: AtomicDir,
+    files: &Files,
+    state: &TrainerState,
+    root: &Path,
+    keep_last: usize,
+) -> Result<PathBuf> {
+    if let Err(e) = files.write_lead(staging.path(), state) {
+        return Err(abandon(staging, e));
+    }
+    let dir = staging.commit()?;
+    prune(root, keep_last)?;
+    Ok(dir)
 }
 
 /// Every rank learns whether every rank succeeded; a failure elsewhere is an error here too,
@@ -365,83 +311,99 @@ fn agree(pg: &mut dyn ProcessGroup, mine: Result<()>) -> Result<()> {
     Ok(())
 }
 
-/// The file names of a sharded checkpoint, derived from the layout alone so that every rank
-/// agrees without talking: model shards are numbered over the ranks that write at least one
-/// parameter.
-struct ShardFiles {
-    /// (parameter, the rank that writes it, elements), in flat order.
-    params: Vec<(String, usize, usize)>,
-    /// Ranks that write model tensors, ascending.
-    writers: Vec<usize>,
+/// The file names of a checkpoint, from the optimizer's [`Writers`]: replicated, one model and
+/// one optimizer file; sharded, model shards numbered over the ranks that write at least one
+/// parameter, and one optimizer file per rank.
+struct Files {
+    writers: Writers,
     rank: usize,
-    world: usize,
 }
 
-impl ShardFiles {
-    fn new(opt: &ShardedAdamW) -> ShardFiles {
-        let params: Vec<(String, usize, usize)> = opt
-            .layout
-            .params
-            .iter()
-            .map(|p| (p.name.clone(), opt.layout.writer(p), p.numel))
-            .collect();
-        let mut writers: Vec<usize> = params.iter().map(|(_, w, _)| *w).collect();
-        writers.sort_unstable();
-        writers.dedup();
-        ShardFiles {
-            params,
-            writers,
-            rank: opt.rank,
-            world: opt.layout.world,
-        }
+impl Files {
+    /// Ranks that write model tensors, ascending.
+    fn model_writers(&self) -> Vec<usize> {
+        let mut w: Vec<usize> = self.writers.params.iter().map(|(_, w, _)| *w).collect();
+        w.sort_unstable();
+        w.dedup();
+        w
     }
 
     fn model_file(&self, writer: usize) -> String {
-        let i = self.writers.iter().position(|&w| w == writer).unwrap_or(0);
+        if !self.writers.sharded {
+            return "model.safetensors".into();
+        }
+        let writers = self.model_writers();
+        let i = writers.iter().position(|&w| w == writer).unwrap_or(0);
+        format!("model-{:05}-of-{:05}.safetensors", i + 1, writers.len())
+    }
+
+    fn optimizer_file(&self) -> String {
+        if !self.writers.sharded {
+            return "optimizer.safetensors".into();
+        }
         format!(
-            "model-{:05}-of-{:05}.safetensors",
-            i + 1,
-            self.writers.len()
+            "optimizer-{:05}-of-{:05}.safetensors",
+            self.rank + 1,
+            self.writers.world
         )
     }
 
-    fn optimizer_file(&self, rank: usize) -> String {
-        format!("optimizer-{:05}-of-{:05}.safetensors", rank + 1, self.world)
-    }
-
-    /// This rank's model shard (if it writes any parameter) and its optimizer pieces.
-    fn write_rank(
-        &self,
-        dir: &Path,
-        opt: &ShardedAdamW,
-        weights: &[(String, Tensor)],
-    ) -> Result<()> {
-        if !weights.is_empty() {
+    /// This rank's model file (if it writes any parameter) and its optimizer file.
+    fn write_rank(&self, dir: &Path, mine: &RankState) -> Result<()> {
+        if !mine.weights.is_empty() {
             let path = dir.join(self.model_file(self.rank));
-            tensor_io::save(&path, weights, Some(format_metadata()))?;
-            hf::sync_file(&path)?;
+            tensor_io::save(&path, &mine.weights, Some(format_metadata()))?;
+            crate::sys::durable::sync_file(&path)?;
         }
-        let (moments, mut meta) = opt.moment_pieces();
-        meta.insert("lockstep.zero_stage".into(), opt.stage.to_string());
-        meta.insert("lockstep.world_size".into(), self.world.to_string());
-        let path = dir.join(self.optimizer_file(self.rank));
-        tensor_io::save(&path, &moments, Some(meta))?;
-        hf::sync_file(&path)
+        if mine.moments.is_empty() && !self.writers.sharded {
+            return Ok(());
+        }
+        let mut tensors = Vec::with_capacity(2 * mine.moments.len());
+        let mut meta = HashMap::new();
+        for piece in &mine.moments {
+            tensors.push((format!("{}.exp_avg", piece.name), piece.exp_avg.shallow_clone()));
+            tensors.push((
+                format!("{}.exp_avg_sq", piece.name),
+                piece.exp_avg_sq.shallow_clone(),
+            ));
+            meta.insert(
+                piece.name.clone(),
+                format!("{}:{}", piece.range.start, piece.range.end),
+            );
+        }
+        let meta = self.writers.sharded.then(|| {
+            meta.insert(
+                "lockstep.zero_stage".into(),
+                self.writers.stage.to_string(),
+            );
+            meta.insert(
+                "lockstep.world_size".into(),
+                self.writers.world.to_string(),
+            );
+            meta
+        });
+        let path = dir.join(self.optimizer_file());
+        tensor_io::save(&path, &tensors, meta)?;
+        crate::sys::durable::sync_file(&path)
     }
 
-    /// Rank 0, once every rank's files are durable: the index, config.json, trainer.json.
+    /// Rank 0, once every rank's files are durable: the index (sharded), config.json and
+    /// trainer.json (last).
     fn write_lead(&self, dir: &Path, state: &TrainerState) -> Result<()> {
-        let mut map = serde_json::Map::new();
-        let mut total = 0u64;
-        for (name, writer, numel) in &self.params {
-            map.insert(name.clone(), Value::from(self.model_file(*writer)));
-            total += 4 * *numel as u64;
+        if self.writers.sharded {
+            let mut map = serde_json::Map::new();
+            let mut total = 0u64;
+            for (name, writer, numel) in &self.writers.params {
+                map.insert(name.clone(), Value::from(self.model_file(*writer)));
+                total += 4 * *numel as u64;
+            }
+            let index =
+                serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
+            write_synced(
+                &dir.join("model.safetensors.index.json"),
+                serde_json::to_string_pretty(&index)?.as_bytes(),
+            )?;
         }
-        let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
-        write_synced(
-            &dir.join("model.safetensors.index.json"),
-            serde_json::to_string_pretty(&index)?.as_bytes(),
-        )?;
         let config = hf::config_json(&state.model_shape, "float32");
         write_synced(
             &dir.join("config.json"),
@@ -501,39 +463,7 @@ fn remove_stale(root: &Path, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn write_contents(
-    dir: &Path,
-    params: &[(String, Tensor)],
-    opt: &AdamW,
-    state: &TrainerState,
-) -> Result<()> {
-    let model_path = dir.join("model.safetensors");
-    tensor_io::save(&model_path, params, Some(format_metadata()))?;
-    File::open(&model_path)?.sync_all()?;
-    let config = hf::config_json(&state.model_shape, "float32");
-    write_synced(
-        &dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?.as_bytes(),
-    )?;
-
-    let mut moments = Vec::with_capacity(2 * opt.params.len());
-    for p in &opt.params {
-        moments.push((format!("{}.exp_avg", p.name), p.exp_avg.shallow_clone()));
-        moments.push((
-            format!("{}.exp_avg_sq", p.name),
-            p.exp_avg_sq.shallow_clone(),
-        ));
-    }
-    let opt_path = dir.join("optimizer.safetensors");
-    tensor_io::save(&opt_path, &moments, None)?;
-    File::open(&opt_path)?.sync_all()?;
-    write_synced(
-        &dir.join("trainer.json"),
-        serde_json::to_string_pretty(state)?.as_bytes(),
-    )
-}
-
-fn format_metadata() -> std::collections::HashMap<String, String> {
+fn format_metadata() -> HashMap<String, String> {
     // transformers checks this key to accept the file as PyTorch weights.
     [("format".to_string(), "pt".to_string())]
         .into_iter()
@@ -574,14 +504,9 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
     Ok(state)
 }
 
-/// Restores parameters and moments from `dir` after checking that the checkpoint's model shape
-/// is the one being trained.
-pub fn load(
-    dir: &Path,
-    shape: &LlamaShape,
-    params: &[(String, Tensor)],
-    opt: &mut Optimizer,
-) -> Result<TrainerState> {
+/// Restores the optimizer's parameters, masters and moments from `dir` (any stage, any
+/// world size) after checking that the checkpoint's model shape is the one being trained.
+pub fn load(dir: &Path, shape: &LlamaShape, opt: &mut Optimizer) -> Result<TrainerState> {
     let state = read_state(dir)?;
     if &state.model_shape != shape {
         let saved = serde_json::to_value(&state.model_shape)?;
@@ -604,29 +529,43 @@ pub fn load(
             diffs.join(", ")
         );
     }
-    let weights = hf::Weights::open(dir)?;
-    let moments = MomentFiles::open(dir)?;
-    tch::no_grad(|| -> Result<()> {
-        for (name, var) in params {
-            copy_checked(&weights, dir, name, var)?;
-        }
-        Ok(())
-    })?;
-    match &mut opt.adam {
-        Adam::Replicated(o) => {
-            for p in &mut o.params {
-                let (m, v) = moments.read(&p.name, &(0..p.param.numel()))?;
-                tch::no_grad(|| {
-                    let dev = p.exp_avg.device();
-                    p.exp_avg.view(-1).copy_(&m.to_device(dev));
-                    p.exp_avg_sq.view(-1).copy_(&v.to_device(dev));
-                });
-            }
-            o.step = state.adam_step;
-        }
-        Adam::Sharded(o) => o.load(&weights, &moments, state.adam_step)?,
-    }
+    let ckpt = Checkpoint {
+        dir: dir.to_path_buf(),
+        weights: hf::Weights::open(dir)?,
+        moments: MomentFiles::open(dir)?,
+    };
+    opt.load(&ckpt, state.adam_step)?;
     Ok(state)
+}
+
+/// A checkpoint's tensors, as the optimizer reads them back.
+struct Checkpoint {
+    dir: PathBuf,
+    weights: hf::Weights,
+    moments: MomentFiles,
+}
+
+impl StateSource for Checkpoint {
+    fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        ensure!(
+            self.weights.contains(name),
+            "{}: missing tensor {name}",
+            self.dir.display()
+        );
+        let src = self.weights.tensor(name)?;
+        ensure!(
+            src.size() == shape && src.kind() == Kind::Float,
+            "{}: tensor {name} is {:?} {:?}, expected {shape:?} Float",
+            self.dir.display(),
+            src.kind(),
+            src.size(),
+        );
+        Ok(src)
+    }
+
+    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
+        self.moments.read(name, range)
+    }
 }
 
 /// The AdamW moments of a checkpoint, whichever layout wrote them: `optimizer.safetensors`
@@ -637,7 +576,7 @@ pub struct MomentFiles {
     dir: PathBuf,
     files: Vec<SafeFile>,
     /// Parameter → (element range, file index), sorted by range start.
-    pieces: std::collections::HashMap<String, Vec<(std::ops::Range<usize>, usize)>>,
+    pieces: HashMap<String, Vec<(Range<usize>, usize)>>,
 }
 
 impl MomentFiles {
@@ -659,7 +598,7 @@ impl MomentFiles {
             dir.display()
         );
         let mut files = Vec::new();
-        let mut pieces: std::collections::HashMap<String, Vec<_>> = Default::default();
+        let mut pieces: HashMap<String, Vec<_>> = Default::default();
         for (i, path) in paths.iter().enumerate() {
             let f = SafeFile::open(path)?;
             let meta = f.metadata()?;
@@ -699,7 +638,7 @@ impl MomentFiles {
 
     /// (exp_avg, exp_avg_sq) of elements `range` of `param` (flattened), as 1-D fp32 CPU
     /// tensors; an error names what is missing when the pieces do not cover the range.
-    pub fn read(&self, param: &str, range: &std::ops::Range<usize>) -> Result<(Tensor, Tensor)> {
+    pub fn read(&self, param: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
         let missing = || {
             anyhow::anyhow!(
                 "{}: the optimizer files hold no moments for elements {range:?} of {param}; \
@@ -712,7 +651,7 @@ impl MomentFiles {
             let t = Tensor::zeros([range.len() as i64], (Kind::Float, tch::Device::Cpu));
             let mut covered = 0;
             for (piece, file) in list {
-                let both = crate::dist::zero::intersect(piece, range);
+                let both = intersect(piece, range);
                 if both.is_empty() {
                     continue;
                 }
@@ -735,28 +674,8 @@ impl MomentFiles {
     }
 }
 
-fn parse_range(s: &str) -> Option<std::ops::Range<usize>> {
+fn parse_range(s: &str) -> Option<Range<usize>> {
     let (a, b) = s.split_once(':')?;
     let (a, b) = (a.parse().ok()?, b.parse().ok()?);
     (a <= b).then_some(a..b)
-}
-
-/// Copies the checkpoint's fp32 `name` into `dst` (converting to its dtype), after checking it.
-fn copy_checked(weights: &hf::Weights, dir: &Path, name: &str, dst: &Tensor) -> Result<()> {
-    ensure!(
-        weights.contains(name),
-        "{}: missing tensor {name}",
-        dir.display()
-    );
-    let src = weights.tensor(name)?;
-    ensure!(
-        src.size() == dst.size() && src.kind() == Kind::Float,
-        "{}: tensor {name} is {:?} {:?}, expected {:?} Float",
-        dir.display(),
-        src.kind(),
-        src.size(),
-        dst.size()
-    );
-    dst.shallow_clone().copy_(&src.to_device(dst.device()));
-    Ok(())
 }

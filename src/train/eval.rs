@@ -6,6 +6,7 @@ use anyhow::Result;
 use tch::Device;
 
 use super::loader::{batch, Packing, SourceTokens};
+use super::optim::Optimizer;
 use crate::config::Config;
 use crate::data::mixture::source_seed;
 use crate::data::sampler::Sampler;
@@ -75,7 +76,13 @@ impl Validator {
     /// Mean loss over the first `eval_batches` × batch_size windows of each source's validation
     /// file, in a fixed order; each rank evaluates its share (window i → rank i mod world) and
     /// the sums meet in one all-reduce. None when there is nothing to evaluate.
-    pub fn run(&self, model: &Llama, pg: &mut dyn ProcessGroup) -> Result<Option<Validation>> {
+    /// The optimizer gathers the parameters unit by unit where they are sharded (zero stage 3).
+    pub fn run(
+        &self,
+        model: &Llama,
+        opt: &Optimizer,
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<Option<Validation>> {
         let (ctx, bs) = (self.context_length, self.batch_size);
         let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
         if self.batches == 0 {
@@ -96,14 +103,19 @@ impl Validator {
             let n = (self.batches * bs).min(sampler.num_windows() as usize) as u64;
             let mine: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
             let mut total = 0.0;
-            tch::no_grad(|| {
+            let order = model.unit_order(false);
+            tch::no_grad(|| -> Result<()> {
                 for idx in mine.chunks(bs) {
                     let rows = idx.iter().map(|&i| (tokens, sampler.window_start(i)));
                     let b = batch(rows, ctx, self.packing, &mut buf, self.device);
-                    let loss = model.loss_with(&b.inputs, &b.targets, b.documents.as_ref());
+                    let (x, y, docs) = (&b.inputs, &b.targets, b.documents.as_ref());
+                    let loss = opt.pass(pg, false, &order, false, |units| {
+                        model.loss_units(x, y, docs, units)
+                    })?;
                     total += loss.double_value(&[]) * idx.len() as f64;
                 }
-            });
+                Ok(())
+            })?;
             counts.push(n);
             sums.push(total as f32);
         }

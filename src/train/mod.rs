@@ -3,9 +3,9 @@
 //!
 //! - `setup`: what a run decides first (device, collectives, precision, directories, data, shape)
 //! - `loader`: this rank's micro-batches; `eval`: the validation loss
-//! - `optim`: AdamW (fused), the LR schedule, clipping, and the `Optimizer` of a run;
-//!   `zero`: AdamW sharded across ranks (ZeRO stages 1 and 2); `reduce`: gradients averaged
-//!   across ranks as backward finishes them
+//! - `optim`: the `Optimizer` of a run: AdamW (fused) replicated or sharded across ranks (ZeRO
+//!   stages 1-3), the global norm and clipping, the LR schedule, and (`optim::reduce`)
+//!   gradients averaged across ranks as backward finishes them
 //! - `guard`: NaN/Inf and loss spikes; `faults`: the `debug.*` hooks
 //! - `fit`: the start check against the memory plan, and the out-of-memory report
 //! - `recorder`: step line, metrics.jsonl, TensorBoard, memory line
@@ -22,13 +22,11 @@ pub mod optim;
 pub mod preempt;
 pub mod rank;
 pub mod recorder;
-pub mod reduce;
 pub mod rundir;
 pub mod setup;
 pub mod step;
 pub mod stragglers;
 pub mod trainer;
-pub mod zero;
 
 pub use loader::Batch;
 pub use rank::train_rank;

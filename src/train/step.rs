@@ -14,7 +14,6 @@ use super::guard::{Event, Guard};
 use super::loader::Batch;
 use super::optim::Optimizer;
 use super::preempt;
-use crate::dist::overlap::with_queue;
 use crate::dist::ProcessGroup;
 use crate::model::Llama;
 use crate::sys::phase::{self, Phase};
@@ -128,8 +127,7 @@ pub fn train_step(
     if let NanInjection::Gradient(name) = &plan.inject {
         opt.poison_gradient(name);
     }
-    let norm_tensor = opt.grad_norm(pg)?;
-    let grad_norm = norm_tensor.double_value(&[]);
+    let grad_norm = opt.grad_norm(pg)?;
     timing.comm_s = passes.reduce_wait_s + t.elapsed().as_secs_f64();
 
     let mut outcome = StepOutcome {
@@ -146,7 +144,7 @@ pub fn train_step(
 
     let t = Instant::now();
     phase::enter(Phase::Optimizer);
-    opt.clip(&norm_tensor, cfg.max_grad_norm);
+    opt.clip(grad_norm, cfg.max_grad_norm);
     opt.step(plan.lr, pg)?;
     opt.zero_grad();
     outcome.timing.optimizer_s = t.elapsed().as_secs_f64();
@@ -167,10 +165,12 @@ struct Passes {
     reduce_wait_s: f64,
 }
 
-/// Forward and backward over the micro-batches, and on the last one the gradients' reduction
-/// across ranks (`train::reduce`), started unit by unit as backward finishes them. The
-/// model's `forward_backward` does each micro-batch with the run's activation checkpointing
-/// and LM-head chunking.
+/// Forward and backward over the micro-batches, each a pass of the optimizer
+/// ([`Optimizer::pass`]): at zero stage 3 it gathers each unit's parameters as the model
+/// reaches it; on the last micro-batch (at stage 3 on every one) each unit's gradients are
+/// reduced across ranks (`train::optim::reduce`) as backward finishes them. The model's
+/// `forward_backward` does each micro-batch with the run's activation checkpointing and
+/// LM-head chunking.
 fn forward_backward(
     model: &Llama,
     opt: &Optimizer,
@@ -200,6 +200,8 @@ fn forward_backward(
         *sum += loss;
         sum.shallow_clone()
     };
+    let order = model.unit_order(true);
+    let every_micro_batch = opt.stage().shards_parameters();
     let mut local_loss = None;
     for micro in 0..cfg.grad_accum {
         let t = Instant::now();
@@ -211,30 +213,27 @@ fn forward_backward(
             );
         };
         data_s += t.elapsed().as_secs_f64();
+        let last = micro + 1 == cfg.grad_accum;
         // The model marks its forward and backward phases itself (they interleave by layer).
         let (x, y, docs) = (&batch.inputs, &batch.targets, batch.documents.as_ref());
-        if micro + 1 < cfg.grad_accum {
-            let _ = accumulate(model.forward_backward(x, y, docs, scale, &mut |_| Ok(()))?);
-            continue;
-        }
-        // The last micro-batch: each unit's gradients are final as backward leaves it.
-        let mean = with_queue(pg, cfg.overlap, |queue| {
-            let on_final = &mut |unit| {
-                opt.unit_final(unit, queue);
-                Ok(())
-            };
-            let sum = accumulate(model.forward_backward(x, y, docs, scale, on_final)?);
-            // Read before collectives that were deferred are queued: on CUDA, a read after an
-            // NCCL collective would wait for it, and a stalled peer would hang this rank here
+        let reduce = last || every_micro_batch;
+        let sum = opt.pass(pg, cfg.overlap, &order, reduce, |units| {
+            let sum = accumulate(model.forward_backward(x, y, docs, scale, units)?);
+            if !last {
+                return Ok(sum);
+            }
+            // Read before collectives that were deferred run: on CUDA, a read after an NCCL
+            // collective would wait for it, and a stalled peer would hang this rank here
             // instead of failing the host-side agreement in `agree` with the peer named.
             let mean = sum.double_value(&[]) / cfg.grad_accum as f64;
+            local_loss = Some(mean);
             // From here this rank waits for the reduction (and through it for its peers): not
             // its own work, for the timing line and the straggler check.
             backward_done = Instant::now();
             phase::enter(Phase::Reduce);
-            Ok(mean)
+            Ok(sum)
         })?;
-        local_loss = Some(mean);
+        drop(sum);
     }
     anyhow::ensure!(
         batches.next().is_none(),

@@ -29,7 +29,7 @@ use super::stragglers::Stragglers;
 use crate::config::{Config, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
 use crate::dist::forensics;
-use crate::dist::grads::broadcast_parameters;
+use crate::dist::buckets::broadcast_parameters;
 use crate::dist::ProcessGroup;
 use crate::model::{hf, ActivationMemory, Llama, LlamaShape};
 use crate::sys::phase::{self, Phase};
@@ -93,11 +93,7 @@ impl<'a> Trainer<'a> {
         // Before anything else, so a second process on this run directory stops at once.
         let run_dir = setup::run_dir(resolved);
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
-        let checkpointer = Checkpointer::new(
-            setup::checkpoint_dir(resolved),
-            &cfg.checkpoint,
-            rank.lead(),
-        );
+        let checkpointer = Checkpointer::new(setup::checkpoint_dir(resolved), &cfg.checkpoint);
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
 
@@ -148,10 +144,11 @@ impl<'a> Trainer<'a> {
             pg,
             cfg.system.bucket_mb,
             compute,
-        );
+        )
+        .with_prefetch(cfg.system.prefetch_units);
         let mut state = fresh_state(resolved, &shape, rank.topo.world);
         if let Some(dir) = &resume_dir {
-            state = resume(dir, &shape, &params, &mut opt, resolved, &rank)?;
+            state = resume(dir, &shape, &mut opt, resolved, &rank)?;
         }
 
         // The start is accepted (data found, checkpoint compatible): only now write into the
@@ -256,7 +253,7 @@ impl<'a> Trainer<'a> {
             let val = match &self.validator {
                 Some(v) if v.due(step, last) => {
                     phase::enter(Phase::Eval);
-                    v.run(&self.model, &mut *self.pg)?
+                    v.run(&self.model, &self.opt, &mut *self.pg)?
                 }
                 _ => None,
             };
@@ -274,7 +271,7 @@ impl<'a> Trainer<'a> {
                 phase::enter(Phase::Checkpoint);
                 let saved =
                     self.checkpointer
-                        .save(&self.params, &self.opt, &self.state, &mut *self.pg)?;
+                        .save(&self.opt, &self.state, &mut *self.pg)?;
                 if let Some(dir) = saved {
                     println!("{} Checkpoint saved: {}", self.rank.tag, dir.display());
                     summary.last_checkpoint = Some(dir);
@@ -331,16 +328,16 @@ impl<'a> Trainer<'a> {
                     loss,
                     ..self.state.clone()
                 };
+                let params = self.opt.full_parameters(&self.params, &mut *self.pg)?;
                 let dir = self.checkpointer.save_named(
                     &name,
-                    &self.params,
                     &self.opt,
                     &evidence,
                     &mut *self.pg,
                 )?;
                 if let Some(dir) = dir {
                     let ev = guard::Evidence {
-                        params: &self.params,
+                        params: &params,
                         grads: &grads,
                     };
                     let mut text = guard::report_text(&tag, step, loss, norm, &ev);
@@ -410,7 +407,7 @@ impl<'a> Trainer<'a> {
     /// `training.rollback_lr_factor`. The data position is kept (samples_consumed goes on), so
     /// the replayed steps see new data rather than the batches that went bad.
     fn roll_back(&mut self, dir: &std::path::Path) -> Result<()> {
-        let saved = checkpoint::load(dir, &self.model.shape, &self.params, &mut self.opt)?;
+        let saved = checkpoint::load(dir, &self.model.shape, &mut self.opt)?;
         self.state.step = saved.step;
         self.state.adam_step = saved.adam_step;
         self.state.lr_scale *= self.cfg.training.rollback_lr_factor;
@@ -484,13 +481,12 @@ fn fresh_state(resolved: &Resolved, shape: &LlamaShape, world: usize) -> Trainer
 fn resume(
     dir: &std::path::Path,
     shape: &LlamaShape,
-    params: &[(String, Tensor)],
     opt: &mut Optimizer,
     resolved: &Resolved,
     rank: &Rank,
 ) -> Result<TrainerState> {
     let seed = resolved.config.system.seed;
-    let saved = checkpoint::load(dir, shape, params, opt)?;
+    let saved = checkpoint::load(dir, shape, opt)?;
     anyhow::ensure!(
         saved.seed == seed,
         "{}: checkpoint was trained with system.seed = {}, config has {seed}; the data order would change. Set system.seed={}",

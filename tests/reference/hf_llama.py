@@ -2,7 +2,7 @@
 
 Builds a small random LlamaForCausalLM (GQA, RMSNorm weights that are not all ones), saves it
 as a Hugging Face directory, and records on a fixed batch: the loss, every parameter's gradient
-norm, then the losses, pre-clip gradient norms and parameters after 3 AdamW steps with clipping.
+norm, then the losses, pre-clip gradient norms (summed in fp64) and parameters after 3 AdamW steps with clipping.
 
 usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope]
 """
@@ -70,7 +70,12 @@ for _ in range(3):
     opt.zero_grad(set_to_none=True)
     l = loss_fn()
     l.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    # clip_grad_norm_ with the norm summed in fp64: torch's fp32 norm kernel drifts on large
+    # tensors on CPU, and lockstep computes the norm one accurate way at every zero stage.
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+    coef = torch.clamp(1.0 / (norm.float() + 1e-6), max=1.0)
+    for p in model.parameters():
+        p.grad.mul_(coef)
     opt.step()
     step_losses.append(l.item())
     step_norms.append(norm.item())

@@ -106,6 +106,10 @@ impl ProcessGroup for Traced {
         })
     }
 
+    fn all_gather_f64(&mut self, x: f64) -> Result<Vec<f64>> {
+        self.run("all-gather", 8, |g| g.all_gather_f64(x))
+    }
+
     fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
         self.run("reduce-scatter", tensor_bytes(t), |g| {
             g.reduce_scatter_avg_tensor(t, splits)

@@ -1,4 +1,5 @@
-//! The flat parameter space of sharded data parallelism (`system.zero_stage` ≥ 1).
+//! The flat parameter space of sharded data parallelism (`system.zero_stage` ≥ 1): which rank
+//! owns which elements of which parameter.
 //!
 //! Every trainable parameter gets a range of one flat index space: first the weight-decayed
 //! ones (matrices and embeddings), then the 1-D ones (norm weights), each group in the order it
@@ -123,17 +124,104 @@ impl FlatLayout {
     /// Consecutive ranges of at most `cap` elements covering the padded space: the buckets the
     /// gradients are reduce-scattered and the parameters all-gathered in.
     pub fn buckets(&self, cap: usize) -> Vec<Range<usize>> {
-        let cap = cap.max(1);
-        (0..self.padded())
-            .step_by(cap)
-            .map(|s| s..(s + cap).min(self.padded()))
-            .collect()
+        super::buckets::ranges(self.padded(), cap)
     }
 
     /// The rank whose slice holds a parameter's first element: the one that writes the
     /// parameter into a checkpoint.
     pub fn writer(&self, p: &FlatParam) -> usize {
         (p.start / self.shard.max(1)).min(self.world - 1)
+    }
+}
+
+/// One piece of a [`Span`]: part of a parameter, where it sits in the span's buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpanPiece {
+    /// Position in [`FlatLayout::params`].
+    pub param: usize,
+    /// Element range within the parameter (flattened).
+    pub local: Range<usize>,
+    /// The same elements in the span's buffer.
+    pub buf: Range<usize>,
+    /// The same elements in the flat space.
+    pub flat: Range<usize>,
+}
+
+/// Some parameters (a model unit's) in one buffer laid out rank by rank: rank 0's pieces of
+/// them, then rank 1's, ... (each rank's in flat order), so that a reduce-scatter or an
+/// all-gather over the buffer with [`Span::splits`] leaves each rank its own pieces, and those
+/// pieces are the unit's elements of its slice. Built once per unit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Span {
+    pub pieces: Vec<SpanPiece>,
+    /// Elements of each rank in the buffer, in rank order.
+    pub splits: Vec<usize>,
+}
+
+impl Span {
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.splits.iter().sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The pieces rank `r` owns, with the offset of each in that rank's slice.
+    pub fn owned_by<'a>(
+        &'a self,
+        layout: &'a FlatLayout,
+        r: usize,
+    ) -> impl Iterator<Item = (&'a SpanPiece, usize)> + 'a {
+        let owned = layout.owned(r);
+        self.pieces
+            .iter()
+            .filter_map(move |p| {
+                owned
+                    .contains(&p.flat.start)
+                    .then(|| (p, p.flat.start - owned.start))
+            })
+    }
+}
+
+impl FlatLayout {
+    /// The [`Span`] of the parameters at these positions in [`FlatLayout::params`].
+    pub fn span(&self, members: &[usize]) -> Span {
+        let mut ranges: Vec<(usize, Range<usize>)> =
+            members.iter().map(|&i| (i, self.params[i].range())).collect();
+        ranges.sort_by_key(|(_, r)| r.start);
+        let mut pieces = Vec::new();
+        let mut splits = vec![0; self.world];
+        let mut at = 0;
+        for (r, split) in splits.iter_mut().enumerate() {
+            for (i, range) in &ranges {
+                let flat = intersect(range, &self.owned(r));
+                if flat.is_empty() {
+                    continue;
+                }
+                let start = self.params[*i].start;
+                let flat_len = flat.len();
+                pieces.push(SpanPiece {
+                    param: *i,
+                    local: flat.start - start..flat.end - start,
+                    buf: at..at + flat_len,
+                    flat,
+                });
+                at += flat_len;
+                *split += flat_len;
+            }
+        }
+        Span { pieces, splits }
+    }
+
+    /// Position in [`FlatLayout::params`] of each parameter, by the caller's index.
+    pub fn positions(&self) -> Vec<usize> {
+        let mut at = vec![0; self.params.len()];
+        for (pos, p) in self.params.iter().enumerate() {
+            at[p.index] = pos;
+        }
+        at
     }
 }
 
@@ -203,6 +291,22 @@ mod tests {
         let l = layout(2);
         assert_eq!(l.writer(&l.params[1]), 0, "w starts at 12 < 13");
         assert_eq!(l.writer(&l.params[2]), 1, "norm1 starts at 18");
+    }
+
+    #[test]
+    fn a_span_is_laid_out_rank_by_rank_and_covers_its_parameters_once() {
+        let l = layout(3); // embed 0..12, w 12..18, norm1 18..22, norm 22..26; slices of 9
+        let span = l.span(&[1, 2]); // w and norm1: flat 12..22
+        assert_eq!(span.splits, [0, 6, 4]);
+        let got: Vec<(usize, Range<usize>, Range<usize>)> = span
+            .pieces
+            .iter()
+            .map(|p| (p.param, p.local.clone(), p.buf.clone()))
+            .collect();
+        assert_eq!(got, [(1, 0..6, 0..6), (2, 0..4, 6..10)]);
+        let mine: Vec<usize> = span.owned_by(&l, 2).map(|(_, at)| at).collect();
+        assert_eq!(mine, [0], "norm1 starts rank 2's slice");
+        assert_eq!(l.positions(), [0, 2, 1, 3]);
     }
 
     #[test]

@@ -1,0 +1,135 @@
+//! Files that survive a crash: fsync a file or a directory, write a file durably, and the
+//! atomic directory that checkpoints (`train::checkpoint`) and exports (`commands::export`)
+//! are written as: everything goes into `<dest>.tmp/`, every file is fsynced, then one rename
+//! makes `<dest>` appear complete, so a directory of that name is never half-written.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+pub fn sync_file(path: &Path) -> Result<()> {
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", path.display()))
+}
+
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync directory", dir.display()))
+}
+
+/// Writes `bytes` to `path` and fsyncs it.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    fs::write(path, bytes).with_context(|| format!("{}: cannot write", path.display()))?;
+    sync_file(path)
+}
+
+/// `path` with `suffix` appended to its last component: a sibling, so renames between the two
+/// stay on one filesystem.
+pub fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    path.with_file_name(name)
+}
+
+/// A directory being written that appears under its final name complete or not at all.
+pub struct AtomicDir {
+    dest: PathBuf,
+    tmp: PathBuf,
+}
+
+impl AtomicDir {
+    /// Where the contents of `dest` are written before [`AtomicDir::commit`]: `<dest>.tmp`.
+    /// Other processes (a sharded checkpoint's ranks) write their files there too.
+    pub fn staging_of(dest: &Path) -> PathBuf {
+        sibling(dest, ".tmp")
+    }
+
+    /// Starts writing `dest`: creates an empty `<dest>.tmp/`, removing one a crash left. The
+    /// errors are the file system's; callers add which setting to change.
+    pub fn begin(dest: &Path) -> Result<AtomicDir> {
+        let tmp = Self::staging_of(dest);
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp).with_context(|| {
+                format!("{}: cannot remove a stale partial write", tmp.display())
+            })?;
+        }
+        fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        Ok(AtomicDir {
+            dest: dest.to_path_buf(),
+            tmp,
+        })
+    }
+
+    /// The directory to write into.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    /// Makes the written directory `dest`: fsync it, move an existing `dest` aside in one
+    /// rename (rename cannot replace a non-empty directory, and deleting it file by file under
+    /// its own name could leave a partial one), rename, fsync the parent, delete the old one.
+    /// The files inside must already be fsynced.
+    pub fn commit(self) -> Result<PathBuf> {
+        sync_dir(&self.tmp)?;
+        let replaced = sibling(&self.dest, ".replaced.tmp");
+        if self.dest.exists() {
+            if replaced.exists() {
+                fs::remove_dir_all(&replaced)
+                    .with_context(|| format!("{}: cannot remove", replaced.display()))?;
+            }
+            fs::rename(&self.dest, &replaced)
+                .with_context(|| format!("{}: cannot move aside", self.dest.display()))?;
+        }
+        fs::rename(&self.tmp, &self.dest)
+            .with_context(|| format!("{}: cannot rename into place", self.tmp.display()))?;
+        let parent = match self.dest.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        sync_dir(parent)?;
+        if replaced.exists() {
+            fs::remove_dir_all(&replaced)
+                .with_context(|| format!("{}: cannot delete", replaced.display()))?;
+        }
+        Ok(self.dest)
+    }
+
+    /// Gives up: the partial directory is removed and `dest` is left as it was.
+    pub fn abandon(self) {
+        let _ = fs::remove_dir_all(&self.tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_committed_directory_replaces_the_old_one_whole() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dest = root.path().join("out");
+        fs::create_dir(&dest)?;
+        fs::write(dest.join("old"), b"old")?;
+        let dir = AtomicDir::begin(&dest)?;
+        assert_eq!(dir.path(), root.path().join("out.tmp"));
+        assert!(!dest.join("new").exists(), "nothing visible before commit");
+        write_synced(&dir.path().join("new"), b"new")?;
+        dir.commit()?;
+        assert!(dest.join("new").is_file() && !dest.join("old").exists());
+        assert!(!root.path().join("out.tmp").exists());
+        assert!(!root.path().join("out.replaced.tmp").exists());
+
+        let dir = AtomicDir::begin(&dest)?;
+        fs::write(dir.path().join("partial"), b"x")?;
+        dir.abandon();
+        assert!(dest.join("new").is_file() && !root.path().join("out.tmp").exists());
+        Ok(())
+    }
+}

@@ -1,0 +1,397 @@
+//! The optimizer of a run: AdamW matching torch.optim.AdamW (decoupled decay `p *= 1 - lr·wd`,
+//! bias-corrected moments), global-norm clipping as torch.nn.utils.clip_grad_norm_, and the
+//! warmup + cosine schedule, over one of two layouts:
+//!
+//! - `kernel`: the arithmetic every layout shares (fused AdamW, the norm, clipping, dropping
+//!   gradients, the decay rule); depends on nothing else in `train`;
+//! - `replicated`: stage 0, every rank holds everything;
+//! - `sharded`: stages 1-3 over the flat layout (`dist::flat_layout`);
+//! - `reduce`: where gradients are averaged across ranks as backward finishes them;
+//! - `schedule`: the learning rate of each step.
+//!
+//! [`Optimizer`] is what the step and the checkpointer see: its state goes out through
+//! [`Optimizer::state`] and comes back through [`Optimizer::load`], so nothing outside this
+//! module reaches inside a layout. The state lives here rather than in libtorch's C++ optimizer
+//! so the moments can be checkpointed by parameter name and restored bit for bit.
+
+pub mod kernel;
+pub mod reduce;
+pub mod replicated;
+pub mod schedule;
+pub mod sharded;
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::mpsc;
+
+use anyhow::{bail, Result};
+use tch::{Kind, Tensor};
+
+pub use kernel::AdamWParams;
+pub use schedule::Schedule;
+
+use crate::config::ZeroStage;
+use crate::dist::overlap::{with_queue, CommQueue};
+use crate::dist::ProcessGroup;
+use crate::model::{GradUnit, UnitEvents};
+use reduce::GradReducer;
+use replicated::AdamW;
+use sharded::ShardedAdamW;
+
+/// Bytes of this rank's training state, by kind (the memory line's breakdown).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StateBytes {
+    /// Working parameters (what the forward reads) present now.
+    pub params: u64,
+    /// fp32 master weights kept apart from the parameters (sharded stages only).
+    pub master: u64,
+    /// AdamW's two moments.
+    pub moments: u64,
+    /// Gradients kept between the reduction and the update.
+    pub grads: u64,
+}
+
+/// Part of one parameter's AdamW moments: elements `range` of the flattened parameter.
+pub struct MomentPiece {
+    pub name: String,
+    pub range: Range<usize>,
+    /// The moments of those elements (the parameter's shape when the piece is whole and
+    /// replicated, else 1-D).
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+}
+
+/// What one rank contributes to a checkpoint.
+pub struct RankState {
+    /// Full fp32 parameters this rank writes into the model files.
+    pub weights: Vec<(String, Tensor)>,
+    /// The moments this rank holds.
+    pub moments: Vec<MomentPiece>,
+}
+
+/// Which rank writes which parameter of a checkpoint, derived from the layout alone so every
+/// rank agrees without talking.
+pub struct Writers {
+    /// (parameter, the rank that writes it, elements), in flat order.
+    pub params: Vec<(String, usize, usize)>,
+    pub world: usize,
+    /// One optimizer file per rank (sharded) rather than one for all (replicated).
+    pub sharded: bool,
+    pub stage: ZeroStage,
+}
+
+/// A checkpoint as the optimizer reads it back (implemented by `train::checkpoint`).
+pub trait StateSource {
+    /// The full fp32 parameter `name`, checked to have `shape` (on the CPU).
+    fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor>;
+    /// (exp_avg, exp_avg_sq) of elements `range` of `name` flattened: 1-D fp32 on the CPU.
+    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)>;
+}
+
+/// One of the two layouts.
+enum Layout {
+    Replicated(AdamW),
+    Sharded(ShardedAdamW),
+}
+
+/// AdamW, replicated (`system.zero_stage = 0`) or sharded (1-3, [`ShardedAdamW`]), with the
+/// [`GradReducer`] that averages its gradients across ranks during backward. The step
+/// (src/train/step.rs) only calls these methods, so it reads the same for every stage.
+pub struct Optimizer {
+    layout: Layout,
+    reducer: GradReducer,
+    /// Stage 3: units whose gather is issued ahead of the one in use.
+    prefetch: usize,
+}
+
+impl Optimizer {
+    /// `stage` 0 → replicated; 1-3 → sharded over `pg`'s ranks. The parameters (fp32) must
+    /// already be identical on every rank (the sharded masters are copied from them). `compute`
+    /// is the matmul dtype: sharded with bf16 compute, the working parameters become bf16 and
+    /// the fp32 masters live only in the slices; replicated keeps fp32 parameters and casts.
+    pub fn new(
+        params: &[(String, Tensor)],
+        hp: AdamWParams,
+        stage: ZeroStage,
+        pg: &dyn ProcessGroup,
+        bucket_mb: f64,
+        compute: Kind,
+    ) -> Optimizer {
+        let named: Vec<(String, Tensor)> = params
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .collect();
+        let world = pg.world_size();
+        let (layout, reducer) = match stage {
+            ZeroStage::Replicated => (
+                Layout::Replicated(AdamW::new(named, hp)),
+                GradReducer::all_reduce(params, world, bucket_mb),
+            ),
+            _ => {
+                let sharded =
+                    ShardedAdamW::new(named, hp, stage, (pg.rank(), world), bucket_mb, compute);
+                let reducer = match sharded.grad_slice() {
+                    Some(slice) if stage.shards_gradients() => GradReducer::reduce_scatter(
+                        params,
+                        sharded.layout.clone(),
+                        sharded.rank,
+                        slice,
+                    ),
+                    _ => GradReducer::all_reduce(params, world, bucket_mb),
+                };
+                (Layout::Sharded(sharded), reducer)
+            }
+        };
+        Optimizer {
+            layout,
+            reducer,
+            prefetch: 1,
+        }
+    }
+
+    /// `system.prefetch_units` (stage 3).
+    pub fn with_prefetch(mut self, units: usize) -> Optimizer {
+        self.prefetch = units;
+        self
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        match &self.layout {
+            Layout::Replicated(_) => ZeroStage::Replicated,
+            Layout::Sharded(o) => o.stage,
+        }
+    }
+
+    /// Completed optimizer steps.
+    pub fn steps(&self) -> u64 {
+        match &self.layout {
+            Layout::Replicated(o) => o.step,
+            Layout::Sharded(o) => o.step,
+        }
+    }
+
+    /// Runs `work`, a pass over the model (`order`: the units in the order it uses them,
+    /// `Llama::unit_order`), with the [`UnitEvents`] of this optimizer: at stage 3 each unit's
+    /// parameters are all-gathered before its use and emptied after, the gathers of the next
+    /// `system.prefetch_units` units running ahead; with `reduce`, each unit's gradients are
+    /// averaged across ranks as soon as they are final. The collectives run on a communication
+    /// thread (`overlap`) or in the same order on this one.
+    pub fn pass<T>(
+        &self,
+        pg: &mut dyn ProcessGroup,
+        overlap: bool,
+        order: &[GradUnit],
+        reduce: bool,
+        work: impl FnOnce(&mut dyn UnitEvents) -> Result<T>,
+    ) -> Result<T> {
+        with_queue(pg, overlap, |queue| {
+            let mut events = Events {
+                opt: self,
+                queue,
+                reduce,
+                order,
+                next: 0,
+                issued: 0,
+                pending: VecDeque::new(),
+            };
+            work(&mut events)
+        })
+    }
+
+    /// `debug.inject_nan_param`, after the reduction so that every rank agrees.
+    pub fn poison_gradient(&self, name: &str) {
+        match &self.layout {
+            Layout::Replicated(o) => o.poison_gradient(name),
+            Layout::Sharded(o) => o.poison_gradient(name),
+        }
+    }
+
+    /// The global gradient norm (before clipping), the same at every stage: squares summed in
+    /// fp64 (`kernel::sum_of_squares`), across ranks in rank order where they are sharded.
+    pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        match &self.layout {
+            Layout::Replicated(o) => Ok(kernel::norm_of(kernel::sum_of_squares(&o.gradients()))),
+            Layout::Sharded(o) => o.grad_norm(pg),
+        }
+    }
+
+    /// clip_grad_norm_'s scaling with the norm from [`Optimizer::grad_norm`].
+    pub fn clip(&self, norm: f64, max_norm: f64) {
+        match &self.layout {
+            Layout::Replicated(o) => kernel::clip_to(&o.gradients(), norm, max_norm),
+            Layout::Sharded(o) => o.clip(norm, max_norm),
+        }
+    }
+
+    /// The update (sharded: of this rank's slice, then at stages 1 and 2 the all-gather of
+    /// the parameters).
+    pub fn step(&mut self, lr: f64, pg: &mut dyn ProcessGroup) -> Result<()> {
+        match &mut self.layout {
+            Layout::Replicated(o) => o.step(lr),
+            Layout::Sharded(o) => o.step(lr, pg),
+        }
+    }
+
+    pub fn zero_grad(&mut self) {
+        match &mut self.layout {
+            Layout::Replicated(o) => o.zero_grad(),
+            Layout::Sharded(o) => o.zero_grad(),
+        }
+    }
+
+    /// Every parameter's full averaged gradient in `params`' order (a collective at stages 2
+    /// and 3).
+    pub fn full_gradients(
+        &self,
+        params: &[(String, Tensor)],
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<Vec<Tensor>> {
+        match &self.layout {
+            Layout::Replicated(_) => Ok(params.iter().map(|(_, p)| p.grad()).collect()),
+            Layout::Sharded(o) => o.full_gradients(pg),
+        }
+    }
+
+    /// Every parameter's full values in `params`' order (a collective at stage 3).
+    pub fn full_parameters(
+        &self,
+        params: &[(String, Tensor)],
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let values = match &self.layout {
+            Layout::Replicated(_) => params.iter().map(|(_, p)| p.detach()).collect(),
+            Layout::Sharded(o) => o.full_parameters(pg)?,
+        };
+        Ok(params.iter().map(|(n, _)| n.clone()).zip(values).collect())
+    }
+
+    /// This rank's bytes of parameters, master weights, moments and gradients.
+    pub fn state_bytes(&self) -> StateBytes {
+        match &self.layout {
+            Layout::Replicated(o) => o.state_bytes(),
+            Layout::Sharded(o) => o.state_bytes(),
+        }
+    }
+
+    /// Who writes what into a checkpoint.
+    pub fn writers(&self) -> Writers {
+        match &self.layout {
+            Layout::Replicated(o) => Writers {
+                params: o
+                    .params
+                    .iter()
+                    .map(|p| (p.name.clone(), 0, p.param.numel()))
+                    .collect(),
+                world: 1,
+                sharded: false,
+                stage: ZeroStage::Replicated,
+            },
+            Layout::Sharded(o) => Writers {
+                params: o
+                    .layout
+                    .params
+                    .iter()
+                    .map(|p| (p.name.clone(), o.layout.writer(p), p.numel))
+                    .collect(),
+                world: o.layout.world,
+                sharded: true,
+                stage: o.stage,
+            },
+        }
+    }
+
+    /// What this rank writes into a checkpoint (a collective where master weights are gathered;
+    /// replicated, rank 0 writes everything and the others nothing).
+    pub fn state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
+        match &self.layout {
+            Layout::Replicated(o) if pg.rank() == 0 => Ok(o.state()),
+            Layout::Replicated(_) => Ok(RankState {
+                weights: Vec::new(),
+                moments: Vec::new(),
+            }),
+            Layout::Sharded(o) => o.state(pg),
+        }
+    }
+
+    /// Restores parameters, masters, moments and the step count from a checkpoint of any
+    /// stage and world size.
+    pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+        match &mut self.layout {
+            Layout::Replicated(o) => o.load(src, adam_step),
+            Layout::Sharded(o) => o.load(src, adam_step),
+        }
+    }
+}
+
+/// The [`UnitEvents`] of one pass ([`Optimizer::pass`]).
+struct Events<'o, 'q, 'a> {
+    opt: &'o Optimizer,
+    queue: &'q mut CommQueue<'a>,
+    reduce: bool,
+    /// Stage 3: the units in the order of their `before`, the position of the next one, how
+    /// far the gathers have been issued, and those not yet taken (position, buffer).
+    order: &'o [GradUnit],
+    next: usize,
+    issued: usize,
+    pending: VecDeque<(usize, mpsc::Receiver<Tensor>)>,
+}
+
+/// Stage 3's sharded optimizer, if this is stage 3.
+fn gathering(opt: &Optimizer) -> Option<&ShardedAdamW> {
+    match &opt.layout {
+        Layout::Sharded(o) if o.stage.shards_parameters() => Some(o),
+        _ => None,
+    }
+}
+
+impl UnitEvents for Events<'_, '_, '_> {
+    fn before(&mut self, unit: GradUnit) -> Result<()> {
+        let Some(o) = gathering(self.opt) else {
+            return Ok(());
+        };
+        if self.order.get(self.next) != Some(&unit) {
+            bail!(
+                "internal: unit {unit:?} used at position {} of a pass planned as {:?}",
+                self.next,
+                self.order
+            );
+        }
+        // Issue the gathers up to `prefetch` units ahead of this one, then wait for this one.
+        let ahead = (self.next + self.opt.prefetch).min(self.order.len() - 1);
+        while self.issued <= ahead {
+            let u = self.order[self.issued];
+            let Some(i) = o.unit_index(u) else {
+                bail!("internal: no parameters of unit {u:?} to gather");
+            };
+            let (job, rx) = o.gather_job(i);
+            self.queue.submit(job);
+            self.pending.push_back((self.issued, rx));
+            self.issued += 1;
+        }
+        let Some((at, rx)) = self.pending.pop_front() else {
+            bail!("internal: no gather in flight for unit {unit:?}");
+        };
+        debug_assert_eq!(at, self.next);
+        let buffer = self.queue.wait(&rx)?;
+        let i = o.unit_index(unit).expect("checked when issued");
+        o.materialize(i, &buffer);
+        self.next += 1;
+        Ok(())
+    }
+
+    fn after(&mut self, unit: GradUnit) -> Result<()> {
+        if let Some(o) = gathering(self.opt) {
+            if let Some(i) = o.unit_index(unit) {
+                o.release(i);
+            }
+        }
+        Ok(())
+    }
+
+    fn grads_final(&mut self, unit: GradUnit) -> Result<()> {
+        if self.reduce {
+            self.opt.reducer.unit_final(unit, self.queue);
+        }
+        Ok(())
+    }
+}

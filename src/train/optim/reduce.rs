@@ -1,0 +1,252 @@
+//! Where a gradient is averaged across ranks: as soon as backward has finished it.
+//!
+//! The model's backward reports each unit (the LM head, the final norm, decoder layers from the
+//! last down, the embedding) the moment its gradients are final ([`GradUnit`]); each report
+//! submits the reductions that just became possible to a [`CommQueue`], which runs them on a
+//! communication thread while the lower layers' backward goes on (`system.overlap_comm`), or
+//! after backward, in the same order (bitwise the same).
+//!
+//! - Replicated gradients (zero stages 0 and 1) are all-reduced in flat buckets of
+//!   `system.bucket_mb` (`dist::buckets`), packed in backward order: a bucket goes once the unit
+//!   of its last parameter is final. Only on a step's last micro-batch: the earlier ones
+//!   accumulate into the full gradients.
+//! - Sharded gradients (stages 2 and 3) are reduce-scattered a unit at a time: the unit's
+//!   gradients are copied into one buffer laid out rank by rank (its [`Span`]), the full
+//!   gradients are dropped at once, and each rank adds its part, averaged, into its fp32
+//!   gradient slice (zeroed after every update). Stage 2 does this on the last micro-batch (the
+//!   full gradients accumulate until then); stage 3 on every micro-batch, so no full gradient
+//!   outlives its unit.
+
+use tch::{Kind, Tensor};
+
+use super::kernel::drop_grads;
+use crate::dist::buckets::{cap_bytes, flatten, pack, unflatten};
+use crate::dist::flat_layout::{FlatLayout, Span};
+use crate::dist::overlap::CommQueue;
+use crate::model::GradUnit;
+
+/// How a run averages its gradients.
+pub struct GradReducer {
+    /// Units in backward order, with their parameters (indices into `params`).
+    units: Vec<(GradUnit, Vec<usize>)>,
+    /// The parameters (shallow clones), in the caller's order.
+    params: Vec<Tensor>,
+    plan: Plan,
+}
+
+enum Plan {
+    /// World of one: nothing to average.
+    Nothing,
+    /// All-reduce in buckets: (parameter indices in backward order, index of the unit after
+    /// which the bucket is complete).
+    AllReduce(Vec<(Vec<usize>, usize)>),
+    /// Reduce-scatter a unit at a time into `slice` (this rank's fp32 gradient slice [S]).
+    ReduceScatter {
+        /// Each unit's span, aligned with `units`.
+        spans: Vec<Span>,
+        /// The layout position → the caller's index.
+        index_of: Vec<usize>,
+        rank: usize,
+        layout: FlatLayout,
+        slice: Tensor,
+    },
+}
+
+fn split(named: &[(String, Tensor)]) -> (Vec<(GradUnit, Vec<usize>)>, Vec<Tensor>) {
+    let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
+    let params = named.iter().map(|(_, p)| p.shallow_clone()).collect();
+    (GradUnit::group_in_backward_order(&names), params)
+}
+
+impl GradReducer {
+    /// All-reduce of replicated gradients over `world` ranks in buckets of `bucket_mb`.
+    pub fn all_reduce(named: &[(String, Tensor)], world: usize, bucket_mb: f64) -> GradReducer {
+        let (units, params) = split(named);
+        if world == 1 {
+            return GradReducer {
+                units,
+                params,
+                plan: Plan::Nothing,
+            };
+        }
+        // Every parameter in backward order, with the position of its unit.
+        let order: Vec<(usize, usize)> = units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, (_, members))| members.iter().map(move |&i| (i, u)))
+            .collect();
+        let sizes: Vec<usize> = order
+            .iter()
+            .map(|&(i, _)| params[i].numel() * params[i].kind().elt_size_in_bytes())
+            .collect();
+        let buckets = pack(&sizes, cap_bytes(bucket_mb), |_, _| true)
+            .into_iter()
+            .map(|g| {
+                let members = order[g.clone()].iter().map(|&(i, _)| i).collect();
+                (members, order[g.end - 1].1)
+            })
+            .collect();
+        GradReducer {
+            units,
+            params,
+            plan: Plan::AllReduce(buckets),
+        }
+    }
+
+    /// Reduce-scatter of sharded gradients into `slice`, this rank's part of `layout`.
+    pub fn reduce_scatter(
+        named: &[(String, Tensor)],
+        layout: FlatLayout,
+        rank: usize,
+        slice: Tensor,
+    ) -> GradReducer {
+        let (units, params) = split(named);
+        let position = layout.positions();
+        let spans = units
+            .iter()
+            .map(|(_, members)| {
+                let at: Vec<usize> = members.iter().map(|&i| position[i]).collect();
+                layout.span(&at)
+            })
+            .collect();
+        let index_of = layout.params.iter().map(|p| p.index).collect();
+        GradReducer {
+            units,
+            params,
+            plan: Plan::ReduceScatter {
+                spans,
+                index_of,
+                rank,
+                layout,
+                slice,
+            },
+        }
+    }
+
+    /// Backward has finished `unit`: submit what became ready.
+    pub fn unit_final(&self, unit: GradUnit, queue: &mut CommQueue<'_>) {
+        let Some(u) = self.units.iter().position(|(x, _)| *x == unit) else {
+            return;
+        };
+        match &self.plan {
+            Plan::Nothing => {}
+            Plan::AllReduce(buckets) => {
+                for (members, _) in buckets.iter().filter(|(_, ready)| *ready == u) {
+                    self.submit_all_reduce(members, queue);
+                }
+            }
+            Plan::ReduceScatter { .. } => self.submit_unit_scatter(u, queue),
+        }
+    }
+
+    /// One bucket: its gradients packed flat, averaged, and copied back.
+    fn submit_all_reduce(&self, members: &[usize], queue: &mut CommQueue<'_>) {
+        let grads: Vec<Tensor> = members
+            .iter()
+            .map(|&i| self.params[i].grad())
+            .filter(Tensor::defined)
+            .collect();
+        if grads.is_empty() {
+            return;
+        }
+        let flat = flatten(&grads);
+        queue.submit(Box::new(move |pg| {
+            pg.all_reduce_avg_tensor(&flat)?;
+            unflatten(&flat, &grads);
+            Ok(())
+        }));
+    }
+
+    /// Unit `u`'s gradients in its span's buffer, reduce-scattered and added into every rank's
+    /// slice; the full gradients are dropped as soon as they are copied.
+    fn submit_unit_scatter(&self, u: usize, queue: &mut CommQueue<'_>) {
+        let Plan::ReduceScatter {
+            spans,
+            index_of,
+            rank,
+            layout,
+            slice,
+        } = &self.plan
+        else {
+            return;
+        };
+        let span = &spans[u];
+        let buffer = Tensor::zeros([span.len() as i64], (Kind::Float, slice.device()));
+        tch::no_grad(|| {
+            for piece in &span.pieces {
+                let g = self.params[index_of[piece.param]].grad();
+                if !g.defined() {
+                    continue;
+                }
+                let src = g
+                    .view(-1)
+                    .narrow(0, piece.local.start as i64, piece.local.len() as i64);
+                buffer
+                    .narrow(0, piece.buf.start as i64, piece.buf.len() as i64)
+                    .copy_(&src);
+            }
+        });
+        drop_grads(self.units[u].1.iter().map(|&i| &self.params[i]));
+        let mine: Vec<(i64, i64, i64)> = span
+            .owned_by(layout, *rank)
+            .map(|(p, at)| (p.buf.start as i64, at as i64, p.buf.len() as i64))
+            .collect();
+        let (slice, splits) = (slice.shallow_clone(), span.splits.clone());
+        queue.submit(Box::new(move |pg| {
+            pg.reduce_scatter_avg_tensor(&buffer, &splits)?;
+            tch::no_grad(|| {
+                for (buf, at, len) in mine {
+                    let mut dst = slice.narrow(0, at, len);
+                    dst += buffer.narrow(0, buf, len);
+                }
+            });
+            Ok(())
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_come_in_the_order_backward_finishes_them() {
+        let names = [
+            "model.embed_tokens.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ];
+        let units = GradUnit::group_in_backward_order(&names);
+        let order: Vec<(GradUnit, Vec<usize>)> = vec![
+            (GradUnit::LmHead, vec![5]),
+            (GradUnit::FinalNorm, vec![4]),
+            (GradUnit::Layer(1), vec![2]),
+            (GradUnit::Layer(0), vec![1, 3]),
+            (GradUnit::Embedding, vec![0]),
+        ];
+        assert_eq!(units, order);
+    }
+
+    #[test]
+    fn buckets_close_at_the_cap_and_go_with_their_last_unit() {
+        let opts = (Kind::Float, tch::Device::Cpu);
+        let named: Vec<(String, Tensor)> = [
+            ("model.embed_tokens.weight", 100_000),
+            ("model.layers.0.mlp.up_proj.weight", 200_000),
+            ("model.layers.1.mlp.up_proj.weight", 200_000),
+            ("model.norm.weight", 10),
+        ]
+        .iter()
+        .map(|(n, k)| (n.to_string(), Tensor::zeros([*k as i64], opts)))
+        .collect();
+        // 1 MB = 262,144 fp32 elements: norm + layer 1 fit, layer 0 starts a new bucket.
+        let r = GradReducer::all_reduce(&named, 2, 1.0);
+        let Plan::AllReduce(b) = &r.plan else {
+            panic!()
+        };
+        assert_eq!(b, &[(vec![3, 2], 1), (vec![1], 2), (vec![0], 3)]);
+    }
+}

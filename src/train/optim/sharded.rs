@@ -1,0 +1,561 @@
+//! Sharded AdamW: ZeRO stages 1, 2 and 3 (`system.zero_stage`) over the flat parameter space
+//! of [`FlatLayout`] (rank r owns the contiguous slice `[r·S, (r+1)·S)`).
+//!
+//! Buffers of this rank (S = the slice it owns; fp32, on the parameters' device):
+//! - `exp_avg`, `exp_avg_sq` [S]: AdamW's moments of the slice, always.
+//! - `master` [S]: fp32 master weights of the slice, when the working parameters (what the
+//!   forward reads) are not fp32 (`training.dtype = bf16`), and always at stage 3, where it is
+//!   the only persistent copy of the parameters. At stages 1 and 2 with fp32 parameters the
+//!   update runs on views of the parameters themselves, which are their own masters.
+//! - `grad` [S]: the slice's averaged gradient, at stages 2 and 3 (the reduce-scatters add into
+//!   it; zeroed after every update), or at stage 1 when the parameters are not fp32 (an fp32
+//!   copy). Stage 1 with fp32 parameters reads views of the all-reduced full gradients instead.
+//! - The working parameters [P each], in the model: full at stages 1 and 2; at stage 3 empty
+//!   (0 elements) except while a pass uses their unit, when they hold the unit's all-gathered
+//!   values ([`ShardedAdamW::gather_job`], [`ShardedAdamW::materialize`]).
+//!
+//! A step:
+//! - stage 1: the full gradients are all-reduced as in replicated training; the global norm is
+//!   computed from them locally (no collective).
+//! - stages 2 and 3: the gradients are reduce-scattered unit by unit straight into `grad`
+//!   (`reduce.rs`); the norm is the root of the sum of the slices' squares, summed in fp64
+//!   across ranks in rank order (the same value as stage 0's, see `kernel::sum_of_squares`).
+//!
+//! Then fused AdamW updates the slice, one tensor per parameter piece in it (decayed pieces in
+//! one call, the others in a second). At stages 1 and 2 the updated slices are all-gathered,
+//! bucket by bucket in the working dtype, into every rank's parameters; at stage 3 the next
+//! pass gathers them unit by unit.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::mpsc;
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::kernel::{
+    clip_to, decays, drop_grads, fused_adamw, sum_of_squares, AdamWParams, FusedGroup,
+};
+use super::{MomentPiece, RankState, StateBytes, StateSource};
+use crate::config::ZeroStage;
+use crate::dist::flat_layout::{intersect, FlatLayout, Piece, Span};
+use crate::dist::overlap::Job;
+use crate::dist::ProcessGroup;
+use crate::model::GradUnit;
+
+pub struct ShardedAdamW {
+    pub hp: AdamWParams,
+    /// Completed optimizer steps.
+    pub step: u64,
+    pub stage: ZeroStage,
+    pub layout: FlatLayout,
+    pub rank: usize,
+    /// The working parameters, in the caller's (Hugging Face) order.
+    params: Vec<(String, Tensor)>,
+    /// Their full shapes (at stage 3 the tensors hold no elements between uses).
+    shapes: Vec<Vec<i64>>,
+    /// The working dtype (what the forward reads).
+    working: Kind,
+    device: Device,
+    /// The parameter pieces of this rank's slice, in flat order.
+    pieces: Vec<Piece>,
+    /// One step-count scalar per piece (the fused kernel reads one per tensor).
+    step_counts: Vec<Tensor>,
+    master: Option<Tensor>,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    grad: Option<Tensor>,
+    /// Elements per bucket of the parameter all-gathers.
+    bucket: usize,
+    /// Stage 3: each unit, its parameters (the caller's indices) and its span.
+    units: Vec<(GradUnit, Vec<usize>, Span)>,
+}
+
+impl ShardedAdamW {
+    /// Shards `params` (fp32, identical on every rank, e.g. after the initial broadcast) over
+    /// `world` ranks. With a `working` dtype other than fp32 the parameters are converted in
+    /// place; at stage 3 they are emptied (their slices live on in `master`).
+    pub fn new(
+        params: Vec<(String, Tensor)>,
+        hp: AdamWParams,
+        stage: ZeroStage,
+        (rank, world): (usize, usize),
+        bucket_mb: f64,
+        working: Kind,
+    ) -> ShardedAdamW {
+        let layout = FlatLayout::new(
+            params
+                .iter()
+                .map(|(n, p)| (n.as_str(), p.numel(), decays(&p.size()))),
+            world,
+        );
+        let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+        let fp32 = working == Kind::Float;
+        let zeros = || Tensor::zeros([layout.shard as i64], (Kind::Float, device));
+        let pieces = layout.pieces(layout.owned(rank));
+        let units = if stage.shards_parameters() {
+            let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+            let position = layout.positions();
+            GradUnit::group_in_backward_order(&names)
+                .into_iter()
+                .map(|(unit, members)| {
+                    let at: Vec<usize> = members.iter().map(|&i| position[i]).collect();
+                    let span = layout.span(&at);
+                    (unit, members, span)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let s = ShardedAdamW {
+            hp,
+            step: 0,
+            stage,
+            bucket: (crate::dist::buckets::cap_bytes(bucket_mb) / 4).max(1),
+            step_counts: pieces
+                .iter()
+                .map(|_| Tensor::zeros([], (Kind::Float, device)))
+                .collect(),
+            pieces,
+            master: (!fp32 || stage.shards_parameters()).then(zeros),
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            grad: (stage.shards_gradients() || !fp32).then(zeros),
+            layout,
+            rank,
+            shapes: params.iter().map(|(_, p)| p.size()).collect(),
+            params,
+            working,
+            device,
+            units,
+        };
+        if let Some(master) = &s.master {
+            tch::no_grad(|| {
+                for piece in &s.pieces {
+                    s.slice_of(master, &piece.flat)
+                        .copy_(&s.param_piece(piece));
+                }
+            });
+        }
+        if stage.shards_parameters() {
+            for i in 0..s.params.len() {
+                s.release_param(i);
+            }
+        } else if !fp32 {
+            for (_, p) in &s.params {
+                // In place: the model and the VarStore hold the same tensors.
+                let mut p = p.shallow_clone();
+                tch::no_grad(|| p.set_data(&p.to_kind(working)));
+            }
+        }
+        s
+    }
+
+    fn owned(&self) -> Range<usize> {
+        self.layout.owned(self.rank)
+    }
+
+    /// `t` (a [S] slice buffer) at the flat range `flat`, which lies inside the owned slice.
+    fn slice_of(&self, t: &Tensor, flat: &Range<usize>) -> Tensor {
+        let at = flat.start - self.owned().start;
+        t.narrow(0, at as i64, flat.len() as i64)
+    }
+
+    fn param(&self, flat_index: usize) -> &Tensor {
+        &self.params[self.layout.params[flat_index].index].1
+    }
+
+    /// The working parameter's elements of `piece` (a view; stages 1 and 2, and stage 3
+    /// before the parameters are first emptied).
+    fn param_piece(&self, piece: &Piece) -> Tensor {
+        self.param(piece.param).view(-1).narrow(
+            0,
+            piece.local.start as i64,
+            piece.local.len() as i64,
+        )
+    }
+
+    /// The parameter's own gradient at `piece` (a view), if it has one.
+    fn grad_piece(&self, piece: &Piece) -> Option<Tensor> {
+        let g = self.param(piece.param).grad();
+        g.defined().then(|| {
+            g.view(-1)
+                .narrow(0, piece.local.start as i64, piece.local.len() as i64)
+        })
+    }
+
+    /// The fp32 gradient slice the reduce-scatters of stages 2 and 3 add into (`reduce.rs`).
+    pub fn grad_slice(&self) -> Option<Tensor> {
+        self.grad.as_ref().map(Tensor::shallow_clone)
+    }
+
+    /// The parameters' own gradients (defined ones), as after backward.
+    pub fn gradients(&self) -> Vec<Tensor> {
+        self.params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect()
+    }
+
+    /// The global gradient norm: from the full gradients at stage 1, else from the slices
+    /// (one fp64 all-gather of each rank's sum of squares).
+    pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        let sum = match (self.stage.shards_gradients(), &self.grad) {
+            (true, Some(slice)) => pg
+                .all_gather_f64(sum_of_squares(std::slice::from_ref(slice)))?
+                .into_iter()
+                .sum(),
+            _ => sum_of_squares(&self.gradients()),
+        };
+        Ok(super::kernel::norm_of(sum))
+    }
+
+    /// Scales the gradients that the update will read so their global norm is at most `max`.
+    pub fn clip(&self, norm: f64, max: f64) {
+        match (self.stage.shards_gradients(), &self.grad) {
+            (true, Some(slice)) => clip_to(std::slice::from_ref(slice), norm, max),
+            _ => clip_to(&self.gradients(), norm, max),
+        }
+    }
+
+    /// `debug.inject_nan_param`: a NaN in the first element of `name`'s gradient, wherever that
+    /// gradient lives now (the full one at stage 1, its owner's slice at stages 2 and 3).
+    pub fn poison_gradient(&self, name: &str) {
+        let Some(p) = self.layout.params.iter().find(|p| p.name == name) else {
+            return;
+        };
+        match (self.stage.shards_gradients(), &self.grad) {
+            (true, Some(slice)) if self.owned().contains(&p.start) => {
+                let _ = self
+                    .slice_of(slice, &(p.start..p.start + 1))
+                    .fill_(f64::NAN);
+            }
+            (true, _) => {}
+            _ => {
+                let g = self.params[p.index].1.grad();
+                if g.defined() {
+                    let _ = g.view(-1).get(0).fill_(f64::NAN);
+                }
+            }
+        }
+    }
+
+    /// One AdamW update of this rank's slice; at stages 1 and 2 then the all-gather of every
+    /// rank's updated slice into the working parameters.
+    pub fn step(&mut self, lr: f64, pg: &mut dyn ProcessGroup) -> Result<()> {
+        self.step += 1;
+        if let (ZeroStage::Optimizer, Some(slice)) = (self.stage, &self.grad) {
+            // Stage 1 with non-fp32 parameters: the update reads an fp32 copy.
+            tch::no_grad(|| {
+                let _ = slice.shallow_clone().zero_();
+                for piece in &self.pieces {
+                    if let Some(g) = self.grad_piece(piece) {
+                        self.slice_of(slice, &piece.flat).copy_(&g);
+                    }
+                }
+            });
+        }
+        for decay in [true, false] {
+            let mut group: [Vec<Tensor>; 4] = Default::default();
+            let mut steps = Vec::new();
+            for (piece, count) in self.pieces.iter().zip(&self.step_counts) {
+                if self.layout.params[piece.param].decay != decay {
+                    continue;
+                }
+                let grad = match &self.grad {
+                    Some(slice) => self.slice_of(slice, &piece.flat),
+                    None => match self.grad_piece(piece) {
+                        Some(g) => g,
+                        None => continue, // no gradient, no update (as replicated AdamW)
+                    },
+                };
+                let param = match &self.master {
+                    Some(m) => self.slice_of(m, &piece.flat),
+                    None => self.param_piece(piece),
+                };
+                let _ = count.shallow_clone().fill_(self.step as f64);
+                group[0].push(param);
+                group[1].push(grad);
+                group[2].push(self.slice_of(&self.exp_avg, &piece.flat));
+                group[3].push(self.slice_of(&self.exp_avg_sq, &piece.flat));
+                steps.push(count);
+            }
+            if steps.is_empty() {
+                continue;
+            }
+            let [p, g, m, v] = &group;
+            let tensors = FusedGroup {
+                params: p.iter().collect(),
+                grads: g.iter().collect(),
+                exp_avgs: m.iter().collect(),
+                exp_avg_sqs: v.iter().collect(),
+                steps,
+            };
+            fused_adamw(&tensors, lr, &self.hp, decay)?;
+        }
+        if self.stage.shards_parameters() {
+            return Ok(());
+        }
+        let own = |piece: &Piece| match &self.master {
+            Some(m) => self.slice_of(m, &piece.flat),
+            None => self.param_piece(piece),
+        };
+        self.gather(pg, self.working, own, |piece, src| {
+            tch::no_grad(|| self.param_piece(piece).copy_(src));
+        })
+    }
+
+    /// An all-gather over the flat space in buckets of `kind`: `own(piece)` gives this rank's
+    /// values of a piece of its slice, `place(piece, values)` receives every piece.
+    fn gather(
+        &self,
+        pg: &mut dyn ProcessGroup,
+        kind: Kind,
+        own: impl Fn(&Piece) -> Tensor,
+        mut place: impl FnMut(&Piece, &Tensor),
+    ) -> Result<()> {
+        let owned = self.owned();
+        for bucket in self.layout.buckets(self.bucket) {
+            let flat = Tensor::zeros([bucket.len() as i64], (kind, self.device));
+            let at =
+                |r: &Range<usize>| flat.narrow(0, (r.start - bucket.start) as i64, r.len() as i64);
+            let mine = intersect(&bucket, &owned);
+            if !mine.is_empty() {
+                tch::no_grad(|| {
+                    for piece in self.layout.pieces(mine) {
+                        at(&piece.flat).copy_(&own(&piece));
+                    }
+                });
+            }
+            pg.all_gather_tensor(&flat, &self.layout.splits(&bucket))?;
+            for piece in self.layout.pieces(bucket.clone()) {
+                place(&piece, &at(&piece.flat));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the parameters' gradients and zeroes the gradient slice the next step's
+    /// reduce-scatters add into.
+    pub fn zero_grad(&mut self) {
+        drop_grads(self.params.iter().map(|(_, p)| p));
+        if let (true, Some(slice)) = (self.stage.shards_gradients(), &self.grad) {
+            let _ = slice.shallow_clone().zero_();
+        }
+    }
+
+    /// Full fp32 tensors of every parameter, in the caller's order, filled by a collective
+    /// gather of `slice` (a [S] buffer).
+    fn gather_full(&self, pg: &mut dyn ProcessGroup, slice: &Tensor) -> Result<Vec<Tensor>> {
+        let full: Vec<Tensor> = self
+            .shapes
+            .iter()
+            .map(|s| Tensor::zeros(s.as_slice(), (Kind::Float, self.device)))
+            .collect();
+        let own = |piece: &Piece| self.slice_of(slice, &piece.flat);
+        self.gather(pg, Kind::Float, own, |piece, src| {
+            let index = self.layout.params[piece.param].index;
+            let mut dst = full[index].view(-1).narrow(
+                0,
+                piece.local.start as i64,
+                piece.local.len() as i64,
+            );
+            tch::no_grad(|| dst.copy_(src));
+        })?;
+        Ok(full)
+    }
+
+    /// Every parameter's full averaged gradient, in the caller's order (for the NaN/Inf report
+    /// and dump). A collective at stages 2 and 3, where the gradients only exist as slices.
+    pub fn full_gradients(&self, pg: &mut dyn ProcessGroup) -> Result<Vec<Tensor>> {
+        match (self.stage.shards_gradients(), &self.grad) {
+            (true, Some(slice)) => self.gather_full(pg, slice),
+            _ => Ok(self.params.iter().map(|(_, p)| p.grad()).collect()),
+        }
+    }
+
+    /// Every parameter's full values, in the caller's order (for the NaN/Inf report and dump).
+    /// A collective at stage 3, where the parameters only exist as slices (fp32 masters).
+    pub fn full_parameters(&self, pg: &mut dyn ProcessGroup) -> Result<Vec<Tensor>> {
+        match (self.stage.shards_parameters(), &self.master) {
+            (true, Some(master)) => self.gather_full(pg, master),
+            _ => Ok(self.params.iter().map(|(_, p)| p.detach()).collect()),
+        }
+    }
+
+    /// What this rank writes into a checkpoint: the full fp32 values of the parameters whose
+    /// first element it owns (from the working parameters when they are fp32 and whole; else
+    /// gathered from the masters, a collective every rank must call), and its moments, one
+    /// piece per parameter it owns part of.
+    pub fn state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
+        let mine: Vec<usize> = (0..self.layout.params.len())
+            .filter(|&i| self.layout.writer(&self.layout.params[i]) == self.rank)
+            .collect();
+        let weights = match self.master.as_ref() {
+            // Without masters the working parameters are fp32 and are the masters.
+            None => mine
+                .iter()
+                .map(|&i| {
+                    let p = &self.layout.params[i];
+                    (p.name.clone(), self.params[p.index].1.detach())
+                })
+                .collect(),
+            Some(master) => {
+                let mut out: HashMap<usize, Tensor> = mine
+                    .iter()
+                    .map(|&i| {
+                        let shape = &self.shapes[self.layout.params[i].index];
+                        (i, Tensor::zeros(shape.as_slice(), (Kind::Float, self.device)))
+                    })
+                    .collect();
+                let own = |piece: &Piece| self.slice_of(master, &piece.flat);
+                self.gather(pg, Kind::Float, own, |piece, src| {
+                    if let Some(dst) = out.get_mut(&piece.param) {
+                        let mut d = dst.view(-1).narrow(
+                            0,
+                            piece.local.start as i64,
+                            piece.local.len() as i64,
+                        );
+                        tch::no_grad(|| d.copy_(src));
+                    }
+                })?;
+                mine.iter()
+                    .map(|i| (self.layout.params[*i].name.clone(), out.remove(i).unwrap()))
+                    .collect()
+            }
+        };
+        let moments = self
+            .pieces
+            .iter()
+            .map(|piece| MomentPiece {
+                name: self.layout.params[piece.param].name.clone(),
+                range: piece.local.clone(),
+                exp_avg: self.slice_of(&self.exp_avg, &piece.flat),
+                exp_avg_sq: self.slice_of(&self.exp_avg_sq, &piece.flat),
+            })
+            .collect();
+        Ok(RankState { weights, moments })
+    }
+
+    /// Restores this rank's part from a checkpoint: the working parameters (whole at stages 1
+    /// and 2; at stage 3 they stay empty), the master slice where one is kept, and the moments
+    /// of the pieces it owns.
+    pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+        if !self.stage.shards_parameters() {
+            for (i, (name, p)) in self.params.iter().enumerate() {
+                let w = src.weight(name, &self.shapes[i])?;
+                tch::no_grad(|| p.shallow_clone().copy_(&w.to_device(self.device)));
+            }
+        }
+        for piece in &self.pieces {
+            let flat = &self.layout.params[piece.param];
+            let (m, v) = src.moments(&flat.name, &piece.local)?;
+            tch::no_grad(|| {
+                self.slice_of(&self.exp_avg, &piece.flat)
+                    .copy_(&m.to_device(self.device));
+                self.slice_of(&self.exp_avg_sq, &piece.flat)
+                    .copy_(&v.to_device(self.device));
+            });
+            if let Some(master) = &self.master {
+                let full = src
+                    .weight(&flat.name, &self.shapes[flat.index])
+                    .with_context(|| format!("checkpoint weights: {}", flat.name))?;
+                let local =
+                    full.view(-1)
+                        .narrow(0, piece.local.start as i64, piece.local.len() as i64);
+                tch::no_grad(|| {
+                    self.slice_of(master, &piece.flat)
+                        .copy_(&local.to_kind(Kind::Float).to_device(self.device))
+                });
+            }
+        }
+        self.step = adam_step;
+        Ok(())
+    }
+
+    /// This rank's bytes by kind. At stage 3 `params` counts the units gathered right now (none
+    /// between steps) and `master` the slice, the parameters' one persistent copy.
+    pub fn state_bytes(&self) -> StateBytes {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let params: u64 = self.params.iter().map(|(_, p)| bytes(p)).sum();
+        let slice = |t: &Option<Tensor>| t.as_ref().map_or(0, bytes);
+        // Stage 1 keeps the full gradients (in the parameters' dtype) until the update.
+        let full_grads = if self.stage == ZeroStage::Optimizer {
+            params
+        } else {
+            0
+        };
+        StateBytes {
+            params,
+            master: slice(&self.master),
+            moments: bytes(&self.exp_avg) + bytes(&self.exp_avg_sq),
+            grads: slice(&self.grad) + full_grads,
+        }
+    }
+
+    /// Stage 3: the position of `unit` among the units whose parameters are gathered.
+    pub fn unit_index(&self, unit: GradUnit) -> Option<usize> {
+        self.units.iter().position(|(u, _, _)| *u == unit)
+    }
+
+    /// Stage 3: the all-gather of unit `u`'s parameters in the working dtype, as a job for the
+    /// communication queue, and where its buffer (the unit's span, every rank's pieces) arrives.
+    pub fn gather_job(&self, u: usize) -> (Job, mpsc::Receiver<Tensor>) {
+        let span = &self.units[u].2;
+        let buffer = Tensor::zeros([span.len() as i64], (self.working, self.device));
+        let master = self.master.as_ref().expect("stage 3 keeps masters");
+        tch::no_grad(|| {
+            for (piece, at) in span.owned_by(&self.layout, self.rank) {
+                buffer
+                    .narrow(0, piece.buf.start as i64, piece.buf.len() as i64)
+                    .copy_(&master.narrow(0, at as i64, piece.buf.len() as i64));
+            }
+        });
+        let splits = span.splits.clone();
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |pg| {
+            pg.all_gather_tensor(&buffer, &splits)?;
+            let _ = tx.send(buffer);
+            Ok(())
+        });
+        (job, rx)
+    }
+
+    /// Stage 3: unit `u`'s parameters take their full values from a gathered buffer.
+    pub fn materialize(&self, u: usize, buffer: &Tensor) {
+        let (_, members, span) = &self.units[u];
+        let full: HashMap<usize, Tensor> = members
+            .iter()
+            .map(|&i| {
+                let t = Tensor::empty(self.shapes[i].as_slice(), (self.working, self.device));
+                (i, t)
+            })
+            .collect();
+        tch::no_grad(|| {
+            for piece in &span.pieces {
+                let index = self.layout.params[piece.param].index;
+                full[&index]
+                    .view(-1)
+                    .narrow(0, piece.local.start as i64, piece.local.len() as i64)
+                    .copy_(&buffer.narrow(0, piece.buf.start as i64, piece.buf.len() as i64));
+            }
+            for (i, t) in full {
+                self.params[i].1.shallow_clone().set_data(&t);
+            }
+        });
+    }
+
+    /// Stage 3: unit `u`'s parameters let go of their values (reads fail loudly until the next
+    /// gather: a 0-element tensor has no shape to misread).
+    pub fn release(&self, u: usize) {
+        for &i in &self.units[u].1 {
+            self.release_param(i);
+        }
+    }
+
+    fn release_param(&self, i: usize) {
+        let empty = Tensor::empty([0], (self.working, self.device));
+        tch::no_grad(|| self.params[i].1.shallow_clone().set_data(&empty));
+    }
+}
