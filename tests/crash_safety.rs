@@ -352,8 +352,9 @@ const SHARDED_KILLS: usize = 24;
 /// The same for the sharded optimizer's save, where two ranks write their parts of one
 /// checkpoint: SIGKILL lands on the launcher (every worker dies with it) or on one worker (the
 /// launcher tears the other down), at seeded random moments and, every third time, the moment
-/// a save has begun. Whatever is left, every `step_N`
-/// is complete and loadable, and `--resume auto` continues from the latest.
+/// a save has begun. The runs alternate between zero stages 2 and 3 in pairs (so each resumes
+/// the other's checkpoints as often as its own). Whatever is left, every `step_N` is complete
+/// and loadable, and `--resume auto` continues from the latest.
 #[test]
 fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot_load() {
     let _serial = serial();
@@ -361,10 +362,9 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
     let tmp = tempfile::tempdir().unwrap();
     let corpus = write_corpus(tmp.path());
     let ckpt = tmp.path().join("ckpts");
-    let mut base = tiny(&corpus, &ckpt);
-    base.extend(["--set".to_string(), "system.zero_stage=2".into()]);
+    let base = tiny(&corpus, &ckpt);
     common::ok(tmp.path(), &cmd("prepare", &base, &[]));
-    let run = |extra: &[&str]| {
+    let run = |stage: usize, extra: &[&str]| {
         let mut a = vec![
             "run".to_string(),
             "--cpu".into(),
@@ -373,6 +373,7 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
         ];
         a.extend(base.iter().cloned());
         a.extend(["--max-steps", "1000000", "--resume", "auto"].map(String::from));
+        a.extend(["--set".to_string(), format!("system.zero_stage={stage}")]);
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
@@ -383,7 +384,7 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
         let log_path = tmp.path().join("kill.log");
         let log = fs::File::create(&log_path).unwrap();
         let mut launcher = lockstep(tmp.path())
-            .args(run(&[]))
+            .args(run(2 + kill / 2 % 2, &[]))
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
             .spawn()
@@ -444,7 +445,7 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
     // A clean run continues from the latest complete checkpoint.
     let latest = latest.expect("some checkpoint was saved");
     let stop = (latest + 1).to_string();
-    let out = common::ok(tmp.path(), &run(&["--stop-at-step", &stop]));
+    let out = common::ok(tmp.path(), &run(3, &["--stop-at-step", &stop]));
     assert!(
         out.contains(&format!(
             "Resumed from {} at step {latest} ",
