@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-rank peak RSS and training-state bytes of 2 CPU ranks at system.zero_stage 0, 1, 2, from
+# Per-rank peak RSS and training-state bytes of 2 CPU ranks at system.zero_stage 0-3, from
 # each rank's memory line at the last step (logs/<run>/rank_N.log), for the tiny preset (fp32
 # and bf16) and a 200M-parameter shape.
 # usage: benches/zero_memory.sh [steps=4]
@@ -22,6 +22,11 @@ run() { # name, extra args...
     printf '%-14s rank %s: %s\n' "$name" "$r" "$(grep 'Memory |' "$dir/rank_$r.log" | tail -1 | sed 's/^\[CPU.\] Memory | //')"
   done
 }
-for stage in 0 1 2; do run "tiny-s$stage" --set system.zero_stage=$stage; done
-for stage in 0 2; do run "tiny-bf16-s$stage" --set system.zero_stage=$stage --set training.dtype=bf16; done
-for stage in 0 1 2; do run "200m-s$stage" "${medium[@]}" --set system.zero_stage=$stage; done
+for stage in 0 1 2 3; do run "tiny-s$stage" --set system.zero_stage=$stage; done
+for stage in 0 2 3; do run "tiny-bf16-s$stage" --set system.zero_stage=$stage --set training.dtype=bf16; done
+for stage in 0 1 2 3; do run "200m-s$stage" "${medium[@]}" --set system.zero_stage=$stage; done
+# Full activation checkpointing: the mode in which stage 3 holds no layer's full parameters
+# between its forward and its backward.
+for stage in 0 2 3; do
+  run "200m-full-s$stage" "${medium[@]}" --set system.zero_stage=$stage --set training.activation_checkpointing=full
+done

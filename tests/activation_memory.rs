@@ -254,7 +254,9 @@ fn units_become_final_from_the_head_down_to_the_embedding() {
             befores: Vec::new(),
             open: Vec::new(),
         };
-        let _loss = model.forward_backward(&x, &y, None, 1.0, &mut seen).unwrap();
+        let _loss = model
+            .forward_backward(&x, &y, None, 1.0, &mut seen)
+            .unwrap();
         let mut want = vec![GradUnit::FinalNorm];
         if !tied {
             want.insert(0, GradUnit::LmHead);
@@ -265,7 +267,11 @@ fn units_become_final_from_the_head_down_to_the_embedding() {
         // The uses come in the order the stage-3 gathers are planned in, and all are closed.
         assert_eq!(seen.befores, model.unit_order(true), "tied {tied}");
         assert!(seen.open.is_empty(), "{:?}", seen.open);
-        let head = if tied { GradUnit::Embedding } else { GradUnit::LmHead };
+        let head = if tied {
+            GradUnit::Embedding
+        } else {
+            GradUnit::LmHead
+        };
         assert_eq!(seen.befores[5], head);
     }
 }

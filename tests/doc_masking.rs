@@ -174,7 +174,14 @@ fn packed_documents_match_transformers_on_separate_sequences() {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let mut opt = Optimizer::new(&params, hp, lockstep::config::ZeroStage::Replicated, &SingleProcess, 25.0, tch::Kind::Float);
+    let mut opt = Optimizer::new(
+        &params,
+        hp,
+        lockstep::config::ZeroStage::Replicated,
+        &SingleProcess,
+        25.0,
+        tch::Kind::Float,
+    );
     opt.zero_grad();
     let training = config::resolve(&Sources::default())
         .unwrap()

@@ -128,7 +128,14 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let mut opt = Optimizer::new(&params, hp, lockstep::config::ZeroStage::Replicated, &SingleProcess, 25.0, Kind::Float);
+    let mut opt = Optimizer::new(
+        &params,
+        hp,
+        lockstep::config::ZeroStage::Replicated,
+        &SingleProcess,
+        25.0,
+        Kind::Float,
+    );
     opt.zero_grad();
     // The trainer's own step: forward/backward, norm, guard, clip(1.0), fused AdamW.
     let mut guard = Guard::new(

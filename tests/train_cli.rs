@@ -369,7 +369,10 @@ fn tensorboard_events_hold_the_same_losses_as_metrics_jsonl() {
         .trim_matches(|c| c == '[' || c == ']')
         .split("), (")
         .map(|pair| {
-            let (s, v) = pair.trim_matches(|c| c == '(' || c == ')').split_once(", ").unwrap();
+            let (s, v) = pair
+                .trim_matches(|c| c == '(' || c == ')')
+                .split_once(", ")
+                .unwrap();
             (s.parse().unwrap(), v.parse().unwrap())
         })
         .collect();

@@ -147,7 +147,10 @@ fn compare(what: &str, a: &Finished, b: &Finished) {
     assert_eq!(a.0.len(), b.0.len(), "{what}: {:?} vs {:?}", a.0, b.0);
     for ((sa, la), (sb, lb)) in a.0.iter().zip(&b.0) {
         assert_eq!(sa, sb, "{what}");
-        assert!((la - lb).abs() <= 1e-6 * lb.abs(), "{what}: step {sa}: {la} vs {lb}");
+        assert!(
+            (la - lb).abs() <= 1e-6 * lb.abs(),
+            "{what}: step {sa}: {la} vs {lb}"
+        );
     }
     let err = worst(&a.1, &b.1);
     assert!(err < 1e-6, "{what}: weights differ by {err:e}");
@@ -202,13 +205,24 @@ fn stage_3_trains_like_stage_0_with_accumulation_bf16_and_every_checkpointing_mo
         }
         let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
         let nproc = world.to_string();
-        ok(dir, &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail));
+        ok(
+            dir,
+            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
+        );
         let run = dir.join("runs").join(name);
         let ckpt = run.join("checkpoints/step_5");
-        (losses(&run.join("metrics.jsonl")), weights(&ckpt), moments(&ckpt))
+        (
+            losses(&run.join("metrics.jsonl")),
+            weights(&ckpt),
+            moments(&ckpt),
+        )
     };
     let zero = train(3, 0, &["training.activation_checkpointing=none"]);
-    assert!(zero.0[0].1 - zero.0[4].1 > 0.01, "real training: {:?}", zero.0);
+    assert!(
+        zero.0[0].1 - zero.0[4].1 > 0.01,
+        "real training: {:?}",
+        zero.0
+    );
     for mode in ["none", "full", "selective"] {
         let set = format!("training.activation_checkpointing={mode}");
         let three = train(3, 3, &[&set]);
@@ -406,6 +420,20 @@ fn a_sharded_checkpoint_resumes_on_other_world_sizes_and_stages() {
         assert_eq!(after.first().map(|s| s.0), Some(6), "continues at step 6");
         close_losses(&after, &straight[5..], 1e-5);
     }
+    // The same directory as model.model_path: at stage 3 each rank reads only its slices,
+    // and the first steps equal stage 0's from the same weights.
+    let path = format!("model.model_path={ckpt}");
+    let from = |stage: usize| {
+        let name = format!("from-weights-s{stage}");
+        run(2, stage, &name, &["--set", &path, "--stop-at-step", "2"])
+    };
+    let (zero, three) = (from(0), from(3));
+    assert_eq!(zero.len(), 2);
+    close_losses(&three, &zero, 1e-6);
+    assert!(
+        zero[0].1 < straight[0].1 - 0.01,
+        "starts from the trained weights: {zero:?} vs {straight:?}"
+    );
 }
 
 /// The NaN/Inf guard with sharded gradients (stage 2) and parameters (stage 3): each rank

@@ -16,7 +16,7 @@
 #   scale        c6 the production preset (8B dims, 4 layers, context 8192): tokens/s, peak
 #                   memory for activation checkpointing / loss chunking / zero stage variants
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
-#                   for zero stages 0, 1, 2 (fp32) and bf16
+#                   for zero stages 0, 1, 2, 3 (fp32) and bf16 (stages 0 and 3)
 #   all          all of them (more than one device command's 10 minutes: use the groups there)
 #   --dry-run    here, on the CPU, with tiny shapes: every check's logic runs (the device
 #                switched to the CPU; what needs a GPU is a SKIP that says so)
@@ -703,7 +703,8 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 # c8: two ranks against one: the same global batch (2 x 1 sequences vs 1 x 2) gives the same
-# losses, for each zero stage; on GPUs through NCCL, in the dry run through the TCP ring.
+# losses, for each zero stage (3: the NCCL all-gathers of each unit's parameters and the
+# per-unit reduce-scatters); on GPUs through NCCL, in the dry run through the TCP ring.
 if wants c8; then
   section "c8 two ranks against one"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -716,8 +717,9 @@ if wants c8; then
     for dt in fp32 bf16; do
       run_logged "c8-w1-$dt" 180 "$BIN" run "${W1[@]}" -- "${M[@]}" --set training.dtype=$dt --set training.batch_size=2 \
         --set logging.run_name="w1-$dt"
-      for z in 0 1 2; do
-        [ "$dt" = bf16 ] && [ "$z" != 0 ] && continue
+      for z in 0 1 2 3; do
+        # bf16 at stage 0 and at stage 3 (bf16 working weights gathered unit by unit).
+        [ "$dt" = bf16 ] && [ "$z" = 1 -o "$z" = 2 ] && continue
         time_for 30 "c8-w2-z$z-$dt" || break
         run_logged "c8-w2-z$z-$dt" 180 "$BIN" run "${W2[@]}" -- "${M[@]}" --set training.dtype=$dt \
           --set training.batch_size=1 --set system.zero_stage=$z --set logging.run_name="w2-z$z-$dt"

@@ -225,7 +225,10 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
         })?;
     }
     let staging = AtomicDir::begin(&out).with_context(|| {
-        format!("--hf {}: cannot start the export; choose a writable output path", out.display())
+        format!(
+            "--hf {}: cannot start the export; choose a writable output path",
+            out.display()
+        )
     })?;
     let from = Provenance {
         source: &source,

@@ -246,6 +246,8 @@ mod tests {
             assert_eq!(serde_json::from_value::<ZeroStage>(v).unwrap(), s);
         }
         assert!(serde_json::from_str::<ZeroStage>("4").is_err());
-        assert!(ZeroStage::Parameters.shards_gradients() && !ZeroStage::Optimizer.shards_gradients());
+        assert!(
+            ZeroStage::Parameters.shards_gradients() && !ZeroStage::Optimizer.shards_gradients()
+        );
     }
 }

@@ -175,21 +175,21 @@ impl Span {
         r: usize,
     ) -> impl Iterator<Item = (&'a SpanPiece, usize)> + 'a {
         let owned = layout.owned(r);
-        self.pieces
-            .iter()
-            .filter_map(move |p| {
-                owned
-                    .contains(&p.flat.start)
-                    .then(|| (p, p.flat.start - owned.start))
-            })
+        self.pieces.iter().filter_map(move |p| {
+            owned
+                .contains(&p.flat.start)
+                .then(|| (p, p.flat.start - owned.start))
+        })
     }
 }
 
 impl FlatLayout {
     /// The [`Span`] of the parameters at these positions in [`FlatLayout::params`].
     pub fn span(&self, members: &[usize]) -> Span {
-        let mut ranges: Vec<(usize, Range<usize>)> =
-            members.iter().map(|&i| (i, self.params[i].range())).collect();
+        let mut ranges: Vec<(usize, Range<usize>)> = members
+            .iter()
+            .map(|&i| (i, self.params[i].range()))
+            .collect();
         ranges.sort_by_key(|(_, r)| r.start);
         let mut pieces = Vec::new();
         let mut splits = vec![0; self.world];

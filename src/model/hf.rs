@@ -146,6 +146,26 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Copies every variable of `vs` from the directory's weights (converted to the variable's dtype).
 pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
+    let vars = vs.variables();
+    let wanted: Vec<(String, Vec<i64>)> = vars.iter().map(|(n, v)| (n.clone(), v.size())).collect();
+    read_weights(dir, &wanted, |name, src| {
+        let var = &vars[name];
+        tch::no_grad(|| {
+            var.shallow_clone()
+                .copy_(&src.to_kind(Kind::Float).to_device(var.device()))
+        });
+        Ok(())
+    })
+}
+
+/// Reads the directory's weights of `wanted` (name, shape), one tensor at a time in the order
+/// given, checking each shape, and hands each to `f` (as stored; on the CPU). A tied checkpoint
+/// has no lm_head: an untied model then starts from the embedding.
+pub fn read_weights(
+    dir: &Path,
+    wanted: &[(String, Vec<i64>)],
+    mut f: impl FnMut(&str, Tensor) -> Result<()>,
+) -> Result<()> {
     let files = weight_files(dir)?
         .iter()
         .map(|p| SafeFile::open(p))
@@ -156,44 +176,35 @@ pub fn load_weights(dir: &Path, vs: &VarStore) -> Result<()> {
             owner.insert(name, i);
         }
     }
-    let vars = vs.variables();
-    let mut missing: Vec<String> = Vec::new();
-    tch::no_grad(|| -> Result<()> {
-        for (name, var) in &vars {
-            let Some(&i) = owner.get(name) else {
-                missing.push(name.clone());
-                continue;
-            };
-            let src = files[i].tensor(name)?;
-            ensure!(
-                src.size() == var.size(),
-                "{}: tensor {name} has shape {:?}, the model expects {:?}; config.json and the weights disagree",
-                files[i].path().display(),
-                src.size(),
-                var.size()
-            );
-            var.shallow_clone()
-                .copy_(&src.to_kind(Kind::Float).to_device(var.device()));
-        }
-        Ok(())
-    })?;
-    // A tied checkpoint has no lm_head; an untied model may still start from it by copying.
-    if missing == ["lm_head.weight"] {
-        let i = owner["model.embed_tokens.weight"];
-        let src = files[i].tensor("model.embed_tokens.weight")?;
-        tch::no_grad(|| {
-            vars["lm_head.weight"]
-                .shallow_clone()
-                .copy_(&src.to_kind(Kind::Float))
-        });
-        missing.clear();
-    }
+    let source = |name: &str| match owner.get(name) {
+        Some(&i) => Some((i, name.to_string())),
+        None if name == "lm_head.weight" => owner
+            .get("model.embed_tokens.weight")
+            .map(|&i| (i, "model.embed_tokens.weight".to_string())),
+        None => None,
+    };
+    let missing: Vec<&str> = wanted
+        .iter()
+        .filter(|(n, _)| source(n).is_none())
+        .map(|(n, _)| n.as_str())
+        .collect();
     ensure!(
         missing.is_empty(),
         "model.model_path {}: weights are missing tensors the model needs: {}",
         dir.display(),
         missing.join(", ")
     );
+    for (name, shape) in wanted {
+        let (i, stored) = source(name).expect("checked above");
+        let src = files[i].tensor(&stored)?;
+        ensure!(
+            &src.size() == shape,
+            "{}: tensor {stored} has shape {:?}, the model expects {shape:?}; config.json and the weights disagree",
+            files[i].path().display(),
+            src.size(),
+        );
+        f(name, src)?;
+    }
     Ok(())
 }
 

@@ -83,58 +83,88 @@ impl KvCache {
     }
 }
 
-fn linear_weight(p: &Path, name: &str, out: usize, inp: usize, std: f64) -> Tensor {
-    (p / name).var(
-        "weight",
-        &[out as i64, inp as i64],
-        Init::Randn {
-            mean: 0.0,
-            stdev: std,
-        },
-    )
+/// Creates one parameter: `make(full name, shape, initialisation)` gives the tensor the model
+/// holds ([`init_parameter`] for the whole value; zero stage 3 an empty placeholder).
+pub type MakeParameter<'a> = dyn FnMut(&str, &[i64], Init) -> Tensor + 'a;
+
+/// A parameter's initial value (what `Llama::new` gives it), drawn from libtorch's global RNG.
+pub fn init_parameter(dims: &[i64], init: Init, device: tch::Device) -> Tensor {
+    tch::nn::init(init, dims, device)
 }
 
-fn norm_weight(p: &Path, name: &str, dim: usize) -> Tensor {
-    (p / name).var("weight", &[dim as i64], Init::Const(1.0))
+/// `<p>.<name>.weight`, made by `make` and registered in the VarStore as trainable.
+fn weight(p: &Path, name: &str, dims: &[i64], init: Init, make: &mut MakeParameter) -> Tensor {
+    let p = p / name;
+    let value = make(&p.path("weight"), dims, init);
+    p.add("weight", value, true)
+}
+
+fn linear_weight(
+    p: &Path,
+    name: &str,
+    (out, inp): (usize, usize),
+    std: f64,
+    make: &mut MakeParameter,
+) -> Tensor {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: std,
+    };
+    weight(p, name, &[out as i64, inp as i64], init, make)
+}
+
+fn norm_weight(p: &Path, name: &str, dim: usize, make: &mut MakeParameter) -> Tensor {
+    weight(p, name, &[dim as i64], Init::Const(1.0), make)
 }
 
 impl Llama {
     /// Creates the variables under `root` (normal(0, init_std) for matrices, ones for norms) and
     /// precomputes RoPE tables for `max_seq` positions.
     pub fn new(root: &Path, shape: &LlamaShape, max_seq: usize, compute: Kind) -> Llama {
+        let device = root.device();
+        Self::new_with(root, shape, max_seq, compute, &mut |_, dims, init| {
+            init_parameter(dims, init, device)
+        })
+    }
+
+    /// [`Llama::new`] with each parameter made by `make`, in creation order (the order of the
+    /// random draws of a fresh initialisation): zero stage 3 builds the model from empty
+    /// placeholders and initialises each rank's slices one parameter at a time, so no rank
+    /// ever holds the whole model.
+    pub fn new_with(
+        root: &Path,
+        shape: &LlamaShape,
+        max_seq: usize,
+        compute: Kind,
+        make: &mut MakeParameter,
+    ) -> Llama {
         let s = shape;
         let std = s.init_std;
         let (d, hd) = (s.hidden_size, s.head_dim());
+        let (h, kv, f) = (s.num_heads * hd, s.num_kv_heads * hd, s.intermediate_size);
         let model = root / "model";
-        let embed_tokens = (&model / "embed_tokens").var(
-            "weight",
-            &[s.vocab_size as i64, d as i64],
-            Init::Randn {
-                mean: 0.0,
-                stdev: std,
-            },
-        );
+        let embed_tokens = linear_weight(&model, "embed_tokens", (s.vocab_size, d), std, make);
         let layers = (0..s.num_layers)
             .map(|i| {
                 let l = &model / "layers" / i;
                 let attn = &l / "self_attn";
                 let mlp = &l / "mlp";
                 Layer {
-                    input_layernorm: norm_weight(&l, "input_layernorm", d),
-                    q_proj: linear_weight(&attn, "q_proj", s.num_heads * hd, d, std),
-                    k_proj: linear_weight(&attn, "k_proj", s.num_kv_heads * hd, d, std),
-                    v_proj: linear_weight(&attn, "v_proj", s.num_kv_heads * hd, d, std),
-                    o_proj: linear_weight(&attn, "o_proj", d, s.num_heads * hd, std),
-                    post_attention_layernorm: norm_weight(&l, "post_attention_layernorm", d),
-                    gate_proj: linear_weight(&mlp, "gate_proj", s.intermediate_size, d, std),
-                    up_proj: linear_weight(&mlp, "up_proj", s.intermediate_size, d, std),
-                    down_proj: linear_weight(&mlp, "down_proj", d, s.intermediate_size, std),
+                    input_layernorm: norm_weight(&l, "input_layernorm", d, make),
+                    q_proj: linear_weight(&attn, "q_proj", (h, d), std, make),
+                    k_proj: linear_weight(&attn, "k_proj", (kv, d), std, make),
+                    v_proj: linear_weight(&attn, "v_proj", (kv, d), std, make),
+                    o_proj: linear_weight(&attn, "o_proj", (d, h), std, make),
+                    post_attention_layernorm: norm_weight(&l, "post_attention_layernorm", d, make),
+                    gate_proj: linear_weight(&mlp, "gate_proj", (f, d), std, make),
+                    up_proj: linear_weight(&mlp, "up_proj", (f, d), std, make),
+                    down_proj: linear_weight(&mlp, "down_proj", (d, f), std, make),
                 }
             })
             .collect();
-        let norm = norm_weight(&model, "norm", d);
-        let lm_head =
-            (!s.tie_word_embeddings).then(|| linear_weight(root, "lm_head", s.vocab_size, d, std));
+        let norm = norm_weight(&model, "norm", d, make);
+        let lm_head = (!s.tie_word_embeddings)
+            .then(|| linear_weight(root, "lm_head", (s.vocab_size, d), std, make));
         let rope = Rope::new(hd, s.rope_theta, s.rope_scaling, max_seq, root.device());
         Llama {
             shape: s.clone(),

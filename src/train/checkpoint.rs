@@ -361,7 +361,10 @@ impl Files {
         let mut tensors = Vec::with_capacity(2 * mine.moments.len());
         let mut meta = HashMap::new();
         for piece in &mine.moments {
-            tensors.push((format!("{}.exp_avg", piece.name), piece.exp_avg.shallow_clone()));
+            tensors.push((
+                format!("{}.exp_avg", piece.name),
+                piece.exp_avg.shallow_clone(),
+            ));
             tensors.push((
                 format!("{}.exp_avg_sq", piece.name),
                 piece.exp_avg_sq.shallow_clone(),
@@ -372,14 +375,8 @@ impl Files {
             );
         }
         let meta = self.writers.sharded.then(|| {
-            meta.insert(
-                "lockstep.zero_stage".into(),
-                self.writers.stage.to_string(),
-            );
-            meta.insert(
-                "lockstep.world_size".into(),
-                self.writers.world.to_string(),
-            );
+            meta.insert("lockstep.zero_stage".into(), self.writers.stage.to_string());
+            meta.insert("lockstep.world_size".into(), self.writers.world.to_string());
             meta
         });
         let path = dir.join(self.optimizer_file());

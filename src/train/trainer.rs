@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use tch::nn::VarStore;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, Checkpointer, TrainerState};
 use super::eval::Validator;
@@ -28,9 +28,10 @@ use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
 use crate::config::{Config, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
-use crate::dist::forensics;
 use crate::dist::buckets::broadcast_parameters;
+use crate::dist::forensics;
 use crate::dist::ProcessGroup;
+use crate::model::llama::init_parameter;
 use crate::model::{hf, ActivationMemory, Llama, LlamaShape};
 use crate::sys::phase::{self, Phase};
 use crate::telemetry::memory::{gb, peak_rss_bytes};
@@ -116,36 +117,14 @@ impl<'a> Trainer<'a> {
         tch::manual_seed(cfg.system.seed as i64);
         let vs = VarStore::new(rank.device);
         let compute = setup::compute_kind(cfg, rank.device);
-        let mut model = Llama::new(&vs.root(), &shape, t.context_length, compute);
+        let (mut model, params, opt) = if cfg.system.zero_stage.shards_parameters() {
+            build_sharded(cfg, &shape, &vs, compute, &rank, pg)?
+        } else {
+            build_whole(cfg, &shape, &vs, compute, &rank, pg)?
+        };
+        let mut opt = opt.with_prefetch(cfg.system.prefetch_units);
         model.set_activation_memory(ActivationMemory::from_config(t));
-        if let Some(dir) = &cfg.model.model_path {
-            let path = crate::data::hub::resolve_model(dir)?;
-            hf::load_weights(&path, &vs)?;
-            println!(
-                "{} Loaded weights from {dir} ({}, {} layers)",
-                rank.tag,
-                path.display(),
-                shape.num_layers
-            );
-        }
-        let params = Llama::named_parameters(&vs);
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
-        // Every rank starts from rank 0's weights (fresh init or HF weights); a checkpoint
-        // below overwrites them identically on every rank.
-        let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-        broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
-        // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
-        // joined it into the ring's timeout naming that rank, rather than a hang later.
-        pg.barrier()?;
-        let mut opt = Optimizer::new(
-            &params,
-            AdamWParams::from_config(t),
-            cfg.system.zero_stage,
-            pg,
-            cfg.system.bucket_mb,
-            compute,
-        )
-        .with_prefetch(cfg.system.prefetch_units);
         let mut state = fresh_state(resolved, &shape, rank.topo.world);
         if let Some(dir) = &resume_dir {
             state = resume(dir, &shape, &mut opt, resolved, &rank)?;
@@ -269,9 +248,9 @@ impl<'a> Trainer<'a> {
             self.stragglers.check(step, &mut *self.pg)?;
             if self.checkpointer.due(step, last) {
                 phase::enter(Phase::Checkpoint);
-                let saved =
-                    self.checkpointer
-                        .save(&self.opt, &self.state, &mut *self.pg)?;
+                let saved = self
+                    .checkpointer
+                    .save(&self.opt, &self.state, &mut *self.pg)?;
                 if let Some(dir) = saved {
                     println!("{} Checkpoint saved: {}", self.rank.tag, dir.display());
                     summary.last_checkpoint = Some(dir);
@@ -329,12 +308,9 @@ impl<'a> Trainer<'a> {
                     ..self.state.clone()
                 };
                 let params = self.opt.full_parameters(&self.params, &mut *self.pg)?;
-                let dir = self.checkpointer.save_named(
-                    &name,
-                    &self.opt,
-                    &evidence,
-                    &mut *self.pg,
-                )?;
+                let dir =
+                    self.checkpointer
+                        .save_named(&name, &self.opt, &evidence, &mut *self.pg)?;
                 if let Some(dir) = dir {
                     let ev = guard::Evidence {
                         params: &params,
@@ -421,6 +397,112 @@ impl<'a> Trainer<'a> {
         );
         Ok(())
     }
+}
+
+/// The model and its optimizer at zero stages 0-2: every rank builds the whole model (fresh or
+/// from `model.model_path`), starts from rank 0's weights, and the optimizer takes its state
+/// from them.
+fn build_whole(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+) -> Result<(Llama, Vec<(String, Tensor)>, Optimizer)> {
+    let model = Llama::new(&vs.root(), shape, cfg.training.context_length, compute);
+    if let Some(dir) = &cfg.model.model_path {
+        let path = crate::data::hub::resolve_model(dir)?;
+        hf::load_weights(&path, vs)?;
+        loaded(rank, dir, &path, shape);
+    }
+    let params = Llama::named_parameters(vs);
+    // Every rank starts from rank 0's weights (fresh init or HF weights); a checkpoint later
+    // overwrites them identically on every rank.
+    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+    broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
+    // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
+    // joined it into the ring's timeout naming that rank, rather than a hang later.
+    pg.barrier()?;
+    let opt = Optimizer::new(
+        &params,
+        AdamWParams::from_config(&cfg.training),
+        cfg.system.zero_stage,
+        pg,
+        cfg.system.bucket_mb,
+        compute,
+    );
+    Ok((model, params, opt))
+}
+
+/// The model and its optimizer at zero stage 3, without any rank ever holding the whole model:
+/// the model's parameters are empty placeholders, and each parameter's value is made (drawn
+/// from the seeded RNG in `Llama::new`'s order, so every rank draws the same numbers as a
+/// replicated run, or read from `model.model_path`) one at a time, and only this rank's slice
+/// of it kept.
+fn build_sharded(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+) -> Result<(Llama, Vec<(String, Tensor)>, Optimizer)> {
+    let device = vs.device();
+    let mut made: Vec<(String, Vec<i64>, tch::nn::Init)> = Vec::new();
+    let model = Llama::new_with(
+        &vs.root(),
+        shape,
+        cfg.training.context_length,
+        compute,
+        &mut |name, dims, init| {
+            made.push((name.to_string(), dims.to_vec(), init));
+            Tensor::empty([0], (Kind::Float, device))
+        },
+    );
+    let params = Llama::named_parameters(vs);
+    let shapes = params
+        .iter()
+        .map(|(n, _)| {
+            made.iter()
+                .find(|(m, _, _)| m == n)
+                .map(|(_, dims, _)| dims.clone())
+                .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opt = Optimizer::with_shapes(
+        &params,
+        shapes,
+        AdamWParams::from_config(&cfg.training),
+        cfg.system.zero_stage,
+        pg,
+        cfg.system.bucket_mb,
+        compute,
+    );
+    match &cfg.model.model_path {
+        None => {
+            for (name, dims, init) in made {
+                opt.set_initial(&name, &init_parameter(&dims, init, device))?;
+            }
+        }
+        Some(dir) => {
+            let path = crate::data::hub::resolve_model(dir)?;
+            let wanted: Vec<(String, Vec<i64>)> =
+                made.into_iter().map(|(n, dims, _)| (n, dims)).collect();
+            hf::read_weights(&path, &wanted, |name, value| opt.set_initial(name, &value))?;
+            loaded(rank, dir, &path, shape);
+        }
+    }
+    Ok((model, params, opt))
+}
+
+fn loaded(rank: &Rank, dir: &str, path: &std::path::Path, shape: &LlamaShape) {
+    println!(
+        "{} Loaded weights from {dir} ({}, {} layers)",
+        rank.tag,
+        path.display(),
+        shape.num_layers
+    );
 }
 
 /// The data every rank maps. Local rank 0 prepares it (or finds the launcher's cache) first, so

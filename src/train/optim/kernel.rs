@@ -186,7 +186,10 @@ mod tests {
         let after = norm_of(sum_of_squares(&grads));
         assert!((after - 1.0).abs() < 1e-6, "{after}");
         clip_to(&grads, after, 10.0);
-        assert!((norm_of(sum_of_squares(&grads)) - after).abs() < 1e-12, "no scale-up");
+        assert!(
+            (norm_of(sum_of_squares(&grads)) - after).abs() < 1e-12,
+            "no scale-up"
+        );
     }
 
     /// The case libtorch's fp32 kernel gets wrong (FACTS.md): 12.9M elements of randn·1e-3

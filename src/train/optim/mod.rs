@@ -117,6 +117,22 @@ impl Optimizer {
         bucket_mb: f64,
         compute: Kind,
     ) -> Optimizer {
+        let shapes = params.iter().map(|(_, p)| p.size()).collect();
+        Self::with_shapes(params, shapes, hp, stage, pg, bucket_mb, compute)
+    }
+
+    /// [`Optimizer::new`] with the parameters' full shapes given: at stage 3 the parameters may
+    /// be empty placeholders (`Llama::new_with`), given their values one at a time by
+    /// [`Optimizer::set_initial`].
+    pub fn with_shapes(
+        params: &[(String, Tensor)],
+        shapes: Vec<Vec<i64>>,
+        hp: AdamWParams,
+        stage: ZeroStage,
+        pg: &dyn ProcessGroup,
+        bucket_mb: f64,
+        compute: Kind,
+    ) -> Optimizer {
         let named: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
@@ -128,8 +144,9 @@ impl Optimizer {
                 GradReducer::all_reduce(params, world, bucket_mb),
             ),
             _ => {
+                let rank_world = (pg.rank(), world);
                 let sharded =
-                    ShardedAdamW::new(named, hp, stage, (pg.rank(), world), bucket_mb, compute);
+                    ShardedAdamW::new(named, shapes, hp, stage, rank_world, bucket_mb, compute);
                 let reducer = match sharded.grad_slice() {
                     Some(slice) if stage.shards_gradients() => GradReducer::reduce_scatter(
                         params,
@@ -153,6 +170,15 @@ impl Optimizer {
     pub fn with_prefetch(mut self, units: usize) -> Optimizer {
         self.prefetch = units;
         self
+    }
+
+    /// Stage 3 built from placeholders: parameter `name`'s initial value (this rank keeps its
+    /// slice).
+    pub fn set_initial(&self, name: &str, full: &Tensor) -> Result<()> {
+        match &self.layout {
+            Layout::Sharded(o) if o.stage.shards_parameters() => o.set_initial(name, full),
+            _ => bail!("internal: initial values one at a time are for zero stage 3"),
+        }
     }
 
     pub fn stage(&self) -> ZeroStage {

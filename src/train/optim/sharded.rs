@@ -72,22 +72,36 @@ pub struct ShardedAdamW {
 }
 
 impl ShardedAdamW {
-    /// Shards `params` (fp32, identical on every rank, e.g. after the initial broadcast) over
-    /// `world` ranks. With a `working` dtype other than fp32 the parameters are converted in
-    /// place; at stage 3 they are emptied (their slices live on in `master`).
+    /// Shards `params` of full shapes `shapes` over `world` ranks. Whole parameters (fp32,
+    /// identical on every rank, e.g. after the initial broadcast) give the master slices their
+    /// values; at stage 3 the parameters may instead be empty placeholders whose values come
+    /// one at a time through [`ShardedAdamW::set_initial`]. With a `working` dtype other than
+    /// fp32 the parameters are converted in place; at stage 3 they are emptied (their slices
+    /// live on in `master`).
     pub fn new(
         params: Vec<(String, Tensor)>,
+        shapes: Vec<Vec<i64>>,
         hp: AdamWParams,
         stage: ZeroStage,
         (rank, world): (usize, usize),
         bucket_mb: f64,
         working: Kind,
     ) -> ShardedAdamW {
+        let numel = |s: &[i64]| s.iter().product::<i64>() as usize;
         let layout = FlatLayout::new(
             params
                 .iter()
-                .map(|(n, p)| (n.as_str(), p.numel(), decays(&p.size()))),
+                .zip(&shapes)
+                .map(|((n, _), s)| (n.as_str(), numel(s), decays(s))),
             world,
+        );
+        let whole = params
+            .iter()
+            .zip(&shapes)
+            .all(|((_, p), s)| p.numel() == numel(s));
+        assert!(
+            whole || stage.shards_parameters(),
+            "internal: stages 1 and 2 start from whole parameters"
         );
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let fp32 = working == Kind::Float;
@@ -123,17 +137,16 @@ impl ShardedAdamW {
             grad: (stage.shards_gradients() || !fp32).then(zeros),
             layout,
             rank,
-            shapes: params.iter().map(|(_, p)| p.size()).collect(),
+            shapes,
             params,
             working,
             device,
             units,
         };
-        if let Some(master) = &s.master {
+        if let (Some(master), true) = (&s.master, whole) {
             tch::no_grad(|| {
                 for piece in &s.pieces {
-                    s.slice_of(master, &piece.flat)
-                        .copy_(&s.param_piece(piece));
+                    s.slice_of(master, &piece.flat).copy_(&s.param_piece(piece));
                 }
             });
         }
@@ -356,11 +369,10 @@ impl ShardedAdamW {
         let own = |piece: &Piece| self.slice_of(slice, &piece.flat);
         self.gather(pg, Kind::Float, own, |piece, src| {
             let index = self.layout.params[piece.param].index;
-            let mut dst = full[index].view(-1).narrow(
-                0,
-                piece.local.start as i64,
-                piece.local.len() as i64,
-            );
+            let mut dst =
+                full[index]
+                    .view(-1)
+                    .narrow(0, piece.local.start as i64, piece.local.len() as i64);
             tch::no_grad(|| dst.copy_(src));
         })?;
         Ok(full)
@@ -406,7 +418,10 @@ impl ShardedAdamW {
                     .iter()
                     .map(|&i| {
                         let shape = &self.shapes[self.layout.params[i].index];
-                        (i, Tensor::zeros(shape.as_slice(), (Kind::Float, self.device)))
+                        (
+                            i,
+                            Tensor::zeros(shape.as_slice(), (Kind::Float, self.device)),
+                        )
                     })
                     .collect();
                 let own = |piece: &Piece| self.slice_of(master, &piece.flat);
@@ -471,6 +486,33 @@ impl ShardedAdamW {
             }
         }
         self.step = adam_step;
+        Ok(())
+    }
+
+    /// Stage 3 built from placeholders: parameter `name`'s initial (or loaded) full value, of
+    /// which this rank keeps the pieces it owns in its master slice.
+    pub fn set_initial(&self, name: &str, full: &Tensor) -> Result<()> {
+        let Some(at) = self.layout.params.iter().position(|p| p.name == name) else {
+            anyhow::bail!("internal: no parameter {name} to initialise");
+        };
+        let master = self.master.as_ref().expect("stage 3 keeps masters");
+        anyhow::ensure!(
+            full.size() == self.shapes[self.layout.params[at].index],
+            "{name}: value of shape {:?}, the model expects {:?}",
+            full.size(),
+            self.shapes[self.layout.params[at].index]
+        );
+        let flat = full.reshape(-1);
+        tch::no_grad(|| {
+            for piece in self.pieces.iter().filter(|p| p.param == at) {
+                self.slice_of(master, &piece.flat).copy_(
+                    &flat
+                        .narrow(0, piece.local.start as i64, piece.local.len() as i64)
+                        .to_kind(Kind::Float)
+                        .to_device(self.device),
+                );
+            }
+        });
         Ok(())
     }
 
