@@ -5,19 +5,19 @@
 # exposed reduction + optimizer, from the verbose timing line, after the first logged window),
 # the bytes rank 0 sent per step, and the medians. Full activation checkpointing (where stage 3
 # frees parameters between forward and backward).
-# usage: benches/zero3_cpu.sh [reps=3] [steps=10]
+# usage: benches/zero3_cpu.sh [reps=3] [steps=6]
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-3}
-steps=${2:-10}
+steps=${2:-6}
 cargo build --release --bin lockstep 2>/dev/null
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 ln -s "$ROOT/data" "$work/data"
 cd "$work"
 # name | overrides
 shapes=(
-  "tiny_b8_ctx256|"
-  "tiny_b8_accum4|--set training.batch_size=2 --set training.grad_accum_nums=4"
+  "tiny_b4_ctx128|--set training.batch_size=4 --set training.context_length=128"
+  "tiny_b1x4_ctx128|--set training.batch_size=1 --set training.grad_accum_nums=4 --set training.context_length=128"
 )
 # variant name | overrides
 variants=(
