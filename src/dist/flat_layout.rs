@@ -175,11 +175,11 @@ impl Span {
         r: usize,
     ) -> impl Iterator<Item = (&'a SpanPiece, usize)> + 'a {
         let owned = layout.owned(r);
-        self.pieces.iter().filter_map(move |p| {
-            owned
-                .contains(&p.flat.start)
-                .then(|| (p, p.flat.start - owned.start))
-        })
+        let start = owned.start;
+        self.pieces
+            .iter()
+            .filter(move |p| owned.contains(&p.flat.start))
+            .map(move |p| (p, p.flat.start - start))
     }
 }
 

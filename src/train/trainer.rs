@@ -117,7 +117,11 @@ impl<'a> Trainer<'a> {
         tch::manual_seed(cfg.system.seed as i64);
         let vs = VarStore::new(rank.device);
         let compute = setup::compute_kind(cfg, rank.device);
-        let (mut model, params, opt) = if cfg.system.zero_stage.shards_parameters() {
+        let Built {
+            mut model,
+            params,
+            opt,
+        } = if cfg.system.zero_stage.shards_parameters() {
             build_sharded(cfg, &shape, &vs, compute, &rank, pg)?
         } else {
             build_whole(cfg, &shape, &vs, compute, &rank, pg)?
@@ -399,6 +403,13 @@ impl<'a> Trainer<'a> {
     }
 }
 
+/// A model, its parameters by name, and their optimizer.
+struct Built {
+    model: Llama,
+    params: Vec<(String, Tensor)>,
+    opt: Optimizer,
+}
+
 /// The model and its optimizer at zero stages 0-2: every rank builds the whole model (fresh or
 /// from `model.model_path`), starts from rank 0's weights, and the optimizer takes its state
 /// from them.
@@ -409,7 +420,7 @@ fn build_whole(
     compute: Kind,
     rank: &Rank,
     pg: &mut dyn ProcessGroup,
-) -> Result<(Llama, Vec<(String, Tensor)>, Optimizer)> {
+) -> Result<Built> {
     let model = Llama::new(&vs.root(), shape, cfg.training.context_length, compute);
     if let Some(dir) = &cfg.model.model_path {
         let path = crate::data::hub::resolve_model(dir)?;
@@ -432,7 +443,7 @@ fn build_whole(
         cfg.system.bucket_mb,
         compute,
     );
-    Ok((model, params, opt))
+    Ok(Built { model, params, opt })
 }
 
 /// The model and its optimizer at zero stage 3, without any rank ever holding the whole model:
@@ -447,7 +458,7 @@ fn build_sharded(
     compute: Kind,
     rank: &Rank,
     pg: &mut dyn ProcessGroup,
-) -> Result<(Llama, Vec<(String, Tensor)>, Optimizer)> {
+) -> Result<Built> {
     let device = vs.device();
     let mut made: Vec<(String, Vec<i64>, tch::nn::Init)> = Vec::new();
     let model = Llama::new_with(
@@ -493,7 +504,7 @@ fn build_sharded(
             loaded(rank, dir, &path, shape);
         }
     }
-    Ok((model, params, opt))
+    Ok(Built { model, params, opt })
 }
 
 fn loaded(rank: &Rank, dir: &str, path: &std::path::Path, shape: &LlamaShape) {

@@ -91,7 +91,7 @@ pub trait StateSource {
 /// One of the two layouts.
 enum Layout {
     Replicated(AdamW),
-    Sharded(ShardedAdamW),
+    Sharded(Box<ShardedAdamW>),
 }
 
 /// AdamW, replicated (`system.zero_stage = 0`) or sharded (1-3, [`ShardedAdamW`]), with the
@@ -156,7 +156,7 @@ impl Optimizer {
                     ),
                     _ => GradReducer::all_reduce(params, world, bucket_mb),
                 };
-                (Layout::Sharded(sharded), reducer)
+                (Layout::Sharded(Box::new(sharded)), reducer)
             }
         };
         Optimizer {
