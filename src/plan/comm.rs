@@ -2,9 +2,9 @@
 //!
 //! Ring collectives: an all-reduce of S bytes sends 2·(N−1)/N·S per rank, a reduce-scatter or
 //! an all-gather (N−1)/N·S. Stage 0 all-reduces the fp32 gradients once per step; stage 1
-//! reduce-scatters them and all-gathers the updated working weights (compute dtype); stage 2
-//! reduce-scatters at every micro-batch (its gradients are sharded, so they cannot wait for the
-//! last one) and all-gathers once. Stage 3 keeps no full parameters: at every micro-batch each
+//! reduce-scatters them and all-gathers the updated working weights (compute dtype); so does
+//! stage 2, unit by unit during the last micro-batch's backward (the full gradients accumulate
+//! until then, train/optim/reduce.rs). Stage 3 keeps no full parameters: at every micro-batch each
 //! unit is all-gathered (compute dtype) before its forward and again before its backward — the
 //! final norm and the head unit once, as they stay gathered from their forward through their
 //! backward, and a tied embedding a third time as the head — and its fp32 gradients are
@@ -28,8 +28,7 @@ pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -
     let weights = s.compute_bytes() * params;
     match stage {
         ZeroStage::Replicated => 2.0 * f * grads,
-        ZeroStage::Optimizer => f * grads + f * weights,
-        ZeroStage::Gradients => l.grad_accum as f64 * f * grads + f * weights,
+        ZeroStage::Optimizer | ZeroStage::Gradients => f * grads + f * weights,
         ZeroStage::Parameters => {
             let micro_batches = l.grad_accum as f64;
             micro_batches * (f * s.compute_bytes() * gathered_per_pass(s) + f * grads)
@@ -121,6 +120,21 @@ mod tests {
             let rough = 3.0 * f * (2.0 * 2.0 * p + 4.0 * p);
             assert!((sent / rough - 1.0).abs() < 2.0 * v * d / p);
             assert_eq!(bytes_per_step(&s, &l, ZeroStage::Parameters, 1), 0.0);
+        }
+    }
+
+    #[test]
+    fn stage_2_reduce_scatters_once_per_step() {
+        let (s, l) = test_setting(
+            &["model.vocab_size=128256", "training.grad_accum_nums=4"],
+            8,
+        );
+        let p = s.shape.num_parameters() as f64;
+        let f = 7.0 / 8.0;
+        let expected = f * 4.0 * p + f * 2.0 * p;
+        for stage in [ZeroStage::Optimizer, ZeroStage::Gradients] {
+            let sent = bytes_per_step(&s, &l, stage, 8);
+            assert!((sent - expected).abs() < 1e-6 * expected, "{stage}");
         }
     }
 }
