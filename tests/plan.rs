@@ -1,5 +1,6 @@
 //! `lockstep plan`, `train`'s start check against it, and an allocation that fails in the
-//! middle of a run: the plan's numbers follow the zero-stage memory model, its advice fits when
+//! middle of a run: the plan's numbers follow the zero-stage memory model (stage 3 fitting
+//! Llama-3.1-70B on 64 GPUs of 80 GB where stages 0-2 cannot), its advice fits when
 //! applied, a config that cannot fit is refused before anything is prepared or allocated
 //! (exit 2), and an out-of-memory error names its phase without a panic (exit 1), leaving the
 //! last complete checkpoint as it was.
@@ -37,7 +38,7 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
     let params = p["model"]["parameters"].as_f64().unwrap();
     assert_eq!(params, 8_030_261_248.0, "Llama-3.1-8B");
     let layouts = p["layouts"].as_array().unwrap();
-    assert_eq!(layouts.len(), 9, "3 zero stages × 3 checkpointing modes");
+    assert_eq!(layouts.len(), 12, "4 zero stages × 3 checkpointing modes");
     let at = |stage: u64, mode: &str| {
         layouts
             .iter()
@@ -48,6 +49,7 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
             .unwrap()
     };
     let bytes = |l: &Value, k: &str| l["memory"][k].as_f64().unwrap();
+    let total = |l: &Value| l["total_bytes"].as_f64().unwrap();
     // Stage 0: fp32 weights and two moments, 12 bytes per parameter; the gradients, dropped
     // after each update, at the LM head's peak only the head's own (4 bytes × vocab × hidden),
     // at a decoder layer's backward all of them.
@@ -76,6 +78,42 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
     let s2 = at(2, "none");
     assert_eq!(bytes(s2, "gradients"), 4.0 * params / 8.0 + 2.0 * head);
     assert!(bytes(s2, "gradients") < 0.3 * 4.0 * params);
+    // Stage 3: no working weights between uses; the fp32 master, moment and gradient slices
+    // are stage 0's 16 bytes per parameter over the 8 ranks, up to what is in use: one unit's
+    // gradients with their send buffer, and the gathered units (in bf16: the unit in use, its
+    // buffer and one prefetched, and without full checkpointing every layer's matrices that
+    // its saved graph holds).
+    for mode in ["none", "selective", "full"] {
+        let s3 = at(3, mode);
+        assert_eq!(bytes(s3, "weights"), 0.0);
+        let slices = ["master_weights", "moments", "gradients"]
+            .iter()
+            .map(|k| bytes(s3, k))
+            .sum::<f64>();
+        assert!(
+            (slices - 2.0 * head - 16.0 * params / 8.0).abs() < 1.0,
+            "{mode}: {}",
+            s3["memory"]
+        );
+        assert!(bytes(s3, "gathered_units") > 0.0);
+        assert_eq!(bytes(at(2, mode), "gathered_units"), 0.0);
+    }
+    // A decoder layer: q, k, v, o (4096 × 128 × (32 + 32 + 8 + 8)), gate, up, down and two norms.
+    let layer = 41_943_040.0 + 3.0 * 4096.0 * 14336.0 + 2.0 * 4096.0;
+    let gathered = if at(3, "full")["memory"]["peak_during"] == "lm_head" {
+        2.0 * (head / 4.0 + 4096.0 + head / 4.0 + layer)
+    } else {
+        2.0 * 3.0 * layer
+    };
+    assert!((bytes(at(3, "full"), "gathered_units") - gathered).abs() < 1.0);
+    // 8 × 80 GB hold 8B at 8192 tokens at stage 3 with full or selective checkpointing, in less
+    // than stage 2 needs; without checkpointing every layer's gathered weights stay alive
+    // until its backward, as much as stage 2's bf16 weights: it fits no better.
+    for mode in ["selective", "full"] {
+        assert!(at(3, mode)["fits"].as_bool().unwrap(), "{mode}");
+        assert!(total(at(3, mode)) < total(at(2, mode)), "{mode}");
+    }
+    assert!(!at(3, "none")["fits"].as_bool().unwrap());
     for l in layouts {
         let total = l["total_bytes"].as_f64().unwrap();
         let parts: f64 = l["memory"]
@@ -91,7 +129,7 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
         assert_eq!(l["fits"].as_bool().unwrap(), total <= 80e9);
     }
     // Checkpointing only ever lowers the activations, and full keeps the least.
-    for stage in 0..3 {
+    for stage in 0..4 {
         let a = |m| bytes(at(stage, m), "activations");
         assert!(a("full") < a("selective") && a("selective") < a("none"));
     }
@@ -116,6 +154,109 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
     assert!(
         scaling[0]["efficiency"].as_f64().unwrap() > scaling[1]["efficiency"].as_f64().unwrap()
     );
+}
+
+/// Llama-3.1-70B's shape (untied, 128,256-id vocabulary) at context 8192, one sequence per
+/// GPU, full activation checkpointing.
+const LLAMA_70B: [&str; 18] = [
+    "--set",
+    "model.num_layers=80",
+    "--set",
+    "model.hidden_size=8192",
+    "--set",
+    "model.num_attention_heads=64",
+    "--set",
+    "model.num_key_value_heads=8",
+    "--set",
+    "model.intermediate_size=28672",
+    "--set",
+    "model.vocab_size=128256",
+    "--set",
+    "training.context_length=8192",
+    "--set",
+    "training.batch_size=1",
+    "--set",
+    "training.activation_checkpointing=full",
+];
+
+#[test]
+fn llama_70b_on_64_gpus_fits_at_stage_3_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_70B.to_vec();
+    args.extend(["--gpus", "64", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    let params = p["model"]["parameters"].as_f64().unwrap();
+    assert_eq!(params, 70_553_706_496.0, "Llama-3.1-70B");
+    let layouts = p["layouts"].as_array().unwrap();
+    for l in layouts {
+        let stage = l["layout"]["zero_stage"].as_u64().unwrap();
+        let full = l["layout"]["activation_checkpointing"] == "full";
+        // Stages 0-2 keep the whole model's weights on every rank (at least 2 bytes each).
+        assert_eq!(
+            l["fits"].as_bool().unwrap(),
+            stage == 3 && full,
+            "stage {stage} {}: {}",
+            l["layout"]["activation_checkpointing"],
+            l["total_bytes"]
+        );
+    }
+    // The configured stage 0 does not fit; the cheapest change is stage 3 alone.
+    assert!(!p["fits"].as_bool().unwrap());
+    assert_eq!(
+        p["advice"]["sets"],
+        serde_json::json!(["system.zero_stage=3"])
+    );
+
+    let mut at_3 = args.clone();
+    at_3.extend(["--set", "system.zero_stage=3"]);
+    let q = plan_json(tmp.path(), &at_3);
+    assert!(q["fits"].as_bool().unwrap(), "{}", q["configured"]);
+    assert_eq!(q["configured"]["total_bytes"], p["advice"]["total_bytes"]);
+    // Communication per rank and step at stage 3: the parameters all-gathered in bf16 for the
+    // forward and again for the backward (the final norm and the LM head once: they stay
+    // gathered through their backward), and the fp32 gradients reduce-scattered.
+    let f = 63.0 / 64.0;
+    let (d, v) = (8192.0, 128_256.0);
+    let gathers = f * 2.0 * (2.0 * params - d - v * d);
+    let scatter = f * 4.0 * params;
+    let sent = q["comm_bytes_per_step"][3].as_f64().unwrap();
+    assert!((sent - (gathers + scatter)).abs() < 1e-3, "{sent}");
+    // The step time: the FLOPs at 40% of the peak, then the communication over the
+    // inter-node link (64 ranks span 8 nodes).
+    let flops = &q["flops_per_token"];
+    let compute = 8192.0
+        * (flops["model"].as_f64().unwrap() + flops["recomputed"].as_f64().unwrap())
+        / (q["peak_flops"].as_f64().unwrap() * q["mfu"].as_f64().unwrap());
+    let comm = sent / q["inter_node_bandwidth"].as_f64().unwrap();
+    let step = q["step_seconds"].as_f64().unwrap();
+    assert!((step - (compute + comm)).abs() < 1e-9 * step, "{step}");
+    assert_eq!(q["configured"]["step_seconds"], q["step_seconds"]);
+
+    // Every micro-batch gathers and reduce-scatters again.
+    let mut accumulated = at_3.clone();
+    accumulated.extend(["--set", "training.grad_accum_nums=2"]);
+    let r = plan_json(tmp.path(), &accumulated);
+    let twice = r["comm_bytes_per_step"][3].as_f64().unwrap();
+    assert!((twice - 2.0 * sent).abs() < 1e-3, "{twice}");
+    assert_eq!(
+        r["configured"]["total_bytes"],
+        q["configured"]["total_bytes"]
+    );
+
+    // The text names the gathered units and stage 3's communication.
+    let mut a = vec!["plan".to_string()];
+    a.extend(at_3.iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &a);
+    for part in [
+        "zero stage 3 (1 + 1 prefetched = 2 unit gathers in flight)",
+        "  gathered units ",
+        "2 unit buffers (the one in use + 1 prefetched)",
+        ", stage 3 553.54 GB",
+        "  3 ",
+        "Fits: ",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
 }
 
 #[test]

@@ -9,6 +9,7 @@
 use serde::Serialize;
 
 use super::{estimate, Layout, Setting};
+use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
 /// A layout to switch to, and what it would cost.
@@ -51,8 +52,12 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     .into_iter()
     .filter(|m| strength(*m) >= strength(current.activation_checkpointing))
     .collect();
-    let stages: Vec<usize> = if s.world > 1 {
-        (current.zero_stage..=2).collect()
+    // Sharding only saves memory across ranks: alone, a rank keeps the stage it has.
+    let stages: Vec<ZeroStage> = if s.world > 1 {
+        ZeroStage::ALL
+            .into_iter()
+            .filter(|z| *z >= current.zero_stage)
+            .collect()
     } else {
         vec![current.zero_stage]
     };
@@ -153,4 +158,34 @@ pub fn smallest(s: &Setting, current: &Layout) -> Change {
         })
         .min_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes))
         .expect("the current layout is a candidate")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_setting;
+    use super::*;
+
+    #[test]
+    fn stages_go_up_to_3_across_ranks_and_stay_alone() {
+        let stages = |world: usize, stage: usize| {
+            let (s, l) = test_setting(
+                &[
+                    "model.vocab_size=128256",
+                    &format!("system.zero_stage={stage}"),
+                ],
+                world,
+            );
+            let mut v: Vec<usize> = candidates(&s, &l)
+                .iter()
+                .map(|c| c.zero_stage.number())
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        assert_eq!(stages(8, 0), [0, 1, 2, 3]);
+        assert_eq!(stages(8, 2), [2, 3]);
+        assert_eq!(stages(1, 0), [0]);
+        assert_eq!(stages(1, 3), [3]);
+    }
 }

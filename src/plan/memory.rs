@@ -20,25 +20,46 @@
 //! The LM head keeps the final-normed hidden states and their gradient (2 × 4·d per token) and,
 //! per chunk of C tokens, one fp32 [C, V] buffer (the logits, then their gradient in place),
 //! plus their bf16 form with bf16 compute.
+//!
+//! Zero stage 3 (`train/optim/sharded.rs`) keeps no working parameters between uses: a rank
+//! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute
+//! dtype), the moments and the fp32 gradient slice [P/N] each. A unit (a decoder layer, the
+//! embedding, the final norm, the LM head) is all-gathered in the compute dtype into a buffer
+//! of the unit's size before each use, copied into full parameter tensors and freed after the
+//! use; the gathers of the next `system.prefetch_units` units are in flight meanwhile. Its
+//! "gathered units" term counts, at the peak: the buffer of the unit in use (counted although it
+//! is freed once copied: the copy happens with every kept activation alive), its materialised
+//! parameters (at an LM-head chunk the final norm and the head unit together), the buffers in
+//! flight (the next units in backward order: decoder layers, then the embedding), and with
+//! checkpointing none or selective the gathered weights that the autograd graph saved in each
+//! layer's forward (its matrices, or its attention matrices) and keeps until that layer's
+//! backward: only full checkpointing frees a layer's parameters between forward and backward.
 
 use serde::Serialize;
 
 use super::{Device, Layout, Setting};
+use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
 /// Bytes per rank, by what holds them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Memory {
     /// The parameters the forward reads (fp32 at stage 0, where they are also the master copy;
-    /// in the compute dtype at stages 1 and 2).
+    /// in the compute dtype at stages 1 and 2; none kept at stage 3, see `gathered_units`).
     pub weights: f64,
-    /// fp32 master weights: this rank's shard at stages 1 and 2 with bf16 compute.
+    /// fp32 master weights: this rank's shard at stages 1 and 2 with bf16 compute, and at
+    /// stage 3 with any compute dtype (there the parameters' only persistent copy).
     pub master_weights: f64,
-    /// AdamW's two fp32 moments (this rank's shard at stages 1 and 2).
+    /// AdamW's two fp32 moments (this rank's shard at stages 1 to 3).
     pub moments: f64,
     /// fp32 gradients alive at the peak (they are dropped after each update and build up during
-    /// backward; at stage 2 this rank's slice on top).
+    /// backward; at stages 2 and 3 this rank's slice, one unit's and their send buffer).
     pub gradients: f64,
+    /// Stage 3: parameters all-gathered for use, in the compute dtype: the unit in use (its
+    /// buffer and its parameters), the gathers in flight ahead of it, and with checkpointing
+    /// none or selective the weights each layer's saved autograd graph holds until its
+    /// backward. Zero at stages 0 to 2.
+    pub gathered_units: f64,
     /// What the decoder layers keep for backward (per the checkpointing mode), the layer being
     /// recomputed, and the gradients flowing between layers.
     pub activations: f64,
@@ -71,18 +92,20 @@ impl Memory {
             + self.master_weights
             + self.moments
             + self.gradients
+            + self.gathered_units
             + self.activations
             + self.logits
             + self.workspace
     }
 
     /// (name, bytes) in the order of the report.
-    pub fn parts(&self) -> [(&'static str, f64); 7] {
+    pub fn parts(&self) -> [(&'static str, f64); 8] {
         [
             ("weights", self.weights),
             ("master weights", self.master_weights),
             ("moments", self.moments),
             ("gradients", self.gradients),
+            ("gathered units", self.gathered_units),
             ("activations", self.activations),
             ("logits", self.logits),
             ("workspace", self.workspace),
@@ -145,10 +168,22 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
     let bf16 = c < 4.0;
     let world = s.world.max(1) as f64;
     let stage = l.zero_stage;
-    let shard = |bytes: f64| if stage >= 1 { bytes / world } else { bytes };
+    let gathering = stage.shards_parameters();
+    let shard = |bytes: f64| {
+        if stage.shards_optimizer() {
+            bytes / world
+        } else {
+            bytes
+        }
+    };
 
-    let weights = if stage == 0 { 4.0 } else { c } * m.params;
-    let master_weights = if stage >= 1 && bf16 {
+    let weights = match stage {
+        ZeroStage::Replicated => 4.0 * m.params,
+        ZeroStage::Optimizer | ZeroStage::Gradients => c * m.params,
+        ZeroStage::Parameters => 0.0,
+    };
+    // With fp32 compute at stages 1 and 2 the working parameters are their own masters.
+    let master_weights = if gathering || (stage.shards_optimizer() && bf16) {
         4.0 * m.params / world
     } else {
         0.0
@@ -158,15 +193,16 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
     // Gradients are dropped after every update (set to none), so during a step's backward they
     // build up unit by unit: at the LM head only the head's own exists (none when it is the
     // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient
-    // until the update; stage 2 reduce-scatters each unit as backward leaves it and drops it,
-    // so it holds its fp32 slice, one unit's gradients and their send buffer (train/reduce.rs).
+    // until the update; stages 2 and 3 reduce-scatter each unit as backward leaves it and drop
+    // it, so they hold the fp32 slice, one unit's gradients and their send buffer
+    // (train/optim/reduce.rs).
     let head_gradient = if s.shape.tie_word_embeddings {
         0.0
     } else {
         4.0 * m.vocab * m.d
     };
     let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
-    let all_gradients = if stage >= 2 {
+    let all_gradients = if stage.shards_gradients() {
         4.0 * m.params / world + 2.0 * 4.0 * largest_unit
     } else {
         4.0 * m.params
@@ -198,9 +234,9 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         ActivationCheckpointing::Selective => (m.layers * (input + attention), mlp),
     };
     // bf16 casts of the fp32 weights that autograd keeps until the layer's backward (at
-    // stages 1 and 2 the working weights are bf16 already): kept for every layer whose graph
+    // stages 1 to 3 the working weights are bf16 already): kept for every layer whose graph
     // is kept, for the recomputed part of one layer otherwise.
-    let (casts_kept, casts_working) = if bf16 && stage == 0 {
+    let (casts_kept, casts_working) = if bf16 && stage == ZeroStage::Replicated {
         let (a, f) = (2.0 * m.attn_params, 2.0 * m.mlp_params);
         match l.activation_checkpointing {
             ActivationCheckpointing::None => (m.layers * (a + f), 0.0),
@@ -224,14 +260,25 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
     // gradient comes after the head and the layers have freed theirs: not part of the peak.
     let head_temp = match (bf16, stage) {
         (false, _) => 0.0,
-        (true, 0) => 4.0 * m.vocab * m.d,
+        (true, ZeroStage::Replicated) => 4.0 * m.vocab * m.d,
         (true, _) => 2.0 * m.vocab * m.d,
     };
-    // The kept activations live through both the head and the layers' backward; the peak is
-    // the larger of the two phases' own buffers.
-    let head_peak = head_logits + head_temp >= layer_phase;
+    let gathered = if gathering {
+        gathered_at_stage_3(s, l, &m)
+    } else {
+        Gathered::default()
+    };
+    // The kept activations (and at stage 3 the weights their graphs hold) live through both
+    // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
+    let head_peak = head_logits + head_temp + gathered.head >= layer_phase + gathered.layer;
     let activations = n * kept + casts_kept + if head_peak { 0.0 } else { layer_phase };
-    let gradients = if head_peak && stage < 2 {
+    let gathered_units = gathered.saved
+        + if head_peak {
+            gathered.head
+        } else {
+            gathered.layer
+        };
+    let gradients = if head_peak && !stage.shards_gradients() {
         head_gradient
     } else {
         all_gradients
@@ -241,7 +288,13 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         Device::Cpu => CPU_RUNTIME_BYTES,
         Device::Cuda => CUDA_RUNTIME_BYTES,
     };
-    let buckets = if s.world > 1 { 2.0 * bucket } else { 0.0 };
+    // Stage 3 has no bucketed collective in a step: its gathers and reduce-scatters go a unit at
+    // a time, their buffers counted above.
+    let buckets = if s.world > 1 && !gathering {
+        2.0 * bucket
+    } else {
+        0.0
+    };
     // glibc serves allocations below its mmap threshold (raised dynamically up to 32 MiB)
     // from its arenas and keeps the freed blocks there: while a layer's [tokens, FFN] tensors
     // are that small, the churn of its backward leaves about as much again in holes
@@ -258,6 +311,7 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         master_weights,
         moments,
         gradients,
+        gathered_units,
         activations,
         logits,
         workspace,
@@ -266,5 +320,188 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         } else {
             PeakPhase::DecoderBackward
         },
+    }
+}
+
+/// Stage 3's gathered parameters (bytes) at each of the two moments the peak can be, and those
+/// the saved autograd graphs hold through both.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Gathered {
+    /// At an LM-head chunk: the head unit's buffer, the final norm and the head unit
+    /// materialised, the gathers in flight for the next units (the last decoder layers).
+    head: f64,
+    /// At the last decoder layer's backward: its buffer and its parameters, the gathers in
+    /// flight for the layers below it (then the embedding).
+    layer: f64,
+    /// With checkpointing none or selective: the weights of every layer that its forward's graph
+    /// saved (all its matrices, or its attention matrices), alive until that layer's backward.
+    saved: f64,
+}
+
+/// The units in elements: a decoder layer is its matrices and its two norms; the head unit (the
+/// LM head, or the embedding when tied) and the embedding are [vocab, d]; the final norm [d].
+/// A pass uses them in the order of `Llama::unit_order`: the embedding, the layers, the final
+/// norm and the head unit, then in backward the layers from the last and the embedding, each
+/// gather issued `system.prefetch_units` units before its use.
+fn gathered_at_stage_3(s: &Setting, l: &Layout, m: &Dims) -> Gathered {
+    let c = s.compute_bytes();
+    let layer = m.attn_params + m.mlp_params + 2.0 * m.d;
+    let embedding = m.vocab * m.d;
+    let head = m.vocab * m.d;
+    let final_norm = m.d;
+    // The gathers in flight while a unit is in use, with `layers` decoder layers and then the
+    // embedding still to come in the backward.
+    let ahead = |layers: f64| {
+        let p = s.prefetch_units as f64;
+        p.min(layers) * layer + if p > layers { embedding } else { 0.0 }
+    };
+    let saved = match l.activation_checkpointing {
+        ActivationCheckpointing::None => m.layers * (m.attn_params + m.mlp_params),
+        ActivationCheckpointing::Selective => m.layers * m.attn_params,
+        ActivationCheckpointing::Full => 0.0,
+    };
+    // A unit in use: its buffer and its parameters; the final norm stays with the head.
+    Gathered {
+        head: c * (2.0 * head + final_norm + ahead(m.layers)),
+        layer: c * (2.0 * layer + ahead((m.layers - 1.0).max(0.0))),
+        saved: c * saved,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_setting;
+    use super::*;
+
+    /// Equal up to rounding (the terms are summed in different orders).
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    /// Llama-3.1-8B's dimensions with 8 layers and its 128,256-id vocabulary, bf16, 8 ranks at
+    /// zero stage 3, plus `extra`.
+    fn stage_3(extra: &[&str]) -> (Setting, Layout) {
+        let mut sets = vec![
+            "model.num_layers=8",
+            "model.vocab_size=128256",
+            "system.zero_stage=3",
+        ];
+        sets.extend(extra);
+        test_setting(&sets, 8)
+    }
+
+    /// Elements of one decoder layer (matrices and two norms) of that shape.
+    fn layer(s: &Setting) -> f64 {
+        let sh = &s.shape;
+        (sh.attention_matrix_params() + sh.mlp_matrix_params() + 2 * sh.hidden_size) as f64
+    }
+
+    #[test]
+    fn stage_3_keeps_slices_of_masters_moments_and_gradients_and_the_units_in_use() {
+        let (s, l) = stage_3(&["training.activation_checkpointing=full"]);
+        let m = estimate(&s, &l);
+        let p = s.shape.num_parameters() as f64;
+        let (d, v) = (4096.0, 128_256.0);
+        assert_eq!(m.weights, 0.0, "no working copy between uses");
+        assert!(close(m.master_weights, 4.0 * p / 8.0));
+        assert!(close(m.moments, 8.0 * p / 8.0));
+        // The slice, and one unit's gradients with their fp32 send buffer (the largest unit:
+        // the untied LM head or embedding).
+        assert!(close(m.gradients, 4.0 * p / 8.0 + 2.0 * 4.0 * v * d));
+        // bf16: the unit in use, its buffer and one prefetched unit's (a decoder layer).
+        let expected = match m.peak_during {
+            PeakPhase::LmHead => 2.0 * (v * d + d + v * d + layer(&s)),
+            PeakPhase::DecoderBackward => 2.0 * 3.0 * layer(&s),
+        };
+        assert!(close(m.gathered_units, expected), "{m:?}");
+        assert!(close(m.total(), m.parts().iter().map(|(_, b)| b).sum()));
+        // Stage 2 of the same layout keeps bf16 working weights of the whole model instead.
+        let two = estimate(
+            &s,
+            &Layout {
+                zero_stage: ZeroStage::Gradients,
+                ..l
+            },
+        );
+        assert_eq!(two.gathered_units, 0.0);
+        assert!(close(two.weights - m.gathered_units, 2.0 * p - expected));
+        assert!(m.total() < two.total());
+    }
+
+    #[test]
+    fn every_prefetched_unit_is_one_more_buffer_in_flight() {
+        let mut previous: Option<Memory> = None;
+        for p in 0..4 {
+            let prefetch = format!("system.prefetch_units={p}");
+            let (s, l) = stage_3(&["training.activation_checkpointing=full", &prefetch]);
+            let m = estimate(&s, &l);
+            if let Some(before) = previous {
+                assert_eq!(m.peak_during, before.peak_during);
+                assert!(close(
+                    m.gathered_units - before.gathered_units,
+                    2.0 * layer(&s)
+                ));
+            }
+            previous = Some(m);
+        }
+        // Ahead of the last decoder layer's backward: the other 7 layers, then the embedding,
+        // and nothing after it.
+        let (s, l) = stage_3(&["system.prefetch_units=100"]);
+        let g = gathered_at_stage_3(&s, &l, &Dims::of(&s));
+        let (d, v) = (4096.0, 128_256.0);
+        assert!(close(
+            g.layer,
+            2.0 * (2.0 * layer(&s) + 7.0 * layer(&s) + v * d)
+        ));
+        assert!(close(
+            g.head,
+            2.0 * (2.0 * v * d + d + 8.0 * layer(&s) + v * d)
+        ));
+    }
+
+    #[test]
+    fn only_full_checkpointing_frees_the_gathered_weights_between_forward_and_backward() {
+        let sh = |s: &Setting| {
+            (
+                s.shape.attention_matrix_params() as f64,
+                s.shape.mlp_matrix_params() as f64,
+            )
+        };
+        let mut phases = Vec::new();
+        for (mode, saved) in [
+            ("none", (1.0, 1.0)),
+            ("selective", (1.0, 0.0)),
+            ("full", (0.0, 0.0)),
+        ] {
+            let (s, l) = stage_3(&[&format!("training.activation_checkpointing={mode}")]);
+            let g = gathered_at_stage_3(&s, &l, &Dims::of(&s));
+            let (a, f) = sh(&s);
+            assert!(
+                close(g.saved, 2.0 * 8.0 * (saved.0 * a + saved.1 * f)),
+                "{mode}"
+            );
+            phases.push((g.head, g.layer));
+            let m = estimate(&s, &l);
+            let at_peak = match m.peak_during {
+                PeakPhase::LmHead => g.head,
+                PeakPhase::DecoderBackward => g.layer,
+            };
+            assert!(close(m.gathered_units, g.saved + at_peak), "{mode}");
+        }
+        assert!(phases.windows(2).all(|w| w[0] == w[1]));
+    }
+
+    #[test]
+    fn stages_0_to_2_gather_nothing() {
+        for stage in 0..3 {
+            let (s, l) = test_setting(
+                &[
+                    "model.vocab_size=128256",
+                    &format!("system.zero_stage={stage}"),
+                ],
+                8,
+            );
+            assert_eq!(estimate(&s, &l).gathered_units, 0.0);
+        }
     }
 }

@@ -9,8 +9,13 @@
 //! figures in BENCHMARKS.md). The zero-stage terms follow DESIGN.md's "Sharded data
 //! parallelism": stage 0 holds fp32 weights, gradients and two moments (16 B/param); stage 1
 //! shards the moments and, with bf16 compute, keeps bf16 working weights plus an fp32 master
-//! shard; stage 2 also shards the gradients. Gradients are fp32 at every stage, as the
-//! buckets reduce them today.
+//! shard; stage 2 also shards the gradients; stage 3 also shards the parameters, so that a rank
+//! keeps 16 B/param over N ranks (fp32 master, moment and gradient slices) plus the units it
+//! has all-gathered for use (`system.prefetch_units` ahead of the one in use, and with
+//! checkpointing none or selective the weights each layer's autograd graph holds until its
+//! backward), and at every micro-batch sends two all-gathers of the parameters in the compute
+//! dtype (before the forward and again before the backward) and one fp32 reduce-scatter of the
+//! gradients. Gradients are fp32 at every stage, as the buckets reduce them today.
 //! Step time is FLOPs over an assumed utilisation of the device's peak, and communication is
 //! the ring algorithm's bandwidth term over stated link speeds: both are stated in the output
 //! as assumptions, because they are.
@@ -23,7 +28,7 @@ pub mod report;
 
 use serde::Serialize;
 
-use crate::config::Config;
+use crate::config::{Config, ZeroStage};
 use crate::model::{ActivationCheckpointing, LlamaShape};
 
 pub use advice::Change;
@@ -49,6 +54,9 @@ pub struct Setting {
     pub world: usize,
     /// `system.bucket_mb` in bytes.
     pub bucket_bytes: f64,
+    /// `system.prefetch_units`: at zero stage 3, units whose all-gather runs ahead of the one
+    /// in use.
+    pub prefetch_units: usize,
     /// Memory one rank may use (bytes), and where that figure came from.
     pub budget: f64,
     pub budget_source: String,
@@ -90,6 +98,7 @@ impl Setting {
             device: t.device,
             world: t.world.max(1),
             bucket_bytes: cfg.system.bucket_mb * 1e6,
+            prefetch_units: cfg.system.prefetch_units,
             budget: t.budget.0,
             budget_source: t.budget.1,
             peak_flops,
@@ -113,7 +122,8 @@ impl Setting {
 /// The knobs that trade memory for time: what the advice may change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Layout {
-    pub zero_stage: usize,
+    /// A number in JSON, as in the config.
+    pub zero_stage: ZeroStage,
     pub activation_checkpointing: ActivationCheckpointing,
     pub loss_chunk_tokens: usize,
     /// Sequences per micro-batch and micro-batches per step.
@@ -125,7 +135,7 @@ impl Layout {
     pub fn from_config(cfg: &Config) -> Layout {
         let t = &cfg.training;
         Layout {
-            zero_stage: cfg.system.zero_stage.number(),
+            zero_stage: cfg.system.zero_stage,
             activation_checkpointing: t.activation_checkpointing,
             loss_chunk_tokens: t.loss_chunk_tokens,
             batch: t.batch_size,
@@ -225,4 +235,28 @@ pub fn estimate(s: &Setting, l: &Layout) -> Estimate {
 /// Bytes as GB with two decimals (the unit of the memory line and of `system.memory_budget_gb`).
 pub fn gb(bytes: f64) -> String {
     format!("{:.2} GB", bytes / 1e9)
+}
+
+/// A setting and layout for unit tests: the production preset with `sets`, planned for `world`
+/// CUDA ranks of 80 GB. `sets` must give `model.vocab_size` (no tokenizer is loaded).
+#[cfg(test)]
+pub(crate) fn test_setting(sets: &[&str], world: usize) -> (Setting, Layout) {
+    let cfg = crate::config::resolve(&crate::config::Sources {
+        sets: sets.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    })
+    .expect("a valid config")
+    .config;
+    let setting = Setting::new(
+        &cfg,
+        shape(&cfg).expect("a shape"),
+        Target {
+            device: Device::Cuda,
+            world,
+            budget: (80e9, "test".into()),
+            mfu: 0.4,
+            cpu_threads: 1,
+        },
+    );
+    (setting, Layout::from_config(&cfg))
 }

@@ -6,7 +6,9 @@ use serde::Serialize;
 
 use super::advice::{self, Change};
 use super::comm::{self, Scaling};
+use super::memory::PeakPhase;
 use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
+use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
 /// World sizes of the scaling table.
@@ -36,7 +38,9 @@ pub struct Report {
     pub tokens_per_second: f64,
     pub tokens_per_second_total: f64,
     /// Bytes one rank sends per step at each zero stage (index = stage) among `ranks`.
-    pub comm_bytes_per_step: [f64; 3],
+    pub comm_bytes_per_step: [f64; 4],
+    /// `system.prefetch_units`: at zero stage 3, unit gathers issued ahead of the unit in use.
+    pub prefetch_units: usize,
     pub intra_node_bandwidth: f64,
     pub inter_node_bandwidth: f64,
     pub node_size: usize,
@@ -63,7 +67,7 @@ pub struct ModelSummary {
 pub fn build(s: &Setting, l: &Layout) -> Report {
     let configured = estimate(s, l);
     let mut layouts = Vec::new();
-    for zero_stage in 0..=2 {
+    for zero_stage in ZeroStage::ALL {
         for activation_checkpointing in [
             ActivationCheckpointing::None,
             ActivationCheckpointing::Selective,
@@ -110,7 +114,8 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         step_seconds: configured.step_seconds,
         tokens_per_second: tokens / configured.step_seconds,
         tokens_per_second_total: tokens * s.world as f64 / configured.step_seconds,
-        comm_bytes_per_step: [0, 1, 2].map(|z| comm::bytes_per_step(s, l, z, s.world)),
+        comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
+        prefetch_units: s.prefetch_units,
         intra_node_bandwidth: s.intra_bw,
         inter_node_bandwidth: s.inter_bw,
         node_size: s.node_size,
@@ -126,25 +131,50 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     }
 }
 
-fn what(name: &str, s: &Setting, l: &Layout) -> String {
+fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
     let chunk = match l.loss_chunk_tokens {
         0 => "one chunk of the micro-batch".to_string(),
         c => format!("chunks of {} tokens", c.min(l.batch * s.context)),
     };
+    let dtype = if s.bf16 { "bf16" } else { "fp32" };
+    let stage = l.zero_stage;
     match name {
-        "weights" if l.zero_stage == 0 => "fp32 parameters (also the master copy)".into(),
-        "weights" => format!(
-            "{} working parameters",
-            if s.bf16 { "bf16" } else { "fp32" }
-        ),
-        "master weights" if l.zero_stage >= 1 && s.bf16 => "fp32 shard of this rank".into(),
+        "weights" if stage == ZeroStage::Replicated => {
+            "fp32 parameters (also the master copy)".into()
+        }
+        "weights" if stage.shards_parameters() => {
+            "none kept between uses: gathered a unit at a time".into()
+        }
+        "weights" => format!("{dtype} working parameters"),
+        "master weights" if stage.shards_parameters() => {
+            "fp32 shard of this rank, the parameters' only persistent copy".into()
+        }
+        "master weights" if stage.shards_optimizer() && s.bf16 => "fp32 shard of this rank".into(),
         "master weights" => "none separate".into(),
-        "moments" if l.zero_stage >= 1 => "AdamW m and v, fp32, this rank's shard".into(),
+        "moments" if stage.shards_optimizer() => "AdamW m and v, fp32, this rank's shard".into(),
         "moments" => "AdamW m and v, fp32".into(),
-        "gradients" if l.zero_stage >= 2 => {
-            "fp32 shard + one bucket + the largest unit in flight".into()
+        "gradients" if stage.shards_gradients() => {
+            "fp32 shard + the largest unit's gradients and their send buffer".into()
         }
         "gradients" => "fp32".into(),
+        "gathered units" => {
+            let in_use = match peak {
+                PeakPhase::LmHead => "final norm + LM head",
+                PeakPhase::DecoderBackward => "layer",
+            };
+            let saved = match l.activation_checkpointing {
+                ActivationCheckpointing::None => ", every layer's matrices held by its graph",
+                ActivationCheckpointing::Selective => {
+                    ", every layer's attention matrices held by its graph"
+                }
+                ActivationCheckpointing::Full => "",
+            };
+            format!(
+                "{dtype}: {} unit buffers (the one in use + {} prefetched), the {in_use} in use{saved}",
+                1 + s.prefetch_units,
+                s.prefetch_units
+            )
+        }
         "activations" => format!(
             "{}, {} layers × {} tokens",
             match l.activation_checkpointing {
@@ -166,10 +196,14 @@ fn what(name: &str, s: &Setting, l: &Layout) -> String {
                 super::Device::Cpu => "libtorch runtime, allocator slack".to_string(),
                 super::Device::Cuda => "CUDA context".to_string(),
             };
-            if s.bf16 {
-                w.push_str(", bf16 LM-head weight and gradient");
+            if s.bf16 && peak == PeakPhase::LmHead {
+                w.push_str(if stage == ZeroStage::Replicated {
+                    ", bf16 LM-head weight and gradient"
+                } else {
+                    ", a chunk's bf16 LM-head gradient"
+                });
             }
-            if s.world > 1 {
+            if s.world > 1 && !stage.shards_parameters() {
                 w.push_str(", two gradient buckets");
             }
             w
@@ -201,7 +235,7 @@ pub fn text(r: &Report, s: &Setting) -> String {
     };
     let _ = writeln!(
         o,
-        "Layout: {} {device}{} | {} compute | micro-batch {} × {} tokens × {} accumulation | zero stage {} | activation checkpointing {} | loss chunks {}",
+        "Layout: {} {device}{} | {} compute | micro-batch {} × {} tokens × {} accumulation | zero stage {}{} | activation checkpointing {} | loss chunks {}",
         r.ranks,
         if r.ranks == 1 { "" } else { "s" },
         r.compute_dtype,
@@ -209,6 +243,15 @@ pub fn text(r: &Report, s: &Setting) -> String {
         r.context_length,
         l.grad_accum,
         l.zero_stage,
+        if l.zero_stage.shards_parameters() {
+            format!(
+                " (1 + {} prefetched = {} unit gathers in flight)",
+                r.prefetch_units,
+                1 + r.prefetch_units
+            )
+        } else {
+            String::new()
+        },
         l.activation_checkpointing,
         match l.loss_chunk_tokens {
             0 => "off".to_string(),
@@ -219,15 +262,19 @@ pub fn text(r: &Report, s: &Setting) -> String {
         o,
         "\nPer-rank peak memory (during a micro-batch's backward, {}):",
         match r.configured.memory.peak_during {
-            super::memory::PeakPhase::LmHead => "at an LM-head chunk",
-            super::memory::PeakPhase::DecoderBackward => "at a decoder layer's backward",
+            PeakPhase::LmHead => "at an LM-head chunk",
+            PeakPhase::DecoderBackward => "at a decoder layer's backward",
         }
     );
+    let peak = r.configured.memory.peak_during;
     for (name, bytes) in r.configured.memory.parts() {
+        if name == "gathered units" && !l.zero_stage.shards_parameters() {
+            continue;
+        }
         let note = if name == "logits" && bytes == 0.0 {
             "below the peak: a decoder layer's backward needs more".to_string()
         } else {
-            what(name, s, l)
+            what(name, s, l, peak)
         };
         let _ = writeln!(o, "  {name:<15} {:>10}   {note}", gb(bytes));
     }
@@ -247,8 +294,8 @@ pub fn text(r: &Report, s: &Setting) -> String {
         "  zero stage {:>12}{:>12}{:>12}",
         "none", "selective", "full"
     );
-    for stage in 0..=2 {
-        let _ = write!(o, "  {stage:<10} ");
+    for stage in ZeroStage::ALL {
+        let _ = write!(o, "  {:<10} ", stage.number());
         for e in r.layouts.iter().filter(|e| e.layout.zero_stage == stage) {
             let _ = write!(
                 o,
@@ -280,12 +327,13 @@ pub fn text(r: &Report, s: &Setting) -> String {
     );
     let _ = writeln!(
         o,
-        "Communication per step per rank among {} rank{} (ring; fp32 gradients): stage 0 {}, stage 1 {}, stage 2 {}",
+        "Communication per step per rank among {} rank{} (ring; fp32 gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
         r.ranks,
         if r.ranks == 1 { "" } else { "s" },
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
-        gb(r.comm_bytes_per_step[2])
+        gb(r.comm_bytes_per_step[2]),
+        gb(r.comm_bytes_per_step[3])
     );
     let _ = writeln!(
         o,
@@ -350,7 +398,7 @@ pub fn advice_text(r: &Report) -> String {
             c.slowdown * 100.0
         ),
         (None, Some(c)) => format!(
-            "No layout fits: even {} needs {}. Use more ranks (zero stages 1 and 2 shard the optimizer state across them), a shorter training.context_length, or a smaller model.",
+            "No layout fits: even {} needs {}. Use more ranks (zero stages 1 to 3 shard the optimizer state, then the gradients, then the parameters across them), a shorter training.context_length, or a smaller model.",
             if c.sets.is_empty() {
                 "the current layout".to_string()
             } else {
