@@ -229,9 +229,10 @@ pub fn text(r: &Report, s: &Setting) -> String {
         m.vocab_size,
         if m.tied_embeddings { ", tied" } else { "" }
     );
-    let device = match r.device {
-        super::Device::Cpu => "CPU process",
-        super::Device::Cuda => "GPU",
+    let device = match (r.device, r.ranks) {
+        (super::Device::Cpu, 1) => "CPU process",
+        (super::Device::Cpu, _) => "CPU processe",
+        (super::Device::Cuda, _) => "GPU",
     };
     let _ = writeln!(
         o,
