@@ -100,7 +100,8 @@ fn main() {
         &SingleProcess,
         25.0,
         Kind::Float,
-    );
+    )
+    .expect("a replicated optimizer");
     let mut guard = Guard::new(
         &config::resolve(&Sources::default())
             .unwrap()

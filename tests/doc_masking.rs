@@ -181,7 +181,8 @@ fn packed_documents_match_transformers_on_separate_sequences() {
         &SingleProcess,
         25.0,
         tch::Kind::Float,
-    );
+    )
+    .unwrap();
     opt.zero_grad();
     let training = config::resolve(&Sources::default())
         .unwrap()

@@ -135,7 +135,8 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
         &SingleProcess,
         25.0,
         Kind::Float,
-    );
+    )
+    .unwrap();
     opt.zero_grad();
     // The trainer's own step: forward/backward, norm, guard, clip(1.0), fused AdamW.
     let mut guard = Guard::new(

@@ -242,6 +242,91 @@ fn stage_3_trains_like_stage_0_with_accumulation_bf16_and_every_checkpointing_mo
     compare("bf16, tied", &train(2, 3, &bf16), &train(2, 2, &bf16));
 }
 
+/// Hybrid sharding on 4 ranks in 2 shard groups of 2 (`system.shard_degree = 2`): at stages
+/// 1, 2 and 3 the same training as stage 0 on the 4 ranks (gradients reduce-scattered inside a
+/// group, then averaged across the groups), within 1e-6; the checkpoint is written by the
+/// first group alone (2 optimizer files) and resumes on 2 ranks without hybrid sharding.
+#[test]
+fn hybrid_sharding_trains_like_stage_0_and_its_checkpoint_resumes_elsewhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &[],
+        &[
+            "--set",
+            "training.learning_rate=3e-4",
+            "--set",
+            "training.min_lr=3e-5",
+            "--set",
+            "training.max_grad_norm=1.0",
+            "--set",
+            "training.batch_size=2",
+        ],
+    );
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let train = |world: usize, stage: usize, degree: usize, extra: &[&str]| -> Finished {
+        let name = format!("w{world}-s{stage}-d{degree}");
+        let mut tail = vec![
+            "--max-steps".to_string(),
+            "5".into(),
+            "--set".into(),
+            format!("system.zero_stage={stage}"),
+            "--set".into(),
+            format!("system.shard_degree={degree}"),
+            "--set".into(),
+            format!("logging.run_name={name}"),
+        ];
+        tail.extend(extra.iter().map(|s| s.to_string()));
+        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+        let nproc = world.to_string();
+        ok(dir, &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail));
+        let run = dir.join("runs").join(name);
+        let ckpt = run.join("checkpoints/step_5");
+        (losses(&run.join("metrics.jsonl")), weights(&ckpt), moments(&ckpt))
+    };
+    let zero = train(4, 0, 0, &[]);
+    for stage in [1, 2, 3] {
+        let hybrid = train(4, stage, 2, &[]);
+        compare(&format!("stage {stage}, 2 groups of 2"), &hybrid, &zero);
+        let ckpt = dir.join(format!("runs/w4-s{stage}-d2/checkpoints/step_5"));
+        let optimizer_files = std::fs::read_dir(&ckpt)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_str().unwrap().starts_with("optimizer-")
+            })
+            .count();
+        assert_eq!(optimizer_files, 2, "stage {stage}: the first group writes");
+    }
+    // The stage-3 hybrid checkpoint continues on 2 ranks at stage 1 (batch 4 per rank: the
+    // same global batch), on the same losses as the 4-rank stage-0 run continued.
+    let ckpt = dir.join("runs/w4-s3-d2/checkpoints/step_5");
+    let ckpt = ckpt.to_str().unwrap();
+    let resume = |world: usize, stage: usize, batch: &str| {
+        let name = format!("resumed-w{world}-s{stage}");
+        let tail = [
+            "--set",
+            &format!("system.zero_stage={stage}"),
+            "--set",
+            batch,
+            "--set",
+            &format!("logging.run_name={name}"),
+            "--resume",
+            ckpt,
+            "--max-steps",
+            "7",
+        ];
+        let nproc = world.to_string();
+        ok(dir, &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail));
+        losses(&dir.join("runs").join(name).join("metrics.jsonl"))
+    };
+    let two = resume(2, 1, "training.batch_size=4");
+    let four = resume(4, 0, "training.batch_size=2");
+    assert_eq!(two.first().map(|s| s.0), Some(6));
+    close_losses(&two, &four, 1e-5);
+}
+
 /// The optimizer state of each rank is 1/N of stage 0's: in the files it writes and in the
 /// memory line it prints. At stage 3 the parameters are too: between steps no full parameter
 /// is left, and the fp32 slice (the master) is 1/N of stage 0's parameters.

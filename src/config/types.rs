@@ -107,6 +107,7 @@ pub struct SystemConfig {
     pub collective_timeout_s: u64,
     pub bucket_mb: f64,
     pub zero_stage: ZeroStage,
+    pub shard_degree: usize,
     pub prefetch_units: usize,
     pub overlap_comm: bool,
     pub memory_check: MemoryCheck,

@@ -119,6 +119,48 @@ pub trait ProcessGroup: Send {
     fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
         through_host(t, |buf| self.all_gather_f32(buf, splits))
     }
+
+    /// A group of some of this group's ranks: `members` (ranks of this group, ascending, this
+    /// rank among them; its rank there is its position). Formed collectively: every rank calls
+    /// it the same number of times in the same order, each naming its own subgroup's members
+    /// and a `tag` that no other subgroup shares (hybrid sharding's "shard1", "replica0").
+    fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
+        let _ = (members, tag);
+        anyhow::bail!("this process group cannot form subgroups")
+    }
+}
+
+/// A subgroup that collectives of the communication thread and of the caller share (one at a
+/// time: the lock is uncontended, the thread runs one job after another).
+pub type SharedGroup = std::sync::Arc<std::sync::Mutex<Box<dyn ProcessGroup>>>;
+
+/// Runs `f` on `sub` where there is one, else on `pg`.
+pub fn on_group<T>(
+    sub: Option<&SharedGroup>,
+    pg: &mut dyn ProcessGroup,
+    f: impl FnOnce(&mut dyn ProcessGroup) -> Result<T>,
+) -> Result<T> {
+    match sub {
+        Some(g) => {
+            let mut g = g
+                .lock()
+                .map_err(|_| anyhow::anyhow!("a subgroup's collective panicked earlier"))?;
+            f(&mut **g)
+        }
+        None => f(pg),
+    }
+}
+
+/// This rank's position among `members`, checked.
+pub(crate) fn position_in(members: &[usize], rank: usize, tag: &str) -> Result<usize> {
+    anyhow::ensure!(
+        members.windows(2).all(|w| w[0] < w[1]),
+        "internal: subgroup {tag}: members {members:?} not ascending"
+    );
+    members
+        .iter()
+        .position(|&r| r == rank)
+        .ok_or_else(|| anyhow::anyhow!("internal: rank {rank} is not in subgroup {tag} {members:?}"))
 }
 
 /// Rank `r`'s range of a buffer cut into `splits`.
@@ -234,6 +276,11 @@ impl ProcessGroup for SingleProcess {
 
     fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
         check_splits(t.numel(), splits, 1)
+    }
+
+    fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
+        position_in(members, 0, tag)?;
+        Ok(Box::new(SingleProcess))
     }
 }
 

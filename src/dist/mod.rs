@@ -36,7 +36,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 pub use env::DistEnv;
-pub use group::{ProcessGroup, SingleProcess};
+pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
 

@@ -2,15 +2,17 @@
 //!
 //! Ring collectives: an all-reduce of S bytes sends 2·(N−1)/N·S per rank, a reduce-scatter or
 //! an all-gather (N−1)/N·S. Stage 0 all-reduces the fp32 gradients once per step; stage 1
-//! reduce-scatters them and all-gathers the updated working weights (compute dtype); so does
-//! stage 2, unit by unit during the last micro-batch's backward (the full gradients accumulate
-//! until then, train/optim/reduce.rs). Stage 3 keeps no full parameters: at every micro-batch each
+//! all-reduces them too and all-gathers the updated working weights (compute dtype); stage 2
+//! reduce-scatters them instead, unit by unit during the last micro-batch's backward (the full
+//! gradients accumulate until then, train/optim/reduce.rs), and all-gathers the weights. Stage 3 keeps no full parameters: at every micro-batch each
 //! unit is all-gathered (compute dtype) before its forward and again before its backward — the
 //! final norm and the head unit once, as they stay gathered from their forward through their
 //! backward, and a tied embedding a third time as the head — and its fp32 gradients are
 //! reduce-scattered; nothing is gathered after the update. Only the bandwidth term is counted:
 //! with 25 MB buckets the per-message latency is small next to it up to a few dozen ranks, and
-//! NCCL switches to trees beyond.
+//! NCCL switches to trees beyond. Hybrid sharding (`system.shard_degree`) runs all of this
+//! inside a shard group and adds an all-reduce of the gradient slices across the groups
+//! ([`traffic`]).
 
 use serde::Serialize;
 
@@ -19,21 +21,42 @@ use crate::config::ZeroStage;
 
 /// Bytes one rank sends per step at `stage` among `world` ranks.
 pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> f64 {
+    let (inside, across) = traffic(s, l, stage, world);
+    inside + across
+}
+
+/// Bytes one rank sends per step: (inside its shard group, across the shard groups). Without
+/// hybrid sharding the shard group is the world and everything counts as inside. With it
+/// (`system.shard_degree` = S < N), the reduce-scatters and all-gathers run inside the group
+/// and the gradient slice (4P/S) is all-reduced across the N/S groups.
+pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64, f64) {
     if world <= 1 {
-        return 0.0;
+        return (0.0, 0.0);
     }
     let params = s.shape.num_parameters() as f64;
-    let f = (world as f64 - 1.0) / world as f64;
+    let shard = s.shard_ranks(world);
+    let ring = |n: usize| (n as f64 - 1.0) / n as f64;
+    let (f, fw) = (ring(shard), ring(world));
     let grads = 4.0 * params;
     let weights = s.compute_bytes() * params;
-    match stage {
-        ZeroStage::Replicated => 2.0 * f * grads,
-        ZeroStage::Optimizer | ZeroStage::Gradients => f * grads + f * weights,
+    let replicas = world / shard;
+    let across = if replicas > 1 && stage.shards_gradients() {
+        2.0 * ring(replicas) * grads / shard as f64
+    } else {
+        0.0
+    };
+    let inside = match stage {
+        ZeroStage::Replicated => 2.0 * fw * grads,
+        // Stage 1 all-reduces the full gradients over every rank (train/optim/reduce.rs), as
+        // stage 0 does, then all-gathers the updated slices (BENCHMARKS §7 measures both).
+        ZeroStage::Optimizer => 2.0 * fw * grads + f * weights,
+        ZeroStage::Gradients => f * grads + f * weights,
         ZeroStage::Parameters => {
             let micro_batches = l.grad_accum as f64;
             micro_batches * (f * s.compute_bytes() * gathered_per_pass(s) + f * grads)
         }
-    }
+    };
+    (inside, across)
 }
 
 /// Stage 3: parameters (elements) one micro-batch's forward and backward all-gather: every
@@ -58,9 +81,12 @@ pub fn bandwidth(s: &Setting, world: usize) -> f64 {
     }
 }
 
-/// Seconds of communication per step at the layout's stage among `world` ranks.
+/// Seconds of communication per step at the layout's stage among `world` ranks: the shard
+/// group's collectives at its own links' speed (a node's, when it fits in one), the traffic
+/// across groups at the world's.
 pub fn seconds_per_step(s: &Setting, l: &Layout, world: usize) -> f64 {
-    bytes_per_step(s, l, l.zero_stage, world) / bandwidth(s, world)
+    let (inside, across) = traffic(s, l, l.zero_stage, world);
+    inside / bandwidth(s, s.shard_ranks(world)) + across / bandwidth(s, world)
 }
 
 /// Weak scaling (same per-rank batch) at one world size.
@@ -123,18 +149,50 @@ mod tests {
         }
     }
 
+    /// Stage 1 all-reduces the full gradients (as stage 0) and all-gathers the bf16 weights;
+    /// stage 2 reduce-scatters once per step (on the last micro-batch) and all-gathers.
     #[test]
-    fn stage_2_reduce_scatters_once_per_step() {
+    fn stages_1_and_2_send_their_reductions_once_per_step() {
         let (s, l) = test_setting(
             &["model.vocab_size=128256", "training.grad_accum_nums=4"],
             8,
         );
         let p = s.shape.num_parameters() as f64;
         let f = 7.0 / 8.0;
-        let expected = f * 4.0 * p + f * 2.0 * p;
-        for stage in [ZeroStage::Optimizer, ZeroStage::Gradients] {
+        let stage_1 = 2.0 * f * 4.0 * p + f * 2.0 * p;
+        let stage_2 = f * 4.0 * p + f * 2.0 * p;
+        for (stage, expected) in [
+            (ZeroStage::Optimizer, stage_1),
+            (ZeroStage::Gradients, stage_2),
+        ] {
             let sent = bytes_per_step(&s, &l, stage, 8);
             assert!((sent - expected).abs() < 1e-6 * expected, "{stage}");
         }
+    }
+
+    /// Hybrid sharding: 64 ranks in groups of 8 shard inside the group (ring of 8) and
+    /// all-reduce the gradient slice across the 8 groups; per-rank memory is that of 8 ranks.
+    #[test]
+    fn hybrid_sharding_moves_the_slices_across_groups() {
+        let (mut s, l) = test_setting(&["model.vocab_size=128256"], 64);
+        let p = s.shape.num_parameters() as f64;
+        let whole = bytes_per_step(&s, &l, ZeroStage::Gradients, 64);
+        s.shard_degree = 8;
+        let (inside, across) = traffic(&s, &l, ZeroStage::Gradients, 64);
+        let f = 7.0 / 8.0;
+        assert!((inside - (f * 4.0 * p + f * 2.0 * p)).abs() < 1e-6 * inside);
+        assert!((across - 2.0 * f * 4.0 * p / 8.0).abs() < 1e-6 * across);
+        let mut l2 = l.clone();
+        l2.zero_stage = ZeroStage::Gradients;
+        // More bytes in all, but most of them over a node's links instead of the network.
+        assert!(inside + across > whole);
+        let hybrid_s = seconds_per_step(&s, &l2, 64);
+        let mut flat = s.clone();
+        flat.shard_degree = 0;
+        assert!(hybrid_s < 0.5 * seconds_per_step(&flat, &l2, 64), "{hybrid_s}");
+        let (t, _) = test_setting(&["model.vocab_size=128256"], 8);
+        let eight = super::super::memory::estimate(&t, &l2).total();
+        let hybrid = super::super::memory::estimate(&s, &l2).total();
+        assert!((hybrid - eight).abs() < 1e-6 * eight, "{hybrid} vs {eight}");
     }
 }

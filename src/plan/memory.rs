@@ -166,7 +166,8 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
     let m = Dims::of(s);
     let c = s.compute_bytes();
     let bf16 = c < 4.0;
-    let world = s.world.max(1) as f64;
+    // Sharded state is divided among the shard group (all ranks, or system.shard_degree).
+    let world = s.shard_ranks(s.world).max(1) as f64;
     let stage = l.zero_stage;
     let gathering = stage.shards_parameters();
     let shard = |bytes: f64| {

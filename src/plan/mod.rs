@@ -57,6 +57,8 @@ pub struct Setting {
     /// `system.prefetch_units`: at zero stage 3, units whose all-gather runs ahead of the one
     /// in use.
     pub prefetch_units: usize,
+    /// `system.shard_degree`: ranks that shard one copy of the state (0 = all of them).
+    pub shard_degree: usize,
     /// Memory one rank may use (bytes), and where that figure came from.
     pub budget: f64,
     pub budget_source: String,
@@ -87,6 +89,15 @@ pub struct Target {
 }
 
 impl Setting {
+    /// Ranks that shard one copy of the state among `world` ranks: all of them, or the
+    /// hybrid-sharding group size (`system.shard_degree`).
+    pub fn shard_ranks(&self, world: usize) -> usize {
+        match self.shard_degree {
+            0 => world,
+            d => d.min(world),
+        }
+    }
+
     pub fn new(cfg: &Config, shape: LlamaShape, t: Target) -> Setting {
         let bf16 = bf16_compute(cfg, t.device);
         let (peak_flops, peak_source) = budget::peak_flops(t.device, bf16, t.cpu_threads);
@@ -99,6 +110,7 @@ impl Setting {
             world: t.world.max(1),
             bucket_bytes: cfg.system.bucket_mb * 1e6,
             prefetch_units: cfg.system.prefetch_units,
+            shard_degree: cfg.system.shard_degree,
             budget: t.budget.0,
             budget_source: t.budget.1,
             peak_flops,

@@ -41,6 +41,8 @@ pub struct Report {
     pub comm_bytes_per_step: [f64; 4],
     /// `system.prefetch_units`: at zero stage 3, unit gathers issued ahead of the unit in use.
     pub prefetch_units: usize,
+    /// Ranks that shard one copy of the state (the world, or `system.shard_degree`).
+    pub shard_ranks: usize,
     pub intra_node_bandwidth: f64,
     pub inter_node_bandwidth: f64,
     pub node_size: usize,
@@ -116,6 +118,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         tokens_per_second_total: tokens * s.world as f64 / configured.step_seconds,
         comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
         prefetch_units: s.prefetch_units,
+        shard_ranks: s.shard_ranks(s.world),
         intra_node_bandwidth: s.intra_bw,
         inter_node_bandwidth: s.inter_bw,
         node_size: s.node_size,
@@ -244,15 +247,27 @@ pub fn text(r: &Report, s: &Setting) -> String {
         r.context_length,
         l.grad_accum,
         l.zero_stage,
-        if l.zero_stage.shards_parameters() {
-            format!(
-                " (1 + {} prefetched = {} unit gathers in flight)",
-                r.prefetch_units,
-                1 + r.prefetch_units
-            )
-        } else {
-            String::new()
-        },
+        [
+            if l.zero_stage.shards_parameters() {
+                format!(
+                    " (1 + {} prefetched = {} unit gathers in flight)",
+                    r.prefetch_units,
+                    1 + r.prefetch_units
+                )
+            } else {
+                String::new()
+            },
+            if r.shard_ranks < r.ranks {
+                format!(
+                    ", hybrid: sharded in groups of {}, replicated across {}",
+                    r.shard_ranks,
+                    r.ranks / r.shard_ranks
+                )
+            } else {
+                String::new()
+            },
+        ]
+        .concat(),
         l.activation_checkpointing,
         match l.loss_chunk_tokens {
             0 => "off".to_string(),

@@ -223,7 +223,6 @@ fn save(
     let mine = opt.state(pg)?;
     let files = Files {
         writers: opt.writers(),
-        rank: pg.rank(),
     };
     let written = files.write_rank(&AtomicDir::staging_of(&dest), &mine);
     if let Err(e) = agree(pg, written) {
@@ -316,7 +315,6 @@ fn agree(pg: &mut dyn ProcessGroup, mine: Result<()>) -> Result<()> {
 /// parameter, and one optimizer file per rank.
 struct Files {
     writers: Writers,
-    rank: usize,
 }
 
 impl Files {
@@ -337,26 +335,27 @@ impl Files {
         format!("model-{:05}-of-{:05}.safetensors", i + 1, writers.len())
     }
 
-    fn optimizer_file(&self) -> String {
+    fn optimizer_file(&self, rank: usize) -> String {
         if !self.writers.sharded {
             return "optimizer.safetensors".into();
         }
         format!(
             "optimizer-{:05}-of-{:05}.safetensors",
-            self.rank + 1,
+            rank + 1,
             self.writers.world
         )
     }
 
-    /// This rank's model file (if it writes any parameter) and its optimizer file.
+    /// This rank's model file (if it writes any parameter) and its optimizer file, if it
+    /// writes at all.
     fn write_rank(&self, dir: &Path, mine: &RankState) -> Result<()> {
+        let Some(rank) = self.writers.this else {
+            return Ok(());
+        };
         if !mine.weights.is_empty() {
-            let path = dir.join(self.model_file(self.rank));
+            let path = dir.join(self.model_file(rank));
             tensor_io::save(&path, &mine.weights, Some(format_metadata()))?;
             crate::sys::durable::sync_file(&path)?;
-        }
-        if mine.moments.is_empty() && !self.writers.sharded {
-            return Ok(());
         }
         let mut tensors = Vec::with_capacity(2 * mine.moments.len());
         let mut meta = HashMap::new();
@@ -379,7 +378,7 @@ impl Files {
             meta.insert("lockstep.world_size".into(), self.writers.world.to_string());
             meta
         });
-        let path = dir.join(self.optimizer_file());
+        let path = dir.join(self.optimizer_file(rank));
         tensor_io::save(&path, &tensors, meta)?;
         crate::sys::durable::sync_file(&path)
     }

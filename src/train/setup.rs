@@ -134,6 +134,45 @@ pub fn dist_backend(cfg: &Config, device: Device) -> Result<Backend> {
     })
 }
 
+/// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank
+/// together, shard groups first; None when one group shards across all ranks.
+pub fn hybrid_groups(
+    cfg: &Config,
+    pg: &mut dyn crate::dist::ProcessGroup,
+) -> Result<Option<crate::train::optim::Hybrid>> {
+    use std::sync::{Arc, Mutex};
+    let (world, rank) = (pg.world_size(), pg.rank());
+    let degree = match cfg.system.shard_degree {
+        0 => world,
+        d => d,
+    };
+    anyhow::ensure!(
+        degree <= world && world.is_multiple_of(degree),
+        "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
+         ranks of one node), or be 0 for all ranks"
+    );
+    if degree == world {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        cfg.system.zero_stage.shards_optimizer(),
+        "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
+         system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
+         system.shard_degree = 0"
+    );
+    let index = rank / degree;
+    let shard: Vec<usize> = (index * degree..(index + 1) * degree).collect();
+    let shard = pg.subgroup(&shard, &format!("shard{index}"))?;
+    let position = rank % degree;
+    let replica: Vec<usize> = (0..world / degree).map(|g| g * degree + position).collect();
+    let replica = pg.subgroup(&replica, &format!("replica{position}"))?;
+    Ok(Some(crate::train::optim::Hybrid {
+        shard: Arc::new(Mutex::new(shard)),
+        replica: Arc::new(Mutex::new(replica)),
+        index,
+    }))
+}
+
 /// The dtype the matmuls run in (`training.dtype`; master weights stay fp32).
 pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
     if cfg.training.dtype.is_bf16(device.is_cuda()) {

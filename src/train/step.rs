@@ -123,6 +123,7 @@ pub fn train_step(
 
     let t = Instant::now();
     phase::enter(Phase::Reduce);
+    opt.finish_reduction()?;
     let (loss, stop_requested) = agree(pg, passes.local_loss)?;
     if let NanInjection::Gradient(name) = &plan.inject {
         opt.poison_gradient(name);

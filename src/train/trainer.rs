@@ -19,7 +19,7 @@ use super::faults::{self, Faults};
 use super::fit;
 use super::guard::{self, Event, Guard, NanAbort};
 use super::loader::{Loader, SourceTokens};
-use super::optim::{AdamWParams, Optimizer, Schedule};
+use super::optim::{AdamWParams, Optimizer, Schedule, Sharding};
 use super::preempt;
 use super::recorder::Recorder;
 use super::rundir::RunDir;
@@ -435,14 +435,14 @@ fn build_whole(
     // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
     // joined it into the ring's timeout naming that rank, rather than a hang later.
     pg.barrier()?;
-    let opt = Optimizer::new(
-        &params,
-        AdamWParams::from_config(&cfg.training),
-        cfg.system.zero_stage,
-        pg,
-        cfg.system.bucket_mb,
-        compute,
-    );
+    let shapes = params.iter().map(|(_, p)| p.size()).collect();
+    let sharding = Sharding {
+        stage: cfg.system.zero_stage,
+        hybrid: setup::hybrid_groups(cfg, pg)?,
+    };
+    let hp = AdamWParams::from_config(&cfg.training);
+    let bucket_mb = cfg.system.bucket_mb;
+    let opt = Optimizer::with_shapes(&params, shapes, hp, sharding, pg, bucket_mb, compute)?;
     Ok(Built { model, params, opt })
 }
 
@@ -481,15 +481,13 @@ fn build_sharded(
                 .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))
         })
         .collect::<Result<Vec<_>>>()?;
-    let opt = Optimizer::with_shapes(
-        &params,
-        shapes,
-        AdamWParams::from_config(&cfg.training),
-        cfg.system.zero_stage,
-        pg,
-        cfg.system.bucket_mb,
-        compute,
-    );
+    let sharding = Sharding {
+        stage: cfg.system.zero_stage,
+        hybrid: setup::hybrid_groups(cfg, pg)?,
+    };
+    let hp = AdamWParams::from_config(&cfg.training);
+    let bucket_mb = cfg.system.bucket_mb;
+    let opt = Optimizer::with_shapes(&params, shapes, hp, sharding, pg, bucket_mb, compute)?;
     match &cfg.model.model_path {
         None => {
             for (name, dims, init) in made {

@@ -106,6 +106,12 @@ impl ProcessGroup for Traced {
         })
     }
 
+    /// Forming a subgroup is no collective of this group (its numbering stays the ring's), and
+    /// the subgroup's own collectives are not in this rank's history.
+    fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
+        self.inner.subgroup(members, tag)
+    }
+
     fn all_gather_f64(&mut self, x: f64) -> Result<Vec<f64>> {
         self.run("all-gather", 8, |g| g.all_gather_f64(x))
     }

@@ -36,7 +36,11 @@ pub struct NcclGroup {
     /// never have matched it: a drop now must abort too (shutdown would wait for it forever).
     pending: bool,
     // Keeps the store that ProcessGroupNCCL also references alive on the Rust side.
-    _store: Arc<Store>,
+    store: Arc<Store>,
+    /// What a subgroup is made with: this process's device, the key prefix, the timeout.
+    cuda_device: usize,
+    key_prefix: String,
+    collective_timeout: Duration,
 }
 
 // SAFETY: ProcessGroupNCCL is thread-safe and the handle is only used through `&mut self`.
@@ -82,7 +86,10 @@ impl NcclGroup {
             cpu,
             failed: false,
             pending: false,
-            _store: store,
+            store,
+            cuda_device,
+            key_prefix: key_prefix.to_string(),
+            collective_timeout,
         })
     }
 
@@ -164,6 +171,19 @@ impl ProcessGroup for NcclGroup {
 
     fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
         self.on_cpu(|c| c.reduce_scatter_avg_f32(buf, splits))
+    }
+
+    /// The ring of `members` and an NCCL communicator over it, through the same store under
+    /// keys of its own (ProcessGroupNCCL's subgroups are groups of their own in c10d too).
+    fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
+        let ring = self.cpu.split(members, tag)?;
+        Ok(Box::new(NcclGroup::new(
+            self.store.clone(),
+            ring,
+            self.cuda_device,
+            &format!("{}/{tag}", self.key_prefix),
+            self.collective_timeout,
+        )?))
     }
 
     fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {

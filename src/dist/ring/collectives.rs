@@ -132,6 +132,10 @@ impl ProcessGroup for RingGroup {
         self.rank
     }
 
+    fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
+        Ok(Box::new(self.split(members, tag)?))
+    }
+
     fn world_size(&self) -> usize {
         self.world
     }

@@ -123,6 +123,18 @@ impl RingGroup {
         Ok(g)
     }
 
+    /// The ring of `members` (see `ProcessGroup::subgroup`), formed through the same store under
+    /// keys of its own. Its errors name ranks by their position in it.
+    pub fn split(&self, members: &[usize], tag: &str) -> Result<RingGroup> {
+        let rank = super::group::position_in(members, self.rank, tag)?;
+        let cfg = RingConfig {
+            key_prefix: format!("{}{tag}/", self.cfg.key_prefix),
+            store_owner: self.cfg.store_owner.clone(),
+        };
+        RingGroup::with_config(self.store.clone(), rank, members.len(), self.timeout, cfg)
+            .with_context(|| format!("subgroup {tag} of ranks {members:?}"))
+    }
+
     /// How many collectives this group has started (the number of the last one).
     pub fn collectives_started(&self) -> u64 {
         self.seq

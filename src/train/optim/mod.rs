@@ -32,11 +32,11 @@ pub use schedule::Schedule;
 
 use crate::config::ZeroStage;
 use crate::dist::overlap::{with_queue, CommQueue};
-use crate::dist::ProcessGroup;
+use crate::dist::{ProcessGroup, SharedGroup};
 use crate::model::{GradUnit, UnitEvents};
 use reduce::GradReducer;
 use replicated::AdamW;
-use sharded::ShardedAdamW;
+use sharded::{ShardRanks, ShardedAdamW};
 
 /// Bytes of this rank's training state, by kind (the memory line's breakdown).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -78,6 +78,26 @@ pub struct Writers {
     /// One optimizer file per rank (sharded) rather than one for all (replicated).
     pub sharded: bool,
     pub stage: ZeroStage,
+    /// This rank's optimizer file (its rank among the writers), None when it writes nothing
+    /// (replicated: all but rank 0; hybrid: all but the first shard group).
+    pub this: Option<usize>,
+}
+
+/// Hybrid sharding (`system.shard_degree` below the world size): this rank's shard group
+/// (consecutive ranks that shard one copy of the state) and replica group (the ranks at the
+/// same position of every shard group, which hold the same slice).
+pub struct Hybrid {
+    pub shard: SharedGroup,
+    pub replica: SharedGroup,
+    /// Which shard group this rank is in (group 0 writes checkpoints).
+    pub index: usize,
+}
+
+/// How the state is sharded: the stage, and across which ranks.
+pub struct Sharding {
+    pub stage: ZeroStage,
+    /// None: across all ranks.
+    pub hybrid: Option<Hybrid>,
 }
 
 /// A checkpoint as the optimizer reads it back (implemented by `train::checkpoint`).
@@ -102,6 +122,9 @@ pub struct Optimizer {
     reducer: GradReducer,
     /// Stage 3: units whose gather is issued ahead of the one in use.
     prefetch: usize,
+    /// This rank in the whole group.
+    rank: usize,
+    hybrid: Option<Hybrid>,
 }
 
 impl Optimizer {
@@ -116,54 +139,85 @@ impl Optimizer {
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
         compute: Kind,
-    ) -> Optimizer {
+    ) -> Result<Optimizer> {
         let shapes = params.iter().map(|(_, p)| p.size()).collect();
-        Self::with_shapes(params, shapes, hp, stage, pg, bucket_mb, compute)
+        let sharding = Sharding {
+            stage,
+            hybrid: None,
+        };
+        Self::with_shapes(params, shapes, hp, sharding, pg, bucket_mb, compute)
     }
 
     /// [`Optimizer::new`] with the parameters' full shapes given: at stage 3 the parameters may
     /// be empty placeholders (`Llama::new_with`), given their values one at a time by
-    /// [`Optimizer::set_initial`].
+    /// [`Optimizer::set_initial`]. With `sharding.hybrid` the state is sharded inside this
+    /// rank's shard group and replicated across the groups.
     pub fn with_shapes(
         params: &[(String, Tensor)],
         shapes: Vec<Vec<i64>>,
         hp: AdamWParams,
-        stage: ZeroStage,
+        sharding: Sharding,
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
         compute: Kind,
-    ) -> Optimizer {
+    ) -> Result<Optimizer> {
+        let Sharding { stage, hybrid } = sharding;
         let named: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .collect();
         let world = pg.world_size();
+        let shard = hybrid.as_ref().map(|h| h.shard.clone());
         let (layout, reducer) = match stage {
-            ZeroStage::Replicated => (
-                Layout::Replicated(AdamW::new(named, hp)),
-                GradReducer::all_reduce(params, world, bucket_mb),
-            ),
+            ZeroStage::Replicated => {
+                anyhow::ensure!(
+                    hybrid.is_none(),
+                    "system.shard_degree shards state at zero_stage >= 1; at zero_stage = 0 \
+                     every rank holds everything (set system.zero_stage, or shard_degree = 0)"
+                );
+                (
+                    Layout::Replicated(AdamW::new(named, hp)),
+                    GradReducer::all_reduce(params, world, bucket_mb),
+                )
+            }
             _ => {
-                let rank_world = (pg.rank(), world);
+                let ranks = match &shard {
+                    Some(g) => {
+                        let group = g.lock().map_err(|_| anyhow::anyhow!("poisoned subgroup"))?;
+                        ShardRanks {
+                            rank: group.rank(),
+                            world: group.world_size(),
+                            group: Some(g.clone()),
+                        }
+                    }
+                    None => ShardRanks {
+                        rank: pg.rank(),
+                        world,
+                        group: None,
+                    },
+                };
                 let sharded =
-                    ShardedAdamW::new(named, shapes, hp, stage, rank_world, bucket_mb, compute);
+                    ShardedAdamW::new(named, shapes, hp, stage, ranks, bucket_mb, compute);
                 let reducer = match sharded.grad_slice() {
                     Some(slice) if stage.shards_gradients() => GradReducer::reduce_scatter(
                         params,
                         sharded.layout.clone(),
                         sharded.rank,
                         slice,
+                        shard,
                     ),
                     _ => GradReducer::all_reduce(params, world, bucket_mb),
                 };
                 (Layout::Sharded(Box::new(sharded)), reducer)
             }
         };
-        Optimizer {
+        Ok(Optimizer {
             layout,
             reducer,
             prefetch: 1,
-        }
+            rank: pg.rank(),
+            hybrid,
+        })
     }
 
     /// `system.prefetch_units` (stage 3).
@@ -222,6 +276,23 @@ impl Optimizer {
             };
             work(&mut events)
         })
+    }
+
+    /// Hybrid sharding: the gradient slices, reduce-scattered inside each shard group, averaged
+    /// across the replica group, so every rank ends with the world's mean. Called after the
+    /// step's passes (a no-op otherwise).
+    pub fn finish_reduction(&self) -> Result<()> {
+        match (&self.layout, &self.hybrid) {
+            (Layout::Sharded(o), Some(h)) if o.stage.shards_gradients() => {
+                let slice = o.grad_slice().expect("stages 2 and 3 keep a gradient slice");
+                let mut replica = h
+                    .replica
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("a replica-group collective panicked earlier"))?;
+                replica.all_reduce_avg_tensor(&slice)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// `debug.inject_nan_param`, after the reduction so that every rank agrees.
@@ -311,6 +382,7 @@ impl Optimizer {
                 world: 1,
                 sharded: false,
                 stage: ZeroStage::Replicated,
+                this: (self.rank == 0).then_some(0),
             },
             Layout::Sharded(o) => Writers {
                 params: o
@@ -322,19 +394,32 @@ impl Optimizer {
                 world: o.layout.world,
                 sharded: true,
                 stage: o.stage,
+                this: self.writes().then_some(o.rank),
             },
         }
     }
 
-    /// What this rank writes into a checkpoint (a collective where master weights are gathered;
-    /// replicated, rank 0 writes everything and the others nothing).
+    /// Whether this rank writes into checkpoints: replicated, rank 0; sharded, every rank of
+    /// the (first) shard group.
+    fn writes(&self) -> bool {
+        match (&self.layout, &self.hybrid) {
+            (Layout::Replicated(_), _) => self.rank == 0,
+            (Layout::Sharded(_), Some(h)) => h.index == 0,
+            (Layout::Sharded(_), None) => true,
+        }
+    }
+
+    /// What this rank writes into a checkpoint (a collective of the shard group where master
+    /// weights are gathered); nothing where it writes nothing.
     pub fn state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
-        match &self.layout {
-            Layout::Replicated(o) if pg.rank() == 0 => Ok(o.state()),
-            Layout::Replicated(_) => Ok(RankState {
+        if !self.writes() {
+            return Ok(RankState {
                 weights: Vec::new(),
                 moments: Vec::new(),
-            }),
+            });
+        }
+        match &self.layout {
+            Layout::Replicated(o) => Ok(o.state()),
             Layout::Sharded(o) => o.state(pg),
         }
     }

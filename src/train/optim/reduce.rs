@@ -23,6 +23,7 @@ use super::kernel::drop_grads;
 use crate::dist::buckets::{cap_bytes, flatten, pack, unflatten};
 use crate::dist::flat_layout::{FlatLayout, Span};
 use crate::dist::overlap::CommQueue;
+use crate::dist::{on_group, SharedGroup};
 use crate::model::GradUnit;
 
 /// How a run averages its gradients.
@@ -49,6 +50,8 @@ enum Plan {
         rank: usize,
         layout: FlatLayout,
         slice: Tensor,
+        /// Hybrid sharding: the shard group the reduce-scatters run on.
+        shard: Option<SharedGroup>,
     },
 }
 
@@ -93,12 +96,14 @@ impl GradReducer {
         }
     }
 
-    /// Reduce-scatter of sharded gradients into `slice`, this rank's part of `layout`.
+    /// Reduce-scatter of sharded gradients into `slice`, this rank's part of `layout`, among
+    /// the ranks of `shard` (hybrid sharding) or of the caller's group.
     pub fn reduce_scatter(
         named: &[(String, Tensor)],
         layout: FlatLayout,
         rank: usize,
         slice: Tensor,
+        shard: Option<SharedGroup>,
     ) -> GradReducer {
         let (units, params) = split(named);
         let position = layout.positions();
@@ -119,6 +124,7 @@ impl GradReducer {
                 rank,
                 layout,
                 slice,
+                shard,
             },
         }
     }
@@ -166,6 +172,7 @@ impl GradReducer {
             rank,
             layout,
             slice,
+            shard,
         } = &self.plan
         else {
             return;
@@ -192,8 +199,9 @@ impl GradReducer {
             .map(|(p, at)| (p.buf.start as i64, at as i64, p.buf.len() as i64))
             .collect();
         let (slice, splits) = (slice.shallow_clone(), span.splits.clone());
+        let shard = shard.clone();
         queue.submit(Box::new(move |pg| {
-            pg.reduce_scatter_avg_tensor(&buffer, &splits)?;
+            on_group(shard.as_ref(), pg, |g| g.reduce_scatter_avg_tensor(&buffer, &splits))?;
             tch::no_grad(|| {
                 for (buf, at, len) in mine {
                     let mut dst = slice.narrow(0, at, len);

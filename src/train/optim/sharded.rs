@@ -40,8 +40,16 @@ use super::{MomentPiece, RankState, StateBytes, StateSource};
 use crate::config::ZeroStage;
 use crate::dist::flat_layout::{intersect, FlatLayout, Piece, Span};
 use crate::dist::overlap::Job;
-use crate::dist::ProcessGroup;
+use crate::dist::{on_group, ProcessGroup, SharedGroup};
 use crate::model::GradUnit;
+
+/// The ranks a sharded optimizer shards across: this rank's shard group (hybrid sharding), or
+/// the whole group; `rank` and `world` are in that group.
+pub struct ShardRanks {
+    pub group: Option<SharedGroup>,
+    pub rank: usize,
+    pub world: usize,
+}
 
 pub struct ShardedAdamW {
     pub hp: AdamWParams,
@@ -69,6 +77,8 @@ pub struct ShardedAdamW {
     bucket: usize,
     /// Stage 3: each unit, its parameters (the caller's indices) and its span.
     units: Vec<(GradUnit, Vec<usize>, Span)>,
+    /// Hybrid sharding: the shard group its collectives run on (else the caller's group).
+    shard: Option<SharedGroup>,
 }
 
 impl ShardedAdamW {
@@ -83,10 +93,15 @@ impl ShardedAdamW {
         shapes: Vec<Vec<i64>>,
         hp: AdamWParams,
         stage: ZeroStage,
-        (rank, world): (usize, usize),
+        ranks: ShardRanks,
         bucket_mb: f64,
         working: Kind,
     ) -> ShardedAdamW {
+        let ShardRanks {
+            group: shard,
+            rank,
+            world,
+        } = ranks;
         let numel = |s: &[i64]| s.iter().product::<i64>() as usize;
         let layout = FlatLayout::new(
             params
@@ -142,6 +157,7 @@ impl ShardedAdamW {
             working,
             device,
             units,
+            shard,
         };
         if let (Some(master), true) = (&s.master, whole) {
             tch::no_grad(|| {
@@ -215,10 +231,12 @@ impl ShardedAdamW {
     /// (one fp64 all-gather of each rank's sum of squares).
     pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
         let sum = match (self.stage.shards_gradients(), &self.grad) {
-            (true, Some(slice)) => pg
-                .all_gather_f64(sum_of_squares(std::slice::from_ref(slice)))?
-                .into_iter()
-                .sum(),
+            (true, Some(slice)) => {
+                let mine = sum_of_squares(std::slice::from_ref(slice));
+                on_group(self.shard.as_ref(), pg, |g| g.all_gather_f64(mine))?
+                    .into_iter()
+                    .sum()
+            }
             _ => sum_of_squares(&self.gradients()),
         };
         Ok(super::kernel::norm_of(sum))
@@ -341,7 +359,8 @@ impl ShardedAdamW {
                     }
                 });
             }
-            pg.all_gather_tensor(&flat, &self.layout.splits(&bucket))?;
+            let splits = self.layout.splits(&bucket);
+            on_group(self.shard.as_ref(), pg, |g| g.all_gather_tensor(&flat, &splits))?;
             for piece in self.layout.pieces(bucket.clone()) {
                 place(&piece, &at(&piece.flat));
             }
@@ -554,10 +573,10 @@ impl ShardedAdamW {
                     .copy_(&master.narrow(0, at as i64, piece.buf.len() as i64));
             }
         });
-        let splits = span.splits.clone();
+        let (splits, shard) = (span.splits.clone(), self.shard.clone());
         let (tx, rx) = mpsc::channel();
         let job: Job = Box::new(move |pg| {
-            pg.all_gather_tensor(&buffer, &splits)?;
+            on_group(shard.as_ref(), pg, |g| g.all_gather_tensor(&buffer, &splits))?;
             let _ = tx.send(buffer);
             Ok(())
         });
