@@ -155,6 +155,16 @@ choice! {
     }
 }
 
+choice! {
+    /// `system.reduce_dtype`: the dtype gradients travel in between ranks (they are
+    /// accumulated and averaged into fp32 either way).
+    ReduceDtype {
+        Fp32 = "fp32",
+        /// Half the bytes of fp32 on NCCL, at bf16's 8-bit mantissa per value sent.
+        Bf16 = "bf16",
+    }
+}
+
 /// `system.zero_stage`: what data parallelism shards across the ranks of a shard group (a
 /// number in the config, as DeepSpeed and Megatron users write it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::choices::{
     ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ZeroStage,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
 };
 
 /// What a key accepts.
@@ -250,6 +250,7 @@ keys! {
     "system.overlap_comm", Kind::Bool, "true", "Average each bucket of gradients across ranks as soon as backward has finished its layers, on a communication thread, while the lower layers' backward runs (results bitwise equal to false, which reduces after backward). Applies to the TCP ring; NCCL ranks reduce after backward until the overlap is verified on GPUs.";
     "system.zero_stage", Kind::UIntIn(ZeroStage::NUMBERS), "0", "Sharded data parallelism: 0 = replicated (every rank holds all optimizer state), 1 = AdamW moments and fp32 master weights sharded across ranks, 2 = gradients reduce-scattered to their owner's shard too, 3 = the working parameters sharded too (each unit - a decoder layer, the embedding, the final norm, the LM head - is all-gathered just before its forward and again before its backward, and freed after each).";
     "system.shard_degree", Kind::UInt, "0", "At zero_stage >= 1: how many consecutive ranks shard one copy of the training state (0 = all of them). Smaller: hybrid sharding (HSDP) - the ranks form groups of this size, each group shards parameters, gradients and optimizer state among its members, and the groups hold replicas, kept equal by averaging the gradient slices across them (shard inside a node over NVLink, replicate across nodes). Must divide the world size.";
+    "system.reduce_dtype", Kind::Choice(ReduceDtype::NAMES), "\"fp32\"", "The dtype gradients travel in between ranks: fp32, or bf16 (half the bytes on NCCL; gradients and their averages are rounded to bf16 on the way; they are accumulated into fp32). The CPU ring carries bf16 values as fp32, so on CPU ranks it costs precision and saves nothing.";
     "system.prefetch_units", Kind::UInt, "1", "At zero_stage = 3: units whose all-gather is issued ahead of the one computing, so the gather hides behind compute (0 = gather each unit when it is needed). Each costs one unit of full parameters in memory.";
     "system.memory_check", Kind::Choice(MemoryCheck::NAMES), "\"refuse\"", "Before building the model, `train` estimates each rank's peak memory as `lockstep plan` does and compares it with system.memory_budget_gb: refuse = exit with code 2 and the cheapest change that fits when it does not; warn = print that and start anyway; off = no estimate.";
     "system.memory_budget_gb", Kind::Float, "0.0", "Memory one rank may use, in GB, for system.memory_check: 0 = what the device has free at start (CPU: MemAvailable of /proc/meminfo divided among the node's ranks; CUDA: the GPU's free memory from NVML).";

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choices::{
     ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ZeroStage,
+    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -108,6 +108,7 @@ pub struct SystemConfig {
     pub bucket_mb: f64,
     pub zero_stage: ZeroStage,
     pub shard_degree: usize,
+    pub reduce_dtype: ReduceDtype,
     pub prefetch_units: usize,
     pub overlap_comm: bool,
     pub memory_check: MemoryCheck,

@@ -157,10 +157,9 @@ pub(crate) fn position_in(members: &[usize], rank: usize, tag: &str) -> Result<u
         members.windows(2).all(|w| w[0] < w[1]),
         "internal: subgroup {tag}: members {members:?} not ascending"
     );
-    members
-        .iter()
-        .position(|&r| r == rank)
-        .ok_or_else(|| anyhow::anyhow!("internal: rank {rank} is not in subgroup {tag} {members:?}"))
+    members.iter().position(|&r| r == rank).ok_or_else(|| {
+        anyhow::anyhow!("internal: rank {rank} is not in subgroup {tag} {members:?}")
+    })
 }
 
 /// Rank `r`'s range of a buffer cut into `splits`.

@@ -37,7 +37,7 @@ pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64,
     let shard = s.shard_ranks(world);
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
     let (f, fw) = (ring(shard), ring(world));
-    let grads = 4.0 * params;
+    let grads = s.reduce_bytes * params;
     let weights = s.compute_bytes() * params;
     let replicas = world / shard;
     let across = if replicas > 1 && stage.shards_gradients() {
@@ -182,14 +182,17 @@ mod tests {
         let f = 7.0 / 8.0;
         assert!((inside - (f * 4.0 * p + f * 2.0 * p)).abs() < 1e-6 * inside);
         assert!((across - 2.0 * f * 4.0 * p / 8.0).abs() < 1e-6 * across);
-        let mut l2 = l.clone();
+        let mut l2 = l;
         l2.zero_stage = ZeroStage::Gradients;
         // More bytes in all, but most of them over a node's links instead of the network.
         assert!(inside + across > whole);
         let hybrid_s = seconds_per_step(&s, &l2, 64);
         let mut flat = s.clone();
         flat.shard_degree = 0;
-        assert!(hybrid_s < 0.5 * seconds_per_step(&flat, &l2, 64), "{hybrid_s}");
+        assert!(
+            hybrid_s < 0.5 * seconds_per_step(&flat, &l2, 64),
+            "{hybrid_s}"
+        );
         let (t, _) = test_setting(&["model.vocab_size=128256"], 8);
         let eight = super::super::memory::estimate(&t, &l2).total();
         let hybrid = super::super::memory::estimate(&s, &l2).total();

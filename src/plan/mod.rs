@@ -59,6 +59,8 @@ pub struct Setting {
     pub prefetch_units: usize,
     /// `system.shard_degree`: ranks that shard one copy of the state (0 = all of them).
     pub shard_degree: usize,
+    /// Bytes per gradient value sent between ranks (`system.reduce_dtype`).
+    pub reduce_bytes: f64,
     /// Memory one rank may use (bytes), and where that figure came from.
     pub budget: f64,
     pub budget_source: String,
@@ -111,6 +113,10 @@ impl Setting {
             bucket_bytes: cfg.system.bucket_mb * 1e6,
             prefetch_units: cfg.system.prefetch_units,
             shard_degree: cfg.system.shard_degree,
+            reduce_bytes: match cfg.system.reduce_dtype {
+                crate::config::ReduceDtype::Fp32 => 4.0,
+                crate::config::ReduceDtype::Bf16 => 2.0,
+            },
             budget: t.budget.0,
             budget_source: t.budget.1,
             peak_flops,

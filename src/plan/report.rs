@@ -43,6 +43,8 @@ pub struct Report {
     pub prefetch_units: usize,
     /// Ranks that shard one copy of the state (the world, or `system.shard_degree`).
     pub shard_ranks: usize,
+    /// The dtype gradients travel in (`system.reduce_dtype`).
+    pub reduce_dtype: &'static str,
     pub intra_node_bandwidth: f64,
     pub inter_node_bandwidth: f64,
     pub node_size: usize,
@@ -119,6 +121,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
         prefetch_units: s.prefetch_units,
         shard_ranks: s.shard_ranks(s.world),
+        reduce_dtype: if s.reduce_bytes < 4.0 { "bf16" } else { "fp32" },
         intra_node_bandwidth: s.intra_bw,
         inter_node_bandwidth: s.inter_bw,
         node_size: s.node_size,
@@ -343,9 +346,10 @@ pub fn text(r: &Report, s: &Setting) -> String {
     );
     let _ = writeln!(
         o,
-        "Communication per step per rank among {} rank{} (ring; fp32 gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
+        "Communication per step per rank among {} rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
         r.ranks,
         if r.ranks == 1 { "" } else { "s" },
+        r.reduce_dtype,
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
         gb(r.comm_bytes_per_step[2]),

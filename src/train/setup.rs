@@ -134,6 +134,14 @@ pub fn dist_backend(cfg: &Config, device: Device) -> Result<Backend> {
     })
 }
 
+/// `system.reduce_dtype` as a tensor dtype.
+pub fn reduce_kind(cfg: &Config) -> Kind {
+    match cfg.system.reduce_dtype {
+        crate::config::ReduceDtype::Fp32 => Kind::Float,
+        crate::config::ReduceDtype::Bf16 => Kind::BFloat16,
+    }
+}
+
 /// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank
 /// together, shard groups first; None when one group shards across all ranks.
 pub fn hybrid_groups(

@@ -439,6 +439,7 @@ fn build_whole(
     let sharding = Sharding {
         stage: cfg.system.zero_stage,
         hybrid: setup::hybrid_groups(cfg, pg)?,
+        reduce: setup::reduce_kind(cfg),
     };
     let hp = AdamWParams::from_config(&cfg.training);
     let bucket_mb = cfg.system.bucket_mb;
@@ -484,6 +485,7 @@ fn build_sharded(
     let sharding = Sharding {
         stage: cfg.system.zero_stage,
         hybrid: setup::hybrid_groups(cfg, pg)?,
+        reduce: setup::reduce_kind(cfg),
     };
     let hp = AdamWParams::from_config(&cfg.training);
     let bucket_mb = cfg.system.bucket_mb;

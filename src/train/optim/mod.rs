@@ -93,11 +93,13 @@ pub struct Hybrid {
     pub index: usize,
 }
 
-/// How the state is sharded: the stage, and across which ranks.
+/// How the state is sharded (the stage, and across which ranks) and how gradients travel.
 pub struct Sharding {
     pub stage: ZeroStage,
     /// None: across all ranks.
     pub hybrid: Option<Hybrid>,
+    /// `system.reduce_dtype`: the dtype of the buffers gradients are reduced in (fp32 or bf16).
+    pub reduce: Kind,
 }
 
 /// A checkpoint as the optimizer reads it back (implemented by `train::checkpoint`).
@@ -125,6 +127,8 @@ pub struct Optimizer {
     /// This rank in the whole group.
     rank: usize,
     hybrid: Option<Hybrid>,
+    /// The dtype gradients travel in.
+    reduce: Kind,
 }
 
 impl Optimizer {
@@ -144,6 +148,7 @@ impl Optimizer {
         let sharding = Sharding {
             stage,
             hybrid: None,
+            reduce: Kind::Float,
         };
         Self::with_shapes(params, shapes, hp, sharding, pg, bucket_mb, compute)
     }
@@ -161,7 +166,11 @@ impl Optimizer {
         bucket_mb: f64,
         compute: Kind,
     ) -> Result<Optimizer> {
-        let Sharding { stage, hybrid } = sharding;
+        let Sharding {
+            stage,
+            hybrid,
+            reduce,
+        } = sharding;
         let named: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
@@ -177,7 +186,7 @@ impl Optimizer {
                 );
                 (
                     Layout::Replicated(AdamW::new(named, hp)),
-                    GradReducer::all_reduce(params, world, bucket_mb),
+                    GradReducer::all_reduce(params, world, bucket_mb, reduce),
                 )
             }
             _ => {
@@ -205,8 +214,9 @@ impl Optimizer {
                         sharded.rank,
                         slice,
                         shard,
+                        reduce,
                     ),
-                    _ => GradReducer::all_reduce(params, world, bucket_mb),
+                    _ => GradReducer::all_reduce(params, world, bucket_mb, reduce),
                 };
                 (Layout::Sharded(Box::new(sharded)), reducer)
             }
@@ -217,6 +227,7 @@ impl Optimizer {
             prefetch: 1,
             rank: pg.rank(),
             hybrid,
+            reduce,
         })
     }
 
@@ -284,12 +295,20 @@ impl Optimizer {
     pub fn finish_reduction(&self) -> Result<()> {
         match (&self.layout, &self.hybrid) {
             (Layout::Sharded(o), Some(h)) if o.stage.shards_gradients() => {
-                let slice = o.grad_slice().expect("stages 2 and 3 keep a gradient slice");
+                let slice = o
+                    .grad_slice()
+                    .expect("stages 2 and 3 keep a gradient slice");
                 let mut replica = h
                     .replica
                     .lock()
                     .map_err(|_| anyhow::anyhow!("a replica-group collective panicked earlier"))?;
-                replica.all_reduce_avg_tensor(&slice)
+                if self.reduce == Kind::Float {
+                    return replica.all_reduce_avg_tensor(&slice);
+                }
+                let sent = slice.to_kind(self.reduce);
+                replica.all_reduce_avg_tensor(&sent)?;
+                tch::no_grad(|| slice.shallow_clone().copy_(&sent));
+                Ok(())
             }
             _ => Ok(()),
         }

@@ -6,6 +6,10 @@
 //! communication thread while the lower layers' backward goes on (`system.overlap_comm`), or
 //! after backward, in the same order (bitwise the same).
 //!
+//! Buffers travel in `system.reduce_dtype`: fp32, or bf16 (each gradient and each average
+//! rounded to bf16; the ring adds in fp32, NCCL in its own way; the accumulation into the
+//! gradients and slices stays fp32).
+//!
 //! - Replicated gradients (zero stages 0 and 1) are all-reduced in flat buckets of
 //!   `system.bucket_mb` (`dist::buckets`), packed in backward order: a bucket goes once the unit
 //!   of its last parameter is final. Only on a step's last micro-batch: the earlier ones
@@ -30,6 +34,8 @@ use crate::model::GradUnit;
 pub struct GradReducer {
     /// Units in backward order, with their parameters (indices into `params`).
     units: Vec<(GradUnit, Vec<usize>)>,
+    /// `system.reduce_dtype`: the dtype of the buffers sent (fp32 or bf16).
+    kind: Kind,
     /// The parameters (shallow clones), in the caller's order.
     params: Vec<Tensor>,
     plan: Plan,
@@ -62,12 +68,19 @@ fn split(named: &[(String, Tensor)]) -> (Vec<(GradUnit, Vec<usize>)>, Vec<Tensor
 }
 
 impl GradReducer {
-    /// All-reduce of replicated gradients over `world` ranks in buckets of `bucket_mb`.
-    pub fn all_reduce(named: &[(String, Tensor)], world: usize, bucket_mb: f64) -> GradReducer {
+    /// All-reduce of replicated gradients over `world` ranks in buckets of `bucket_mb`, sent
+    /// as `kind`.
+    pub fn all_reduce(
+        named: &[(String, Tensor)],
+        world: usize,
+        bucket_mb: f64,
+        kind: Kind,
+    ) -> GradReducer {
         let (units, params) = split(named);
         if world == 1 {
             return GradReducer {
                 units,
+                kind,
                 params,
                 plan: Plan::Nothing,
             };
@@ -91,6 +104,7 @@ impl GradReducer {
             .collect();
         GradReducer {
             units,
+            kind,
             params,
             plan: Plan::AllReduce(buckets),
         }
@@ -104,6 +118,7 @@ impl GradReducer {
         rank: usize,
         slice: Tensor,
         shard: Option<SharedGroup>,
+        kind: Kind,
     ) -> GradReducer {
         let (units, params) = split(named);
         let position = layout.positions();
@@ -117,6 +132,7 @@ impl GradReducer {
         let index_of = layout.params.iter().map(|p| p.index).collect();
         GradReducer {
             units,
+            kind,
             params,
             plan: Plan::ReduceScatter {
                 spans,
@@ -155,7 +171,7 @@ impl GradReducer {
         if grads.is_empty() {
             return;
         }
-        let flat = flatten(&grads);
+        let flat = flatten(&grads).to_kind(self.kind);
         queue.submit(Box::new(move |pg| {
             pg.all_reduce_avg_tensor(&flat)?;
             unflatten(&flat, &grads);
@@ -178,7 +194,7 @@ impl GradReducer {
             return;
         };
         let span = &spans[u];
-        let buffer = Tensor::zeros([span.len() as i64], (Kind::Float, slice.device()));
+        let buffer = Tensor::zeros([span.len() as i64], (self.kind, slice.device()));
         tch::no_grad(|| {
             for piece in &span.pieces {
                 let g = self.params[index_of[piece.param]].grad();
@@ -201,7 +217,9 @@ impl GradReducer {
         let (slice, splits) = (slice.shallow_clone(), span.splits.clone());
         let shard = shard.clone();
         queue.submit(Box::new(move |pg| {
-            on_group(shard.as_ref(), pg, |g| g.reduce_scatter_avg_tensor(&buffer, &splits))?;
+            on_group(shard.as_ref(), pg, |g| {
+                g.reduce_scatter_avg_tensor(&buffer, &splits)
+            })?;
             tch::no_grad(|| {
                 for (buf, at, len) in mine {
                     let mut dst = slice.narrow(0, at, len);
@@ -251,7 +269,7 @@ mod tests {
         .map(|(n, k)| (n.to_string(), Tensor::zeros([*k as i64], opts)))
         .collect();
         // 1 MB = 262,144 fp32 elements: norm + layer 1 fit, layer 0 starts a new bucket.
-        let r = GradReducer::all_reduce(&named, 2, 1.0);
+        let r = GradReducer::all_reduce(&named, 2, 1.0, Kind::Float);
         let Plan::AllReduce(b) = &r.plan else {
             panic!()
         };

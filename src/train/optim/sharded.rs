@@ -360,7 +360,9 @@ impl ShardedAdamW {
                 });
             }
             let splits = self.layout.splits(&bucket);
-            on_group(self.shard.as_ref(), pg, |g| g.all_gather_tensor(&flat, &splits))?;
+            on_group(self.shard.as_ref(), pg, |g| {
+                g.all_gather_tensor(&flat, &splits)
+            })?;
             for piece in self.layout.pieces(bucket.clone()) {
                 place(&piece, &at(&piece.flat));
             }
@@ -576,7 +578,9 @@ impl ShardedAdamW {
         let (splits, shard) = (span.splits.clone(), self.shard.clone());
         let (tx, rx) = mpsc::channel();
         let job: Job = Box::new(move |pg| {
-            on_group(shard.as_ref(), pg, |g| g.all_gather_tensor(&buffer, &splits))?;
+            on_group(shard.as_ref(), pg, |g| {
+                g.all_gather_tensor(&buffer, &splits)
+            })?;
             let _ = tx.send(buffer);
             Ok(())
         });
