@@ -16,7 +16,7 @@
 #   scale        c6 the production preset (8B dims, 4 layers, context 8192): tokens/s, peak
 #                   memory for activation checkpointing / loss chunking / zero stage variants
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
-#                   for zero stages 0, 1, 2, 3 (fp32) and bf16 (stages 0 and 3)
+#                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16
 #   all          all of them (more than one device command's 10 minutes: use the groups there)
 #   --dry-run    here, on the CPU, with tiny shapes: every check's logic runs (the device
 #                switched to the CPU; what needs a GPU is a SKIP that says so)
@@ -717,12 +717,15 @@ if wants c8; then
     for dt in fp32 bf16; do
       run_logged "c8-w1-$dt" 180 "$BIN" run "${W1[@]}" -- "${M[@]}" --set training.dtype=$dt --set training.batch_size=2 \
         --set logging.run_name="w1-$dt"
-      for z in 0 1 2 3; do
+      # z3h: stage 3 with hybrid sharding in groups of 1 (shard_degree=1): the subgroups (NCCL
+      # communicators of one and of two ranks) and the replica all-reduce of the slices.
+      for z in 0 1 2 3 3h; do
         # bf16 at stage 0 and at stage 3 (bf16 working weights gathered unit by unit).
         [ "$dt" = bf16 ] && [ "$z" = 1 -o "$z" = 2 ] && continue
         time_for 30 "c8-w2-z$z-$dt" || break
+        hybrid=(); [ "$z" = 3h ] && hybrid=(--set system.shard_degree=1)
         run_logged "c8-w2-z$z-$dt" 180 "$BIN" run "${W2[@]}" -- "${M[@]}" --set training.dtype=$dt \
-          --set training.batch_size=1 --set system.zero_stage=$z --set logging.run_name="w2-z$z-$dt"
+          --set training.batch_size=1 --set system.zero_stage=${z%h} "${hybrid[@]}" --set logging.run_name="w2-z$z-$dt"
         rc=$?
         eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/w1-$dt/metrics.jsonl" "$RUNS/w2-z$z-$dt/metrics.jsonl" 1 8 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
         tol=$([ "$dt" = fp32 ] && echo 1e-4 || echo 1e-2)
