@@ -16,6 +16,11 @@
 //!   while scalars and barriers stay on the CPU ring, whose timeouts name the missing rank.
 //!   The NCCL communicator bootstraps through the same store.
 //!
+//! - **Subgroups** ([`ProcessGroup::subgroup`]: hybrid sharding's shard and replica groups) are
+//!   rings of their own through the same store under their own keys, with an NCCL
+//!   communicator over them on CUDA ranks. Their errors name ranks by their position in the
+//!   subgroup, and their collectives are not in the hang history yet.
+//!
 //! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
 //! `train::optim::reduce` as backward finishes them, through [`overlap::with_queue`].
 
