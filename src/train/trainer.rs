@@ -403,6 +403,32 @@ impl<'a> Trainer<'a> {
     }
 }
 
+/// The run's optimizer over `params` (of full shapes `shapes`): `system.zero_stage`, the
+/// hybrid-sharding groups (formed here, by every rank), `system.reduce_dtype`.
+fn optimizer(
+    cfg: &Config,
+    params: &[(String, Tensor)],
+    shapes: Vec<Vec<i64>>,
+    compute: Kind,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Optimizer> {
+    let sharding = Sharding {
+        stage: cfg.system.zero_stage,
+        hybrid: setup::hybrid_groups(cfg, pg)?,
+        reduce: setup::reduce_kind(cfg),
+    };
+    let hp = AdamWParams::from_config(&cfg.training);
+    Optimizer::with_shapes(
+        params,
+        shapes,
+        hp,
+        sharding,
+        pg,
+        cfg.system.bucket_mb,
+        compute,
+    )
+}
+
 /// A model, its parameters by name, and their optimizer.
 struct Built {
     model: Llama,
@@ -436,14 +462,7 @@ fn build_whole(
     // joined it into the ring's timeout naming that rank, rather than a hang later.
     pg.barrier()?;
     let shapes = params.iter().map(|(_, p)| p.size()).collect();
-    let sharding = Sharding {
-        stage: cfg.system.zero_stage,
-        hybrid: setup::hybrid_groups(cfg, pg)?,
-        reduce: setup::reduce_kind(cfg),
-    };
-    let hp = AdamWParams::from_config(&cfg.training);
-    let bucket_mb = cfg.system.bucket_mb;
-    let opt = Optimizer::with_shapes(&params, shapes, hp, sharding, pg, bucket_mb, compute)?;
+    let opt = optimizer(cfg, &params, shapes, compute, pg)?;
     Ok(Built { model, params, opt })
 }
 
@@ -482,14 +501,7 @@ fn build_sharded(
                 .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))
         })
         .collect::<Result<Vec<_>>>()?;
-    let sharding = Sharding {
-        stage: cfg.system.zero_stage,
-        hybrid: setup::hybrid_groups(cfg, pg)?,
-        reduce: setup::reduce_kind(cfg),
-    };
-    let hp = AdamWParams::from_config(&cfg.training);
-    let bucket_mb = cfg.system.bucket_mb;
-    let opt = Optimizer::with_shapes(&params, shapes, hp, sharding, pg, bucket_mb, compute)?;
+    let opt = optimizer(cfg, &params, shapes, compute, pg)?;
     match &cfg.model.model_path {
         None => {
             for (name, dims, init) in made {
