@@ -627,3 +627,47 @@ fn a_bad_data_sources_entry_is_named() {
     assert!(!tmp.path().join("runs/tiny/checkpoints").exists());
     assert!(tmp_leftovers(tmp.path()).is_empty());
 }
+
+/// `system.shard_degree` that does not divide the ranks, or hybrid sharding at zero stage 0:
+/// every rank refuses at start-up with exit code 2, naming the key, before a run directory is
+/// written.
+#[test]
+fn a_shard_degree_that_does_not_fit_the_ranks_exits_2_naming_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    for (sets, says) in [
+        (
+            ["system.zero_stage=3", "system.shard_degree=3"],
+            "system.shard_degree = 3: must divide the number of ranks, 2",
+        ),
+        (
+            ["system.zero_stage=0", "system.shard_degree=1"],
+            "system.shard_degree = 1 shards the training state at zero_stage >= 1",
+        ),
+    ] {
+        let out = run(
+            dir,
+            &cmd(
+                "run",
+                &base,
+                &[
+                    "--cpu",
+                    "--nproc",
+                    "2",
+                    "--max-steps",
+                    "1",
+                    "--set",
+                    sets[0],
+                    "--set",
+                    sets[1],
+                ],
+            ),
+        );
+        fails(&out, 2, &[says]);
+        assert!(
+            !dir.join("runs/tiny/config.json").exists(),
+            "nothing written into the run directory"
+        );
+    }
+}

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use super::checkpoint;
-use crate::config::{check_backend_device, Config, DeviceChoice, DistBackendChoice, Resolved};
+use crate::config::{
+    check_backend_device, Config, ConfigError, DeviceChoice, DistBackendChoice, Resolved,
+};
 use crate::data::prepare::{prepare, PrepareSpec, Prepared};
 use crate::dist::Backend;
 use crate::model::{hf, LlamaShape};
@@ -142,6 +144,29 @@ pub fn reduce_kind(cfg: &Config) -> Kind {
     }
 }
 
+/// The ranks that shard one copy of the state among `world` (`system.shard_degree`, 0 = all),
+/// checked against the world and the stage: a config error (exit 2), found at start-up.
+pub fn shard_degree(cfg: &Config, world: usize) -> Result<usize, ConfigError> {
+    let degree = match cfg.system.shard_degree {
+        0 => world,
+        d => d,
+    };
+    if degree > world || !world.is_multiple_of(degree) {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
+             ranks of one node), or be 0 for all ranks"
+        )));
+    }
+    if degree < world && !cfg.system.zero_stage.shards_optimizer() {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
+             system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
+             system.shard_degree = 0"
+        )));
+    }
+    Ok(degree)
+}
+
 /// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank
 /// together, shard groups first; None when one group shards across all ranks.
 pub fn hybrid_groups(
@@ -150,24 +175,10 @@ pub fn hybrid_groups(
 ) -> Result<Option<crate::train::optim::Hybrid>> {
     use std::sync::{Arc, Mutex};
     let (world, rank) = (pg.world_size(), pg.rank());
-    let degree = match cfg.system.shard_degree {
-        0 => world,
-        d => d,
-    };
-    anyhow::ensure!(
-        degree <= world && world.is_multiple_of(degree),
-        "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
-         ranks of one node), or be 0 for all ranks"
-    );
+    let degree = shard_degree(cfg, world)?;
     if degree == world {
         return Ok(None);
     }
-    anyhow::ensure!(
-        cfg.system.zero_stage.shards_optimizer(),
-        "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
-         system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
-         system.shard_degree = 0"
-    );
     let index = rank / degree;
     let shard: Vec<usize> = (index * degree..(index + 1) * degree).collect();
     let shard = pg.subgroup(&shard, &format!("shard{index}"))?;

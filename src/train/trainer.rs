@@ -97,6 +97,7 @@ impl<'a> Trainer<'a> {
         let checkpointer = Checkpointer::new(setup::checkpoint_dir(resolved), &cfg.checkpoint);
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
+        setup::shard_degree(cfg, rank.topo.world)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
