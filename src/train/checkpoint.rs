@@ -18,7 +18,9 @@
 //!                                      name in the file's metadata
 //! ```
 //!
-//! What each rank writes comes from the optimizer (`Optimizer::state`, `Optimizer::writers`),
+//! (With hybrid sharding, `system.shard_degree`, the first shard group writes them; the other
+//! groups hold the same state.) What each rank writes comes from the optimizer
+//! (`Optimizer::state`, `Optimizer::writers`),
 //! and loading hands the optimizer a [`Checkpoint`] to read from (`Optimizer::load`): this
 //! module names files and keeps them safe, and never looks inside the optimizer. Loading reads
 //! whatever pieces there are, so a checkpoint of N ranks at stage s resumes on M ranks at
