@@ -207,16 +207,10 @@ impl Optimizer {
                 };
                 let sharded =
                     ShardedAdamW::new(named, shapes, hp, stage, ranks, bucket_mb, compute);
-                let reducer = match sharded.grad_slice() {
-                    Some(slice) if stage.shards_gradients() => GradReducer::reduce_scatter(
-                        params,
-                        sharded.layout.clone(),
-                        sharded.rank,
-                        slice,
-                        shard,
-                        reduce,
-                    ),
-                    _ => GradReducer::all_reduce(params, world, bucket_mb, reduce),
+                let reducer = if stage.shards_gradients() {
+                    GradReducer::reduce_scatter(params, &sharded, reduce)
+                } else {
+                    GradReducer::all_reduce(params, world, bucket_mb, reduce)
                 };
                 (Layout::Sharded(Box::new(sharded)), reducer)
             }

@@ -24,6 +24,7 @@
 use tch::{Kind, Tensor};
 
 use super::kernel::drop_grads;
+use super::sharded::ShardedAdamW;
 use crate::dist::buckets::{cap_bytes, flatten, pack, unflatten};
 use crate::dist::flat_layout::{FlatLayout, Span};
 use crate::dist::overlap::CommQueue;
@@ -110,37 +111,31 @@ impl GradReducer {
         }
     }
 
-    /// Reduce-scatter of sharded gradients into `slice`, this rank's part of `layout`, among
-    /// the ranks of `shard` (hybrid sharding) or of the caller's group.
+    /// Reduce-scatter of sharded gradients into the gradient slice of `sharded` (stages 2 and
+    /// 3), unit by unit along the spans it computed, among the ranks of its shard group
+    /// (hybrid sharding) or of the caller's group.
     pub fn reduce_scatter(
         named: &[(String, Tensor)],
-        layout: FlatLayout,
-        rank: usize,
-        slice: Tensor,
-        shard: Option<SharedGroup>,
+        sharded: &ShardedAdamW,
         kind: Kind,
     ) -> GradReducer {
-        let (units, params) = split(named);
-        let position = layout.positions();
-        let spans = units
-            .iter()
-            .map(|(_, members)| {
-                let at: Vec<usize> = members.iter().map(|&i| position[i]).collect();
-                layout.span(&at)
-            })
-            .collect();
+        let params = named.iter().map(|(_, p)| p.shallow_clone()).collect();
+        let units = sharded.unit_spans();
+        let layout = sharded.layout.clone();
         let index_of = layout.params.iter().map(|p| p.index).collect();
         GradReducer {
-            units,
+            units: units.iter().map(|(u, m, _)| (*u, m.clone())).collect(),
             kind,
             params,
             plan: Plan::ReduceScatter {
-                spans,
+                spans: units.iter().map(|(_, _, s)| s.clone()).collect(),
                 index_of,
-                rank,
+                rank: sharded.rank,
                 layout,
-                slice,
-                shard,
+                slice: sharded
+                    .grad_slice()
+                    .expect("stages 2 and 3 keep a gradient slice"),
+                shard: sharded.shard_group(),
             },
         }
     }

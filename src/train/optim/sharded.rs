@@ -75,7 +75,8 @@ pub struct ShardedAdamW {
     grad: Option<Tensor>,
     /// Elements per bucket of the parameter all-gathers.
     bucket: usize,
-    /// Stage 3: each unit, its parameters (the caller's indices) and its span.
+    /// Stages 2 and 3: each unit in backward order, its parameters (the caller's indices) and
+    /// its span: what the reduce-scatters move and (stage 3) the gathers.
     units: Vec<(GradUnit, Vec<usize>, Span)>,
     /// Hybrid sharding: the shard group its collectives run on (else the caller's group).
     shard: Option<SharedGroup>,
@@ -122,7 +123,7 @@ impl ShardedAdamW {
         let fp32 = working == Kind::Float;
         let zeros = || Tensor::zeros([layout.shard as i64], (Kind::Float, device));
         let pieces = layout.pieces(layout.owned(rank));
-        let units = if stage.shards_parameters() {
+        let units = if stage.shards_gradients() {
             let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
             let position = layout.positions();
             GradUnit::group_in_backward_order(&names)
@@ -211,6 +212,16 @@ impl ShardedAdamW {
             g.view(-1)
                 .narrow(0, piece.local.start as i64, piece.local.len() as i64)
         })
+    }
+
+    /// Stages 2 and 3: each unit in backward order with its parameters and span (`reduce.rs`).
+    pub fn unit_spans(&self) -> &[(GradUnit, Vec<usize>, Span)] {
+        &self.units
+    }
+
+    /// Hybrid sharding: the shard group the sharded collectives run on.
+    pub fn shard_group(&self) -> Option<SharedGroup> {
+        self.shard.clone()
     }
 
     /// The fp32 gradient slice the reduce-scatters of stages 2 and 3 add into (`reduce.rs`).
@@ -379,31 +390,46 @@ impl ShardedAdamW {
         }
     }
 
-    /// Full fp32 tensors of every parameter, in the caller's order, filled by a collective
-    /// gather of `slice` (a [S] buffer).
-    fn gather_full(&self, pg: &mut dyn ProcessGroup, slice: &Tensor) -> Result<Vec<Tensor>> {
-        let full: Vec<Tensor> = self
-            .shapes
+    /// Full fp32 tensors of the parameters at the flat positions `wanted` (in that order),
+    /// filled by a collective gather of `slice` (a [S] buffer); only those are allocated.
+    fn gather_full(
+        &self,
+        pg: &mut dyn ProcessGroup,
+        slice: &Tensor,
+        wanted: &[usize],
+    ) -> Result<Vec<Tensor>> {
+        let mut out: HashMap<usize, Tensor> = wanted
             .iter()
-            .map(|s| Tensor::zeros(s.as_slice(), (Kind::Float, self.device)))
+            .map(|&at| {
+                let shape = &self.shapes[self.layout.params[at].index];
+                let t = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
+                (at, t)
+            })
             .collect();
         let own = |piece: &Piece| self.slice_of(slice, &piece.flat);
         self.gather(pg, Kind::Float, own, |piece, src| {
-            let index = self.layout.params[piece.param].index;
-            let mut dst =
-                full[index]
-                    .view(-1)
-                    .narrow(0, piece.local.start as i64, piece.local.len() as i64);
-            tch::no_grad(|| dst.copy_(src));
+            if let Some(dst) = out.get_mut(&piece.param) {
+                let (start, len) = (piece.local.start as i64, piece.local.len() as i64);
+                tch::no_grad(|| dst.view(-1).narrow(0, start, len).copy_(src));
+            }
         })?;
-        Ok(full)
+        Ok(wanted
+            .iter()
+            .map(|at| out.remove(at).expect("allocated above"))
+            .collect())
+    }
+
+    /// Every parameter's full values from `slice`, in the caller's order.
+    fn gather_all(&self, pg: &mut dyn ProcessGroup, slice: &Tensor) -> Result<Vec<Tensor>> {
+        let in_caller_order = self.layout.positions();
+        self.gather_full(pg, slice, &in_caller_order)
     }
 
     /// Every parameter's full averaged gradient, in the caller's order (for the NaN/Inf report
     /// and dump). A collective at stages 2 and 3, where the gradients only exist as slices.
     pub fn full_gradients(&self, pg: &mut dyn ProcessGroup) -> Result<Vec<Tensor>> {
         match (self.stage.shards_gradients(), &self.grad) {
-            (true, Some(slice)) => self.gather_full(pg, slice),
+            (true, Some(slice)) => self.gather_all(pg, slice),
             _ => Ok(self.params.iter().map(|(_, p)| p.grad()).collect()),
         }
     }
@@ -412,7 +438,7 @@ impl ShardedAdamW {
     /// A collective at stage 3, where the parameters only exist as slices (fp32 masters).
     pub fn full_parameters(&self, pg: &mut dyn ProcessGroup) -> Result<Vec<Tensor>> {
         match (self.stage.shards_parameters(), &self.master) {
-            (true, Some(master)) => self.gather_full(pg, master),
+            (true, Some(master)) => self.gather_all(pg, master),
             _ => Ok(self.params.iter().map(|(_, p)| p.detach()).collect()),
         }
     }
@@ -435,29 +461,10 @@ impl ShardedAdamW {
                 })
                 .collect(),
             Some(master) => {
-                let mut out: HashMap<usize, Tensor> = mine
-                    .iter()
-                    .map(|&i| {
-                        let shape = &self.shapes[self.layout.params[i].index];
-                        (
-                            i,
-                            Tensor::zeros(shape.as_slice(), (Kind::Float, self.device)),
-                        )
-                    })
-                    .collect();
-                let own = |piece: &Piece| self.slice_of(master, &piece.flat);
-                self.gather(pg, Kind::Float, own, |piece, src| {
-                    if let Some(dst) = out.get_mut(&piece.param) {
-                        let mut d = dst.view(-1).narrow(
-                            0,
-                            piece.local.start as i64,
-                            piece.local.len() as i64,
-                        );
-                        tch::no_grad(|| d.copy_(src));
-                    }
-                })?;
+                let full = self.gather_full(pg, master, &mine)?;
                 mine.iter()
-                    .map(|i| (self.layout.params[*i].name.clone(), out.remove(i).unwrap()))
+                    .map(|&i| self.layout.params[i].name.clone())
+                    .zip(full)
                     .collect()
             }
         };
