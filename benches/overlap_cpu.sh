@@ -17,15 +17,7 @@ shapes=(
   "tiny_b8_ctx256|"
   "tiny_b2_ctx128|--set training.batch_size=2 --set training.context_length=128"
 )
-# The timing lines after the first window: mean per-step total (data + forward/backward +
-# exposed reduction + optimizer), then the forward/backward and exposed-reduction parts.
-step_ms() {
-  grep -h 'Timing per step' "$@" | awk -F'|' 'NR>1 {
-    for (i=1;i<=4;i++) { split($i, a, " "); for (j=1;j<=length(a);j++) if (a[j]=="ms") v[i]=a[j-1] }
-    s+=v[1]+v[2]+v[3]+v[4]; c+=v[2]; r+=v[3]; n++ }
-    END { if (n) printf "%.0f %.0f %.0f\n", s/n, c/n, r/n; else print "nan nan nan" }'
-}
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+source "$ROOT/benches/timing_lib.sh"
 for shape in "${shapes[@]}"; do
   name=${shape%%|*}; extra=${shape#*|}
   for overlap in true false; do : > "$work/$name.$overlap"; done

@@ -25,14 +25,8 @@ variants=(
   "stage3_prefetch1|--set system.zero_stage=3 --set system.prefetch_units=1"
   "stage3_prefetch0|--set system.zero_stage=3 --set system.prefetch_units=0"
 )
-step_ms() {
-  grep -h 'Timing per step' "$@" | awk -F'|' 'NR>1 {
-    for (i=1;i<=4;i++) { split($i, a, " "); for (j=1;j<=length(a);j++) if (a[j]=="ms") v[i]=a[j-1] }
-    s+=v[1]+v[2]+v[3]+v[4]; c+=v[2]; r+=v[3]; n++ }
-    END { if (n) printf "%.0f %.0f %.0f\n", s/n, c/n, r/n; else print "nan nan nan" }'
-}
+source "$ROOT/benches/timing_lib.sh"
 sent_mb() { grep -ho 'sent [0-9.]* MB' "$@" | tail -1 | awk '{print $2}'; }
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 for shape in "${shapes[@]}"; do
   name=${shape%%|*}; extra=${shape#*|}
   for v in "${variants[@]}"; do : > "$work/$name.${v%%|*}"; done
