@@ -114,6 +114,7 @@ fn main() {
         overlap: false,
     };
     let plan = StepPlan {
+        save_failed: false,
         lr: 1e-3,
         ..Default::default()
     };

@@ -127,7 +127,43 @@ pub fn save(
             SafeTensorError::IoError(io) => anyhow::Error::from(io),
             other => anyhow::Error::from(other),
         })
+        .with_context(|| format!("{}: cannot write safetensors file", path.display()))?;
+    sort_metadata(path)
         .with_context(|| format!("{}: cannot write safetensors file", path.display()))
+}
+
+/// safetensors writes the `__metadata__` strings in the order of a `HashMap`, which differs
+/// from process to process. Sorted (the same bytes, reordered: the header keeps its length),
+/// the same tensors and metadata always give the same file, so two saves of one state are
+/// bitwise equal whichever process or thread wrote them.
+fn sort_metadata(path: &Path) -> Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)?;
+    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
+    file.read_exact(&mut header)?;
+    let mut parsed: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)?;
+    let Some(serde_json::Value::Object(meta)) = parsed.get_mut("__metadata__") else {
+        return Ok(());
+    };
+    let mut entries: Vec<(String, serde_json::Value)> = std::mem::take(meta).into_iter().collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    *meta = entries.into_iter().collect();
+    let mut sorted = serde_json::to_vec(&parsed)?;
+    anyhow::ensure!(
+        sorted.len() <= header.len(),
+        "internal: the sorted safetensors header grew"
+    );
+    sorted.resize(header.len(), b' ');
+    if sorted != header {
+        file.seek(SeekFrom::Start(8))?;
+        file.write_all(&sorted)?;
+    }
+    Ok(())
 }
 
 /// A memory-mapped safetensors file.
@@ -190,6 +226,26 @@ impl SafeFile {
             .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         Ok(Tensor::from_data_size(view.data(), &shape, kind))
+    }
+
+    /// Elements `range` of `name` flattened, as a 1-D CPU tensor: only those bytes are read
+    /// from the map (a resume on another world size reads the pieces it owns, not whole files).
+    pub fn elements(&self, name: &str, range: &std::ops::Range<usize>) -> Result<Tensor> {
+        let st = self.parsed()?;
+        let view = st
+            .tensor(name)
+            .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
+        let kind = dtype_to_kind(view.dtype())
+            .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
+        let numel: usize = view.shape().iter().product();
+        anyhow::ensure!(
+            range.start <= range.end && range.end <= numel,
+            "{}: elements {range:?} of {name}, which has {numel}",
+            self.path.display()
+        );
+        let elt = kind.elt_size_in_bytes();
+        let bytes = &view.data()[range.start * elt..range.end * elt];
+        Ok(Tensor::from_data_size(bytes, &[range.len() as i64], kind))
     }
 
     pub fn path(&self) -> &Path {

@@ -199,6 +199,7 @@ fn packed_documents_match_transformers_on_separate_sequences() {
             overlap: false,
         },
         &StepPlan {
+            save_failed: false,
             lr: 1e-3,
             ..Default::default()
         },

@@ -151,6 +151,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
         overlap: false,
     };
     let plan = StepPlan {
+        save_failed: false,
         lr: 1e-3,
         ..Default::default()
     };

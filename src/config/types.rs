@@ -133,6 +133,10 @@ pub struct LoggingConfig {
 pub struct CheckpointConfig {
     pub interval: usize,
     pub keep_last: usize,
+    pub keep_every: usize,
+    /// `checkpoint.async`: written by a background thread from a host copy.
+    #[serde(rename = "async")]
+    pub background: bool,
     pub dir: Option<String>,
 }
 

@@ -128,6 +128,13 @@ pub trait ProcessGroup: Send {
         let _ = (members, tag);
         anyhow::bail!("this process group cannot form subgroups")
     }
+
+    /// The rendezvous store and a key prefix private to this group and this attempt of the
+    /// job, for work beside the collectives (the background checkpoint writer's reports, which
+    /// must not run on the training group). None where there is no store (one process).
+    fn side_store(&self) -> Option<(std::sync::Arc<super::store::Store>, String)> {
+        None
+    }
 }
 
 /// A subgroup that collectives of the communication thread and of the caller share (one at a

@@ -366,6 +366,11 @@ impl Weights {
         self.file(name)?.tensor(name)
     }
 
+    /// Elements `range` of `name` flattened (1-D, stored dtype), reading only those bytes.
+    pub fn elements(&self, name: &str, range: &std::ops::Range<usize>) -> Result<Tensor> {
+        self.file(name)?.elements(name, range)
+    }
+
     /// Fails, naming what differs, unless the weights hold every tensor of `shape` with the
     /// right dimensions.
     pub fn check(&self, shape: &LlamaShape, what: &Path) -> Result<()> {

@@ -86,6 +86,8 @@ impl StepTiming {
 pub struct StepPlan {
     pub lr: f64,
     pub inject: NanInjection,
+    /// This rank's background checkpoint write failed (`Checkpointer::poll`).
+    pub save_failed: bool,
 }
 
 /// What one step did.
@@ -99,6 +101,8 @@ pub struct StepOutcome {
     pub event: Option<Event>,
     /// SIGTERM/SIGINT arrived on some rank: every rank learns it here, at the same step.
     pub stop_requested: bool,
+    /// Some rank's background checkpoint write failed: every rank stops at this step.
+    pub save_failed: bool,
     pub timing: StepTiming,
 }
 
@@ -124,7 +128,7 @@ pub fn train_step(
     let t = Instant::now();
     phase::enter(Phase::Reduce);
     opt.finish_reduction()?;
-    let (loss, stop_requested) = agree(pg, passes.local_loss)?;
+    let (loss, stop_requested, save_failed) = agree(pg, passes.local_loss, plan.save_failed)?;
     if let NanInjection::Gradient(name) = &plan.inject {
         opt.poison_gradient(name);
     }
@@ -136,6 +140,7 @@ pub fn train_step(
         grad_norm,
         event: guard.judge(loss, grad_norm),
         stop_requested,
+        save_failed,
         timing,
     };
     if outcome.event.is_some() {
@@ -249,11 +254,24 @@ fn forward_backward(
     })
 }
 
-/// Sums the losses and stop requests across ranks (after the gradients), so that every rank
-/// sees the same global loss and takes the same branch afterwards. Returns (global mean loss,
-/// stop requested anywhere).
-fn agree(pg: &mut dyn ProcessGroup, local_loss: f64) -> Result<(f64, bool)> {
-    let mut shared = [local_loss as f32, f32::from(u8::from(preempt::requested()))];
+/// Sums the losses, stop requests and failed background saves across ranks (after the
+/// gradients), so that every rank sees the same global loss and takes the same branch
+/// afterwards. Returns (global mean loss, stop requested anywhere, a save failed anywhere).
+fn agree(
+    pg: &mut dyn ProcessGroup,
+    local_loss: f64,
+    save_failed: bool,
+) -> Result<(f64, bool, bool)> {
+    let flag = |b: bool| f32::from(u8::from(b));
+    let mut shared = [
+        local_loss as f32,
+        flag(preempt::requested()),
+        flag(save_failed),
+    ];
     pg.all_reduce_sum_f32(&mut shared)?;
-    Ok((shared[0] as f64 / pg.world_size() as f64, shared[1] > 0.0))
+    Ok((
+        shared[0] as f64 / pg.world_size() as f64,
+        shared[1] > 0.0,
+        shared[2] > 0.0,
+    ))
 }

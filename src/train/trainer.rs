@@ -94,7 +94,12 @@ impl<'a> Trainer<'a> {
         // Before anything else, so a second process on this run directory stops at once.
         let run_dir = setup::run_dir(resolved);
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
-        let checkpointer = Checkpointer::new(setup::checkpoint_dir(resolved), &cfg.checkpoint);
+        let checkpointer = Checkpointer::new(
+            setup::checkpoint_dir(resolved),
+            &cfg.checkpoint,
+            &rank.tag,
+            &*pg,
+        )?;
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
         setup::shard_degree(cfg, rank.topo.world)?;
@@ -210,6 +215,7 @@ impl<'a> Trainer<'a> {
             let plan = StepPlan {
                 lr: self.schedule.lr(self.state.step) * self.state.lr_scale,
                 inject: self.faults.nan_injection(step),
+                save_failed: self.checkpointer.poll(),
             };
             let batches = self.loader.micro_batches(self.state.samples_consumed);
             let out = train_step(
@@ -222,6 +228,9 @@ impl<'a> Trainer<'a> {
                 batches,
             )?;
             self.state.samples_consumed += self.loader.global_batch;
+            if out.save_failed {
+                return Err(self.checkpointer.failure());
+            }
             if let Some(event) = out.event {
                 self.on_guard_event(event, step, &out)?;
                 continue;
@@ -253,16 +262,17 @@ impl<'a> Trainer<'a> {
             self.stragglers.check(step, &mut *self.pg)?;
             if self.checkpointer.due(step, last) {
                 phase::enter(Phase::Checkpoint);
-                let saved = self
+                let paused = self
                     .checkpointer
                     .save(&self.opt, &self.state, &mut *self.pg)?;
-                if let Some(dir) = saved {
-                    println!("{} Checkpoint saved: {}", self.rank.tag, dir.display());
-                    summary.last_checkpoint = Some(dir);
+                if paused {
+                    // The step line's tokens/s is about steps, not about a synchronous save.
+                    self.recorder.restart_window();
                 }
-                self.recorder.restart_window();
             }
             if out.stop_requested {
+                // The checkpoint of this step is complete before the process exits 0.
+                self.checkpointer.settle(&mut *self.pg)?;
                 println!(
                     "{} Stopped by signal at step {step}: checkpoint saved; continue with --resume auto",
                     self.rank.tag
@@ -274,11 +284,13 @@ impl<'a> Trainer<'a> {
         self.finish(summary)
     }
 
-    /// After the loop: wait for every rank (rank 0 hosts the store), then say what was done and
-    /// what to do with the result.
-    fn finish(self, mut summary: Summary) -> Result<Summary> {
+    /// After the loop: wait for the last save and for every rank (rank 0 hosts the store),
+    /// then say what was done and what to do with the result.
+    fn finish(mut self, mut summary: Summary) -> Result<Summary> {
         phase::enter(Phase::Finish);
         summary.final_step = self.state.step;
+        self.checkpointer.settle(&mut *self.pg)?;
+        summary.last_checkpoint = self.checkpointer.last_saved().map(PathBuf::from);
         self.pg.barrier()?;
         if !self.rank.lead() {
             return Ok(summary);
@@ -302,6 +314,9 @@ impl<'a> Trainer<'a> {
     fn on_guard_event(&mut self, event: Event, step: usize, out: &StepOutcome) -> Result<()> {
         let tag = self.rank.tag.clone();
         let (loss, norm) = (out.loss, out.grad_norm);
+        // Every rank sees the event at this step (it is judged on agreed values): a save in
+        // flight completes first, so the evidence and a rollback see committed checkpoints.
+        self.checkpointer.settle(&mut *self.pg)?;
         match event {
             Event::NonFinite => {
                 // Every rank takes part: the gradients may be sharded, and so may the save.

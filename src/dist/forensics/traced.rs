@@ -50,6 +50,10 @@ fn tensor_bytes(t: &Tensor) -> usize {
 }
 
 impl ProcessGroup for Traced {
+    fn side_store(&self) -> Option<(std::sync::Arc<crate::dist::store::Store>, String)> {
+        self.inner.side_store()
+    }
+
     fn rank(&self) -> usize {
         self.inner.rank()
     }

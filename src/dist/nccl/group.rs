@@ -123,6 +123,10 @@ impl NcclGroup {
 }
 
 impl ProcessGroup for NcclGroup {
+    fn side_store(&self) -> Option<(Arc<Store>, String)> {
+        Some(self.cpu.side_store())
+    }
+
     fn rank(&self) -> usize {
         self.cpu.rank()
     }

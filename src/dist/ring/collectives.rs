@@ -9,6 +9,7 @@
 
 use std::net::Shutdown;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{ensure, Result};
@@ -20,6 +21,7 @@ use super::wire::{
 };
 use super::RingGroup;
 use crate::dist::group::{check_splits, max_f64, piece, ProcessGroup};
+use crate::dist::store::Store;
 
 /// Broadcast pipelines the buffer in segments of this many elements (4 MiB) so ranks down the
 /// chain forward early segments while later ones are still arriving.
@@ -128,6 +130,10 @@ impl RingGroup {
 }
 
 impl ProcessGroup for RingGroup {
+    fn side_store(&self) -> Option<(Arc<Store>, String)> {
+        Some(RingGroup::side_store(self))
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

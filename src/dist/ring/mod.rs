@@ -135,6 +135,11 @@ impl RingGroup {
             .with_context(|| format!("subgroup {tag} of ranks {members:?}"))
     }
 
+    /// The store and a key prefix of this ring's own, for `ProcessGroup::side_store`.
+    pub fn side_store(&self) -> (Arc<Store>, String) {
+        (self.store.clone(), self.key("side/"))
+    }
+
     /// How many collectives this group has started (the number of the last one).
     pub fn collectives_started(&self) -> u64 {
         self.seq

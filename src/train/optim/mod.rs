@@ -106,6 +106,9 @@ pub struct Sharding {
 pub trait StateSource {
     /// The full fp32 parameter `name`, checked to have `shape` (on the CPU).
     fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor>;
+    /// Elements `range` of the fp32 parameter `name` (of full shape `shape`) flattened: 1-D
+    /// on the CPU, read without the rest of the tensor.
+    fn weight_range(&self, name: &str, shape: &[i64], range: &Range<usize>) -> Result<Tensor>;
     /// (exp_avg, exp_avg_sq) of elements `range` of `name` flattened: 1-D fp32 on the CPU.
     fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)>;
 }
@@ -124,8 +127,9 @@ pub struct Optimizer {
     reducer: GradReducer,
     /// Stage 3: units whose gather is issued ahead of the one in use.
     prefetch: usize,
-    /// This rank in the whole group.
+    /// This rank in the whole group, and the group's size.
     rank: usize,
+    world: usize,
     hybrid: Option<Hybrid>,
     /// The dtype gradients travel in.
     reduce: Kind,
@@ -220,6 +224,7 @@ impl Optimizer {
             reducer,
             prefetch: 1,
             rank: pg.rank(),
+            world,
             hybrid,
             reduce,
         })
@@ -383,20 +388,36 @@ impl Optimizer {
         }
     }
 
-    /// Who writes what into a checkpoint.
+    /// Who writes what into a checkpoint. Every rank writes a part, so that write bandwidth
+    /// grows with the ranks: sharded, the rank whose slice holds a parameter's first element
+    /// (in the first shard group); replicated, the parameters cut into `world` contiguous
+    /// parts of about equal size in Hugging Face order, by the same rule. One rank alone
+    /// writes the plain `model.safetensors` + `optimizer.safetensors`.
     pub fn writers(&self) -> Writers {
         match &self.layout {
-            Layout::Replicated(o) => Writers {
-                params: o
+            Layout::Replicated(o) => {
+                let numels: Vec<usize> = o.params.iter().map(|p| p.param.numel()).collect();
+                let total: usize = numels.iter().sum();
+                let share = total.div_ceil(self.world).max(1);
+                let mut start = 0;
+                let params = o
                     .params
                     .iter()
-                    .map(|p| (p.name.clone(), 0, p.param.numel()))
-                    .collect(),
-                world: 1,
-                sharded: false,
-                stage: ZeroStage::Replicated,
-                this: (self.rank == 0).then_some(0),
-            },
+                    .zip(&numels)
+                    .map(|(p, &n)| {
+                        let writer = (start / share).min(self.world - 1);
+                        start += n;
+                        (p.name.clone(), writer, n)
+                    })
+                    .collect();
+                Writers {
+                    params,
+                    world: self.world,
+                    sharded: self.world > 1,
+                    stage: ZeroStage::Replicated,
+                    this: Some(self.rank),
+                }
+            }
             Layout::Sharded(o) => Writers {
                 params: o
                     .layout
@@ -412,13 +433,12 @@ impl Optimizer {
         }
     }
 
-    /// Whether this rank writes into checkpoints: replicated, rank 0; sharded, every rank of
-    /// the (first) shard group.
+    /// Whether this rank writes into checkpoints: every rank, except with hybrid sharding,
+    /// where the first shard group writes (the others hold the same state).
     fn writes(&self) -> bool {
-        match (&self.layout, &self.hybrid) {
-            (Layout::Replicated(_), _) => self.rank == 0,
-            (Layout::Sharded(_), Some(h)) => h.index == 0,
-            (Layout::Sharded(_), None) => true,
+        match &self.hybrid {
+            Some(h) => h.index == 0,
+            None => true,
         }
     }
 
@@ -432,7 +452,20 @@ impl Optimizer {
             });
         }
         match &self.layout {
-            Layout::Replicated(o) => Ok(o.state()),
+            Layout::Replicated(o) => {
+                let writers = self.writers();
+                let mine = |name: &str| {
+                    writers
+                        .params
+                        .iter()
+                        .any(|(n, w, _)| n == name && *w == self.rank)
+                };
+                let all = o.state();
+                Ok(RankState {
+                    weights: all.weights.into_iter().filter(|(n, _)| mine(n)).collect(),
+                    moments: all.moments.into_iter().filter(|m| mine(&m.name)).collect(),
+                })
+            }
             Layout::Sharded(o) => o.state(pg),
         }
     }

@@ -501,12 +501,9 @@ impl ShardedAdamW {
                     .copy_(&v.to_device(self.device));
             });
             if let Some(master) = &self.master {
-                let full = src
-                    .weight(&flat.name, &self.shapes[flat.index])
+                let local = src
+                    .weight_range(&flat.name, &self.shapes[flat.index], &piece.local)
                     .with_context(|| format!("checkpoint weights: {}", flat.name))?;
-                let local =
-                    full.view(-1)
-                        .narrow(0, piece.local.start as i64, piece.local.len() as i64);
                 tch::no_grad(|| {
                     self.slice_of(master, &piece.flat)
                         .copy_(&local.to_kind(Kind::Float).to_device(self.device))

@@ -1,4 +1,4 @@
-//! Checkpoints: one directory per step. Replicated training (`system.zero_stage = 0`):
+//! Checkpoints: one directory per step. One rank (`system.zero_stage = 0` on one process):
 //!
 //! ```text
 //! step_N/
@@ -8,10 +8,13 @@
 //!   trainer.json           step, sampler state, optimizer step, model shape, resolved config
 //! ```
 //!
-//! With a sharded optimizer (`system.zero_stage` ≥ 1) every rank writes its own parts:
+//! With more than one rank every rank writes its own part, at every zero stage, so write
+//! bandwidth grows with the ranks:
 //!
 //! ```text
-//!   model-0000i-of-0000K.safetensors   the parameters whose first element rank i-1 owns (fp32),
+//!   model-0000i-of-0000K.safetensors   the parameters writer i-1 writes (fp32): sharded, those
+//!                                      whose first element its slice holds; replicated, a
+//!                                      contiguous 1/N of the parameters in HF order
 //!   model.safetensors.index.json       so the directory stays one Hugging Face model
 //!   optimizer-0000r-of-0000N.safetensors  rank r's moments: one 1-D piece per parameter, with
 //!                                      its element range "start:end" under the parameter's
@@ -20,26 +23,37 @@
 //!
 //! (With hybrid sharding, `system.shard_degree`, the first shard group writes them; the other
 //! groups hold the same state.) What each rank writes comes from the optimizer
-//! (`Optimizer::state`, `Optimizer::writers`),
-//! and loading hands the optimizer a [`Checkpoint`] to read from (`Optimizer::load`): this
-//! module names files and keeps them safe, and never looks inside the optimizer. Loading reads
-//! whatever pieces there are, so a checkpoint of N ranks at stage s resumes on M ranks at
-//! stage t (`MomentFiles`).
+//! (`Optimizer::state`, `Optimizer::writers`), and loading hands the optimizer a [`Checkpoint`]
+//! to read from (`Optimizer::load`): this module names files and keeps them safe, and never
+//! looks inside the optimizer. Loading reads the byte ranges a rank needs from memory maps, so
+//! a checkpoint of N ranks at stage s resumes on M ranks at stage t (`MomentFiles`).
 //!
-//! One protocol for every layout (a collective): rank 0 opens `step_N.tmp/`
-//! (`sys::durable::AtomicDir`); every rank writes and fsyncs its files; only when every rank
-//! reports success does rank 0 write the index, config.json and trainer.json (last, so it
-//! doubles as the completeness marker for directories copied by other tools) and rename the
-//! directory. A directory named `step_N` is always complete. Old checkpoints are renamed to
-//! `step_N.deleted.tmp` before they are deleted, and a replaced one to `step_N.replaced.tmp`, so
-//! a crash at any moment leaves only complete `step_N` directories and `*.tmp` leftovers, which
-//! resume ignores and the next save removes (tests/crash_safety.rs kills a run 100 times to
-//! check this).
+//! One protocol for every layout (`writer::SaveJob`): rank 0 opens `step_N.tmp/`
+//! (`sys::durable::AtomicDir`); every rank writes and fsyncs its files and reports to rank 0
+//! through the rendezvous store; only when every rank reports success does rank 0 write the
+//! index, config.json and trainer.json (last, so it doubles as the completeness marker for
+//! directories copied by other tools) and rename the directory. A directory named `step_N` is
+//! always complete. Old checkpoints are renamed to `step_N.deleted.tmp` before they are
+//! deleted, and a replaced one to `step_N.replaced.tmp`, so a crash at any moment leaves only
+//! complete `step_N` directories and `*.tmp` leftovers, which resume ignores and the next save
+//! removes (tests/crash_safety.rs kills runs to check this).
+//!
+//! With `checkpoint.async` (the default) a save copies what the rank writes into host buffers
+//! kept between saves and returns; a writer thread runs the same protocol from the copies. One
+//! save is in flight at a time: the next save, the end of training, a guard event and a
+//! rollback first wait for it on every rank ([`Checkpointer::settle`]); a failure of the
+//! writer is noticed at the next step (`Checkpointer::poll`, agreed in the step's all-reduce)
+//! and fails the run with the writer's error.
+
+mod writer;
 
 use std::collections::HashMap;
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -49,28 +63,95 @@ use tch::{Kind, Tensor};
 use super::optim::{Optimizer, RankState, StateSource, Writers};
 use crate::config::{CheckpointConfig, ZeroStage};
 use crate::dist::flat_layout::intersect;
+use crate::dist::store::Store;
 use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
 use crate::sys::durable::{write_synced, AtomicDir};
-use crate::tensor_io::{self, SafeFile};
+use crate::tensor_io::SafeFile;
+use writer::{Commit, FileJob, Reports, SaveJob, Staging};
 
 pub const FORMAT_VERSION: u32 = 1;
 
+/// Which complete `step_N` checkpoints survive a save: the last `last`, and those whose step
+/// is a multiple of `every` (0 = none).
+#[derive(Debug, Clone, Copy)]
+pub struct Keep {
+    pub last: usize,
+    pub every: usize,
+}
+
 /// Where and when a run saves: `checkpoint.dir` (default `<run dir>/checkpoints`), every
-/// `checkpoint.interval` steps and at the end, keeping `checkpoint.keep_last`.
+/// `checkpoint.interval` steps and at the end, keeping `checkpoint.keep_last` and every
+/// `checkpoint.keep_every`-th; in the background with `checkpoint.async`.
 pub struct Checkpointer {
     root: PathBuf,
     interval: usize,
-    keep_last: usize,
+    keep: Keep,
+    background: bool,
+    tag: String,
+    rank: usize,
+    world: usize,
+    /// The checkpointer's own connection to the rendezvous store and its key namespace; None
+    /// for a single process.
+    store: Option<(Arc<Store>, String)>,
+    /// Saves started so far (the same count on every rank).
+    seq: u64,
+    staging: Staging,
+    in_flight: Option<InFlight>,
+    /// What the last finished background save gave, not yet agreed on by [`Self::settle`].
+    finished: Option<Result<()>>,
+    /// The latest checkpoint this run committed (rank 0).
+    last: Option<PathBuf>,
+    /// The fall-back to synchronous saves has been announced.
+    said_sync: bool,
+}
+
+/// A save being written by the writer thread.
+struct InFlight {
+    name: String,
+    started: Instant,
+    handle: JoinHandle<Result<Option<PathBuf>>>,
 }
 
 impl Checkpointer {
-    pub fn new(root: PathBuf, cfg: &CheckpointConfig) -> Checkpointer {
-        Checkpointer {
+    /// Every rank creates it, from the group it trains with (whose store carries the
+    /// writers' reports).
+    pub fn new(
+        root: PathBuf,
+        cfg: &CheckpointConfig,
+        tag: &str,
+        pg: &dyn ProcessGroup,
+    ) -> Result<Checkpointer> {
+        let store = match pg.side_store() {
+            Some((shared, ns)) if pg.world_size() > 1 => {
+                let own = Store::client(shared.host(), shared.port(), shared.timeout())
+                    .context("the checkpoint writer's connection to the rendezvous store")?;
+                Some((Arc::new(own), format!("{ns}ckpt/")))
+            }
+            None if pg.world_size() > 1 => {
+                bail!("internal: a process group of several ranks without a store")
+            }
+            _ => None,
+        };
+        Ok(Checkpointer {
             root,
             interval: cfg.interval,
-            keep_last: cfg.keep_last,
-        }
+            keep: Keep {
+                last: cfg.keep_last,
+                every: cfg.keep_every,
+            },
+            background: cfg.background,
+            tag: tag.to_string(),
+            rank: pg.rank(),
+            world: pg.world_size(),
+            store,
+            seq: 0,
+            staging: Staging::default(),
+            in_flight: None,
+            finished: None,
+            last: None,
+            said_sync: false,
+        })
     }
 
     pub fn root(&self) -> &Path {
@@ -82,33 +163,236 @@ impl Checkpointer {
         last || (self.interval > 0 && step.is_multiple_of(self.interval))
     }
 
-    /// Saves `step_N` and prunes old ones; every rank calls it. Returns the directory on
-    /// rank 0.
+    /// The latest complete `step_N`, if any.
+    pub fn latest(&self) -> Option<PathBuf> {
+        latest(&self.root)
+    }
+
+    /// The latest checkpoint this run has committed (rank 0; None on the others).
+    pub fn last_saved(&self) -> Option<&Path> {
+        self.last.as_deref()
+    }
+
+    /// Saves `step_N` (every rank calls it) and prunes old ones. Returns whether training
+    /// paused for the whole write (a synchronous save) rather than only for a copy.
     pub fn save(
-        &self,
+        &mut self,
         opt: &Optimizer,
         state: &TrainerState,
         pg: &mut dyn ProcessGroup,
-    ) -> Result<Option<PathBuf>> {
+    ) -> Result<bool> {
+        let started = Instant::now();
         let name = format!("step_{}", state.step);
-        save(&self.root, &name, opt, state, self.keep_last, pg)
+        let waited = self.settle(pg)?;
+        if waited > 0.5 && self.rank == 0 {
+            println!(
+                "{} Checkpoint {name}: waited {waited:.1} s for the previous save to finish \
+                 writing (saves take longer than checkpoint.interval steps; raise it or use \
+                 faster storage)",
+                self.tag
+            );
+        }
+        let job = self.job(&name, opt, state, self.keep, pg)?;
+        if self.background && self.stage_fits(&job, &name, pg)? {
+            let files = self.staging.copy(job.files);
+            let job = SaveJob { files, ..job };
+            self.in_flight = Some(InFlight {
+                name: name.clone(),
+                started: Instant::now(),
+                handle: std::thread::Builder::new()
+                    .name("checkpoint-writer".into())
+                    .spawn(move || job.run())
+                    .context("cannot start the checkpoint writer thread")?,
+            });
+            if self.rank == 0 {
+                println!(
+                    "{} Checkpoint {name}: staged in {:.2} s; writing in the background",
+                    self.tag,
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            return Ok(false);
+        }
+        let dir = self.run_here(job, pg)?;
+        if let Some(dir) = dir {
+            println!(
+                "{} Checkpoint saved: {} ({:.2} s)",
+                self.tag,
+                dir.display(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Ok(true)
     }
 
-    /// A named checkpoint that pruning never deletes (the guard's `nan_step_N` evidence).
-    /// Every rank calls it, like `save`.
+    /// A named checkpoint that pruning never deletes (the guard's `nan_step_N` evidence),
+    /// written synchronously. Every rank calls it, like `save`. Returns the directory on
+    /// rank 0.
     pub fn save_named(
-        &self,
+        &mut self,
         name: &str,
         opt: &Optimizer,
         state: &TrainerState,
         pg: &mut dyn ProcessGroup,
     ) -> Result<Option<PathBuf>> {
-        save(&self.root, name, opt, state, usize::MAX, pg)
+        self.settle(pg)?;
+        let keep = Keep {
+            last: usize::MAX,
+            every: 0,
+        };
+        let job = self.job(name, opt, state, keep, pg)?;
+        self.run_here(job, pg)
     }
 
-    /// The latest complete `step_N`, if any.
-    pub fn latest(&self) -> Option<PathBuf> {
-        latest(&self.root)
+    /// Whether a background save has failed on this rank (noticed without waiting); the
+    /// step's all-reduce shares it, so every rank stops at the same step
+    /// ([`Self::failure`]). A save that finished well is announced here.
+    pub fn poll(&mut self) -> bool {
+        if self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.handle.is_finished())
+        {
+            self.harvest();
+        }
+        matches!(self.finished, Some(Err(_)))
+    }
+
+    /// The error to stop with once some rank's background save failed: this rank's own, or
+    /// (waiting for this rank's writer, which ends once the failed rank has reported) the
+    /// one that says another rank's log has the cause.
+    pub fn failure(&mut self) -> anyhow::Error {
+        self.harvest();
+        match self.finished.take() {
+            Some(Err(e)) => e,
+            _ => anyhow::anyhow!(
+                "another rank's background checkpoint write failed (its log says why); \
+                 earlier checkpoints are intact; fix the cause, then continue with --resume auto"
+            ),
+        }
+    }
+
+    /// Waits until the save in flight, if any, is written and committed on every rank (a
+    /// collective: every rank calls it at the same point), then fails if it failed anywhere.
+    /// Returns the seconds this rank waited.
+    pub fn settle(&mut self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        let t = Instant::now();
+        self.harvest();
+        let waited = t.elapsed().as_secs_f64();
+        let mine = self.finished.take().unwrap_or(Ok(()));
+        if self.world > 1 || mine.is_err() {
+            agree(pg, mine)?;
+        }
+        Ok(waited)
+    }
+
+    /// Joins a save in flight (waiting for it) and keeps its outcome for `poll`/`settle`.
+    fn harvest(&mut self) {
+        let Some(f) = self.in_flight.take() else {
+            return;
+        };
+        let outcome = f
+            .handle
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the checkpoint writer thread panicked")))
+            .with_context(|| format!("background save of checkpoint {}", f.name));
+        self.finished = Some(match outcome {
+            Ok(dir) => {
+                if let Some(dir) = dir {
+                    println!(
+                        "{} Checkpoint saved: {} (written in the background in {:.2} s)",
+                        self.tag,
+                        dir.display(),
+                        f.started.elapsed().as_secs_f64()
+                    );
+                    self.last = Some(dir);
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        });
+    }
+
+    /// This rank's part of saving `root/<name>`: the optimizer's state (a collective where
+    /// fp32 masters are gathered), as files, and on rank 0 the files that complete it.
+    fn job(
+        &mut self,
+        name: &str,
+        opt: &Optimizer,
+        state: &TrainerState,
+        keep: Keep,
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<SaveJob> {
+        let mine = opt.state(pg)?;
+        let files = Files {
+            writers: opt.writers(),
+        };
+        let commit = (self.rank == 0)
+            .then(|| -> Result<Commit> {
+                Ok(Commit {
+                    lead: files.lead(state)?,
+                    keep,
+                })
+            })
+            .transpose()?;
+        self.seq += 1;
+        let reports = self.store.as_ref().map(|(store, ns)| Reports {
+            store: store.clone(),
+            prefix: format!("{ns}{}/", self.seq),
+            rank: self.rank,
+            world: self.world,
+        });
+        Ok(SaveJob {
+            root: self.root.clone(),
+            dest: self.root.join(name),
+            files: files.rank_files(&mine),
+            commit,
+            reports,
+        })
+    }
+
+    /// A save on the training thread, agreed on by every rank. Returns the directory on
+    /// rank 0.
+    fn run_here(&mut self, job: SaveJob, pg: &mut dyn ProcessGroup) -> Result<Option<PathBuf>> {
+        let done = job.run();
+        let outcome = done
+            .as_ref()
+            .map(drop)
+            .map_err(|e| anyhow::anyhow!("{e:#}"));
+        agree(pg, outcome)?;
+        let dir = done?;
+        if dir.is_some() {
+            self.last.clone_from(&dir);
+        }
+        Ok(dir)
+    }
+
+    /// Whether this save can be staged in host memory: the buffers exist from an earlier
+    /// save, or the host has room for them. Every rank decides the same (a save is staged on
+    /// all ranks or none); a refusal is said once.
+    fn stage_fits(&mut self, job: &SaveJob, name: &str, pg: &mut dyn ProcessGroup) -> Result<bool> {
+        let need = self.staging.new_bytes(&job.files) as f64;
+        let avail = crate::plan::budget::mem_available().unwrap_or(f64::INFINITY);
+        // Room for the copy and 1 GB besides, so the copy never brings on the OOM killer.
+        let fits_here = need == 0.0 || need + 1e9 < avail;
+        let fits = pg.all_reduce_max_f64(if fits_here { 0.0 } else { 1.0 })? == 0.0;
+        if !fits && !self.said_sync {
+            self.said_sync = true;
+            let why = if fits_here {
+                "another rank's host has no room for its copy".to_string()
+            } else {
+                format!(
+                    "its copy in host memory needs {:.2} GB and the host has {:.2} GB available",
+                    need / 1e9,
+                    avail / 1e9
+                )
+            };
+            println!(
+                "{} Checkpoint {name}: saving synchronously (checkpoint.async): {why}",
+                self.tag
+            );
+        }
+        Ok(fits)
     }
 }
 
@@ -195,61 +479,6 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
     list(root).pop().map(|(_, p)| p)
 }
 
-/// Saves `root/<name>` and deletes complete checkpoints beyond `keep_last` (only `step_N`
-/// ones; named ones such as `nan_step_N` are kept): the collective protocol of the module docs.
-/// Returns the directory on rank 0.
-fn save(
-    root: &Path,
-    name: &str,
-    opt: &Optimizer,
-    state: &TrainerState,
-    keep_last: usize,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Option<PathBuf>> {
-    let dest = root.join(name);
-    let staging = if pg.rank() == 0 {
-        Some(begin_save(root, &dest))
-    } else {
-        None
-    }
-    .transpose();
-    let staging = match staging {
-        Ok(s) => {
-            agree(pg, Ok(()))?;
-            s
-        }
-        Err(e) => return Err(agree(pg, Err(e)).expect_err("a failure stays one")),
-    };
-    // Collective (the fp32 weights of a bf16 or stage-3 run are gathered): before anything
-    // that can fail on one rank only.
-    let mine = opt.state(pg)?;
-    let files = Files {
-        writers: opt.writers(),
-    };
-    let written = files.write_rank(&AtomicDir::staging_of(&dest), &mine);
-    if let Err(e) = agree(pg, written) {
-        return Err(match staging {
-            Some(s) => abandon(s, e),
-            None => e,
-        });
-    }
-    let finished = match staging {
-        Some(s) => finish_save(s, &files, state, root, keep_last).map(Some),
-        None => Ok(None),
-    };
-    let ok = agree(
-        pg,
-        finished
-            .as_ref()
-            .map(drop)
-            .map_err(|e| anyhow::anyhow!("{e:#}")),
-    );
-    match (finished, ok) {
-        (Ok(dir), Ok(())) => Ok(dir),
-        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
-    }
-}
-
 /// Rank 0: creates `root` and the staging directory of `dest`, after removing what
 /// interrupted saves left.
 fn begin_save(root: &Path, dest: &Path) -> Result<AtomicDir> {
@@ -282,20 +511,22 @@ fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
     ))
 }
 
-/// Rank 0, once every rank's files are durable: the index, config.json and trainer.json, the
-/// rename into place, then pruning.
+/// Rank 0, once every rank's files are durable: its own files (`lead`, in order), the rename
+/// into place, then pruning.
 fn finish_save(
     staging: AtomicDir,
-    files: &Files,
-    state: &TrainerState,
+    lead: &[(&str, Vec<u8>)],
     root: &Path,
-    keep_last: usize,
+    keep: Keep,
 ) -> Result<PathBuf> {
-    if let Err(e) = files.write_lead(staging.path(), state) {
+    let written = lead
+        .iter()
+        .try_for_each(|(name, bytes)| write_synced(&staging.path().join(name), bytes));
+    if let Err(e) = written {
         return Err(abandon(staging, e));
     }
     let dir = staging.commit()?;
-    prune(root, keep_last)?;
+    prune(root, keep)?;
     Ok(dir)
 }
 
@@ -312,8 +543,8 @@ fn agree(pg: &mut dyn ProcessGroup, mine: Result<()>) -> Result<()> {
     Ok(())
 }
 
-/// The file names of a checkpoint, from the optimizer's [`Writers`]: replicated, one model and
-/// one optimizer file; sharded, model shards numbered over the ranks that write at least one
+/// The file names of a checkpoint, from the optimizer's [`Writers`]: one rank, one model and
+/// one optimizer file; several, model shards numbered over the ranks that write at least one
 /// parameter, and one optimizer file per rank.
 struct Files {
     writers: Writers,
@@ -350,14 +581,21 @@ impl Files {
 
     /// This rank's model file (if it writes any parameter) and its optimizer file, if it
     /// writes at all.
-    fn write_rank(&self, dir: &Path, mine: &RankState) -> Result<()> {
+    fn rank_files(&self, mine: &RankState) -> Vec<FileJob> {
         let Some(rank) = self.writers.this else {
-            return Ok(());
+            return Vec::new();
         };
+        let mut files = Vec::with_capacity(2);
         if !mine.weights.is_empty() {
-            let path = dir.join(self.model_file(rank));
-            tensor_io::save(&path, &mine.weights, Some(format_metadata()))?;
-            crate::sys::durable::sync_file(&path)?;
+            files.push(FileJob {
+                name: self.model_file(rank),
+                tensors: mine
+                    .weights
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+                meta: Some(format_metadata()),
+            });
         }
         let mut tensors = Vec::with_capacity(2 * mine.moments.len());
         let mut meta = HashMap::new();
@@ -380,14 +618,18 @@ impl Files {
             meta.insert("lockstep.world_size".into(), self.writers.world.to_string());
             meta
         });
-        let path = dir.join(self.optimizer_file(rank));
-        tensor_io::save(&path, &tensors, meta)?;
-        crate::sys::durable::sync_file(&path)
+        files.push(FileJob {
+            name: self.optimizer_file(rank),
+            tensors,
+            meta,
+        });
+        files
     }
 
-    /// Rank 0, once every rank's files are durable: the index (sharded), config.json and
-    /// trainer.json (last).
-    fn write_lead(&self, dir: &Path, state: &TrainerState) -> Result<()> {
+    /// Rank 0's files, written once every rank's are durable: the index (several writers),
+    /// config.json and trainer.json (last).
+    fn lead(&self, state: &TrainerState) -> Result<Vec<(&'static str, Vec<u8>)>> {
+        let mut files = Vec::with_capacity(3);
         if self.writers.sharded {
             let mut map = serde_json::Map::new();
             let mut total = 0u64;
@@ -397,20 +639,15 @@ impl Files {
             }
             let index =
                 serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
-            write_synced(
-                &dir.join("model.safetensors.index.json"),
-                serde_json::to_string_pretty(&index)?.as_bytes(),
-            )?;
+            files.push((
+                "model.safetensors.index.json",
+                serde_json::to_vec_pretty(&index)?,
+            ));
         }
         let config = hf::config_json(&state.model_shape, "float32");
-        write_synced(
-            &dir.join("config.json"),
-            serde_json::to_string_pretty(&config)?.as_bytes(),
-        )?;
-        write_synced(
-            &dir.join("trainer.json"),
-            serde_json::to_string_pretty(state)?.as_bytes(),
-        )
+        files.push(("config.json", serde_json::to_vec_pretty(&config)?));
+        files.push(("trainer.json", serde_json::to_vec_pretty(state)?));
+        Ok(files)
     }
 }
 
@@ -468,10 +705,15 @@ fn format_metadata() -> HashMap<String, String> {
         .collect()
 }
 
-fn prune(root: &Path, keep_last: usize) -> Result<()> {
+fn prune(root: &Path, keep: Keep) -> Result<()> {
     let all = list(root);
-    let excess = all.len().saturating_sub(keep_last);
-    for (_, path) in all.into_iter().take(excess) {
+    let excess = all.len().saturating_sub(keep.last);
+    let kept_forever = |step: usize| keep.every > 0 && step.is_multiple_of(keep.every);
+    for (_, path) in all
+        .into_iter()
+        .take(excess)
+        .filter(|(s, _)| !kept_forever(*s))
+    {
         // Renamed first, so a crash mid-delete leaves a `*.tmp` leftover (ignored, and removed
         // by the next save), never a `step_N` with some of its files gone.
         let mut doomed = path.clone().into_os_string();
@@ -557,6 +799,28 @@ impl StateSource for Checkpoint {
             self.dir.display(),
             src.kind(),
             src.size(),
+        );
+        Ok(src)
+    }
+
+    fn weight_range(&self, name: &str, shape: &[i64], range: &Range<usize>) -> Result<Tensor> {
+        ensure!(
+            self.weights.contains(name),
+            "{}: missing tensor {name}",
+            self.dir.display()
+        );
+        let stored = self.weights.shape(name)?;
+        ensure!(
+            stored == shape,
+            "{}: tensor {name} is {stored:?}, expected {shape:?}",
+            self.dir.display(),
+        );
+        let src = self.weights.elements(name, range)?;
+        ensure!(
+            src.kind() == Kind::Float,
+            "{}: tensor {name} is {:?}, expected Float",
+            self.dir.display(),
+            src.kind()
         );
         Ok(src)
     }
@@ -653,14 +917,13 @@ impl MomentFiles {
                 if both.is_empty() {
                     continue;
                 }
-                let src = self.files[*file].tensor(&format!("{param}{suffix}"))?;
+                // Only the bytes of the elements asked for are read from the map.
+                let within = both.start - piece.start..both.end - piece.start;
+                let part = self.files[*file].elements(&format!("{param}{suffix}"), &within)?;
                 ensure!(
-                    src.kind() == Kind::Float,
+                    part.kind() == Kind::Float,
                     "{param}{suffix}: moments must be fp32"
                 );
-                let part =
-                    src.view(-1)
-                        .narrow(0, (both.start - piece.start) as i64, both.len() as i64);
                 t.narrow(0, (both.start - range.start) as i64, both.len() as i64)
                     .copy_(&part);
                 covered += both.len();

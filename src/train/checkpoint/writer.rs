@@ -1,0 +1,236 @@
+//! How one save is carried out. A [`SaveJob`] is one rank's part of one checkpoint: its files
+//! and, on rank 0, what completes the directory. It runs the same way on the training thread
+//! (a synchronous save, from the live tensors) and on the writer thread (`checkpoint.async`,
+//! from the host copies in [`Staging`]), so both write the same bytes. Ranks tell rank 0
+//! through the rendezvous store, under keys of their own ([`Reports`]), that their files are
+//! durable or why not: the commit needs no collective of the training group.
+//!
+//! Keys of save number `seq` (the same on every rank: saves are collective):
+//!
+//! ```text
+//!   <ns>ckpt/<seq>/start   rank 0: "ok" once step_N.tmp/ exists, else "error:<why>"
+//!   <ns>ckpt/<seq>/rank<r>  rank r ≥ 1: "ok" once its files are fsynced, else "error:<why>"
+//! ```
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use tch::{Device, Tensor};
+
+use super::{abandon, begin_save, finish_save, Keep};
+use crate::dist::store::Store;
+use crate::sys::durable::{sync_file, AtomicDir};
+use crate::tensor_io;
+
+/// One safetensors file of a checkpoint.
+pub(super) struct FileJob {
+    /// File name inside the checkpoint directory.
+    pub name: String,
+    pub tensors: Vec<(String, Tensor)>,
+    pub meta: Option<HashMap<String, String>>,
+}
+
+impl FileJob {
+    fn write(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(&self.name);
+        tensor_io::save(&path, &self.tensors, self.meta.clone())?;
+        sync_file(&path)
+    }
+}
+
+/// Rank 0's files that complete a checkpoint once every rank's are durable (trainer.json
+/// last: it marks the directory complete), and which old checkpoints to keep afterwards.
+pub(super) struct Commit {
+    pub lead: Vec<(&'static str, Vec<u8>)>,
+    pub keep: Keep,
+}
+
+/// One rank's part of saving `dest` under `root`.
+pub(super) struct SaveJob {
+    pub root: PathBuf,
+    pub dest: PathBuf,
+    pub files: Vec<FileJob>,
+    /// Rank 0 only.
+    pub commit: Option<Commit>,
+    /// None for a single process.
+    pub reports: Option<Reports>,
+}
+
+impl SaveJob {
+    /// Rank 0 opens `<dest>.tmp/`; every rank writes and fsyncs its files there; rank 0,
+    /// once every rank has reported success, writes its own files and renames the directory
+    /// into place (returning it). Any failure leaves no `dest` and the earlier checkpoints
+    /// as they were.
+    pub fn run(self) -> Result<Option<PathBuf>> {
+        let staging = match &self.commit {
+            Some(_) => {
+                let begun = begin_save(&self.root, &self.dest);
+                if let Some(r) = &self.reports {
+                    r.set("start", begun.as_ref().map(drop))?;
+                }
+                Some(begun?)
+            }
+            None => {
+                let r = self.reports.as_ref().expect("ranks beyond 0 report");
+                r.wait("start").map_err(|e| {
+                    e.context(format!(
+                        "rank 0 could not start checkpoint {}",
+                        self.dest.display()
+                    ))
+                })?;
+                None
+            }
+        };
+        let dir = AtomicDir::staging_of(&self.dest);
+        let written = self.files.iter().try_for_each(|f| f.write(&dir));
+        let (Some(staging), Some(commit)) = (staging, self.commit) else {
+            let r = self.reports.as_ref().expect("ranks beyond 0 report");
+            r.set(&format!("rank{}", r.rank), written.as_ref().map(drop))?;
+            return written.map(|()| None);
+        };
+        let everyone = written.and_then(|()| match &self.reports {
+            Some(r) => r.wait_ranks(),
+            None => Ok(()),
+        });
+        if let Err(e) = everyone {
+            return Err(abandon(staging, e));
+        }
+        finish_save(staging, &commit.lead, &self.root, commit.keep).map(Some)
+    }
+}
+
+/// A rank's channel to rank 0 for one save: keys under `prefix` in the rendezvous store,
+/// through a connection of the checkpointer's own.
+pub(super) struct Reports {
+    pub store: Arc<Store>,
+    pub prefix: String,
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Reports {
+    /// Longest wait for another rank's report: writes of a large checkpoint to slow storage
+    /// take minutes; a rank that died is noticed by the launcher long before this.
+    const PATIENCE: Duration = Duration::from_secs(3600);
+
+    fn set(&self, what: &str, outcome: std::result::Result<(), &anyhow::Error>) -> Result<()> {
+        let value = match outcome {
+            Ok(()) => "ok".to_string(),
+            Err(e) => format!("error:{e:#}"),
+        };
+        self.store
+            .set(&format!("{}{what}", self.prefix), value.as_bytes())
+    }
+
+    /// Waits for `what` to be reported and returns its error, if it reports one.
+    fn wait(&self, what: &str) -> Result<()> {
+        let key = format!("{}{what}", self.prefix);
+        let started = Instant::now();
+        while !self.store.check(&[&key])? {
+            if started.elapsed() > Self::PATIENCE {
+                bail!(
+                    "no report {key:?} after {} s; is every rank still running?",
+                    Self::PATIENCE.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let value = self.store.get(&key)?;
+        let value = String::from_utf8_lossy(&value);
+        match value.strip_prefix("error:") {
+            Some(why) => bail!("{why}"),
+            None => Ok(()),
+        }
+    }
+
+    /// Rank 0: every other rank's report; an error names each rank that failed.
+    fn wait_ranks(&self) -> Result<()> {
+        let mut failed = Vec::new();
+        for r in 1..self.world {
+            if let Err(e) = self.wait(&format!("rank{r}")) {
+                failed.push(format!("rank {r}: {e:#}"));
+            }
+        }
+        // Every rank has read `start` before reporting: nothing of this save is read again.
+        for what in
+            std::iter::once("start".to_string()).chain((1..self.world).map(|r| format!("rank{r}")))
+        {
+            let _ = self.store.delete(&format!("{}{what}", self.prefix));
+        }
+        if !failed.is_empty() {
+            bail!(
+                "another rank could not write its part of the checkpoint ({})",
+                failed.join("; ")
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Host copies of what a rank writes, kept between saves (the shapes do not change), so an
+/// asynchronous save allocates once and then only copies. Pinned when the tensors live on a
+/// GPU, so the device-to-host copy runs at full speed.
+#[derive(Default)]
+pub(super) struct Staging {
+    /// "<file>/<tensor>" → its host copy.
+    buffers: HashMap<String, Tensor>,
+}
+
+impl Staging {
+    /// Bytes that staging `files` would allocate anew (0 once the buffers exist).
+    pub fn new_bytes(&self, files: &[FileJob]) -> u64 {
+        files
+            .iter()
+            .flat_map(|f| {
+                f.tensors
+                    .iter()
+                    .map(move |(n, t)| (format!("{}/{n}", f.name), t))
+            })
+            .filter(|(key, t)| !self.buffers.get(key).is_some_and(|b| same_layout(b, t)))
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// `files` with every tensor replaced by its host copy, made now.
+    pub fn copy(&mut self, files: Vec<FileJob>) -> Vec<FileJob> {
+        files
+            .into_iter()
+            .map(|f| {
+                let tensors = f
+                    .tensors
+                    .iter()
+                    .map(|(n, t)| {
+                        let key = format!("{}/{n}", f.name);
+                        let buf = self
+                            .buffers
+                            .entry(key)
+                            .and_modify(|b| {
+                                if !same_layout(b, t) {
+                                    *b = host_buffer(t);
+                                }
+                            })
+                            .or_insert_with(|| host_buffer(t));
+                        tch::no_grad(|| buf.copy_(t));
+                        (n.clone(), buf.shallow_clone())
+                    })
+                    .collect();
+                FileJob { tensors, ..f }
+            })
+            .collect()
+    }
+}
+
+fn same_layout(buf: &Tensor, t: &Tensor) -> bool {
+    buf.size() == t.size() && buf.kind() == t.kind()
+}
+
+fn host_buffer(t: &Tensor) -> Tensor {
+    let buf = Tensor::empty(t.size(), (t.kind(), Device::Cpu));
+    match t.device() {
+        Device::Cuda(i) => buf.pin_memory(Device::Cuda(i)),
+        _ => buf,
+    }
+}
