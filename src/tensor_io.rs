@@ -273,3 +273,58 @@ pub fn load_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
         .map(|n| Ok((n.clone(), f.tensor(&n)?)))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata(n: usize) -> HashMap<String, String> {
+        (0..n)
+            .map(|i| (format!("key{i}"), format!("{i}:{}", i + 1)))
+            .collect()
+    }
+
+    #[test]
+    fn the_same_tensors_and_metadata_give_the_same_bytes() -> Result<()> {
+        // Each HashMap iterates in an order of its own; the files must not.
+        let dir = tempfile::tempdir()?;
+        let tensors = vec![
+            (
+                "b".to_string(),
+                Tensor::arange(10, (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "a".to_string(),
+                Tensor::ones([2, 3], (Kind::Float, Device::Cpu)),
+            ),
+        ];
+        let files: Vec<Vec<u8>> = (0..4)
+            .map(|i| {
+                let path = dir.path().join(format!("{i}.safetensors"));
+                save(&path, &tensors, Some(metadata(24)))?;
+                Ok(std::fs::read(&path)?)
+            })
+            .collect::<Result<_>>()?;
+        assert!(files.windows(2).all(|w| w[0] == w[1]));
+        let f = SafeFile::open(&dir.path().join("0.safetensors"))?;
+        assert_eq!(f.metadata()?, metadata(24));
+        assert!(f.tensor("b")?.equal(&tensors[0].1));
+        Ok(())
+    }
+
+    #[test]
+    fn elements_reads_a_range_of_the_flattened_tensor() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("t.safetensors");
+        let t = Tensor::arange(24, (Kind::Float, Device::Cpu)).view([4, 6]);
+        save(&path, &[("t".to_string(), t.shallow_clone())], None)?;
+        let f = SafeFile::open(&path)?;
+        assert!(f
+            .elements("t", &(5..17))?
+            .equal(&t.view(-1).narrow(0, 5, 12)));
+        assert_eq!(f.elements("t", &(24..24))?.numel(), 0);
+        let err = f.elements("t", &(20..25)).unwrap_err().to_string();
+        assert!(err.contains("elements 20..25 of t, which has 24"), "{err}");
+        Ok(())
+    }
+}

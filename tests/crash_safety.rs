@@ -588,6 +588,61 @@ fn disk_full_during_a_save_keeps_the_previous_checkpoint() {
     assert_eq!(defect(&ckpt.join("step_3"), 3), None);
 }
 
+/// The same on two ranks saving in the background (`checkpoint.async`, the default): the
+/// writers' failure stops both ranks (no hang), the error names the file system's cause, and
+/// step_1 stays complete.
+#[test]
+fn disk_full_during_a_two_rank_background_save_stops_both_ranks_with_the_cause() {
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let two = |base: &[String], extra: &[&str]| {
+        let mut a = vec![
+            "run".to_string(),
+            "--cpu".into(),
+            "--nproc".into(),
+            "2".into(),
+        ];
+        a.extend(base.iter().cloned());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let reference = tmp.path().join("reference");
+    common::ok(
+        tmp.path(),
+        &two(&tiny(&corpus, &reference), &["--max-steps", "1"]),
+    );
+    let size = dir_bytes(&reference.join("step_1"));
+    let mnt = tmp.path().join("small");
+    let room = (size + size / 2) / 4096 * 4096;
+    let Some(_fs_guard) = Tmpfs::mount(&mnt, &format!("size={room}")) else {
+        return;
+    };
+    let ckpt = mnt.join("ckpts");
+    let started = Instant::now();
+    let out = run(
+        tmp.path(),
+        &two(&tiny(&corpus, &ckpt), &["--max-steps", "4"]),
+    );
+    let text = output_text(&out);
+    assert_ne!(out.status.code(), Some(0), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(120),
+        "the failure took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        text.contains(&format!(
+            "saving checkpoint {} failed; earlier checkpoints are intact",
+            ckpt.join("step_2").display()
+        )) && text.contains("background save of checkpoint step_2")
+            && text.contains("No space left on device"),
+        "{text}"
+    );
+    assert_eq!(names(&ckpt), vec!["step_1".to_string()], "{text}");
+    assert_eq!(defect(&ckpt.join("step_1"), 1), None);
+}
+
 #[test]
 fn checkpoint_dir_under_a_regular_file_fails_clearly() {
     // Root ignores permission bits (chmod 0555 stops nothing), but no one can create a

@@ -10,11 +10,19 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{lockstep, losses, ok, output_text, run, small, with, workers_of, write_corpus};
-use lockstep::tensor_io;
+use lockstep::model::hf::Weights;
 
+/// A checkpoint's weights, whichever ranks wrote them (one file, or one shard per rank).
 fn weights(run_dir: &Path, step: usize) -> HashMap<String, tch::Tensor> {
-    let file = run_dir.join(format!("checkpoints/step_{step}/model.safetensors"));
-    tensor_io::load_all(&file).unwrap().into_iter().collect()
+    let dir = run_dir.join(format!("checkpoints/step_{step}"));
+    let w = Weights::open(&dir).unwrap();
+    w.names()
+        .into_iter()
+        .map(|n| {
+            let t = w.tensor(&n).unwrap();
+            (n, t)
+        })
+        .collect()
 }
 
 fn assert_close_losses(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64) {
@@ -202,7 +210,10 @@ fn two_rank_checkpoints_resume_on_two_ranks_and_on_one() {
         &resume,
     ];
     let out = ok(dir, &with(&base, &["train"], &tail));
-    assert!(out.contains("at step 5 (40 samples consumed)"), "{out}");
+    assert!(
+        out.contains("at step 5 (40 samples consumed; loaded in "),
+        "{out}"
+    );
     assert_close_losses(
         &losses(&runs.join("single/metrics.jsonl")),
         &straight[5..],

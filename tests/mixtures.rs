@@ -197,7 +197,7 @@ fn a_masked_mixture_reports_per_source_and_resumes_exactly() {
     train("split", &["--stop-at-step", "3"]);
     let resumed = train("split", &["--resume", "auto"]);
     assert!(
-        resumed.contains("at step 3 (12 samples consumed)"),
+        resumed.contains("at step 3 (12 samples consumed; loaded in "),
         "{resumed}"
     );
     assert_eq!(

@@ -404,6 +404,15 @@ if wants c3 && time_for 150 c3-run; then
   else
     result FAIL c3-run "exit $rc; step 10 seen: $(grep -qa "$TAG Step \[10/10\]" "$L" && echo yes || echo no); memory line: ${memline:-none}; $(why c3-full)"
   fi
+  # checkpoint.async (the default): the final save is copied into pinned host memory and
+  # written by the background writer; the run waits for it before exiting.
+  staged=$(grep -ao "Checkpoint step_10: staged in [0-9.]* s" "$L" | head -1)
+  written=$(grep -ao "step_10 (written in the background in [0-9.]* s)" "$L" | head -1)
+  if [ -n "$staged" ] && [ -n "$written" ] && [ -f "$CKPT/trainer.json" ]; then
+    result PASS c3-async-save "$staged (pinned host staging), $written"
+  else
+    result FAIL c3-async-save "staging line: '${staged:-none}', writer line: '${written:-none}'; $(why c3-full)"
+  fi
   if time_for 120 c3-resume; then
     run_logged c3-stop 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=resumed --stop-at-step 5
     rc1=$?

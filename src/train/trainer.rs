@@ -607,6 +607,7 @@ fn resume(
     rank: &Rank,
 ) -> Result<TrainerState> {
     let seed = resolved.config.system.seed;
+    let started = std::time::Instant::now();
     let saved = checkpoint::load(dir, shape, opt)?;
     anyhow::ensure!(
         saved.seed == seed,
@@ -614,11 +615,12 @@ fn resume(
         dir.display(), saved.seed, saved.seed
     );
     println!(
-        "{} Resumed from {} at step {} ({} samples consumed)",
+        "{} Resumed from {} at step {} ({} samples consumed; loaded in {:.2} s)",
         rank.tag,
         dir.display(),
         saved.step,
-        saved.samples_consumed
+        saved.samples_consumed,
+        started.elapsed().as_secs_f64()
     );
     Ok(TrainerState {
         world_size: rank.topo.world,

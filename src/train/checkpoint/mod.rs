@@ -940,3 +940,31 @@ fn parse_range(s: &str) -> Option<Range<usize>> {
     let (a, b) = (a.parse().ok()?, b.parse().ok()?);
     (a <= b).then_some(a..b)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn complete(root: &Path, step: usize) {
+        let dir = root.join(format!("step_{step}"));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("trainer.json"), "{}").unwrap();
+    }
+
+    #[test]
+    fn prune_keeps_the_last_ones_and_the_multiples_of_keep_every() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        for step in 1..=12 {
+            complete(root.path(), step);
+        }
+        fs::create_dir_all(root.path().join("nan_step_5"))?;
+        prune(root.path(), Keep { last: 2, every: 4 })?;
+        let steps: Vec<usize> = list(root.path()).into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [4, 8, 11, 12]);
+        assert!(root.path().join("nan_step_5").is_dir());
+        prune(root.path(), Keep { last: 1, every: 0 })?;
+        let steps: Vec<usize> = list(root.path()).into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [12]);
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# What checkpoints cost, on 2 CPU ranks (`lockstep run --cpu --nproc 2`, zero stage 0, so every
+# rank writes half of each checkpoint) with a 244M-parameter shape (12 layers, d 1024, 16/8
+# heads, FFN 2816, untied vocab 50257; 2.9 GB per checkpoint):
+#  1. the step loop's time from the step-1 line to the last step line with no save, a
+#     synchronous save and an asynchronous save every 10 steps, interleaved REPS times; the
+#     stall per save = (time with saves - time without) / saves, and tokens/s relative to no
+#     saves; also the in-loop times the trainer prints (staging copy; synchronous save);
+#  2. a restart: kill -9 of the launcher right after a checkpoint is committed, then
+#     `--resume auto`: seconds from the kill to the first resumed step's line, and the load
+#     time the trainer prints;
+#  3. load time of the same checkpoint at 1 and 2 ranks (the trainer's "loaded in" figure).
+# usage: benches/checkpoint_cpu.sh [reps=2] [steps=21]
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+cd "$ROOT"
+reps=${1:-2}
+steps=${2:-21}
+cargo build --release --bin lockstep 2>/dev/null
+L="$ROOT/target/release/lockstep"
+work=$(mktemp -d -p "${BENCH_TMP:-/tmp}"); trap 'rm -rf "$work"' EXIT
+ln -s "$ROOT/data" "$work/data"
+cd "$work"
+shape=(--preset tiny --set model.hidden_size=1024 --set model.num_layers=12
+  --set model.num_attention_heads=16 --set model.num_key_value_heads=8
+  --set model.intermediate_size=2816 --set training.batch_size=1
+  --set training.context_length=64 --set training.eval_batches=0
+  --set logging.memory_interval=0 --set checkpoint.keep_last=1 --set system.num_threads=1)
+median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+# Each output line with the wall-clock second it arrived.
+stamp() { while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done; }
+# Seconds between the lines of step 1 and step $2 of stamped log $1.
+span() { awk -v n="$2" '/\] Step \[1\//{a=$1} index($0, "] Step [" n "/"){b=$1} END{printf "%.2f", b-a}' "$1"; }
+"$L" prepare "${shape[@]}" >/dev/null
+echo "lockstep checkpoint benchmark: $(date -u +%F), $(nproc) cores, $steps steps, saves every 10 steps"
+
+# 1. Step loop with and without saves.
+modes=("none|--set checkpoint.interval=0" "sync|--set checkpoint.interval=10 --set checkpoint.async=false"
+  "async|--set checkpoint.interval=10 --set checkpoint.async=true")
+saves=$(( (steps - 1) / 10 ))
+for rep in $(seq "$reps"); do
+  for m in "${modes[@]}"; do
+    name=${m%%|*}; sets=${m#*|}
+    # shellcheck disable=SC2086
+    "$L" run --cpu --nproc 2 "${shape[@]}" --max-steps "$steps" $sets \
+      --set logging.run_name="loop-$name-$rep" 2>&1 | stamp > "loop-$name-$rep.log"
+    t=$(span "loop-$name-$rep.log" "$steps")
+    echo "$t" >> "loop-$name.t"
+    inloop=$(grep -ho 'staged in [0-9.]* s\|step_[0-9]* ([0-9.]* s)' "loop-$name-$rep.log" | grep -o '[0-9.]* s' | tr -d ' s' | paste -sd, -)
+    echo "rep $rep $name: step 1 -> $steps in $t s; in-loop save times: ${inloop:-none}"
+    rm -rf runs/"loop-$name-$rep"
+  done
+done
+none=$(median < loop-none.t)
+for name in sync async; do
+  t=$(median < "loop-$name.t")
+  awk -v t="$t" -v n="$none" -v s="$saves" -v m="$name" 'BEGIN {
+    printf "%s: median %.2f s vs %.2f s without saves: stall %.2f s per save, tokens/s %.3f of no saves\n",
+      m, t, n, (t - n) / s, n / t }'
+done
+
+# 2. Restart: kill -9 after a committed checkpoint, then resume.
+"$L" run --cpu --nproc 2 "${shape[@]}" --max-steps 1000 --set checkpoint.interval=3 \
+  --set logging.run_name=restart > >(stamp > restart-1.log) 2>&1 &
+launcher=$!
+until grep -q 'Checkpoint saved: .*step_3' restart-1.log 2>/dev/null; do sleep 0.1; done
+kill -9 "$launcher"; t0=$(date +%s.%N); wait "$launcher" 2>/dev/null
+"$L" run --cpu --nproc 2 "${shape[@]}" --max-steps 4 --set checkpoint.interval=3 \
+  --set logging.run_name=restart --resume auto 2>&1 | stamp > restart-2.log
+first=$(awk '/\] Step \[4\//{print $1; exit}' restart-2.log)
+loaded=$(grep -o 'loaded in [0-9.]* s' restart-2.log | head -1)
+awk -v a="$t0" -v b="$first" -v l="$loaded" 'BEGIN { printf "restart: kill -9 -> first resumed step %.2f s (%s)\n", b - a, l }'
+
+# 3. Load time of one checkpoint at 1 and 2 ranks (resume it, one more step).
+ckpt=$(ls -d runs/restart/checkpoints/step_* | tail -1)
+for rep in $(seq "$reps"); do
+  for world in 1 2; do
+    rm -rf runs/load; mkdir -p runs/load; cp -r "$ckpt" runs/load/ 2>/dev/null || true
+    mkdir -p runs/load/checkpoints && mv runs/load/step_* runs/load/checkpoints/
+    if [ "$world" = 1 ]; then
+      "$L" train "${shape[@]}" --max-steps 4 --set logging.run_name=load --resume auto > load.log 2>&1
+    else
+      "$L" run --cpu --nproc 2 "${shape[@]}" --max-steps 4 --set logging.run_name=load --resume auto > load.log 2>&1
+    fi
+    s=$(grep -o 'loaded in [0-9.]* s' load.log | head -1 | awk '{print $3}')
+    echo "$s" >> "load-$world.t"
+    echo "rep $rep: load at $world rank(s): $s s"
+  done
+done
+echo "load: median $(median < load-1.t) s at 1 rank, $(median < load-2.t) s at 2 ranks (rank 0's figure)"
