@@ -17,7 +17,7 @@ reps=${1:-2}
 steps=${2:-21}
 cargo build --release --bin lockstep 2>/dev/null
 L="$ROOT/target/release/lockstep"
-work=$(mktemp -d -p "${BENCH_TMP:-/tmp}"); trap 'rm -rf "$work"' EXIT
+work=$(mktemp -d -p "${BENCH_TMP:-/tmp}"); [ -n "${BENCH_KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
 ln -s "$ROOT/data" "$work/data"
 cd "$work"
 shape=(--preset tiny --set model.hidden_size=1024 --set model.num_layers=12

@@ -6,7 +6,8 @@
 //! - [`durable`]: fsync, and the atomic directory checkpoints and exports are written as;
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
-//! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics).
+//! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
+//! - [`lower_thread_priority`]: a background thread that takes only idle CPU time.
 
 pub mod cuda;
 pub mod durable;
@@ -14,3 +15,18 @@ pub mod ffi;
 pub mod nvml;
 pub mod oom;
 pub mod phase;
+
+/// Makes the calling thread a background writer: CPU priority nice 10 (a tenth of a normal
+/// thread's share when they compete: not idle-only, which would starve it on a host whose
+/// cores training keeps busy) and the lowest best-effort I/O priority, so a checkpoint written
+/// while training goes on takes mostly time training leaves over. Best effort: where the
+/// kernel refuses, the thread keeps its normal priority.
+pub fn lower_thread_priority() {
+    // SAFETY: plain syscalls on the calling thread: setpriority on its thread id,
+    // ioprio_set(IOPRIO_WHO_PROCESS, 0 = this thread, class BE (2) << 13 | level 7).
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+        libc::syscall(libc::SYS_ioprio_set, 1, 0, (2 << 13) | 7);
+    }
+}

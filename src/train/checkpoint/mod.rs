@@ -201,7 +201,10 @@ impl Checkpointer {
                 started: Instant::now(),
                 handle: std::thread::Builder::new()
                     .name("checkpoint-writer".into())
-                    .spawn(move || job.run())
+                    .spawn(move || {
+                        crate::sys::lower_thread_priority();
+                        job.run()
+                    })
                     .context("cannot start the checkpoint writer thread")?,
             });
             if self.rank == 0 {
