@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# What checkpoints cost, on 2 CPU ranks (`lockstep run --cpu --nproc 2`, zero stage 0, so every
-# rank writes half of each checkpoint) with a 244M-parameter shape (12 layers, d 1024, 16/8
-# heads, FFN 2816, untied vocab 50257; 2.9 GB per checkpoint):
-#  1. the step loop's time from the step-1 line to the last step line with no save, a
-#     synchronous save and an asynchronous save every 10 steps, interleaved REPS times; the
-#     stall per save = (time with saves - time without) / saves, and tokens/s relative to no
-#     saves; also the in-loop times the trainer prints (staging copy; synchronous save);
+# What checkpoints cost, on CPU ranks (default `lockstep run --cpu --nproc 2`, zero stage 0,
+# so every rank writes half of each checkpoint; BENCH_NPROC=1 trains one rank with one thread,
+# which leaves the second core idle, as a GPU node's cores mostly are) with a 244M-parameter
+# shape (12 layers, d 1024, 16/8 heads, FFN 2816, untied vocab 50257; 2.9 GB per checkpoint):
+#  1. steps 1..STEPS with no save, a synchronous save and an asynchronous save every 10 steps,
+#     interleaved REPS times. Per run: the median step time before the first save (steps
+#     2-10), and each save's stall = the time of the 10 steps after it (the save included)
+#     minus 10 median steps: the first save (step 10, which also allocates the staging
+#     buffers) and the later ones separately. Also the in-loop times the trainer prints
+#     (staging copy; synchronous save) and tokens/s relative to the run without saves;
 #  2. a restart: kill -9 of the launcher right after a checkpoint is committed, then
 #     `--resume auto`: seconds from the kill to the first resumed step's line, and the load
 #     time the trainer prints;
 #  3. load time of the same checkpoint at 1 and 2 ranks (the trainer's "loaded in" figure).
-# usage: benches/checkpoint_cpu.sh [reps=2] [steps=21]
+# usage: benches/checkpoint_cpu.sh [reps=3] [steps=31]   (BENCH_ONLY_LOOP=1: part 1 only)
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
-reps=${1:-2}
-steps=${2:-21}
+reps=${1:-3}
+steps=${2:-31}
+nproc=${BENCH_NPROC:-2}
 cargo build --release --bin lockstep 2>/dev/null
-L="$ROOT/target/release/lockstep"
 work=$(mktemp -d -p "${BENCH_TMP:-/tmp}"); [ -n "${BENCH_KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
+# A copy of the binary: a build during the benchmark does not change what it times.
+cp "$ROOT/target/release/lockstep" "$work/lockstep"
+L="$work/lockstep"
 ln -s "$ROOT/data" "$work/data"
 cd "$work"
 shape=(--preset tiny --set model.hidden_size=1024 --set model.num_layers=12
@@ -25,38 +31,55 @@ shape=(--preset tiny --set model.hidden_size=1024 --set model.num_layers=12
   --set model.intermediate_size=2816 --set training.batch_size=1
   --set training.context_length=64 --set training.eval_batches=0
   --set logging.memory_interval=0 --set checkpoint.keep_last=1 --set system.num_threads=1)
+if [ "$nproc" = 1 ]; then launch=("$L" train); else launch=("$L" run --cpu --nproc "$nproc"); fi
 median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 # Each output line with the wall-clock second it arrived.
 stamp() { while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done; }
 # Seconds between the lines of step 1 and step $2 of stamped log $1.
 span() { awk -v n="$2" '/\] Step \[1\//{a=$1} index($0, "] Step [" n "/"){b=$1} END{printf "%.2f", b-a}' "$1"; }
+# "base first later": the median step time over steps 2-10 of stamped log $1, the excess of
+# steps 11-20 over 10 of those (the save at step 10), and the mean excess of each later
+# window of 10 steps (the saves at 20, 30, ...) up to step $2.
+stalls() {
+  awk -v n="$2" 'match($0, /\] Step \[[0-9]+\//) { k = substr($0, RSTART + 8, RLENGTH - 9) + 0; t[k] = $1 }
+    END {
+      m = 0; for (k = 2; k <= 10; k++) d[++m] = t[k] - t[k - 1]
+      for (i = 2; i <= m; i++) for (j = i; j > 1 && d[j - 1] > d[j]; j--) { x = d[j]; d[j] = d[j - 1]; d[j - 1] = x }
+      base = (m % 2) ? d[(m + 1) / 2] : (d[m / 2] + d[m / 2 + 1]) / 2
+      first = t[20] - t[10] - 10 * base
+      w = 0; later = 0
+      for (s = 20; s + 10 <= n; s += 10) { later += t[s + 10] - t[s] - 10 * base; w++ }
+      printf "%.2f %.2f %.2f", base, first, (w ? later / w : 0) }' "$1"
+}
 "$L" prepare "${shape[@]}" >/dev/null
-echo "lockstep checkpoint benchmark: $(date -u +%F), $(nproc) cores, $steps steps, saves every 10 steps"
+echo "lockstep checkpoint benchmark: $(date -u +%F), $(nproc) cores, $nproc rank(s), $steps steps, saves every 10 steps"
 
 # 1. Step loop with and without saves.
 modes=("none|--set checkpoint.interval=0" "sync|--set checkpoint.interval=10 --set checkpoint.async=false"
   "async|--set checkpoint.interval=10 --set checkpoint.async=true")
-saves=$(( (steps - 1) / 10 ))
 for rep in $(seq "$reps"); do
   for m in "${modes[@]}"; do
     name=${m%%|*}; sets=${m#*|}
     # shellcheck disable=SC2086
-    "$L" run --cpu --nproc 2 "${shape[@]}" --max-steps "$steps" $sets \
-      --set logging.run_name="loop-$name-$rep" 2>&1 | stamp > "loop-$name-$rep.log"
+    "${launch[@]}" "${shape[@]}" --max-steps "$steps" $sets \
+      --set logging.run_name="loop-$name-$rep" 2>&1 | stamp > "loop-$name-$rep.log" \
+      || { echo "run loop-$name-$rep failed:"; tail -5 "loop-$name-$rep.log"; exit 1; }
     t=$(span "loop-$name-$rep.log" "$steps")
-    echo "$t" >> "loop-$name.t"
+    read -r base first later < <(stalls "loop-$name-$rep.log" "$steps")
+    echo "$t" >> "loop-$name.t"; echo "$first" >> "first-$name.t"; echo "$later" >> "later-$name.t"
     inloop=$(grep -ho 'staged in [0-9.]* s\|step_[0-9]* ([0-9.]* s)' "loop-$name-$rep.log" | grep -o '[0-9.]* s' | tr -d ' s' | paste -sd, -)
-    echo "rep $rep $name: step 1 -> $steps in $t s; in-loop save times: ${inloop:-none}"
+    echo "rep $rep $name: steps 1 -> $steps in $t s; median step $base s; stall of the save at step 10 $first s, of each later one $later s; in-loop save times: ${inloop:-none}"
     rm -rf runs/"loop-$name-$rep"
   done
 done
 none=$(median < loop-none.t)
-for name in sync async; do
+for name in none sync async; do
   t=$(median < "loop-$name.t")
-  awk -v t="$t" -v n="$none" -v s="$saves" -v m="$name" 'BEGIN {
-    printf "%s: median %.2f s vs %.2f s without saves: stall %.2f s per save, tokens/s %.3f of no saves\n",
-      m, t, n, (t - n) / s, n / t }'
+  awk -v t="$t" -v n="$none" -v m="$name" -v f="$(median < "first-$name.t")" -v l="$(median < "later-$name.t")" 'BEGIN {
+    printf "%s: medians: steps 1 -> end %.2f s (tokens/s %.3f of no saves); stall of the first save %.2f s, of each later save %.2f s\n",
+      m, t, n / t, f, l }'
 done
+[ -n "${BENCH_ONLY_LOOP:-}" ] && exit 0
 
 # 2. Restart: kill -9 after a committed checkpoint, then resume.
 "$L" run --cpu --nproc 2 "${shape[@]}" --max-steps 1000 --set checkpoint.interval=3 \

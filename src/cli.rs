@@ -65,7 +65,8 @@ pub enum Command {
     Generate(commands::generate::GenerateArgs),
     /// What a config needs per rank before it runs: memory by buffer for each zero stage and
     /// activation checkpointing mode, FLOPs, step time, communication, scaling; whether it
-    /// fits and the cheapest change that does. Takes `train`'s config flags.
+    /// fits and the cheapest change that does; what a checkpoint save writes, stages in host
+    /// memory and stalls. Takes `train`'s config flags.
     Plan {
         #[command(flatten)]
         plan: commands::plan::PlanArgs,

@@ -471,3 +471,266 @@ fn out_of_memory_mid_run_names_the_phase_and_keeps_the_checkpoint() {
         assert!(resumed.contains("Step [3/3]"), "{phase}: {resumed}");
     }
 }
+
+/// `checkpoint.interval` and `training.max_steps` with saves between steps.
+const SAVING: [&str; 4] = [
+    "--set",
+    "checkpoint.interval=1000",
+    "--set",
+    "training.max_steps=100000",
+];
+
+#[test]
+fn a_save_stages_12_bytes_per_parameter_over_the_writers_and_stalls_by_the_storage_bandwidth() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = LLAMA_8B.to_vec();
+        args.extend(SAVING);
+        args.extend(["--device", "cuda", "--gpu-memory-gb", "80"]);
+        args.extend(extra);
+        plan_json(tmp.path(), &args)
+    };
+    let params = 8_030_261_248.0;
+    // Every rank writes its share at every zero stage; with hybrid sharding the first shard
+    // group writes.
+    for (extra, writers) in [
+        (vec!["--gpus", "1"], 1.0),
+        (vec!["--gpus", "16", "--set", "system.zero_stage=0"], 16.0),
+        (vec!["--gpus", "16", "--set", "system.zero_stage=3"], 16.0),
+        (
+            vec![
+                "--gpus",
+                "16",
+                "--set",
+                "system.zero_stage=3",
+                "--set",
+                "system.shard_degree=4",
+            ],
+            4.0,
+        ),
+    ] {
+        let p = plan(&extra);
+        let c = &p["checkpoint"];
+        let f = |k: &str| c[k].as_f64().unwrap();
+        assert_eq!(p["model"]["parameters"].as_f64().unwrap(), params);
+        assert_eq!(f("writing_ranks"), writers, "{extra:?}");
+        assert_eq!(f("bytes_per_save"), 12.0 * params);
+        assert_eq!(f("bytes_per_rank"), 12.0 * params / writers, "{extra:?}");
+        assert_eq!(f("staging_bytes_per_rank"), 12.0 * params / writers);
+        // Nodes of 8 GPUs: the first holds up to 8 of the writers, sharing its storage.
+        let on_node = writers.min(8.0);
+        assert_eq!(f("writing_ranks_per_node"), on_node);
+        assert_eq!(
+            f("staging_bytes_per_node"),
+            on_node * 12.0 * params / writers
+        );
+        assert!(
+            (f("write_seconds") - on_node * 12.0 * params / writers / 2e9).abs() < 1e-6,
+            "2 GB/s per node by default: {c}"
+        );
+        // On a GPU the staging buffer is pinned host memory, not in the GPU's estimate.
+        assert_eq!(c["staging_in_rank_memory"], false);
+        assert_eq!(p["configured"]["memory"]["staging"].as_f64().unwrap(), 0.0);
+    }
+
+    // Twice the storage bandwidth halves the synchronous stall (less the masters' gather,
+    // which stage 3 adds to both), half of it doubles it; the asynchronous stall, a copy at
+    // the PCIe's speed, stays.
+    let stage_3 = ["--gpus", "16", "--set", "system.zero_stage=3"];
+    let at = |gbps: &str| {
+        let mut extra = stage_3.to_vec();
+        extra.extend(["--storage-gbps", gbps]);
+        plan(&extra)["checkpoint"].clone()
+    };
+    let (base, fast, slow) = (at("2"), at("4"), at("1"));
+    let f = |c: &Value, k: &str| c[k].as_f64().unwrap();
+    let gather = f(&base, "gather_seconds");
+    assert!(gather > 0.0, "stage 3 gathers the fp32 masters: {base}");
+    let write = |c: &Value| f(c, "stall_sync_seconds") - gather;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+    assert!(close(write(&fast), write(&base) / 2.0), "{fast}");
+    assert!(close(write(&slow), write(&base) * 2.0), "{slow}");
+    assert_eq!(
+        f(&fast, "stall_async_seconds"),
+        f(&base, "stall_async_seconds")
+    );
+    assert_eq!(
+        f(&slow, "stall_async_seconds"),
+        f(&base, "stall_async_seconds")
+    );
+    assert!(f(&base, "stall_async_seconds") < f(&base, "stall_sync_seconds"));
+    assert_eq!(base["stall_seconds"], base["stall_async_seconds"]);
+    // The share of training time lost: the stall over the training between two saves.
+    let between = f(&base, "seconds_between_saves");
+    let lost = f(&base, "time_lost_sync");
+    let stall = f(&base, "stall_sync_seconds");
+    assert!(close(lost, stall / (between + stall)), "{base}");
+
+    // The text says the same.
+    let mut args: Vec<String> = ["plan", "--device", "cuda", "--gpu-memory-gb", "80"]
+        .iter()
+        .chain(&LLAMA_8B)
+        .chain(&SAVING)
+        .chain(&stage_3)
+        .map(|s| s.to_string())
+        .collect();
+    let text = ok(tmp.path(), &args);
+    for part in [
+        "Checkpoint: 96.36 GB per save (fp32 weights and AdamW moments, 12 B/param): 6.02 GB from each of 16 writing ranks, 48.18 GB from the node with the most (8); storage 2.0 GB/s per node (--storage-gbps)",
+        "  staging 6.02 GB per rank of pinned host memory, kept from the first save (checkpoint.async): 48.18 GB per node of 8 writing ranks",
+        "  stall per save: synchronous ",
+        "configured: asynchronous",
+        "  time lost to saves every 1000 steps (",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+
+    // checkpoint.async=false: nothing staged, the synchronous stall is the configured one.
+    args.extend(["--set".into(), "checkpoint.async=false".into()]);
+    let text = ok(tmp.path(), &args);
+    for part in [
+        "  staging 0.00 GB per rank (checkpoint.async = false",
+        "configured: synchronous",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+    let mut extra = stage_3.to_vec();
+    extra.extend(["--set", "checkpoint.async=false"]);
+    let c = plan(&extra)["checkpoint"].clone();
+    assert_eq!(f(&c, "staging_bytes_per_rank"), 0.0);
+    assert_eq!(f(&c, "staging_bytes_per_node"), 0.0);
+    assert_eq!(c["stall_seconds"], c["stall_sync_seconds"]);
+}
+
+#[test]
+fn a_cpu_rank_counts_its_staging_copy_in_its_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--gpu-memory-gb",
+            "100",
+        ];
+        args.extend(extra);
+        plan_json(tmp.path(), &args)
+    };
+    let memory = |p: &Value, k: &str| p["configured"]["memory"][k].as_f64().unwrap();
+    let total = |p: &Value| p["configured"]["total_bytes"].as_f64().unwrap();
+    // Saving every 10 of 100 steps: the copy made at the first save is there at every later
+    // step's peak, 12 bytes per parameter over the writing ranks.
+    for ranks in [1.0, 2.0] {
+        let gpus = format!("{ranks}");
+        let saving = ["--gpus", &gpus, "--set", "checkpoint.interval=10"];
+        let p = plan(&saving);
+        let params = p["model"]["parameters"].as_f64().unwrap();
+        assert_eq!(
+            memory(&p, "staging"),
+            12.0 * params / ranks,
+            "{}",
+            p["checkpoint"]
+        );
+        assert_eq!(p["checkpoint"]["staging_in_rank_memory"], true);
+        let mut sync = saving.to_vec();
+        sync.extend(["--set", "checkpoint.async=false"]);
+        let q = plan(&sync);
+        assert_eq!(memory(&q, "staging"), 0.0);
+        assert_eq!(
+            q["checkpoint"]["staging_bytes_per_rank"].as_f64().unwrap(),
+            0.0
+        );
+        assert!((total(&p) - total(&q) - 12.0 * params / ranks).abs() < 1.0);
+    }
+    // One save, after the last step: the copy meets the model state alone (weights, moments,
+    // the runtime), not a step's activations; the estimate is the larger of the two.
+    let p = plan(&["--set", "checkpoint.interval=0"]);
+    let params = p["model"]["parameters"].as_f64().unwrap();
+    let m = &p["configured"]["memory"];
+    if m["peak_during"] == "checkpoint_save" {
+        assert_eq!(memory(&p, "staging"), 12.0 * params);
+        assert_eq!(memory(&p, "activations") + memory(&p, "logits"), 0.0);
+    } else {
+        assert_eq!(memory(&p, "staging"), 0.0, "{m}");
+    }
+    let text = ok(
+        tmp.path(),
+        &[
+            "plan",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--set",
+            "checkpoint.interval=10",
+        ]
+        .map(String::from),
+    );
+    for part in [
+        "  staging ",
+        "checkpoint.async: host copy of what this rank writes (12 B/param over 1 writing rank)",
+        "of host memory, kept from the first save (checkpoint.async): in the per-rank peak above",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+}
+
+#[test]
+fn the_start_check_counts_the_staging_copy_on_cpu_and_names_checkpoint_async() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    // Saves at steps 1 and 2 of 3: the staging copy is alive at step 2's and 3's peaks.
+    let saving = ["--max-steps", "3", "--set", "checkpoint.interval=1"];
+    let estimate = |extra: &[&str]| {
+        let mut args = with(&base, &["plan", "--json", "--device", "cpu"], &saving);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let p: Value = serde_json::from_str(&ok(dir, &args)).unwrap();
+        p["configured"]["total_bytes"].as_f64().unwrap()
+    };
+    let (with_copy, without) = (
+        estimate(&[]),
+        estimate(&["--set", "checkpoint.async=false"]),
+    );
+    assert!(with_copy > without);
+    // A budget between the two: refused, naming the copy and checkpoint.async=false.
+    let budget = format!("system.memory_budget_gb={:.4}", (with_copy + without) / 2e9);
+    let train = |extra: &[&str]| {
+        let mut args = with(&base, &["train"], &saving);
+        args.extend(["--set".to_string(), budget.clone()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let out = run(dir, &train(&["--set", "logging.run_name=refused"]));
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    for part in [
+        "error: this config needs an estimated",
+        ", checkpoint.async staging 0.",
+        "--set checkpoint.async=false, without the ",
+        "every save then stalls training for its whole write",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+    // Without the copy it starts, and says nothing of staging.
+    let started = ok(
+        dir,
+        &train(&[
+            "--set",
+            "checkpoint.async=false",
+            "--set",
+            "logging.run_name=sync",
+        ]),
+    );
+    assert!(started.contains("Memory plan:"), "{started}");
+    assert!(!started.contains("staging"), "{started}");
+    // With room for it, the plan line says it is included.
+    let mut roomy = with(&base, &["train"], &saving);
+    roomy.extend(["--set", "logging.run_name=roomy"].map(String::from));
+    let started = ok(dir, &roomy);
+    assert!(
+        started.contains("checkpoint.async's staging copy of "),
+        "{started}"
+    );
+}

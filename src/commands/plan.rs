@@ -1,7 +1,8 @@
 //! `lockstep plan`: what a configuration needs per rank — memory by buffer for every zero stage
 //! and activation checkpointing mode, FLOPs, step time, communication, scaling — and whether it
-//! fits, before anything is prepared or allocated. The estimate is `crate::plan`'s, the same
-//! one `train` checks at start.
+//! fits, before anything is prepared or allocated; and what a checkpoint save writes, stages in
+//! host memory and stalls at a stated storage bandwidth. The estimate is `crate::plan`'s, the
+//! same one `train` checks at start.
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
@@ -31,8 +32,12 @@ pub struct PlanArgs {
     /// Assumed fraction of the device's peak FLOP/s reached (step time and tokens/s).
     #[arg(long, default_value_t = 0.4)]
     pub mfu: f64,
+    /// GB/s one node writes to the checkpoint storage, durably (fsync included), shared by the
+    /// node's ranks: the stall of a synchronous save and the background writer's time.
+    #[arg(long, value_name = "GB/S", default_value_t = plan::checkpoint::DEFAULT_STORAGE_GBPS)]
+    pub storage_gbps: f64,
     /// Print one JSON object: every rank layout with its breakdown in bytes, total_bytes and
-    /// fits; FLOPs, step time, communication, scaling and the advice.
+    /// fits; FLOPs, step time, communication, scaling, the advice and the checkpoint's cost.
     #[arg(long)]
     pub json: bool,
 }
@@ -44,6 +49,11 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         args.mfu > 0.0 && args.mfu <= 1.0,
         "--mfu {}: a fraction in (0, 1]",
         args.mfu
+    );
+    anyhow::ensure!(
+        args.storage_gbps > 0.0 && args.storage_gbps.is_finite(),
+        "--storage-gbps {}: a bandwidth above 0 GB/s",
+        args.storage_gbps
     );
     let device = match args.device {
         Some(PlanDevice::Cpu) => plan::Device::Cpu,
@@ -93,6 +103,7 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
             budget,
             mfu: args.mfu,
             cpu_threads,
+            storage_bw: args.storage_gbps * 1e9,
         },
     );
     let layout = Layout::from_config(cfg);

@@ -34,6 +34,16 @@
 //! checkpointing none or selective the gathered weights that the autograd graph saved in each
 //! layer's forward (its matrices, or its attention matrices) and keeps until that layer's
 //! backward: only full checkpointing frees a layer's parameters between forward and backward.
+//!
+//! A checkpoint save (`plan/checkpoint.rs`) runs between steps, when a rank holds its model
+//! state (weights, master weights, moments, at stages 2 and 3 the fp32 gradient slice), the
+//! runtime and the buckets, plus where the fp32 masters are sharded the full fp32 parameters it
+//! writes (4·P/W, gathered for the save) and, with `checkpoint.async` on a CPU rank, the
+//! staging copy of what it writes (12·P/W, in the same host memory; on CUDA it is pinned host
+//! memory and not counted here). The staging buffers are allocated at the first save and kept:
+//! when `checkpoint.interval` is above 0 and below `training.max_steps` they are also alive at
+//! every later step's peak; otherwise the only save is after the last step. The estimate is the
+//! larger of the step's peak and the save's.
 
 use serde::Serialize;
 
@@ -70,6 +80,11 @@ pub struct Memory {
     /// and a chunk's bf16 weight gradient, communication buckets, and on CPU the blocks glibc's
     /// allocator keeps after a layer's backward.
     pub workspace: f64,
+    /// `checkpoint.async`'s staging copy of what this rank writes, on CPU ranks (host memory,
+    /// like the rest): kept from the first save, so also during the later steps when the run
+    /// saves before its last step. 0 on CUDA ranks (pinned host memory, not the GPU's; see
+    /// `plan/checkpoint.rs`).
+    pub staging: f64,
     /// When the peak is reached: the transient buffers of the other phase are not in it.
     pub peak_during: PeakPhase,
 }
@@ -83,6 +98,9 @@ pub enum PeakPhase {
     LmHead,
     /// The last layer's backward (its recomputation and gradients counted, no logits).
     DecoderBackward,
+    /// A checkpoint save between steps: the model state, the fp32 masters gathered for the
+    /// save and the staging copy, above what a step needs.
+    CheckpointSave,
 }
 
 impl Memory {
@@ -96,10 +114,11 @@ impl Memory {
             + self.activations
             + self.logits
             + self.workspace
+            + self.staging
     }
 
     /// (name, bytes) in the order of the report.
-    pub fn parts(&self) -> [(&'static str, f64); 8] {
+    pub fn parts(&self) -> [(&'static str, f64); 9] {
         [
             ("weights", self.weights),
             ("master weights", self.master_weights),
@@ -109,6 +128,7 @@ impl Memory {
             ("activations", self.activations),
             ("logits", self.logits),
             ("workspace", self.workspace),
+            ("staging", self.staging),
         ]
     }
 }
@@ -161,8 +181,80 @@ impl Dims {
     }
 }
 
-/// The estimate of one layout.
+/// The estimate of one layout: the larger of a step's peak and a checkpoint save's.
 pub fn estimate(s: &Setting, l: &Layout) -> Memory {
+    let step = during_step(s, l);
+    let save = at_save(s, l, &step);
+    if save.total() > step.total() {
+        save
+    } else {
+        step
+    }
+}
+
+/// The runtime's resident bytes on the rank's device.
+fn runtime(s: &Setting) -> f64 {
+    match s.device {
+        Device::Cpu => CPU_RUNTIME_BYTES,
+        Device::Cuda => CUDA_RUNTIME_BYTES,
+    }
+}
+
+/// The two gradient buckets of stages 0 to 2 with several ranks (stage 3 has no bucketed
+/// collective: its gathers and reduce-scatters go a unit at a time).
+fn buckets(s: &Setting, l: &Layout) -> f64 {
+    if s.world > 1 && !l.zero_stage.shards_parameters() {
+        2.0 * s.bucket_bytes
+    } else {
+        0.0
+    }
+}
+
+/// `checkpoint.async`'s staging copy in the rank's memory: on CPU ranks, 0 on CUDA ranks.
+pub fn staging_in_rank_memory(s: &Setting) -> f64 {
+    match s.device {
+        Device::Cpu => super::checkpoint::staging_per_rank(s),
+        Device::Cuda => 0.0,
+    }
+}
+
+/// A rank's memory while it saves a checkpoint, between two steps.
+pub fn during_save(s: &Setting, l: &Layout) -> Memory {
+    at_save(s, l, &during_step(s, l))
+}
+
+/// The save's memory, from the state the step's estimate counts.
+fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
+    let params = s.shape.num_parameters() as f64;
+    let world = s.shard_ranks(s.world).max(1) as f64;
+    let stage = l.zero_stage;
+    let gradients = if stage.shards_gradients() {
+        4.0 * params / world
+    } else {
+        0.0
+    };
+    let gathered_masters = if super::checkpoint::gathers_masters(s, stage) {
+        4.0 * params / super::checkpoint::writing_ranks(s) as f64
+    } else {
+        0.0
+    };
+    Memory {
+        weights: step.weights,
+        master_weights: step.master_weights,
+        moments: step.moments,
+        gradients,
+        gathered_units: 0.0,
+        activations: 0.0,
+        logits: 0.0,
+        workspace: runtime(s) + buckets(s, l) + gathered_masters,
+        staging: staging_in_rank_memory(s),
+        peak_during: PeakPhase::CheckpointSave,
+    }
+}
+
+/// A rank's peak memory during a step: a micro-batch's backward, with the staging buffers of
+/// `checkpoint.async` on a CPU rank that saves before the last step.
+pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     let m = Dims::of(s);
     let c = s.compute_bytes();
     let bf16 = c < 4.0;
@@ -190,7 +282,6 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         0.0
     };
     let moments = shard(8.0 * m.params);
-    let bucket = s.bucket_bytes;
     // Gradients are dropped after every update (set to none), so during a step's backward they
     // build up unit by unit: at the LM head only the head's own exists (none when it is the
     // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient
@@ -285,17 +376,8 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         all_gradients
     };
     let logits = if head_peak { head_logits } else { 0.0 };
-    let runtime = match s.device {
-        Device::Cpu => CPU_RUNTIME_BYTES,
-        Device::Cuda => CUDA_RUNTIME_BYTES,
-    };
-    // Stage 3 has no bucketed collective in a step: its gathers and reduce-scatters go a unit at
-    // a time, their buffers counted above.
-    let buckets = if s.world > 1 && !gathering {
-        2.0 * bucket
-    } else {
-        0.0
-    };
+    let runtime = runtime(s);
+    let buckets = buckets(s, l);
     // glibc serves allocations below its mmap threshold (raised dynamically up to 32 MiB)
     // from its arenas and keeps the freed blocks there: while a layer's [tokens, FFN] tensors
     // are that small, the churn of its backward leaves about as much again in holes
@@ -316,6 +398,11 @@ pub fn estimate(s: &Setting, l: &Layout) -> Memory {
         activations,
         logits,
         workspace,
+        staging: if s.saves_between_steps() {
+            staging_in_rank_memory(s)
+        } else {
+            0.0
+        },
         peak_during: if head_peak {
             PeakPhase::LmHead
         } else {
@@ -413,6 +500,7 @@ mod tests {
         let expected = match m.peak_during {
             PeakPhase::LmHead => 2.0 * (v * d + d + v * d + layer(&s)),
             PeakPhase::DecoderBackward => 2.0 * 3.0 * layer(&s),
+            PeakPhase::CheckpointSave => unreachable!("a step's peak is above a save's: {m:?}"),
         };
         assert!(close(m.gathered_units, expected), "{m:?}");
         assert!(close(m.total(), m.parts().iter().map(|(_, b)| b).sum()));
@@ -486,10 +574,91 @@ mod tests {
             let at_peak = match m.peak_during {
                 PeakPhase::LmHead => g.head,
                 PeakPhase::DecoderBackward => g.layer,
+                PeakPhase::CheckpointSave => unreachable!("{mode}: a step's peak is above"),
             };
             assert!(close(m.gathered_units, g.saved + at_peak), "{mode}");
         }
         assert!(phases.windows(2).all(|w| w[0] == w[1]));
+    }
+
+    /// The production preset's layers with a short context on `world` CPU ranks: the model
+    /// state outweighs a step's activations.
+    fn on_cpu(extra: &[&str], world: usize) -> (Setting, Layout) {
+        let mut sets = vec![
+            "model.num_layers=2",
+            "model.vocab_size=32000",
+            "training.context_length=64",
+            "training.batch_size=1",
+            "training.max_steps=100",
+        ];
+        sets.extend(extra);
+        let (mut s, l) = test_setting(&sets, world);
+        s.device = Device::Cpu;
+        (s, l)
+    }
+
+    #[test]
+    fn a_cpu_rank_keeps_its_staging_copy_through_the_steps_after_its_first_save() {
+        for world in [1, 4] {
+            let (s, l) = on_cpu(&["checkpoint.interval=10"], world);
+            let p = s.shape.num_parameters() as f64;
+            let step = during_step(&s, &l);
+            assert!(close(step.staging, 12.0 * p / world as f64), "{step:?}");
+            let sync = Setting {
+                ckpt_async: false,
+                ..s.clone()
+            };
+            let without = during_step(&sync, &l);
+            assert_eq!(without.staging, 0.0);
+            assert!(close(step.total() - without.total(), step.staging));
+            assert_eq!(estimate(&s, &l).staging, step.staging);
+        }
+        // On a GPU the copy is pinned host memory: not in the estimate.
+        let (mut s, l) = on_cpu(&["checkpoint.interval=10"], 1);
+        s.device = Device::Cuda;
+        assert_eq!(estimate(&s, &l).staging, 0.0);
+        assert_eq!(during_save(&s, &l).staging, 0.0);
+    }
+
+    #[test]
+    fn one_save_after_the_last_step_meets_the_model_state_alone() {
+        // checkpoint.interval = 0, or not below training.max_steps: no save between steps.
+        for interval in ["checkpoint.interval=0", "checkpoint.interval=100"] {
+            let (s, l) = on_cpu(&[interval], 1);
+            let p = s.shape.num_parameters() as f64;
+            let step = during_step(&s, &l);
+            assert_eq!(step.staging, 0.0, "{interval}");
+            let save = during_save(&s, &l);
+            assert_eq!(save.peak_during, PeakPhase::CheckpointSave);
+            assert!(close(save.staging, 12.0 * p));
+            assert_eq!(save.activations + save.logits + save.gathered_units, 0.0);
+            assert_eq!(save.gradients, 0.0, "dropped after the update");
+            // fp32 stage 0: weights and moments, the runtime and the copy.
+            assert!(close(save.total(), 24.0 * p + CPU_RUNTIME_BYTES));
+            assert!(
+                save.total() > step.total(),
+                "a short context: the save is the peak"
+            );
+            assert_eq!(estimate(&s, &l), save);
+        }
+        // Stage 3 with bf16: the fp32 gradient slice stays, and the full fp32 parameters this
+        // rank writes are gathered from the master shards for the save.
+        let (s, l) = on_cpu(
+            &[
+                "checkpoint.interval=0",
+                "system.zero_stage=3",
+                "training.dtype=bf16",
+            ],
+            4,
+        );
+        let p = s.shape.num_parameters() as f64;
+        let save = during_save(&s, &l);
+        assert_eq!(save.weights, 0.0);
+        assert!(close(save.master_weights, p));
+        assert!(close(save.moments, 2.0 * p));
+        assert!(close(save.gradients, p));
+        assert!(close(save.workspace, CPU_RUNTIME_BYTES + p));
+        assert!(close(save.staging, 3.0 * p));
     }
 
     #[test]

@@ -18,10 +18,14 @@
 //! gradients. Gradients are fp32 at every stage, as the buckets reduce them today.
 //! Step time is FLOPs over an assumed utilisation of the device's peak, and communication is
 //! the ring algorithm's bandwidth term over stated link speeds: both are stated in the output
-//! as assumptions, because they are.
+//! as assumptions, because they are. A checkpoint save (`checkpoint.rs`) writes 12 B/param
+//! shared by the writing ranks; with `checkpoint.async` each keeps a host staging copy of its
+//! share, counted in a CPU rank's memory (`memory.rs`), and the stall per save is the copy
+//! rather than the write at an assumed storage bandwidth (`lockstep plan --storage-gbps`).
 
 pub mod advice;
 pub mod budget;
+pub mod checkpoint;
 pub mod comm;
 pub mod memory;
 pub mod report;
@@ -74,6 +78,14 @@ pub struct Setting {
     pub intra_bw: f64,
     pub inter_bw: f64,
     pub node_size: usize,
+    /// `checkpoint.async`: saves are staged in host memory and written in the background.
+    pub ckpt_async: bool,
+    /// `checkpoint.interval`: steps between saves (0 = only at the end).
+    pub ckpt_interval: usize,
+    /// `training.max_steps`: the run's last step, after which it saves in any case.
+    pub max_steps: usize,
+    /// Bytes/s one node writes to the checkpoint storage, shared by its ranks.
+    pub storage_bw: f64,
 }
 
 /// What the plan is asked about beyond the config: the device, the ranks and the memory each
@@ -88,6 +100,8 @@ pub struct Target {
     pub mfu: f64,
     /// CPU threads per rank (CPU throughput only).
     pub cpu_threads: usize,
+    /// Bytes/s one node writes durably to the checkpoint storage (`--storage-gbps`).
+    pub storage_bw: f64,
 }
 
 impl Setting {
@@ -125,7 +139,17 @@ impl Setting {
             intra_bw,
             inter_bw,
             node_size,
+            ckpt_async: cfg.checkpoint.background,
+            ckpt_interval: cfg.checkpoint.interval,
+            max_steps: cfg.training.max_steps,
+            storage_bw: t.storage_bw,
         }
+    }
+
+    /// Whether the run saves before its last step (`checkpoint.interval` below
+    /// `training.max_steps`): then what a save leaves allocated is there at later steps too.
+    pub fn saves_between_steps(&self) -> bool {
+        self.ckpt_interval > 0 && self.ckpt_interval < self.max_steps
     }
 
     pub fn compute_bytes(&self) -> f64 {
@@ -274,6 +298,7 @@ pub(crate) fn test_setting(sets: &[&str], world: usize) -> (Setting, Layout) {
             budget: (80e9, "test".into()),
             mfu: 0.4,
             cpu_threads: 1,
+            storage_bw: checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
         },
     );
     (setting, Layout::from_config(&cfg))

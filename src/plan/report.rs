@@ -5,8 +5,9 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use super::advice::{self, Change};
+use super::checkpoint::{self, Checkpoint};
 use super::comm::{self, Scaling};
-use super::memory::PeakPhase;
+use super::memory::{self, PeakPhase};
 use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
@@ -54,6 +55,11 @@ pub struct Report {
     pub advice: Option<Change>,
     /// When nothing fits: the most frugal layout and what it needs.
     pub smallest: Option<Change>,
+    /// When the configured layout does not fit with `checkpoint.async`'s staging copy in the
+    /// rank's memory (CPU) and fits without it: what it needs with `checkpoint.async=false`.
+    pub fits_without_staging: Option<f64>,
+    /// What a checkpoint save writes, stages and stalls (`plan/checkpoint.rs`).
+    pub checkpoint: Checkpoint,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -92,6 +98,15 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         .then(|| advice::cheapest_within(s, l, s.budget))
         .flatten();
     let smallest = (!fits && advice.is_none()).then(|| advice::smallest(s, l));
+    let fits_without_staging = (!fits && configured.memory.staging > 0.0)
+        .then(|| {
+            let sync = Setting {
+                ckpt_async: false,
+                ..s.clone()
+            };
+            estimate(&sync, l).total_bytes
+        })
+        .filter(|total| *total <= s.budget);
     let tokens = l.tokens_per_step(s.context) as f64;
     let sh = &s.shape;
     Report {
@@ -129,6 +144,8 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
             .iter()
             .map(|&n| comm::scaling(s, l, n))
             .collect(),
+        checkpoint: checkpoint::build(s, l, configured.step_seconds),
+        fits_without_staging,
         configured,
         layouts,
         fits,
@@ -159,14 +176,25 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
         "master weights" => "none separate".into(),
         "moments" if stage.shards_optimizer() => "AdamW m and v, fp32, this rank's shard".into(),
         "moments" => "AdamW m and v, fp32".into(),
+        "gradients" if peak == PeakPhase::CheckpointSave => {
+            if stage.shards_gradients() {
+                "fp32 shard, kept between steps".into()
+            } else {
+                "none: dropped after each update".into()
+            }
+        }
         "gradients" if stage.shards_gradients() => {
             "fp32 shard + the largest unit's gradients and their send buffer".into()
         }
         "gradients" => "fp32".into(),
+        "activations" | "logits" | "gathered units" if peak == PeakPhase::CheckpointSave => {
+            "none: freed between steps".into()
+        }
         "gathered units" => {
             let in_use = match peak {
                 PeakPhase::LmHead => "final norm + LM head",
-                PeakPhase::DecoderBackward => "layer",
+                // A save's gathered units are none, said above.
+                PeakPhase::DecoderBackward | PeakPhase::CheckpointSave => "layer",
             };
             let saved = match l.activation_checkpointing {
                 ActivationCheckpointing::None => ", every layer's matrices held by its graph",
@@ -199,9 +227,15 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
         ),
         "workspace" => {
             let mut w = match s.device {
+                super::Device::Cpu if peak == PeakPhase::CheckpointSave => {
+                    "libtorch runtime".to_string()
+                }
                 super::Device::Cpu => "libtorch runtime, allocator slack".to_string(),
                 super::Device::Cuda => "CUDA context".to_string(),
             };
+            if peak == PeakPhase::CheckpointSave && checkpoint::gathers_masters(s, stage) {
+                w.push_str(", the full fp32 parameters this rank writes, gathered for the save");
+            }
             if s.bf16 && peak == PeakPhase::LmHead {
                 w.push_str(if stage == ZeroStage::Replicated {
                     ", bf16 LM-head weight and gradient"
@@ -214,7 +248,129 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             }
             w
         }
+        "staging" => {
+            let writers = checkpoint::writing_ranks(s);
+            let kept = if peak == PeakPhase::CheckpointSave {
+                "kept from the first save"
+            } else {
+                "kept from the first save through every later step"
+            };
+            format!(
+                "checkpoint.async: host copy of what this rank writes (12 B/param over {writers} writing rank{}), {kept}",
+                if writers == 1 { "" } else { "s" }
+            )
+        }
         _ => String::new(),
+    }
+}
+
+/// Seconds with three significant-ish digits.
+fn secs(x: f64) -> String {
+    if x < 1.0 {
+        format!("{x:.3} s")
+    } else if x < 100.0 {
+        format!("{x:.1} s")
+    } else {
+        format!("{x:.0} s")
+    }
+}
+
+/// The plan's checkpoint lines: what a save writes, stages and stalls.
+fn checkpoint_text(o: &mut String, r: &Report, s: &Setting) {
+    let c = &r.checkpoint;
+    let plural = |n: usize| if n == 1 { "" } else { "s" };
+    let _ = writeln!(
+        o,
+        "Checkpoint: {} per save (fp32 weights and AdamW moments, 12 B/param): {} from each of {} writing rank{}{}; storage {:.1} GB/s per node (--storage-gbps)",
+        gb(c.bytes_per_save),
+        gb(c.bytes_per_rank),
+        c.writing_ranks,
+        plural(c.writing_ranks),
+        if c.writing_ranks > 1 {
+            format!(
+                ", {} from the node with the most ({})",
+                gb(c.bytes_per_node),
+                c.writing_ranks_per_node
+            )
+        } else {
+            String::new()
+        },
+        c.storage_bandwidth / 1e9
+    );
+    let held = r.configured.memory.staging > 0.0;
+    let staged = match (c.background, c.staging_in_rank_memory) {
+        (false, _) => " (checkpoint.async = false: saves write from the training state)".to_string(),
+        (true, true) if held => {
+            " of host memory, kept from the first save (checkpoint.async): in the per-rank peak above"
+                .to_string()
+        }
+        (true, true) => format!(
+            " of host memory (checkpoint.async): one save, after the last step (checkpoint.interval = {}, training.max_steps = {}), below a step's peak",
+            c.interval, s.max_steps
+        ),
+        (true, false) => format!(
+            " of pinned host memory, kept from the first save (checkpoint.async): {} per node of {} writing rank{}, besides the GPU's memory",
+            gb(c.staging_bytes_per_node),
+            c.writing_ranks_per_node,
+            plural(c.writing_ranks_per_node)
+        ),
+    };
+    let _ = writeln!(
+        o,
+        "  staging {} per rank{staged}",
+        gb(c.staging_bytes_per_rank)
+    );
+    let gather = if c.gather_seconds > 0.0 {
+        format!(
+            "; both include {} to gather the fp32 master weights",
+            secs(c.gather_seconds)
+        )
+    } else {
+        String::new()
+    };
+    let waits = c.stall_async_seconds - c.gather_seconds - c.copy_seconds;
+    let writer = if waits > 0.0 {
+        format!(
+            "; its writer needs {}, {} more than the training between saves: the next save waits",
+            secs(c.write_seconds),
+            secs(waits)
+        )
+    } else {
+        format!("; written in the background in {}", secs(c.write_seconds))
+    };
+    let _ = writeln!(
+        o,
+        "  stall per save: synchronous {} (the node's {} at {:.1} GB/s), asynchronous {} ({} copied at {:.0} GB/s, estimated{writer}){gather}; configured: {}",
+        secs(c.stall_sync_seconds),
+        gb(c.bytes_per_node),
+        c.storage_bandwidth / 1e9,
+        secs(c.stall_async_seconds),
+        gb(c.bytes_per_rank),
+        c.copy_bandwidth / 1e9,
+        if c.background {
+            "asynchronous"
+        } else {
+            "synchronous"
+        }
+    );
+    match (c.seconds_between_saves, c.time_lost_sync, c.time_lost_async) {
+        (Some(between), Some(sync), Some(async_)) => {
+            let _ = writeln!(
+                o,
+                "  time lost to saves every {} steps ({} of training at the estimated step time): synchronous {:.2}%, asynchronous {:.2}%",
+                c.interval,
+                secs(between),
+                sync * 100.0,
+                async_ * 100.0
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                o,
+                "  time lost to saves: none during training, one save after the last step (checkpoint.interval = {}, training.max_steps = {})",
+                c.interval, s.max_steps
+            );
+        }
     }
 }
 
@@ -279,18 +435,26 @@ pub fn text(r: &Report, s: &Setting) -> String {
     );
     let _ = writeln!(
         o,
-        "\nPer-rank peak memory (during a micro-batch's backward, {}):",
+        "\nPer-rank peak memory ({}):",
         match r.configured.memory.peak_during {
-            PeakPhase::LmHead => "at an LM-head chunk",
-            PeakPhase::DecoderBackward => "at a decoder layer's backward",
+            PeakPhase::LmHead => "during a micro-batch's backward, at an LM-head chunk".to_string(),
+            PeakPhase::DecoderBackward => {
+                "during a micro-batch's backward, at a decoder layer's backward".to_string()
+            }
+            PeakPhase::CheckpointSave => format!(
+                "during a checkpoint save, between steps; a step's own peak is {}",
+                gb(memory::during_step(s, l).total())
+            ),
         }
     );
     let peak = r.configured.memory.peak_during;
     for (name, bytes) in r.configured.memory.parts() {
-        if name == "gathered units" && !l.zero_stage.shards_parameters() {
+        if (name == "gathered units" && !l.zero_stage.shards_parameters())
+            || (name == "staging" && bytes == 0.0)
+        {
             continue;
         }
-        let note = if name == "logits" && bytes == 0.0 {
+        let note = if name == "logits" && bytes == 0.0 && peak != PeakPhase::CheckpointSave {
             "below the peak: a decoder layer's backward needs more".to_string()
         } else {
             what(name, s, l, peak)
@@ -379,6 +543,7 @@ pub fn text(r: &Report, s: &Setting) -> String {
             sc.efficiency_overlapped * 100.0
         );
     }
+    checkpoint_text(&mut o, r, s);
     let _ = writeln!(o);
     if r.fits {
         let _ = writeln!(
@@ -409,23 +574,44 @@ pub fn advice_text(r: &Report) -> String {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    match (&r.advice, &r.smallest) {
+    let save = &r.checkpoint;
+    let without_staging = |total: f64| {
+        format!(
+            "--set checkpoint.async=false, without the {} staging copy (needs {}; every save then stalls training for its whole write, an estimated {} instead of {})",
+            gb(r.configured.memory.staging),
+            gb(total),
+            secs(save.stall_sync_seconds),
+            secs(save.stall_async_seconds)
+        )
+    };
+    match (&r.advice, &r.smallest, r.fits_without_staging) {
         _ if r.fits => String::new(),
-        (Some(c), _) => format!(
-            "Cheapest change that fits: {} (needs {}, step time {:+.0}%).",
+        (Some(c), _, alternative) => format!(
+            "Cheapest change that fits: {} (needs {}, step time {:+.0}%).{}",
             sets(c),
             gb(c.total_bytes),
-            c.slowdown * 100.0
+            c.slowdown * 100.0,
+            alternative
+                .map(|t| format!(" Or {}.", without_staging(t)))
+                .unwrap_or_default()
         ),
-        (None, Some(c)) => format!(
-            "No layout fits: even {} needs {}. Use more ranks (zero stages 1 to 3 shard the optimizer state, then the gradients, then the parameters across them), a shorter training.context_length, or a smaller model.",
+        (None, _, Some(t)) => format!("It fits with {}.", without_staging(t)),
+        (None, Some(c), None) => format!(
+            "No layout fits: even {} needs {}. Use more ranks (zero stages 1 to 3 shard the optimizer state, then the gradients, then the parameters across them), a shorter training.context_length, or a smaller model.{}",
             if c.sets.is_empty() {
                 "the current layout".to_string()
             } else {
                 sets(c)
             },
-            gb(c.total_bytes)
+            gb(c.total_bytes),
+            match r.configured.memory.staging {
+                0.0 => String::new(),
+                b => format!(
+                    " --set checkpoint.async=false drops the {} staging copy.",
+                    gb(b)
+                ),
+            }
         ),
-        (None, None) => String::new(),
+        (None, None, None) => String::new(),
     }
 }

@@ -2,6 +2,11 @@
 //! with what the device has (`system.memory_check`); and when an allocation fails anyway, the
 //! error names the phase, the memory in use and the plan's advice.
 //!
+//! On a CPU rank the estimate includes `checkpoint.async`'s staging copy (host memory like the
+//! rest, `plan/memory.rs`). On a GPU the staging buffers are pinned host memory: those of the
+//! node's writing ranks are compared with MemAvailable separately, and a shortfall is a
+//! warning, not a refusal, since saves then fall back to synchronous ones at run time.
+//!
 //! A config that cannot fit is refused with exit code 2, like any other config error: it is
 //! found before anything is allocated or written, and the fix is a change of config keys
 //! (the message names them), not of the machine's state. An allocation that fails later is a
@@ -22,6 +27,19 @@ use crate::telemetry::memory::{peak_rss_bytes, rss_bytes};
 /// The plan this process started with, for the out-of-memory report.
 static PLAN: Mutex<Option<(Setting, Layout, Device)>> = Mutex::new(None);
 
+/// Host memory a save keeps free beside its staging copy (as `Checkpointer` does when it
+/// decides whether a save can be staged).
+const STAGING_HEADROOM: f64 = 1e9;
+
+/// Ranks on this node (`LOCAL_WORLD_SIZE`, 1 when unset).
+fn local_ranks() -> usize {
+    std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1)
+}
+
 /// The memory one rank may use: `system.memory_budget_gb`, else the CPU's available memory
 /// shared by the ranks of this node, else the GPU's free memory. None when it cannot be read.
 fn rank_budget(cfg: &Config, device: Device) -> Option<(f64, String)> {
@@ -37,11 +55,7 @@ fn rank_budget(cfg: &Config, device: Device) -> Option<(f64, String)> {
             )
         }),
         _ => {
-            let local: usize = std::env::var("LOCAL_WORLD_SIZE")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|n| *n > 0)
-                .unwrap_or(1);
+            let local = local_ranks();
             budget::mem_available().map(|avail| {
                 let shared = if local > 1 {
                     format!(" / {local} ranks on this node")
@@ -85,15 +99,37 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
             budget,
             mfu: 0.4,
             cpu_threads: tch::get_num_threads().max(1) as usize,
+            storage_bw: plan::checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
         },
     );
     let layout = Layout::from_config(cfg);
     let r = report::build(&setting, &layout);
     *PLAN.lock().unwrap_or_else(|p| p.into_inner()) = Some((setting, layout, rank.device));
+    let host_staging = match rank
+        .lead()
+        .then(|| host_staging(&r, local_ranks(), budget::mem_available()?))
+        .flatten()
+    {
+        Some(HostStaging::Fits(note)) => format!("; {note}"),
+        Some(HostStaging::Short(warning)) => {
+            eprintln!("{tag} WARNING: {warning}");
+            String::new()
+        }
+        None => String::new(),
+    };
+    let memory = &r.configured.memory;
     if r.fits {
         if rank.lead() {
+            let staging = if memory.staging > 0.0 {
+                format!(
+                    ", checkpoint.async's staging copy of {} included",
+                    gb(memory.staging)
+                )
+            } else {
+                String::new()
+            };
             println!(
-                "{tag} Memory plan: {} per rank estimated, {} available ({})",
+                "{tag} Memory plan: {} per rank estimated{staging}, {} available ({}){host_staging}",
                 gb(r.configured.total_bytes),
                 gb(r.budget_bytes),
                 r.budget_source
@@ -101,16 +137,22 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
         }
         return Ok(());
     }
-    let breakdown: Vec<String> = r
-        .configured
-        .memory
+    let breakdown: Vec<String> = memory
         .parts()
         .iter()
         .filter(|(_, b)| *b > 0.0)
-        .map(|(n, b)| format!("{n} {}", gb(*b)))
+        .map(|(n, b)| match *n {
+            "staging" => format!("checkpoint.async staging {}", gb(*b)),
+            n => format!("{n} {}", gb(*b)),
+        })
         .collect();
+    let during = if memory.peak_during == plan::memory::PeakPhase::CheckpointSave {
+        " during a checkpoint save"
+    } else {
+        ""
+    };
     let message = format!(
-        "this config needs an estimated {} per rank ({}), but {} is available ({}). {} `lockstep plan` with the same flags shows the breakdown; system.memory_check=warn starts anyway.",
+        "this config needs an estimated {} per rank{during} ({}), but {} is available ({}). {} `lockstep plan` with the same flags shows the breakdown; system.memory_check=warn starts anyway.",
         gb(r.configured.total_bytes),
         breakdown.join(", "),
         gb(r.budget_bytes),
@@ -122,6 +164,46 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
         return Ok(());
     }
     Err(ConfigError(message).into())
+}
+
+/// What the host-memory check of `checkpoint.async`'s staging buffers on a GPU found.
+enum HostStaging {
+    /// They fit: a note for the memory plan's line.
+    Fits(String),
+    /// They do not: a warning (saves will be synchronous).
+    Short(String),
+}
+
+/// On a GPU, `checkpoint.async`'s pinned host staging buffers of this node's writing ranks
+/// (of its `local` ranks) against the host's MemAvailable `avail`. None where nothing is
+/// staged in pinned memory (CPU ranks count their copy in their estimate;
+/// `checkpoint.async=false`). Where the buffers and the headroom a save keeps free do not fit, saves fall back to
+/// synchronous ones at run time (`Checkpointer`): a warning, not a refusal, that says how long
+/// they would stall.
+fn host_staging(r: &report::Report, local: usize, avail: f64) -> Option<HostStaging> {
+    let c = &r.checkpoint;
+    if c.staging_in_rank_memory || c.staging_bytes_per_rank == 0.0 {
+        return None;
+    }
+    let writers = local.min(c.writing_ranks);
+    let need = c.staging_bytes_per_rank * writers as f64;
+    let what = format!(
+        "checkpoint.async stages {} in pinned host memory on this node ({writers} writing rank{} × {})",
+        gb(need),
+        if writers == 1 { "" } else { "s" },
+        gb(c.staging_bytes_per_rank)
+    );
+    Some(if need + STAGING_HEADROOM < avail {
+        HostStaging::Fits(format!("{what}, MemAvailable {}", gb(avail)))
+    } else {
+        HostStaging::Short(format!(
+            "{what}, but MemAvailable is {} (and a save keeps {} free): saves will be written synchronously, stalling training for the whole write (estimated {:.1} s per save at {:.1} GB/s per node). Set checkpoint.async=false to plan for that, or free host memory.",
+            gb(avail),
+            gb(STAGING_HEADROOM),
+            c.stall_sync_seconds,
+            c.storage_bandwidth / 1e9
+        ))
+    })
 }
 
 /// An error as the run reports it: an allocation failure becomes the phase it happened in, the
@@ -180,4 +262,55 @@ pub fn explain(e: anyhow::Error) -> anyhow::Error {
     }
     text.push_str("\nThe last complete checkpoint is untouched; continue from it with --resume auto after the change.");
     anyhow::anyhow!(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(sets: &[&str], world: usize, device: plan::Device) -> report::Report {
+        let mut all = vec!["model.num_layers=8", "model.vocab_size=128256"];
+        all.extend(sets);
+        let (mut s, l) = plan::test_setting(&all, world);
+        s.device = device;
+        report::build(&s, &l)
+    }
+
+    #[test]
+    fn a_gpu_node_checks_its_pinned_staging_copies_against_mem_available() {
+        let r = report(&[], 8, plan::Device::Cuda);
+        let per_rank = r.checkpoint.staging_bytes_per_rank;
+        assert!(per_rank > 0.0);
+        // 8 ranks on this node, all writing: their 8 copies and the 1 GB a save keeps free.
+        let node = 8.0 * per_rank;
+        match host_staging(&r, 8, node + STAGING_HEADROOM + 1e9) {
+            Some(HostStaging::Fits(note)) => {
+                assert!(note.contains("(8 writing ranks × "), "{note}")
+            }
+            _ => panic!("room for the copies"),
+        }
+        match host_staging(&r, 8, node) {
+            Some(HostStaging::Short(w)) => {
+                for part in [
+                    "checkpoint.async stages ",
+                    "saves will be written synchronously",
+                    "Set checkpoint.async=false",
+                ] {
+                    assert!(w.contains(part), "expected `{part}` in {w}");
+                }
+            }
+            _ => panic!("no room for the copies"),
+        }
+        // Four ranks on this node hold half as much.
+        assert!(matches!(
+            host_staging(&r, 4, node / 2.0 + STAGING_HEADROOM + 1e9),
+            Some(HostStaging::Fits(_))
+        ));
+        // Nothing pinned: a CPU rank counts its copy in its own estimate, and without
+        // checkpoint.async there is none.
+        let cpu = report(&[], 8, plan::Device::Cpu);
+        assert!(host_staging(&cpu, 8, 0.0).is_none());
+        let sync = report(&["checkpoint.async=false"], 8, plan::Device::Cuda);
+        assert!(host_staging(&sync, 8, 0.0).is_none());
+    }
 }

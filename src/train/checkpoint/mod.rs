@@ -68,7 +68,7 @@ use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
 use crate::sys::durable::{write_synced, AtomicDir};
 use crate::tensor_io::SafeFile;
-use writer::{Commit, FileJob, Reports, SaveJob, Staging};
+use writer::{Commit, FileJob, GiveUp, Reports, SaveJob, Staging};
 
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -104,6 +104,8 @@ pub struct Checkpointer {
     last: Option<PathBuf>,
     /// The fall-back to synchronous saves has been announced.
     said_sync: bool,
+    /// Ends the writer's waits for other ranks when the run stops with an error.
+    give_up: Arc<GiveUp>,
 }
 
 /// A save being written by the writer thread.
@@ -151,6 +153,7 @@ impl Checkpointer {
             finished: None,
             last: None,
             said_sync: false,
+            give_up: Arc::default(),
         })
     }
 
@@ -185,10 +188,16 @@ impl Checkpointer {
         let name = format!("step_{}", state.step);
         let waited = self.settle(pg)?;
         if waited > 0.5 && self.rank == 0 {
+            // A regular save that waits means saves take longer than the interval.
+            let advice = if self.interval > 0 && state.step.is_multiple_of(self.interval) {
+                " (saves take longer than checkpoint.interval steps; raise it or use faster \
+                 storage)"
+            } else {
+                ""
+            };
             println!(
                 "{} Checkpoint {name}: waited {waited:.1} s for the previous save to finish \
-                 writing (saves take longer than checkpoint.interval steps; raise it or use \
-                 faster storage)",
+                 writing{advice}",
                 self.tag
             );
         }
@@ -344,6 +353,7 @@ impl Checkpointer {
             prefix: format!("{ns}{}/", self.seq),
             rank: self.rank,
             world: self.world,
+            give_up: self.give_up.clone(),
         });
         Ok(SaveJob {
             root: self.root.clone(),
@@ -396,6 +406,27 @@ impl Checkpointer {
             );
         }
         Ok(fits)
+    }
+}
+
+/// A run that ends with an error (a failed step, an out-of-memory, a lost rank) while a save
+/// is written in the background lets the save finish, or fail cleanly, before the process
+/// exits: this rank's files are completed, and rank 0 commits if every rank reports within a
+/// grace period, else removes `step_N.tmp`. (Without the wait the writer would still run while
+/// the process tears libtorch down.)
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        if let Some(f) = self.in_flight.take() {
+            self.give_up.after(std::time::Duration::from_secs(30));
+            if let Ok(Ok(Some(dir))) = f.handle.join() {
+                println!(
+                    "{} Checkpoint saved: {} (written in the background in {:.2} s)",
+                    self.tag,
+                    dir.display(),
+                    f.started.elapsed().as_secs_f64()
+                );
+            }
+        }
     }
 }
 

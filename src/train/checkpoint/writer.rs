@@ -22,7 +22,7 @@ use tch::{Device, Tensor};
 
 use super::{abandon, begin_save, finish_save, Keep};
 use crate::dist::store::Store;
-use crate::sys::durable::{sync_file, AtomicDir};
+use crate::sys::durable::{sync_and_release, AtomicDir};
 use crate::tensor_io;
 
 /// One safetensors file of a checkpoint.
@@ -37,7 +37,7 @@ impl FileJob {
     fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(&self.name);
         tensor_io::save(&path, &self.tensors, self.meta.clone())?;
-        sync_file(&path)
+        sync_and_release(&path)
     }
 }
 
@@ -109,6 +109,28 @@ pub(super) struct Reports {
     pub prefix: String,
     pub rank: usize,
     pub world: usize,
+    /// Set when the run ends with an error while this save is in flight: waits for other
+    /// ranks give up then (a rank that failed may never report).
+    pub give_up: Arc<GiveUp>,
+}
+
+/// A deadline for a writer's waits on other ranks, set from the training thread.
+#[derive(Default)]
+pub(super) struct GiveUp(std::sync::Mutex<Option<Instant>>);
+
+impl GiveUp {
+    pub fn after(&self, grace: Duration) {
+        if let Ok(mut d) = self.0.lock() {
+            *d = Some(Instant::now() + grace);
+        }
+    }
+
+    fn passed(&self) -> bool {
+        self.0
+            .lock()
+            .map(|d| d.is_some_and(|d| Instant::now() > d))
+            .unwrap_or(true)
+    }
 }
 
 impl Reports {
@@ -130,6 +152,9 @@ impl Reports {
         let key = format!("{}{what}", self.prefix);
         let started = Instant::now();
         while !self.store.check(&[&key])? {
+            if self.give_up.passed() {
+                bail!("abandoned: the run stopped with an error before rank reports came in");
+            }
             if started.elapsed() > Self::PATIENCE {
                 bail!(
                     "no report {key:?} after {} s; is every rank still running?",

@@ -454,12 +454,13 @@ impl Optimizer {
         match &self.layout {
             Layout::Replicated(o) => {
                 let writers = self.writers();
-                let mine = |name: &str| {
-                    writers
-                        .params
-                        .iter()
-                        .any(|(n, w, _)| n == name && *w == self.rank)
-                };
+                let owned: std::collections::HashSet<&str> = writers
+                    .params
+                    .iter()
+                    .filter(|(_, w, _)| *w == self.rank)
+                    .map(|(n, _, _)| n.as_str())
+                    .collect();
+                let mine = |name: &str| owned.contains(name);
                 let all = o.state();
                 Ok(RankState {
                     weights: all.weights.into_iter().filter(|(n, _)| mine(n)).collect(),
