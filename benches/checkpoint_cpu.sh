@@ -13,7 +13,8 @@
 #     `--resume auto`: seconds from the kill to the first resumed step's line, and the load
 #     time the trainer prints;
 #  3. load time of the same checkpoint at 1 and 2 ranks (the trainer's "loaded in" figure).
-# usage: benches/checkpoint_cpu.sh [reps=3] [steps=31]   (BENCH_ONLY_LOOP=1: part 1 only)
+# usage: benches/checkpoint_cpu.sh [reps=3] [steps=31]   (BENCH_ONLY_LOOP=1: part 1 only;
+# BENCH_SKIP_LOOP=1: parts 2 and 3 only)
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-3}
@@ -49,12 +50,13 @@ stalls() {
       first = t[20] - t[10] - 10 * base
       w = 0; later = 0
       for (s = 20; s + 10 <= n; s += 10) { later += t[s + 10] - t[s] - 10 * base; w++ }
-      printf "%.2f %.2f %.2f", base, first, (w ? later / w : 0) }' "$1"
+      printf "%.2f %.2f %.2f\n", base, first, (w ? later / w : 0) }' "$1"
 }
 "$L" prepare "${shape[@]}" >/dev/null
 echo "lockstep checkpoint benchmark: $(date -u +%F), $(nproc) cores, $nproc rank(s), $steps steps, saves every 10 steps"
 
 # 1. Step loop with and without saves.
+if [ -z "${BENCH_SKIP_LOOP:-}" ]; then
 modes=("none|--set checkpoint.interval=0" "sync|--set checkpoint.interval=10 --set checkpoint.async=false"
   "async|--set checkpoint.interval=10 --set checkpoint.async=true")
 for rep in $(seq "$reps"); do
@@ -79,6 +81,7 @@ for name in none sync async; do
     printf "%s: medians: steps 1 -> end %.2f s (tokens/s %.3f of no saves); stall of the first save %.2f s, of each later save %.2f s\n",
       m, t, n / t, f, l }'
 done
+fi
 [ -n "${BENCH_ONLY_LOOP:-}" ] && exit 0
 
 # 2. Restart: kill -9 after a committed checkpoint, then resume.
@@ -86,7 +89,10 @@ done
   --set logging.run_name=restart > >(stamp > restart-1.log) 2>&1 &
 launcher=$!
 until grep -q 'Checkpoint saved: .*step_3' restart-1.log 2>/dev/null; do sleep 0.1; done
-kill -9 "$launcher"; t0=$(date +%s.%N); wait "$launcher" 2>/dev/null
+workers=$(pgrep -P "$launcher" | paste -sd, -)
+kill -9 "$launcher"; t0=$(date +%s.%N); wait "$launcher" 2>/dev/null || true
+# The workers die with their launcher (parent-death signal); the run directory is theirs until then.
+while [ -n "$workers" ] && ps -p "$workers" >/dev/null; do sleep 0.05; done
 "$L" run --cpu --nproc 2 "${shape[@]}" --max-steps 4 --set checkpoint.interval=3 \
   --set logging.run_name=restart --resume auto 2>&1 | stamp > restart-2.log
 first=$(awk '/\] Step \[4\//{print $1; exit}' restart-2.log)
