@@ -216,35 +216,36 @@ impl SafeFile {
         Ok(view.shape().iter().map(|&d| d as i64).collect())
     }
 
-    /// A CPU tensor copied out of the map.
-    pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let st = self.parsed()?;
-        let view = st
+    /// `name`'s bytes in the map, its shape and its kind.
+    fn view(&self, name: &str) -> Result<(&[u8], Vec<usize>, Kind)> {
+        let view = self
+            .parsed()?
             .tensor(name)
             .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
         let kind = dtype_to_kind(view.dtype())
             .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        Ok(Tensor::from_data_size(view.data(), &shape, kind))
+        Ok((view.data(), view.shape().to_vec(), kind))
+    }
+
+    /// A CPU tensor copied out of the map.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        let (data, shape, kind) = self.view(name)?;
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        Ok(Tensor::from_data_size(data, &shape, kind))
     }
 
     /// Elements `range` of `name` flattened, as a 1-D CPU tensor: only those bytes are read
     /// from the map (a resume on another world size reads the pieces it owns, not whole files).
     pub fn elements(&self, name: &str, range: &std::ops::Range<usize>) -> Result<Tensor> {
-        let st = self.parsed()?;
-        let view = st
-            .tensor(name)
-            .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
-        let kind = dtype_to_kind(view.dtype())
-            .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
-        let numel: usize = view.shape().iter().product();
+        let (data, shape, kind) = self.view(name)?;
+        let numel: usize = shape.iter().product();
         anyhow::ensure!(
             range.start <= range.end && range.end <= numel,
             "{}: elements {range:?} of {name}, which has {numel}",
             self.path.display()
         );
         let elt = kind.elt_size_in_bytes();
-        let bytes = &view.data()[range.start * elt..range.end * elt];
+        let bytes = &data[range.start * elt..range.end * elt];
         Ok(Tensor::from_data_size(bytes, &[range.len() as i64], kind))
     }
 

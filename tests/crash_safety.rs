@@ -59,6 +59,14 @@ fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
     a
 }
 
+/// `lockstep run --cpu --nproc 2` with `base` and `extra`.
+fn two_ranks(base: &[String], extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = ["run", "--cpu", "--nproc", "2"].map(String::from).to_vec();
+    a.extend(base.iter().cloned());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
 /// Parameter names of the `tiny` shape above (tied embedding: no lm_head).
 fn expected_params() -> BTreeSet<String> {
     let mut names: BTreeSet<String> = [
@@ -365,14 +373,7 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
     let base = tiny(&corpus, &ckpt);
     common::ok(tmp.path(), &cmd("prepare", &base, &[]));
     let run = |stage: usize, extra: &[&str]| {
-        let mut a = vec![
-            "run".to_string(),
-            "--cpu".into(),
-            "--nproc".into(),
-            "2".into(),
-        ];
-        a.extend(base.iter().cloned());
-        a.extend(["--max-steps", "1000000", "--resume", "auto"].map(String::from));
+        let mut a = two_ranks(&base, &["--max-steps", "1000000", "--resume", "auto"]);
         a.extend(["--set".to_string(), format!("system.zero_stage={stage}")]);
         a.extend(extra.iter().map(|s| s.to_string()));
         a
@@ -596,21 +597,10 @@ fn disk_full_during_a_two_rank_background_save_stops_both_ranks_with_the_cause()
     let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let corpus = write_corpus(tmp.path());
-    let two = |base: &[String], extra: &[&str]| {
-        let mut a = vec![
-            "run".to_string(),
-            "--cpu".into(),
-            "--nproc".into(),
-            "2".into(),
-        ];
-        a.extend(base.iter().cloned());
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
-    };
     let reference = tmp.path().join("reference");
     common::ok(
         tmp.path(),
-        &two(&tiny(&corpus, &reference), &["--max-steps", "1"]),
+        &two_ranks(&tiny(&corpus, &reference), &["--max-steps", "1"]),
     );
     let size = dir_bytes(&reference.join("step_1"));
     let mnt = tmp.path().join("small");
@@ -622,7 +612,7 @@ fn disk_full_during_a_two_rank_background_save_stops_both_ranks_with_the_cause()
     let started = Instant::now();
     let out = run(
         tmp.path(),
-        &two(&tiny(&corpus, &ckpt), &["--max-steps", "4"]),
+        &two_ranks(&tiny(&corpus, &ckpt), &["--max-steps", "4"]),
     );
     let text = output_text(&out);
     assert_ne!(out.status.code(), Some(0), "{text}");

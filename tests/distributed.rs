@@ -10,19 +10,9 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{lockstep, losses, ok, output_text, run, small, with, workers_of, write_corpus};
-use lockstep::model::hf::Weights;
 
-/// A checkpoint's weights, whichever ranks wrote them (one file, or one shard per rank).
 fn weights(run_dir: &Path, step: usize) -> HashMap<String, tch::Tensor> {
-    let dir = run_dir.join(format!("checkpoints/step_{step}"));
-    let w = Weights::open(&dir).unwrap();
-    w.names()
-        .into_iter()
-        .map(|n| {
-            let t = w.tensor(&n).unwrap();
-            (n, t)
-        })
-        .collect()
+    common::checkpoint_weights(&run_dir.join(format!("checkpoints/step_{step}")))
 }
 
 fn assert_close_losses(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64) {

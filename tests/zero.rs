@@ -9,19 +9,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use common::{losses, ok, small, with, write_corpus};
-use lockstep::model::hf::Weights;
 use lockstep::train::checkpoint::MomentFiles;
 
-/// The weights of a checkpoint, single file or owner-written shards alike.
 fn weights(ckpt: &Path) -> HashMap<String, tch::Tensor> {
-    let w = Weights::open(ckpt).unwrap();
-    w.names()
-        .into_iter()
-        .map(|n| {
-            let t = w.tensor(&n).unwrap();
-            (n, t)
-        })
-        .collect()
+    common::checkpoint_weights(ckpt)
 }
 
 /// Both moments of every parameter, reassembled from whatever pieces the checkpoint holds.

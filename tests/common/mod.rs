@@ -175,3 +175,16 @@ pub fn workers_of(launcher: u32) -> Vec<(u32, String)> {
     }
     found
 }
+
+/// The weights of a checkpoint directory, whichever ranks wrote them (one file, or one shard
+/// per writing rank and an index), by name.
+pub fn checkpoint_weights(dir: &Path) -> std::collections::HashMap<String, tch::Tensor> {
+    let w = lockstep::model::hf::Weights::open(dir).unwrap();
+    w.names()
+        .into_iter()
+        .map(|n| {
+            let t = w.tensor(&n).unwrap();
+            (n, t)
+        })
+        .collect()
+}

@@ -819,25 +819,10 @@ struct Checkpoint {
     moments: MomentFiles,
 }
 
-impl StateSource for Checkpoint {
-    fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
-        ensure!(
-            self.weights.contains(name),
-            "{}: missing tensor {name}",
-            self.dir.display()
-        );
-        let src = self.weights.tensor(name)?;
-        ensure!(
-            src.size() == shape && src.kind() == Kind::Float,
-            "{}: tensor {name} is {:?} {:?}, expected {shape:?} Float",
-            self.dir.display(),
-            src.kind(),
-            src.size(),
-        );
-        Ok(src)
-    }
-
-    fn weight_range(&self, name: &str, shape: &[i64], range: &Range<usize>) -> Result<Tensor> {
+impl Checkpoint {
+    /// Fails unless the checkpoint holds `name` with `shape`; then its elements `range`
+    /// (flattened), or all of it with its shape, checked to be fp32.
+    fn fp32(&self, name: &str, shape: &[i64], range: Option<&Range<usize>>) -> Result<Tensor> {
         ensure!(
             self.weights.contains(name),
             "{}: missing tensor {name}",
@@ -849,7 +834,10 @@ impl StateSource for Checkpoint {
             "{}: tensor {name} is {stored:?}, expected {shape:?}",
             self.dir.display(),
         );
-        let src = self.weights.elements(name, range)?;
+        let src = match range {
+            Some(r) => self.weights.elements(name, r)?,
+            None => self.weights.tensor(name)?,
+        };
         ensure!(
             src.kind() == Kind::Float,
             "{}: tensor {name} is {:?}, expected Float",
@@ -857,6 +845,16 @@ impl StateSource for Checkpoint {
             src.kind()
         );
         Ok(src)
+    }
+}
+
+impl StateSource for Checkpoint {
+    fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        self.fp32(name, shape, None)
+    }
+
+    fn weight_range(&self, name: &str, shape: &[i64], range: &Range<usize>) -> Result<Tensor> {
+        self.fp32(name, shape, Some(range))
     }
 
     fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
