@@ -95,7 +95,9 @@ impl View for TensorData {
         if self.tensor.device() == Device::Cpu {
             // SAFETY: a contiguous CPU tensor (made so in `new`) owns `len` bytes from its data
             // pointer; `self` keeps it alive for the borrow and nothing writes to it meanwhile
-            // (saving runs on the thread that trains, between steps).
+            // (a synchronous checkpoint is written by the thread that trains, between steps; a
+            // background one from staging copies that the next save refills only after this
+            // one has finished).
             let bytes = unsafe {
                 std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len)
             };
