@@ -1,5 +1,5 @@
-//! Hugging Face ids missing from the hub cache are downloaded (hf-hub's sync client) from
-//! `HF_ENDPOINT`, here a mock Hub this test runs on 127.0.0.1 that answers the requests hf-hub
+//! Hugging Face ids missing from the hub cache are downloaded (src/data/hub/download.rs) from
+//! `HF_ENDPOINT`, here a mock Hub this test runs on 127.0.0.1 that answers the requests lockstep
 //! makes (`GET /{repo}/resolve/{revision}/{file}` with a Range, `x-repo-commit`, `etag` /
 //! `x-linked-etag`, `content-range`) from a tiny Llama the test builds. Each lockstep run is a
 //! subprocess with its own HF_HUB_CACHE / HF_HOME / HF_TOKEN, so tests stay independent.
@@ -131,6 +131,12 @@ struct MockHub {
 
 impl MockHub {
     fn start(files: BTreeMap<String, Vec<u8>>) -> MockHub {
+        MockHub::redirecting(files, None)
+    }
+
+    /// A Hub whose safetensors files live elsewhere: it answers them with a 302 to
+    /// `{cdn}/{path}` carrying the commit and linked etag, as the Hub does for LFS files.
+    fn redirecting(files: BTreeMap<String, Vec<u8>>, cdn: Option<String>) -> MockHub {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -139,8 +145,8 @@ impl MockHub {
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                let (files, log) = (files.clone(), log.clone());
-                std::thread::spawn(move || answer(stream, &files, &log));
+                let (files, log, cdn) = (files.clone(), log.clone(), cdn.clone());
+                std::thread::spawn(move || answer(stream, &files, &log, cdn.as_deref()));
             }
         });
         MockHub { endpoint, seen }
@@ -151,7 +157,12 @@ impl MockHub {
     }
 }
 
-fn answer(stream: TcpStream, files: &BTreeMap<String, Vec<u8>>, log: &Mutex<Vec<Seen>>) {
+fn answer(
+    stream: TcpStream,
+    files: &BTreeMap<String, Vec<u8>>,
+    log: &Mutex<Vec<Seen>>,
+    cdn: Option<&str>,
+) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut line = String::new();
     if reader.read_line(&mut line).unwrap_or(0) == 0 {
@@ -193,7 +204,13 @@ fn answer(stream: TcpStream, files: &BTreeMap<String, Vec<u8>>, log: &Mutex<Vec<
         let _ = out.flush();
     };
     // /{owner}/{name}/resolve/{revision}/{file}
-    let segs: Vec<&str> = path.trim_start_matches('/').splitn(5, '/').collect();
+    let segs: Vec<&str> = path
+        .split('?')
+        .next()
+        .unwrap_or("")
+        .trim_start_matches('/')
+        .splitn(5, '/')
+        .collect();
     let [owner, name, "resolve", rev, file] = segs[..] else {
         return respond(&mut out, "400 Bad Request", &[], b"");
     };
@@ -216,6 +233,14 @@ fn answer(stream: TcpStream, files: &BTreeMap<String, Vec<u8>>, log: &Mutex<Vec<
     } else {
         ("ETag", format!("\"{hash}\""))
     };
+    if let (Some(cdn), true) = (cdn, file.ends_with(".safetensors")) {
+        let extra = [
+            ("X-Repo-Commit", COMMIT.to_string()),
+            etag,
+            ("Location", format!("{cdn}{path}?X-Amz-Signature=abc")),
+        ];
+        return respond(&mut out, "302 Found", &extra, b"");
+    }
     let len = content.len();
     let (from, to) = headers
         .get("range")
@@ -586,4 +611,57 @@ fn unreachable_or_refusing_hubs_fail_fast_and_clearly() {
         .join(COMMIT)
         .join("tokenizer_config.json")
         .is_file());
+}
+
+/// A mirror that redirects weight files to other hosts (S3, a CDN) must not hand them the
+/// token: not to another host name, and not to the same host on another port (another
+/// service); the Hub's own requests keep it, and the files arrive whole.
+#[test]
+fn the_token_never_follows_a_redirect_to_another_origin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().canonicalize().unwrap();
+    let files = tiny_llama();
+    let corpus = corpus(&dir);
+    for (case, host) in [("other host", "localhost"), ("other port", "127.0.0.1")] {
+        let cdn = MockHub::start(files.clone());
+        let port = cdn.endpoint.rsplit(':').next().unwrap().to_string();
+        let hub = MockHub::redirecting(files.clone(), Some(format!("http://{host}:{port}")));
+        let cache = dir.join(format!("cache-{host}"));
+        let env = [
+            ("HF_ENDPOINT", hub.endpoint.as_str()),
+            ("HF_HUB_CACHE", cache.to_str().unwrap()),
+            ("HF_TOKEN", TOKEN),
+        ];
+        let run = format!("r-{host}");
+        let args = train_args("acme/tiny", corpus.to_str().unwrap(), &run);
+        let (out, text, _) = lockstep(&dir, &env, &strs(&args));
+        assert!(out.status.success(), "{case}: {text}");
+        assert!(
+            !text.contains(TOKEN),
+            "{case}: the token was printed:\n{text}"
+        );
+        let to_cdn = cdn.seen();
+        assert!(
+            to_cdn.iter().any(|s| s.path.contains(".safetensors")),
+            "{case}: the weights were not fetched from the redirect target: {to_cdn:#?}"
+        );
+        for s in &to_cdn {
+            assert_eq!(s.authorization, None, "{case}: token sent to {s:?}");
+        }
+        for s in hub.seen() {
+            assert_eq!(
+                s.authorization.as_deref(),
+                Some(format!("Bearer {TOKEN}").as_str()),
+                "{case}: {s:?}"
+            );
+        }
+        let snap = cache.join("models--acme--tiny/snapshots").join(COMMIT);
+        for (name, content) in &files {
+            assert_eq!(
+                &std::fs::read(snap.join(name)).unwrap(),
+                content,
+                "{case}: {name}"
+            );
+        }
+    }
 }

@@ -37,9 +37,10 @@ pub struct ExportArgs {
     /// `latest` = the run's latest complete checkpoint, or a checkpoint (step_N) directory.
     #[arg(long, value_name = "DIR|latest", default_value = "latest")]
     pub checkpoint: String,
-    /// Dtype of the exported weights (fp32 = the checkpoint's master weights, bit for bit).
-    #[arg(long, value_name = "bf16|fp32", default_value = "fp32",
-          value_parser = ["bf16", "fp32", "fp16"])]
+    /// Dtype of the exported weights (fp32 = the checkpoint's master weights, bit for bit;
+    /// bf16 or fp16 halve the files).
+    #[arg(long, value_name = "fp32|bf16|fp16", default_value = "fp32",
+          value_parser = ["fp32", "bf16", "fp16"])]
     pub dtype: String,
     /// Largest safetensors file in MB (10^6 bytes); bigger models are sharded with an index.
     #[arg(long, value_name = "MB", default_value_t = 5000)]

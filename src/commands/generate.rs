@@ -34,10 +34,20 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "N", default_value_t = 128)]
     pub max_new_tokens: usize,
     /// 0 = greedy decoding.
-    #[arg(long, value_name = "T", default_value_t = 0.8)]
+    #[arg(
+        long,
+        value_name = "T",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
     pub temperature: f64,
     /// Nucleus sampling: sample among the most likely tokens holding this much probability.
-    #[arg(long, value_name = "P", default_value_t = 0.95)]
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 0.95,
+        allow_negative_numbers = true
+    )]
     pub top_p: f64,
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -63,6 +73,15 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    // Usage errors first, before a model is read.
+    let mut opts = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        eos: Vec::new(),
+    };
+    opts.validate()?;
     let device = parse_device(&args.device)?;
     let compute = parse_compute(&args.dtype)?;
     let dir = model_dir(&args.model)?;
@@ -102,22 +121,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         args.max_new_tokens,
         shape.max_position_embeddings
     );
-    let eos = if args.ignore_eos {
-        Vec::new()
-    } else {
-        match hf::eos_token_ids(&dir)? {
+    if !args.ignore_eos {
+        opts.eos = match hf::eos_token_ids(&dir)? {
             Some(ids) => ids,
             None => tok.iter().map(|t| t.eos_id() as i64).collect(),
-        }
-    };
-    let opts = GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        seed: args.seed,
-        eos,
-    };
-    opts.validate()?;
+        };
+    }
     let (_vs, model) = hf::load_model(&dir, device, compute, total, AttentionBackend::Sdpa)?;
     let out = if args.no_kv_cache {
         generate_uncached(&model, &prompt, &opts, device)?

@@ -50,6 +50,51 @@ impl Resolved {
     pub fn to_json(&self) -> Value {
         serde_json::to_value(&self.config).expect("config serializes")
     }
+
+    /// The resolved config as written to the run directory's config.json.
+    pub fn to_json_text(&self) -> String {
+        serde_json::to_string_pretty(&self.to_json()).expect("config serializes")
+    }
+
+    /// The run directory: `logging.dir/<logging.run_name>` (the preset's name by default).
+    pub fn run_dir(&self) -> PathBuf {
+        let c = &self.config.logging;
+        Path::new(&c.dir).join(c.run_name.as_deref().unwrap_or(&self.preset))
+    }
+}
+
+/// Refuses a `--config` file that is the run directory's config.json when writing the resolved
+/// config there would change it: that file would be replaced by the resolved config with every
+/// `--set` baked in, and the next run would inherit them without a word. A config.json that
+/// lockstep wrote, used again unchanged, passes.
+fn check_config_clash(file: &Path, resolved: &Resolved) -> Result<(), ConfigError> {
+    let target = resolved.run_dir().join("config.json");
+    let same = match (std::fs::metadata(file), std::fs::metadata(&target)) {
+        (Ok(a), Ok(b)) => {
+            use std::os::unix::fs::MetadataExt;
+            (a.dev(), a.ino()) == (b.dev(), b.ino())
+        }
+        _ => false,
+    };
+    if !same || std::fs::read_to_string(file).ok() == Some(resolved.to_json_text()) {
+        return Ok(());
+    }
+    let l = &resolved.config.logging;
+    Err(ConfigError(format!(
+        "--config {} is the run directory's config.json (logging.dir = {:?}, logging.run_name = \
+         {:?}), where lockstep writes the resolved config of every run: your file would be \
+         replaced, with the --set values baked in. Keep your config outside the run directory \
+         (e.g. {}), or give the run another name with --set logging.run_name=NAME",
+        file.display(),
+        l.dir,
+        l.run_name.as_deref().unwrap_or(&resolved.preset),
+        Path::new(&l.dir)
+            .join(format!(
+                "{}.json",
+                l.run_name.as_deref().unwrap_or(&resolved.preset)
+            ))
+            .display()
+    )))
 }
 
 pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
@@ -87,7 +132,11 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
         ))
     })?;
     validate::check(&config)?;
-    Ok(Resolved { config, preset })
+    let resolved = Resolved { config, preset };
+    if let Some(file) = &src.config_file {
+        check_config_clash(file, &resolved)?;
+    }
+    Ok(resolved)
 }
 
 fn read_config_file(file: &Path) -> Result<String, ConfigError> {

@@ -6,9 +6,25 @@ use super::{Config, ConfigError, DeviceChoice, DistBackendChoice};
 pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut problems = Vec::new();
     let mut bad = |msg: String| problems.push(msg);
-    let m = &c.model;
-    let t = &c.training;
+    check_shape(c, &mut bad);
+    check_ranges(c, &mut bad);
+    check_system(c, &mut bad);
+    check_sources(c, &mut bad);
+    check_paths(c, &mut bad);
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "invalid config:\n  - {}",
+            problems.join("\n  - ")
+        )))
+    }
+}
 
+/// Counts that must be at least 1, and the model's shape: heads that divide, an even head
+/// dimension, a context within the positions.
+fn check_shape(c: &Config, bad: &mut impl FnMut(String)) {
+    let (m, t) = (&c.model, &c.training);
     for (key, v) in [
         ("model.num_layers", m.num_layers),
         ("model.hidden_size", m.hidden_size),
@@ -25,6 +41,13 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
         if v == 0 {
             bad(format!("{key} = 0: must be at least 1"));
         }
+    }
+    if m.vocab_size == Some(0) {
+        bad(
+            "model.vocab_size = 0: must be at least the tokenizer's vocabulary size (null = \
+             exactly the tokenizer's)"
+                .into(),
+        );
     }
     if m.num_attention_heads > 0 && !m.hidden_size.is_multiple_of(m.num_attention_heads) {
         bad(format!(
@@ -51,17 +74,17 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             nearest_divisor(m.num_attention_heads, m.num_key_value_heads)
         ));
     }
-    if c.system.device == DeviceChoice::Cpu {
-        if let Err(e) = check_backend_device(c.system.dist_backend, false, "system.device = cpu") {
-            bad(e.0);
-        }
-    }
     if t.context_length > m.max_position_embeddings {
         bad(format!(
             "training.context_length = {} exceeds model.max_position_embeddings = {}; lower the context or raise the model maximum",
             t.context_length, m.max_position_embeddings
         ));
     }
+}
+
+/// Learning-rate, optimizer and guard settings within their ranges.
+fn check_ranges(c: &Config, bad: &mut impl FnMut(String)) {
+    let (m, t) = (&c.model, &c.training);
     for (key, v) in [
         ("model.rope_theta", m.rope_theta),
         ("model.rms_norm_eps", m.rms_norm_eps),
@@ -93,12 +116,6 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             bad(format!("{key} = {v}: must be >= 0"));
         }
     }
-    if !(1..=255).contains(&c.debug.fault_exit_code) {
-        bad(format!(
-            "debug.fault_exit_code = {}: must be in 1..=255",
-            c.debug.fault_exit_code
-        ));
-    }
     if !(t.rollback_lr_factor > 0.0 && t.rollback_lr_factor <= 1.0) {
         bad(format!(
             "training.rollback_lr_factor = {}: must be in (0, 1]",
@@ -110,6 +127,21 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             "training.spike_zscore = {}: must be >= 0 (0 = off)",
             t.spike_zscore
         ));
+    }
+    if !(0.0..1.0).contains(&c.data.val_fraction) {
+        bad(format!(
+            "data.val_fraction = {}: must be in [0, 1)",
+            c.data.val_fraction
+        ));
+    }
+}
+
+/// The device, buckets, memory budget, timeouts and fault injection.
+fn check_system(c: &Config, bad: &mut impl FnMut(String)) {
+    if c.system.device == DeviceChoice::Cpu {
+        if let Err(e) = check_backend_device(c.system.dist_backend, false, "system.device = cpu") {
+            bad(e.0);
+        }
     }
     if c.system.bucket_mb <= 0.0 {
         bad(format!(
@@ -126,14 +158,17 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     if c.system.collective_timeout_s == 0 {
         bad("system.collective_timeout_s = 0: must be at least 1".into());
     }
-    if !(0.0..1.0).contains(&c.data.val_fraction) {
+    if !(1..=255).contains(&c.debug.fault_exit_code) {
         bad(format!(
-            "data.val_fraction = {}: must be in [0, 1)",
-            c.data.val_fraction
+            "debug.fault_exit_code = {}: must be in 1..=255",
+            c.debug.fault_exit_code
         ));
     }
-    check_sources(c, &mut bad);
-    if let Some(path) = &m.model_path {
+}
+
+/// Paths: the model to start from, and the run directory's name.
+fn check_paths(c: &Config, bad: &mut impl FnMut(String)) {
+    if let Some(path) = &c.model.model_path {
         if path.trim().is_empty() {
             bad(
                 "model.model_path is an empty string; use null for a randomly initialised model"
@@ -141,14 +176,30 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
             );
         }
     }
+    if let Some(name) = &c.logging.run_name {
+        if let Err(why) = plain_name(name) {
+            bad(format!(
+                "logging.run_name = {name:?} {why}; the run directory is logging.dir/<run_name>, \
+                 so the name must be one plain folder name (e.g. --set logging.run_name=exp1); \
+                 put the runs elsewhere with logging.dir"
+            ));
+        }
+    }
+}
 
-    if problems.is_empty() {
-        Ok(())
+/// `Ok` when `name` is one plain path component: not empty, not `.` or `..`, no `/`, no NUL.
+/// Names the problem otherwise.
+pub fn plain_name(name: &str) -> Result<(), &'static str> {
+    if name.trim().is_empty() {
+        Err("is empty")
+    } else if name == "." || name == ".." {
+        Err("names a directory relative to logging.dir, not a folder of its own")
+    } else if name.contains('/') {
+        Err("contains '/' (a path, which could lead outside logging.dir)")
+    } else if name.contains('\0') {
+        Err("contains a NUL byte")
     } else {
-        Err(ConfigError(format!(
-            "invalid config:\n  - {}",
-            problems.join("\n  - ")
-        )))
+        Ok(())
     }
 }
 

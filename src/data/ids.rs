@@ -114,7 +114,7 @@ pub fn max_token_id(
             stamp,
             max_token_id,
         };
-        let _ = write_atomically(&sidecar, &serde_json::to_vec_pretty(&rec)?);
+        let _ = crate::sys::durable::write_atomic(&sidecar, &serde_json::to_vec_pretty(&rec)?);
     }
     Ok(max_token_id)
 }
@@ -142,18 +142,6 @@ fn sidecar_path(cache_dir: &Path, path: &Path) -> Result<PathBuf> {
     Ok(cache_dir
         .join(MAX_IDS_DIR)
         .join(format!("{}.json", &hash.to_hex()[..32])))
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir)?;
-    }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp-{}", std::process::id()));
-    fs::write(&tmp, bytes)?;
-    fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = fs::remove_file(&tmp);
-    })
 }
 
 /// Fails unless every token of the prepared train and validation files is below `vocab_size`,

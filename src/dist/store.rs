@@ -168,9 +168,11 @@ impl Store {
         let listener = bind_listener(host, port)?;
         let port = listener.local_addr()?.port();
         // The store takes over the descriptor it is given whatever happens, so it gets a
-        // duplicate and `listener` closes ours.
-        // SAFETY: dup of a descriptor we own; the result is checked below.
-        let fd = unsafe { libc::dup(listener.as_raw_fd()) };
+        // duplicate and `listener` closes ours. Close-on-exec: the workers a launcher spawns
+        // must not inherit the listening socket (a worker outliving the launcher would keep
+        // the port bound).
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) of a descriptor we own; the result is checked below.
+        let fd = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error())
                 .map_err(|e| anyhow::anyhow!("duplicating the store's listening socket: {e}"));
@@ -381,28 +383,38 @@ impl Store {
 /// to (IPv4 first, as the ring's route lookup picks), with errors that say what to change.
 fn bind_listener(host: &str, port: u16) -> Result<TcpListener> {
     let addr = resolve(host, port)?;
-    TcpListener::bind(addr).map_err(|e| {
-        let (kind, why) = match e.kind() {
-            ErrorKind::AddrInUse => (
-                StoreErrorKind::AddrInUse,
-                "address in use; choose another --master-port (0 picks a free one)".to_string(),
+    TcpListener::bind(addr).map_err(|e| bind_failure(&e, host, addr).into())
+}
+
+/// Why hosting the store on `addr` (`host` resolved) failed, and what to change.
+fn bind_failure(e: &std::io::Error, host: &str, addr: SocketAddr) -> StoreError {
+    let port = addr.port();
+    let (kind, why) = match e.kind() {
+        ErrorKind::AddrInUse => (
+            StoreErrorKind::AddrInUse,
+            "address in use; choose another --master-port (0 picks a free one)".to_string(),
+        ),
+        ErrorKind::AddrNotAvailable => (
+            StoreErrorKind::Other,
+            format!(
+                "{host} resolves to {}, which is not an address of this machine; MASTER_ADDR \
+                 (--master-addr) must name the host that runs rank 0 (node 0)",
+                addr.ip()
             ),
-            ErrorKind::AddrNotAvailable => (
-                StoreErrorKind::Other,
-                format!(
-                    "{host} resolves to {}, which is not an address of this machine; MASTER_ADDR \
-                     (--master-addr) must name the host that runs rank 0 (node 0)",
-                    addr.ip()
-                ),
+        ),
+        ErrorKind::PermissionDenied if port < 1024 => (
+            StoreErrorKind::Other,
+            format!(
+                "{e}: ports below 1024 need root; use --master-port 0 for a free port, or one \
+                 above 1023 (e.g. 29500)"
             ),
-            _ => (StoreErrorKind::Other, e.to_string()),
-        };
-        StoreError {
-            kind,
-            msg: format!("cannot host the rendezvous store on {host}:{port}: {why}"),
-        }
-        .into()
-    })
+        ),
+        _ => (StoreErrorKind::Other, e.to_string()),
+    };
+    StoreError {
+        kind,
+        msg: format!("cannot host the rendezvous store on {host}:{port}: {why}"),
+    }
 }
 
 /// For a store that other machines must reach: an error when `host` is a name (not an address
@@ -461,6 +473,22 @@ impl fmt::Debug for Store {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_privileged_port_says_it_needs_root_and_what_to_use() {
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        let addr: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let msg = super::bind_failure(&denied, "127.0.0.1", addr).to_string();
+        assert!(
+            msg.contains("127.0.0.1:1")
+                && msg.contains("ports below 1024 need root")
+                && msg.contains("--master-port 0"),
+            "{msg}"
+        );
+        let high: std::net::SocketAddr = "127.0.0.1:2000".parse().unwrap();
+        let msg = super::bind_failure(&denied, "127.0.0.1", high).to_string();
+        assert!(!msg.contains("need root"), "{msg}");
+    }
+
     use super::*;
 
     fn kind(e: &anyhow::Error) -> StoreErrorKind {

@@ -259,34 +259,39 @@ pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) 
     }
 }
 
-/// Rejects plans that cannot work before anything is started.
+/// Rejects plans that cannot work before anything is started: usage errors (exit 2).
 fn validate(plan: &LaunchPlan) -> Result<()> {
+    let usage = |msg: String| -> Result<()> { Err(crate::config::ConfigError(msg).into()) };
     if plan.nnodes == 0 {
-        bail!("--nnodes must be at least 1");
+        return usage("--nnodes must be at least 1".into());
     }
     if plan.node_rank >= plan.nnodes {
-        bail!(
+        return usage(format!(
             "--node-rank {} is out of range for --nnodes {} (expected 0..={})",
             plan.node_rank,
             plan.nnodes,
             plan.nnodes - 1
-        );
+        ));
     }
     match &plan.devices {
-        Devices::Cpu(0) => bail!("--nproc must be at least 1"),
-        Devices::Gpus(ids) if ids.is_empty() => bail!("--gpus needs at least one GPU index"),
+        Devices::Cpu(0) => {
+            return usage("--nproc 0: must be at least 1 (workers on this node)".into())
+        }
+        Devices::Gpus(ids) if ids.is_empty() => {
+            return usage("--gpus needs at least one GPU index (e.g. --gpus 0,1)".into())
+        }
         Devices::Gpus(ids) => gpus::check_unique(ids)?,
         Devices::Cpu(_) => {}
     }
     if plan.master_port == 0 && plan.nnodes > 1 {
-        bail!(
+        return usage(format!(
             "--master-port 0 (pick a free port) only works with one node; with --nnodes {} \
              every node must be given the same explicit --master-port",
             plan.nnodes
-        );
+        ));
     }
     if plan.master_addr.trim().is_empty() {
-        bail!("--master-addr must not be empty");
+        return usage("--master-addr must not be empty".into());
     }
     Ok(())
 }

@@ -97,7 +97,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     let place = node_place(la)?;
     let devices = choose_devices(la, place.slurm_gpus)?;
     let resolved = for_workers(resolved, &devices)?;
-    let run_dir = setup::run_dir(&resolved);
+    let run_dir = resolved.run_dir();
     let run_id = format!(
         "{}-{}",
         run_dir

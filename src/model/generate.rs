@@ -51,17 +51,22 @@ pub struct Generated {
 }
 
 impl GenerateOptions {
-    pub fn validate(&self) -> Result<()> {
-        ensure!(
-            self.temperature >= 0.0 && self.temperature.is_finite(),
-            "--temperature {} must be a finite number >= 0 (0 = greedy)",
-            self.temperature
-        );
-        ensure!(
-            self.top_p > 0.0 && self.top_p <= 1.0,
-            "--top-p {} must be in (0, 1]",
-            self.top_p
-        );
+    /// Usage errors (exit 2) for a temperature or top-p out of range.
+    pub fn validate(&self) -> std::result::Result<(), crate::config::ConfigError> {
+        use crate::config::ConfigError;
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(ConfigError(format!(
+                "--temperature {} must be a finite number >= 0 (0 = greedy decoding, 1 = the \
+                 model's own distribution)",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(ConfigError(format!(
+                "--top-p {} must be in (0, 1] (1 = no nucleus cut; 0.95 is the default)",
+                self.top_p
+            )));
+        }
         Ok(())
     }
 }
@@ -140,7 +145,7 @@ fn check_prompt(model: &Llama, prompt: &[i64], opts: &GenerateOptions) -> Result
     if let Some(bad) = prompt.iter().find(|&&t| t < 0 || t >= vocab) {
         anyhow::bail!("prompt token {bad} is outside the model's vocabulary (0..{vocab})");
     }
-    opts.validate()
+    Ok(opts.validate()?)
 }
 
 /// KV-cached generation. `capacity` (positions) must hold the prompt and every new token.

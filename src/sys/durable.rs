@@ -39,6 +39,21 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     sync_file(path)
 }
 
+/// Replaces `path` with `bytes` so that a reader sees the old file or the new one, never a part:
+/// written beside it under a name of this process's own, then renamed (parents created).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    let tmp = sibling(path, &format!(".tmp-{}", std::process::id()));
+    fs::write(&tmp, bytes)
+        .and_then(|()| fs::rename(&tmp, path))
+        .inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
+        })
+        .with_context(|| format!("{}: cannot write", path.display()))
+}
+
 /// `path` with `suffix` appended to its last component: a sibling, so renames between the two
 /// stay on one filesystem.
 pub fn sibling(path: &Path, suffix: &str) -> PathBuf {

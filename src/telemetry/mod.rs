@@ -71,25 +71,78 @@ impl std::fmt::Display for StepLine<'_> {
 }
 
 /// Appends one JSON object per line; flushed per record so a crash loses at most one line.
+/// `metrics.jsonl`: one JSON object per logged step, each with its `step`.
 pub struct Metrics {
     out: BufWriter<File>,
 }
 
+/// What [`Metrics::open`] did to records an earlier process left.
+#[derive(Debug, PartialEq)]
+pub enum Earlier {
+    /// No earlier records (or an empty file).
+    None,
+    /// A resumed run: `dropped` records after the resumed step were removed (a killed run's
+    /// steps, trained again now).
+    Truncated { dropped: usize },
+    /// A fresh start over an earlier record, kept under this name beside it.
+    MovedTo(std::path::PathBuf),
+}
+
 impl Metrics {
-    pub fn open(path: &Path) -> Result<Metrics> {
+    /// Opens `path` for appending. Resumed at step `resumed_at` > 0, the records after that
+    /// step are removed first (and a torn last line), so the file reads as one run; a fresh
+    /// start (0) over an existing record moves that one to `metrics.previous-<secs>.jsonl`.
+    pub fn open(path: &Path, resumed_at: usize) -> Result<(Metrics, Earlier)> {
+        let fail = || {
+            format!(
+                "{}: cannot open the metrics file; is logging.dir writable?",
+                path.display()
+            )
+        };
+        let earlier = match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => {
+                if resumed_at > 0 {
+                    let mut kept = String::new();
+                    let mut dropped = 0;
+                    for line in text.lines() {
+                        let step = serde_json::from_str::<Value>(line)
+                            .ok()
+                            .and_then(|v| v.get("step").and_then(Value::as_u64));
+                        match step {
+                            Some(s) if s as usize <= resumed_at => {
+                                kept.push_str(line);
+                                kept.push('\n');
+                            }
+                            _ => dropped += 1,
+                        }
+                    }
+                    if dropped > 0 {
+                        crate::sys::durable::write_atomic(path, kept.as_bytes())
+                            .with_context(fail)?;
+                    }
+                    Earlier::Truncated { dropped }
+                } else {
+                    let secs = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
+                    let old = path.with_file_name(format!("metrics.previous-{secs}.jsonl"));
+                    std::fs::rename(path, &old).with_context(fail)?;
+                    Earlier::MovedTo(old)
+                }
+            }
+            _ => Earlier::None,
+        };
         let file = File::options()
             .create(true)
             .append(true)
             .open(path)
-            .with_context(|| {
-                format!(
-                    "{}: cannot open the metrics file; is logging.dir writable?",
-                    path.display()
-                )
-            })?;
-        Ok(Metrics {
-            out: BufWriter::new(file),
-        })
+            .with_context(fail)?;
+        Ok((
+            Metrics {
+                out: BufWriter::new(file),
+            },
+            earlier,
+        ))
     }
 
     pub fn record(&mut self, record: &Value) -> Result<()> {
@@ -103,6 +156,53 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_rewinds_the_metrics_and_a_fresh_start_keeps_the_old_ones_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let steps = |p: &Path| -> Vec<u64> {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(|l| {
+                    serde_json::from_str::<Value>(l).unwrap()["step"]
+                        .as_u64()
+                        .unwrap()
+                })
+                .collect()
+        };
+        let write = |range: std::ops::RangeInclusive<u64>, torn: bool| {
+            let mut text: String = range.map(|s| format!("{{\"step\": {s}}}\n")).collect();
+            if torn {
+                text.push_str("{\"step\": 3");
+            }
+            std::fs::write(&path, text).unwrap();
+        };
+        // Killed at step 29 after a checkpoint at 25, with a torn last line: resumed at 25.
+        write(1..=29, true);
+        let (mut m, earlier) = Metrics::open(&path, 25).unwrap();
+        assert_eq!(earlier, Earlier::Truncated { dropped: 5 });
+        m.record(&serde_json::json!({"step": 26})).unwrap();
+        assert_eq!(steps(&path), (1..=26).collect::<Vec<_>>());
+        // A fresh start in the same directory: a new record; the old one kept aside.
+        let (mut m, earlier) = Metrics::open(&path, 0).unwrap();
+        let Earlier::MovedTo(old) = earlier else {
+            panic!("{earlier:?}")
+        };
+        assert!(old
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("metrics.previous-"));
+        assert_eq!(steps(&old), (1..=26).collect::<Vec<_>>());
+        m.record(&serde_json::json!({"step": 1})).unwrap();
+        assert_eq!(steps(&path), vec![1]);
+        // Nothing earlier: nothing done.
+        let other = dir.path().join("none.jsonl");
+        assert_eq!(Metrics::open(&other, 7).unwrap().1, Earlier::None);
+    }
 
     #[test]
     fn step_line_has_the_documented_format() {

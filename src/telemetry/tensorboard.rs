@@ -204,6 +204,40 @@ impl EventWriter {
         self.record(&event(now(), step, None, Some(&summary)))
     }
 
+    /// A fresh start in `dir`: moves the event files an earlier run left there into
+    /// `dir/previous-<secs>/`, which TensorBoard shows as a run of its own rather than mixed
+    /// into this one. The folder, when anything was moved.
+    pub fn set_aside(dir: &Path) -> Result<Option<std::path::PathBuf>> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(None);
+        };
+        let old: Vec<_> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("events.out.tfevents."))
+            })
+            .collect();
+        if old.is_empty() {
+            return Ok(None);
+        }
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let aside = dir.join(format!("previous-{secs}"));
+        std::fs::create_dir_all(&aside)
+            .with_context(|| format!("{}: cannot create", aside.display()))?;
+        for f in old {
+            let to = aside.join(f.file_name().unwrap_or_default());
+            std::fs::rename(&f, &to)
+                .with_context(|| format!("{}: cannot move to {}", f.display(), to.display()))?;
+        }
+        Ok(Some(aside))
+    }
+
     /// Marks a (re)start at `step` (a resumed or rolled-back run): readers that honour
     /// `SessionLog.START`, such as `EventAccumulator`, drop points at `step` and later that
     /// earlier files hold, so replayed steps are not shown twice.

@@ -1,22 +1,101 @@
 //! SIGTERM/SIGINT during training: the first signal asks the loop to checkpoint and exit 0 at
 //! the end of the current step (all ranks agree on the step through the loss all-reduce); a
-//! second signal exits at once with 128 + signal.
+//! second signal exits at once with 128 + signal. Each says so on stderr (from the lead rank),
+//! with the step it saves at or the steps a second signal loses.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 static SIGNALS: AtomicUsize = AtomicUsize::new(0);
+/// The step being trained (the one a first signal saves after).
+static STEP: AtomicUsize = AtomicUsize::new(0);
+/// The step of the last complete checkpoint; `usize::MAX` while there is none.
+static SAVED: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// This process speaks for the run (rank 0); the others stay silent.
+static LEAD: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    if SIGNALS.fetch_add(1, Ordering::SeqCst) >= 1 {
+    let name: &[u8] = if sig == libc::SIGINT {
+        b"SIGINT"
+    } else {
+        b"SIGTERM"
+    };
+    let first = SIGNALS.fetch_add(1, Ordering::SeqCst) == 0;
+    if LEAD.load(Ordering::SeqCst) {
+        let mut msg = Line::default();
+        msg.push(b"lockstep: ");
+        msg.push(name);
+        if first {
+            msg.push(b": saving a checkpoint after step ");
+            msg.number(STEP.load(Ordering::SeqCst));
+            msg.push(b", then exiting; send it again (Ctrl-C) to exit at once without saving\n");
+        } else {
+            msg.push(b" again: exiting now without saving; ");
+            match SAVED.load(Ordering::SeqCst) {
+                usize::MAX => msg.push(b"no checkpoint was completed, so every step is lost\n"),
+                saved => {
+                    msg.push(b"the steps after the last complete checkpoint (step ");
+                    msg.number(saved);
+                    msg.push(b") are lost; --resume auto continues from there\n");
+                }
+            }
+        }
+        msg.write();
+    }
+    if !first {
         // SAFETY: _exit is async-signal-safe.
         unsafe { libc::_exit(128 + sig) };
     }
 }
 
-/// Installs the handlers for SIGTERM and SIGINT.
-pub fn install() {
+/// A message built without allocating (signal handlers may not): a fixed buffer, written to
+/// stderr with one write(2).
+struct Line {
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl Default for Line {
+    fn default() -> Line {
+        Line {
+            buf: [0; 256],
+            len: 0,
+        }
+    }
+}
+
+impl Line {
+    fn push(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&bytes[..n]);
+        self.len += n;
+    }
+
+    fn number(&mut self, mut v: usize) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..]);
+    }
+
+    fn write(&self) {
+        // SAFETY: write(2) is async-signal-safe; the buffer outlives the call.
+        unsafe { libc::write(2, self.buf.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Installs the handlers for SIGTERM and SIGINT; `lead` = this rank prints what a signal does.
+pub fn install(lead: bool) {
+    LEAD.store(lead, Ordering::SeqCst);
     for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only touches an atomic and calls _exit, both async-signal-safe.
+        // SAFETY: the handler touches atomics, a stack buffer, write(2) and _exit, all
+        // async-signal-safe.
         unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();
             action.sa_sigaction = on_signal as *const () as usize;
@@ -26,7 +105,31 @@ pub fn install() {
     }
 }
 
+/// What a signal's message names: the step being trained, and the last complete checkpoint.
+pub fn progress(step: usize, saved: Option<usize>) {
+    STEP.store(step, Ordering::SeqCst);
+    SAVED.store(saved.unwrap_or(usize::MAX), Ordering::SeqCst);
+}
+
 /// Whether a stop was requested on this process.
 pub fn requested() -> bool {
     SIGNALS.load(Ordering::SeqCst) > 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Line;
+
+    #[test]
+    fn lines_format_numbers_without_allocating() {
+        let mut l = Line::default();
+        l.push(b"step ");
+        l.number(0);
+        l.push(b" ");
+        l.number(1234567);
+        assert_eq!(&l.buf[..l.len], b"step 0 1234567");
+        let mut full = Line::default();
+        full.push(&[b'x'; 300]);
+        assert_eq!(full.len, 256, "a long message is cut, not overflowed");
+    }
 }

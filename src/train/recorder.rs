@@ -17,7 +17,7 @@ use super::step::{StepOutcome, StepTiming};
 use crate::config::Config;
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::tensorboard::EventWriter;
-use crate::telemetry::{self, Metrics, StepLine};
+use crate::telemetry::{self, Earlier, Metrics, StepLine};
 
 /// Rank 0's files: metrics.jsonl and, with `logging.tensorboard`, event files.
 struct Records {
@@ -64,8 +64,9 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// Opens rank 0's records in `run_dir` (appending: a resumed run continues them; TensorBoard
-    /// replaces points after `resumed_at`).
+    /// Opens rank 0's records in `run_dir`: a resumed run continues them from `resumed_at`
+    /// (metrics.jsonl loses the records after it; TensorBoard marks a session start there,
+    /// which hides the later points), a fresh start begins a new metrics.jsonl.
     pub fn new(
         cfg: &Config,
         rank: &Rank,
@@ -76,7 +77,18 @@ impl Recorder {
         let t = &cfg.training;
         let records = if rank.lead() {
             let tensorboard = if cfg.logging.tensorboard {
-                let mut tb = EventWriter::create(&run_dir.join("tensorboard"))?;
+                let tb_dir = run_dir.join("tensorboard");
+                if resumed_at == 0 {
+                    if let Some(aside) = EventWriter::set_aside(&tb_dir)? {
+                        println!(
+                            "{} TensorBoard: a fresh start; the earlier run's events are kept \
+                             in {}",
+                            rank.tag,
+                            aside.display()
+                        );
+                    }
+                }
+                let mut tb = EventWriter::create(&tb_dir)?;
                 if resumed_at > 0 {
                     tb.session_start(resumed_at as i64 + 1)?;
                 }
@@ -84,8 +96,22 @@ impl Recorder {
             } else {
                 None
             };
+            let (metrics, earlier) = Metrics::open(&run_dir.join("metrics.jsonl"), resumed_at)?;
+            match earlier {
+                Earlier::Truncated { dropped } if dropped > 0 => println!(
+                    "{} metrics.jsonl: removed {dropped} records after step {resumed_at} (steps \
+                     trained after the checkpoint, trained again now)",
+                    rank.tag
+                ),
+                Earlier::MovedTo(old) => println!(
+                    "{} metrics.jsonl: a fresh start; the earlier record is kept as {}",
+                    rank.tag,
+                    old.display()
+                ),
+                _ => {}
+            }
             Some(Records {
-                metrics: Metrics::open(&run_dir.join("metrics.jsonl"))?,
+                metrics,
                 tensorboard,
             })
         } else {

@@ -20,8 +20,9 @@ pub struct RunDir {
     path: PathBuf,
     /// Holds the flock; closing it (when the process ends) releases the directory.
     _lock: File,
-    /// The directory did not exist before this claim.
-    created: bool,
+    /// The directories this claim created, innermost first (the run directory, then
+    /// `logging.dir` and its parents where they did not exist either).
+    created: Vec<PathBuf>,
     /// The start was accepted: the directory stays, whatever happens next.
     accepted: bool,
 }
@@ -30,7 +31,11 @@ impl RunDir {
     /// Creates `path` if needed and locks it for this process; fails at once, naming the
     /// holder, when another process holds it.
     pub fn claim(path: &Path) -> Result<RunDir> {
-        let created = !path.exists();
+        let created: Vec<PathBuf> = path
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
         fs::create_dir_all(path).with_context(|| {
             format!(
                 "logging.dir: cannot create run directory {}; choose a writable logging.dir",
@@ -104,11 +109,16 @@ impl RunDir {
 
 impl Drop for RunDir {
     /// A start that was refused (bad data, incompatible checkpoint) leaves no directory it
-    /// created behind; the lock itself goes with the process.
+    /// created behind (the run directory, nor an empty `runs/` above it); the lock itself goes
+    /// with the process.
     fn drop(&mut self) {
-        if self.created && !self.accepted {
+        if !self.created.is_empty() && !self.accepted {
             let _ = fs::remove_file(self.path.join(LOCK_FILE));
-            let _ = fs::remove_dir(&self.path); // only if empty
+            for dir in &self.created {
+                if fs::remove_dir(dir).is_err() {
+                    break; // not empty: something else lives there now
+                }
+            }
         }
     }
 }
@@ -191,6 +201,14 @@ mod tests {
         let new_dir = tmp.path().join("fresh");
         drop(RunDir::claim(&new_dir).unwrap());
         assert!(!new_dir.exists(), "created and not accepted: removed");
+        // logging.dir created for the run goes too (no empty runs/ left behind)...
+        let runs = tmp.path().join("runs");
+        drop(RunDir::claim(&runs.join("tiny")).unwrap());
+        assert!(!runs.exists(), "an empty runs/ was left behind");
+        // ...but not one that holds something else by then.
+        fs::create_dir_all(runs.join("other")).unwrap();
+        drop(RunDir::claim(&runs.join("tiny")).unwrap());
+        assert!(runs.join("other").is_dir() && !runs.join("tiny").exists());
 
         let old = tmp.path().join("old");
         fs::create_dir(&old).unwrap();

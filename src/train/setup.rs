@@ -201,15 +201,10 @@ pub fn compute_kind(cfg: &Config, device: Device) -> Kind {
     }
 }
 
-pub fn run_dir(resolved: &Resolved) -> PathBuf {
-    let c = &resolved.config.logging;
-    Path::new(&c.dir).join(c.run_name.as_deref().unwrap_or(&resolved.preset))
-}
-
 pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
     match &resolved.config.checkpoint.dir {
         Some(d) => PathBuf::from(d),
-        None => run_dir(resolved).join("checkpoints"),
+        None => resolved.run_dir().join("checkpoints"),
     }
 }
 
@@ -364,13 +359,55 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
             None => Ok(None),
         },
         Some(Resume::Auto) => {
-            let found = checkpoint::latest(root);
-            if found.is_none() {
+            let all = checkpoint::list(root);
+            if all.is_empty() {
                 println!("{tag} --resume auto: no complete checkpoint in {}; starting from scratch", root.display());
+                return Ok(None);
             }
-            Ok(found)
+            // The newest that loads: a checkpoint damaged after it was committed (a truncated
+            // file, a disk error) costs the steps since the one before it, not the run.
+            let mut skipped: Vec<usize> = Vec::new();
+            for (step, dir) in all.iter().rev() {
+                match checkpoint::verify(dir) {
+                    Ok(()) => {
+                        if let Some(&newest) = skipped.first() {
+                            println!(
+                                "{tag} --resume auto: resuming from {} instead; steps {}..={newest} \
+                                 will be trained again",
+                                dir.display(),
+                                step + 1
+                            );
+                        }
+                        return Ok(Some(dir.clone()));
+                    }
+                    Err(e) => {
+                        println!(
+                            "{tag} --resume auto: skipping damaged checkpoint {} ({e:#}); \
+                             delete it once you have looked at it",
+                            dir.display()
+                        );
+                        skipped.push(*step);
+                    }
+                }
+            }
+            bail!(
+                "--resume auto: none of the {} checkpoints in {} loads (each is damaged, see \
+                 above); resume from a copy with --resume DIR, or move them aside to start \
+                 from scratch",
+                all.len(),
+                root.display()
+            )
         }
         Some(Resume::Dir(dir)) => {
+            if !dir.is_dir() {
+                return Err(crate::config::ConfigError(format!(
+                    "--resume {}: {}; pass a checkpoint directory (…/checkpoints/step_N), or \
+                     --resume auto for the run's latest",
+                    dir.display(),
+                    if dir.exists() { "not a directory" } else { "no such directory" }
+                ))
+                .into());
+            }
             anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
             Ok(Some(dir.clone()))
         }

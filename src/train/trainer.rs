@@ -89,10 +89,19 @@ impl<'a> Trainer<'a> {
         let cfg = &resolved.config;
         let t = &cfg.training;
         if cfg.system.num_threads > 0 {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if cfg.system.num_threads > cpus && rank.lead() {
+                println!(
+                    "{} Warning: system.num_threads = {} is more than the {cpus} CPUs this \
+                     process may use; the extra threads only wait for each other. Set it to at \
+                     most {cpus} per rank on this host (0 = libtorch's default)",
+                    rank.tag, cfg.system.num_threads
+                );
+            }
             tch::set_num_threads(cfg.system.num_threads as i32);
         }
         // Before anything else, so a second process on this run directory stops at once.
-        let run_dir = setup::run_dir(resolved);
+        let run_dir = resolved.run_dir();
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
         let checkpointer = Checkpointer::new(
             setup::checkpoint_dir(resolved),
@@ -207,7 +216,9 @@ impl<'a> Trainer<'a> {
             val_loss: None,
             preempted: false,
         };
-        preempt::install();
+        preempt::install(self.rank.lead());
+        // A resumed run's last complete checkpoint, until this run saves one.
+        let resumed = (self.state.step > 0).then_some(self.state.step);
         while self.state.step < self.last_step {
             let step = self.state.step + 1; // 1-based: the step being taken
             phase::enter(Phase::Data);
@@ -217,6 +228,7 @@ impl<'a> Trainer<'a> {
                 inject: self.faults.nan_injection(step),
                 save_failed: self.checkpointer.poll(),
             };
+            preempt::progress(step, self.checkpointer.last_saved_step().or(resumed));
             let batches = self.loader.micro_batches(self.state.samples_consumed);
             let out = train_step(
                 &self.model,
@@ -296,17 +308,38 @@ impl<'a> Trainer<'a> {
             return Ok(summary);
         }
         let tag = &self.rank.tag;
-        if self.state.step >= self.cfg.training.max_steps && summary.losses.is_empty() {
-            println!(
-                "{tag} Nothing to do: the checkpoint is already at step {} = training.max_steps",
-                self.state.step
-            );
+        if summary.losses.is_empty() && self.state.step >= self.last_step {
+            println!("{tag} {}", self.nothing_to_do());
         }
         println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
         if let Some(ckpt) = &summary.last_checkpoint {
             print_next_steps(tag, ckpt, &self.data[0].prepared);
         }
         Ok(summary)
+    }
+
+    /// Why a run trained no step: the resumed checkpoint is already at (or past) the last step
+    /// asked for, and what to pass to train further.
+    fn nothing_to_do(&self) -> String {
+        let (step, max) = (self.state.step, self.cfg.training.max_steps);
+        if step > max {
+            format!(
+                "Nothing to do: the checkpoint is at step {step}, past training.max_steps = {max}; \
+                 to train further, pass --max-steps (or training.max_steps) above {step}"
+            )
+        } else if step == max {
+            format!(
+                "Nothing to do: the checkpoint is already at step {step} = training.max_steps; to \
+                 train further, pass --max-steps (or training.max_steps) above {step}"
+            )
+        } else {
+            format!(
+                "Nothing to do: --stop-at-step {} is not after the resumed step {step}; pass a \
+                 step between {} and {max}",
+                self.last_step,
+                step + 1
+            )
+        }
     }
 
     /// A step the guard stopped: report it and keep the evidence (rank 0), then follow the
@@ -633,7 +666,7 @@ fn resume(
 /// The full resolved config, beside the run's records (and in every checkpoint's trainer.json).
 fn write_config(run_dir: &std::path::Path, resolved: &Resolved) -> Result<()> {
     let path = run_dir.join("config.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&resolved.to_json())?)
+    std::fs::write(&path, resolved.to_json_text())
         .with_context(|| format!("{}: cannot write; is logging.dir writable?", path.display()))
 }
 

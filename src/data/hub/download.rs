@@ -1,16 +1,20 @@
-//! Fetching a model or tokenizer that is not cached, into the hub cache layout, with the
-//! token never printed; and the offline switches that forbid it.
+//! Fetching a model or tokenizer that is not cached, into the hub cache layout
+//! (`blobs/<etag>`, `snapshots/<commit>/<file>` linked to it, `refs/<revision>`), with the token
+//! never printed and never sent off the endpoint's own origin; and the offline switches that
+//! forbid downloads.
+//!
+//! The HTTP is written here on `ureq` rather than through the `hf-hub` crate: hf-hub 0.4 sends
+//! `Authorization` to whatever host a `/resolve` redirect names (its size probe follows an
+//! absolute `Location` with the token set), and a mirror that redirects to S3 or a CDN would
+//! receive the user's token. `huggingface_hub` drops the header on a cross-host redirect; so
+//! does [`Download::follow`].
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
-use hf_hub::api::Progress;
-use hf_hub::{Cache, Repo, RepoType};
+use url::Url;
 
 use super::{hf_home, how_to_get, hub_cache_dir, index_shards, parse_repo_id, repo_folder, INDEX};
 
@@ -159,47 +163,70 @@ pub(super) enum Fetch {
     Failed(String),
 }
 
-/// Downloads of one model repo into the hub cache, through `hf-hub`'s sync client.
+/// Redirects followed for one request before giving up.
+const MAX_REDIRECTS: usize = 10;
+/// Attempts at one file's body when the connection drops mid-way (each resumes where the last
+/// stopped).
+const BODY_ATTEMPTS: usize = 4;
+
+/// Downloads of one model repo into the hub cache.
 pub(super) struct Download {
-    api: Api,
+    /// Metadata requests: no automatic redirects, answers within `HF_HUB_ETAG_TIMEOUT`.
+    meta: ureq::Agent,
+    /// Body requests: no automatic redirects, data at least every `HF_HUB_DOWNLOAD_TIMEOUT`.
+    body: ureq::Agent,
     repo: String,
     revision: String,
     pub(super) endpoint: String,
+    /// The endpoint's origin (scheme, host, port): the only place the token is sent.
+    origin: url::Origin,
     token: Option<String>,
     etag_timeout: Duration,
     download_timeout: Duration,
     /// The commit `revision` resolved to, once the first file is in.
     commit: Option<String>,
-    /// `refs/<commit>` that hf-hub writes when files are fetched by commit and that
-    /// `huggingface_hub` would not write: removed when done.
-    stray_ref: Option<PathBuf>,
     repo_dir: PathBuf,
+}
+
+/// What the Hub says about one file before its bytes are fetched.
+struct Meta {
+    commit: String,
+    etag: String,
+    size: u64,
+    /// Where the bytes are: the Hub URL itself, or the CDN/S3 URL it redirected to.
+    location: Url,
 }
 
 impl Download {
     pub(super) fn new(repo: &str, revision: Option<&str>) -> Result<Download> {
         let cache = std::path::absolute(hub_cache_dir())?;
         let endpoint = endpoint();
-        let token = token();
-        let api = ApiBuilder::from_cache(Cache::new(cache.clone()))
-            .with_endpoint(endpoint.clone())
-            .with_token(token.clone())
-            .with_progress(false)
-            .with_retries(3)
-            .with_user_agent("lockstep", env!("CARGO_PKG_VERSION"))
-            .build()
-            .map_err(|e| anyhow!("{}", scrub(&e.to_string(), token.as_deref())))?;
+        let origin = Url::parse(&endpoint)
+            .map_err(|e| anyhow!("HF_ENDPOINT = {endpoint:?} is not a URL ({e})"))?
+            .origin();
+        let etag_timeout = timeout_from("HF_HUB_ETAG_TIMEOUT");
+        let download_timeout = timeout_from("HF_HUB_DOWNLOAD_TIMEOUT");
+        let agent = |read: Duration| {
+            ureq::AgentBuilder::new()
+                .try_proxy_from_env(true)
+                .redirects(0)
+                .timeout_connect(etag_timeout)
+                .timeout_read(read)
+                .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
+                .build()
+        };
         let (owner, name) = repo.split_once('/').unwrap_or(("", repo));
         Ok(Download {
-            api,
+            meta: agent(etag_timeout),
+            body: agent(download_timeout),
             repo: repo.to_string(),
             revision: revision.unwrap_or("main").to_string(),
             endpoint,
-            token,
-            etag_timeout: timeout_from("HF_HUB_ETAG_TIMEOUT"),
-            download_timeout: timeout_from("HF_HUB_DOWNLOAD_TIMEOUT"),
+            origin,
+            token: token(),
+            etag_timeout,
+            download_timeout,
             commit: None,
-            stray_ref: None,
             repo_dir: cache.join(repo_folder("model", Some(owner), name)),
         })
     }
@@ -244,13 +271,12 @@ impl Download {
         Ok(())
     }
 
-    /// Fetches `file` at the revision asked for, learning the commit; every later file is
-    /// fetched at that commit, so a branch moving meanwhile cannot mix two versions. The
-    /// snapshot directory.
+    /// Fetches `file` at the revision asked for, learning the commit (and writing
+    /// `refs/<revision>` when the revision is a branch or tag); every later file is fetched at
+    /// that commit, so a branch moving meanwhile cannot mix two versions. The snapshot
+    /// directory.
     pub(super) fn first(&mut self, file: &str) -> Result<PathBuf> {
-        let rev_ref = self.repo_dir.join("refs").join(&self.revision);
-        let had_rev_ref = rev_ref.is_file();
-        let path = match self.fetch(&self.revision.clone(), file) {
+        let (path, commit) = match self.fetch(&self.revision.clone(), file) {
             Ok(p) => p,
             Err(Fetch::NotFound) => bail!(
                 "{} has no {file} at revision {}{}",
@@ -264,26 +290,17 @@ impl Download {
             ),
             Err(Fetch::Failed(why)) => bail!("{why}"),
         };
-        let snap = path
-            .parent()
-            .context("hf-hub returned a path outside a snapshot")?
-            .to_path_buf();
-        let commit = snap
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        let commit_ref = self.repo_dir.join("refs").join(&commit);
-        let had = if commit == self.revision {
-            had_rev_ref
-        } else {
-            commit_ref.is_file()
-        };
-        if !had {
-            self.stray_ref = Some(commit_ref);
+        if commit != self.revision {
+            let refs = self.repo_dir.join("refs");
+            std::fs::create_dir_all(&refs)
+                .with_context(|| format!("cannot create {}", refs.display()))?;
+            crate::sys::durable::write_atomic(&refs.join(&self.revision), commit.as_bytes())?;
         }
         self.commit = Some(commit);
-        Ok(snap)
+        Ok(path
+            .parent()
+            .context("a downloaded file outside its snapshot")?
+            .to_path_buf())
     }
 
     /// Fetches `file` at the resolved commit: true when downloaded, false when the repo has no
@@ -308,134 +325,303 @@ impl Download {
         }
     }
 
-    /// One file into the cache, on a worker thread watched for stalls: no answer within
-    /// `HF_HUB_ETAG_TIMEOUT`, or no data for `HF_HUB_DOWNLOAD_TIMEOUT`, fails (the thread is left
-    /// blocked; the error ends the command). `hf-hub` has no timeouts of its own.
-    pub(super) fn fetch(&self, revision: &str, file: &str) -> std::result::Result<PathBuf, Fetch> {
+    /// One file into the cache: its metadata from the Hub, its bytes into `blobs/<etag>`
+    /// (through a `.incomplete` file, renamed when whole), and the link
+    /// `snapshots/<commit>/<file>`. The file's path in the snapshot and the commit.
+    fn fetch(&self, revision: &str, file: &str) -> std::result::Result<(PathBuf, String), Fetch> {
         let url = format!("{}/{}/resolve/{revision}/{file}", self.endpoint, self.repo);
         let start = Instant::now();
-        let meter = Meter {
-            start,
-            last_ms: Arc::new(AtomicU64::new(0)),
-            body: Arc::new(AtomicBool::new(false)),
-            bytes: Arc::new(AtomicU64::new(0)),
-            bar: None,
-            name: format!("{} {file}", self.repo),
+        let meta = self.metadata(&url)?;
+        let io = |what: &str, p: &Path, e: std::io::Error| {
+            Fetch::Failed(format!("{url}: cannot {what} {}: {e}", p.display()))
         };
-        let (last_ms, body, bytes) = (
-            meter.last_ms.clone(),
-            meter.body.clone(),
-            meter.bytes.clone(),
+        let blobs = self.repo_dir.join("blobs");
+        std::fs::create_dir_all(&blobs).map_err(|e| io("create", &blobs, e))?;
+        let blob = blobs.join(&meta.etag);
+        let fetched = if blob.is_file() {
+            0
+        } else {
+            let part = blobs.join(format!("{}.incomplete", meta.etag));
+            let n = self.body(&url, &meta, &part, file)?;
+            std::fs::rename(&part, &blob).map_err(|e| io("rename into", &blob, e))?;
+            n
+        };
+        let link = self
+            .repo_dir
+            .join("snapshots")
+            .join(&meta.commit)
+            .join(file);
+        let parent = link.parent().unwrap_or(&self.repo_dir);
+        std::fs::create_dir_all(parent).map_err(|e| io("create", parent, e))?;
+        // snapshots/<commit>/<file> -> ../../blobs/<etag>, one more `..` per folder in `file`.
+        let depth = 2 + Path::new(file).components().count() - 1;
+        let target = Path::new(&"../".repeat(depth))
+            .join("blobs")
+            .join(&meta.etag);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).map_err(|e| io("link", &link, e))?;
+        let rev = &revision[..revision.len().min(12)];
+        eprintln!(
+            "[hub] downloaded {}@{rev} {file} ({}, {:.1}s)",
+            self.repo,
+            human_bytes(fetched),
+            start.elapsed().as_secs_f64()
         );
-        let repo = Repo::with_revision(self.repo.clone(), RepoType::Model, revision.to_string());
-        let api = self.api.clone();
-        let name = file.to_string();
-        let (tx, rx) = mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name("hub-download".into())
-            .spawn(move || {
-                let _ = tx.send(api.repo(repo).download_with_progress(&name, meter));
-            });
-        if let Err(e) = spawned {
-            return Err(Fetch::Failed(format!(
-                "cannot start a download thread: {e}"
-            )));
-        }
-        let result = loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(r) => break r,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    let idle = start
-                        .elapsed()
-                        .saturating_sub(Duration::from_millis(last_ms.load(Ordering::Relaxed)));
-                    let (limit, var, what) = if body.load(Ordering::Relaxed) {
-                        (
-                            self.download_timeout,
-                            "HF_HUB_DOWNLOAD_TIMEOUT",
-                            "no data for",
-                        )
-                    } else {
-                        (self.etag_timeout, "HF_HUB_ETAG_TIMEOUT", "no answer within")
-                    };
-                    if idle > limit {
-                        return Err(Fetch::Failed(format!(
-                            "{url}: {what} {:.0}s (set {var} to wait longer)",
-                            limit.as_secs_f64()
-                        )));
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(Fetch::Failed(format!("{url}: the download thread failed")))
-                }
-            }
-        };
-        match result {
-            Ok(path) => {
-                let n = bytes.load(Ordering::Relaxed);
-                let rev = &revision[..revision.len().min(12)];
-                eprintln!(
-                    "[hub] downloaded {}@{rev} {file} ({}, {:.1}s)",
-                    self.repo,
-                    human_bytes(n),
-                    start.elapsed().as_secs_f64()
-                );
-                Ok(path)
-            }
-            Err(e) => Err(self.explain(&url, e)),
-        }
+        Ok((link, meta.commit))
     }
 
-    /// A token-free description of an hf-hub error.
-    pub(super) fn explain(&self, url: &str, e: ApiError) -> Fetch {
-        let text = match &e {
-            ApiError::RequestError(err) => match err.as_ref() {
-                ureq::Error::Status(code, resp) => {
-                    let code_name = resp.header("x-error-code").unwrap_or("");
-                    if *code == 404 && !matches!(code_name, "RepoNotFound" | "RevisionNotFound") {
-                        return Fetch::NotFound;
-                    }
-                    let msg = resp
-                        .header("x-error-message")
-                        .map(|m| format!(" ({m})"))
-                        .unwrap_or_default();
-                    let hint = match *code {
-                        401 => {
-                            if self.token.is_some() {
-                                "; the repo does not exist, or the token has no access to it"
-                            } else {
-                                "; the repo does not exist, or it is private or gated and needs \
-                                 a token: set HF_TOKEN (or run `hf auth login`)"
-                            }
-                        }
-                        403 => {
-                            "; access denied: for a gated repo, accept its terms on the Hub with \
-                             the account of the token"
-                        }
-                        404 if code_name == "RevisionNotFound" => "; no such revision",
-                        404 => "; no such repo",
-                        _ => "",
-                    };
-                    format!("{url}: HTTP {code}{msg}{hint}")
-                }
-                // ureq words these as "<url>: <kind>: <detail>"; no request headers.
-                ureq::Error::Transport(t) => t.to_string(),
-            },
-            ApiError::MissingHeader(h) => format!(
+    /// The commit, etag and size of the file at `url`, as `huggingface_hub` learns them: a
+    /// one-byte ranged GET, redirects followed by [`Download::follow`]; the commit and etag come
+    /// from the Hub's own answer (`x-repo-commit`, `x-linked-etag` or `etag`), the size from the
+    /// final answer's `Content-Range`.
+    fn metadata(&self, url: &str) -> std::result::Result<Meta, Fetch> {
+        let hop = self.follow(&self.meta, url, "bytes=0-0", self.etag_timeout)?;
+        let missing = |h: &str| {
+            Fetch::Failed(format!(
                 "{url}: the answer has no {h} header; is {} a Hugging Face Hub endpoint?",
                 self.endpoint
-            ),
-            other => format!("{url}: {other}"),
+            ))
+        };
+        let commit = hop.commit.ok_or_else(|| missing("x-repo-commit"))?;
+        let etag = hop.etag.ok_or_else(|| missing("etag"))?;
+        let size = hop
+            .response
+            .header("content-range")
+            .and_then(|r| r.rsplit('/').next())
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .ok_or_else(|| missing("content-range"))?;
+        // The etag names a file under blobs/: nothing that could leave that folder.
+        if etag.is_empty() || !etag.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(Fetch::Failed(format!(
+                "{url}: the etag {etag:?} is not a hash; is {} a Hugging Face Hub endpoint?",
+                self.endpoint
+            )));
+        }
+        if commit.is_empty() || !commit.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Err(Fetch::Failed(format!(
+                "{url}: x-repo-commit {commit:?} is not a commit hash"
+            )));
+        }
+        Ok(Meta {
+            commit,
+            etag,
+            size,
+            location: hop.url,
+        })
+    }
+
+    /// The file's bytes from `meta.location` into `part`, resuming after a dropped connection
+    /// (up to [`BODY_ATTEMPTS`]); a progress bar on a terminal for files over 1 MiB. Bytes
+    /// received.
+    fn body(
+        &self,
+        url: &str,
+        meta: &Meta,
+        part: &Path,
+        file: &str,
+    ) -> std::result::Result<u64, Fetch> {
+        let fail = |e: std::io::Error| {
+            Fetch::Failed(format!("{url}: cannot write {}: {e}", part.display()))
+        };
+        let mut out = std::fs::File::create(part).map_err(fail)?;
+        let bar = (std::io::stderr().is_terminal() && meta.size > 1 << 20).then(|| {
+            let bar = indicatif::ProgressBar::new(meta.size);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ({eta})",
+            ) {
+                bar.set_style(style);
+            }
+            bar.set_message(format!("{} {file}", self.repo));
+            bar
+        });
+        let mut have = 0u64;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut attempt = 0;
+        while have < meta.size {
+            attempt += 1;
+            let range = format!("bytes={have}-");
+            let hop = self.follow(
+                &self.body,
+                meta.location.as_str(),
+                &range,
+                self.download_timeout,
+            )?;
+            let mut reader = hop.response.into_reader();
+            let stalled = loop {
+                match reader.read(&mut buf) {
+                    Ok(0) => break None,
+                    Ok(n) => {
+                        out.write_all(&buf[..n]).map_err(fail)?;
+                        have += n as u64;
+                        if let Some(bar) = &bar {
+                            bar.set_position(have);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => break Some(e),
+                }
+            };
+            if have >= meta.size {
+                break;
+            }
+            let why = match stalled {
+                Some(e) if is_timeout(&e) => format!(
+                    "{url}: no data for {:.0}s (set HF_HUB_DOWNLOAD_TIMEOUT to wait longer)",
+                    self.download_timeout.as_secs_f64()
+                ),
+                Some(e) => format!("{url}: the connection failed after {have} bytes: {e}"),
+                None => format!(
+                    "{url}: the server closed the connection after {have} of {} bytes",
+                    meta.size
+                ),
+            };
+            if attempt >= BODY_ATTEMPTS {
+                return Err(Fetch::Failed(scrub(&why, self.token.as_deref())));
+            }
+            std::thread::sleep(Duration::from_millis(300 << attempt));
+        }
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        if have != meta.size {
+            return Err(Fetch::Failed(format!(
+                "{url}: received {have} bytes, the server announced {}",
+                meta.size
+            )));
+        }
+        out.sync_all().map_err(fail)?;
+        Ok(have)
+    }
+
+    /// True when a request to `url` may carry the token: the endpoint's own origin (scheme,
+    /// host and port), which also rules out a downgrade from https to http. A mirror's
+    /// redirect to S3 or a CDN (signed URLs) gets no token, as with `huggingface_hub`.
+    fn may_authorize(&self, url: &Url) -> bool {
+        url.origin() == self.origin
+    }
+
+    /// GET `url` with `range`, following up to [`MAX_REDIRECTS`] redirects by hand so that the
+    /// token goes only where [`Download::may_authorize`] allows. The Hub's commit and etag are
+    /// read from every answer on the endpoint's origin (they ride on the Hub's 302 when the
+    /// bytes live elsewhere).
+    fn follow(
+        &self,
+        agent: &ureq::Agent,
+        url: &str,
+        range: &str,
+        limit: Duration,
+    ) -> std::result::Result<Hop, Fetch> {
+        let mut at =
+            Url::parse(url).map_err(|e| Fetch::Failed(format!("{url}: not a valid URL ({e})")))?;
+        let (mut commit, mut etag) = (None, None);
+        for _ in 0..=MAX_REDIRECTS {
+            let mut req = agent.get(at.as_str()).set("Range", range);
+            if let Some(t) = self.token.as_deref().filter(|_| self.may_authorize(&at)) {
+                req = req.set("Authorization", &format!("Bearer {t}"));
+            }
+            let response = req
+                .call()
+                .map_err(|e| self.explain(at.as_str(), e, limit))?;
+            if self.may_authorize(&at) {
+                if let Some(c) = response.header("x-repo-commit") {
+                    commit = Some(c.trim().to_string());
+                }
+                if let Some(e) = response
+                    .header("x-linked-etag")
+                    .or_else(|| response.header("etag"))
+                {
+                    etag = Some(e.trim().trim_start_matches("W/").replace('"', ""));
+                }
+            }
+            if !(300..400).contains(&response.status()) {
+                return Ok(Hop {
+                    response,
+                    url: at,
+                    commit,
+                    etag,
+                });
+            }
+            let Some(next) = response.header("location").and_then(|l| at.join(l).ok()) else {
+                return Err(Fetch::Failed(format!(
+                    "{at}: HTTP {} without a usable Location header",
+                    response.status()
+                )));
+            };
+            at = next;
+        }
+        Err(Fetch::Failed(format!(
+            "{url}: more than {MAX_REDIRECTS} redirects"
+        )))
+    }
+
+    /// A token-free description of a failed request.
+    fn explain(&self, url: &str, e: ureq::Error, limit: Duration) -> Fetch {
+        let text = match &e {
+            ureq::Error::Status(code, resp) => {
+                let code_name = resp.header("x-error-code").unwrap_or("");
+                if *code == 404 && !matches!(code_name, "RepoNotFound" | "RevisionNotFound") {
+                    return Fetch::NotFound;
+                }
+                let msg = resp
+                    .header("x-error-message")
+                    .map(|m| format!(" ({m})"))
+                    .unwrap_or_default();
+                let hint = match *code {
+                    401 => {
+                        if self.token.is_some() {
+                            "; the repo does not exist, or the token has no access to it"
+                        } else {
+                            "; the repo does not exist, or it is private or gated and needs \
+                             a token: set HF_TOKEN (or run `hf auth login`)"
+                        }
+                    }
+                    403 => {
+                        "; access denied: for a gated repo, accept its terms on the Hub with \
+                         the account of the token"
+                    }
+                    404 if code_name == "RevisionNotFound" => "; no such revision",
+                    404 => "; no such repo",
+                    _ => "",
+                };
+                format!("{url}: HTTP {code}{msg}{hint}")
+            }
+            ureq::Error::Transport(t) => {
+                let timed_out = std::error::Error::source(t)
+                    .and_then(|s| s.downcast_ref::<std::io::Error>())
+                    .is_some_and(is_timeout);
+                if timed_out {
+                    let var = if limit == self.etag_timeout {
+                        "HF_HUB_ETAG_TIMEOUT"
+                    } else {
+                        "HF_HUB_DOWNLOAD_TIMEOUT"
+                    };
+                    format!(
+                        "{url}: no answer within {:.0}s (set {var} to wait longer)",
+                        limit.as_secs_f64()
+                    )
+                } else {
+                    // ureq words these as "<url>: <kind>: <detail>"; no request headers.
+                    t.to_string()
+                }
+            }
         };
         Fetch::Failed(scrub(&text, self.token.as_deref()))
     }
 }
 
-impl Drop for Download {
-    fn drop(&mut self) {
-        if let Some(stray) = self.stray_ref.take() {
-            let _ = std::fs::remove_file(stray);
-        }
-    }
+/// One answer after the redirects, with the Hub's commit and etag seen on the way.
+struct Hop {
+    response: ureq::Response,
+    url: Url,
+    commit: Option<String>,
+    etag: Option<String>,
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
 }
 
 fn human_bytes(n: u64) -> String {
@@ -444,55 +630,5 @@ fn human_bytes(n: u64) -> String {
         n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
         n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
         n => format!("{n} B"),
-    }
-}
-
-/// hf-hub's progress callbacks: mark activity for the stall watch, count bytes, and draw a bar
-/// on a terminal.
-struct Meter {
-    start: Instant,
-    last_ms: Arc<AtomicU64>,
-    body: Arc<AtomicBool>,
-    bytes: Arc<AtomicU64>,
-    bar: Option<indicatif::ProgressBar>,
-    name: String,
-}
-
-impl Meter {
-    pub(super) fn touch(&self) {
-        let ms = self.start.elapsed().as_millis() as u64;
-        self.last_ms.store(ms, Ordering::Relaxed);
-    }
-}
-
-impl Progress for Meter {
-    fn init(&mut self, size: usize, _filename: &str) {
-        self.touch();
-        self.body.store(true, Ordering::Relaxed);
-        if self.bar.is_none() && std::io::stderr().is_terminal() && size > 1 << 20 {
-            let bar = indicatif::ProgressBar::new(size as u64);
-            if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ({eta})",
-            ) {
-                bar.set_style(style);
-            }
-            bar.set_message(self.name.clone());
-            self.bar = Some(bar);
-        }
-    }
-
-    fn update(&mut self, size: usize) {
-        self.touch();
-        let total = self.bytes.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
-        if let Some(bar) = &self.bar {
-            bar.set_position(total);
-        }
-    }
-
-    fn finish(&mut self) {
-        self.touch();
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
     }
 }

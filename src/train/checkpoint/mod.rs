@@ -176,6 +176,11 @@ impl Checkpointer {
         self.last.as_deref()
     }
 
+    /// The step of [`Checkpointer::last_saved`].
+    pub fn last_saved_step(&self) -> Option<usize> {
+        self.last.as_deref().and_then(step_of)
+    }
+
     /// Saves `step_N` (every rank calls it) and prunes old ones. Returns whether training
     /// paused for the whole write (a synchronous save) rather than only for a copy.
     pub fn save(
@@ -507,6 +512,21 @@ pub fn incomplete(root: &Path) -> Vec<PathBuf> {
                 .is_some_and(|n| n.starts_with("step_"))
         })
         .collect()
+}
+
+/// Checks, without reading any tensor, that `dir` can be loaded: trainer.json parses and is of
+/// this format, and every safetensors file is whole (its header's extent is the file's length),
+/// which catches a truncated or half-copied checkpoint before any state is touched.
+pub fn verify(dir: &Path) -> Result<()> {
+    read_state(dir)?;
+    let entries = fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))?;
+    for e in entries {
+        let path = e?.path();
+        if path.extension().is_some_and(|x| x == "safetensors") {
+            SafeFile::open(&path)?;
+        }
+    }
+    Ok(())
 }
 
 pub fn latest(root: &Path) -> Option<PathBuf> {

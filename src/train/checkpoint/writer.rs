@@ -91,10 +91,14 @@ impl SaveJob {
             r.set(&format!("rank{}", r.rank), written.as_ref().map(drop))?;
             return written.map(|()| None);
         };
-        let everyone = written.and_then(|()| match &self.reports {
+        // The other ranks' reports are awaited even when this rank's own write failed: they
+        // may still be writing into the staging directory, which must not be removed under
+        // them (their files would outlive it as a stray `step_N.tmp`).
+        let others = match &self.reports {
             Some(r) => r.wait_ranks(),
             None => Ok(()),
-        });
+        };
+        let everyone = written.and(others);
         if let Err(e) = everyone {
             return Err(abandon(staging, e));
         }

@@ -1,0 +1,450 @@
+//! Findings of a 67-input probe (issue 20): each test failed before its fix. Usage errors exit
+//! 2 and name the key or flag and the fix; nothing the user wrote is overwritten; nothing is
+//! created outside the places asked for; what a run skips or loses is said.
+
+mod common;
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{lockstep, ok, output_text, run, small, with, write_corpus};
+
+/// The exit code and the message, with the full output on failure.
+fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
+    let text = output_text(out);
+    assert_eq!(out.status.code(), Some(code), "{text}");
+    for p in parts {
+        assert!(text.contains(p), "expected `{p}` in:\n{text}");
+    }
+    text
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Every path under `dir` (relative), sorted.
+fn tree(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
+        for e in fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            out.push(p.strip_prefix(root).unwrap().display().to_string());
+            if p.is_dir() {
+                walk(root, &p, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// Finding 2: `--config experiments/exp1/config.json` with `logging.dir=experiments` and
+/// `logging.run_name=exp1` replaced the user's file with the resolved config.
+#[test]
+fn a_config_file_in_the_run_directory_is_never_overwritten() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    fs::create_dir_all(dir.join("experiments/exp1")).unwrap();
+    let mine = r#"{"training": {"learning_rate": 0.002}}"#;
+    let file = dir.join("experiments/exp1/config.json");
+    fs::write(&file, mine).unwrap();
+    let base = with(
+        &small(&corpus),
+        &["train"],
+        &[
+            "--config",
+            "experiments/exp1/config.json",
+            "--set",
+            "logging.dir=experiments",
+            "--set",
+            "logging.run_name=exp1",
+            "--max-steps",
+            "1",
+        ],
+    );
+    fails(
+        &run(dir, &base),
+        2,
+        &[
+            "--config experiments/exp1/config.json is the run directory's config.json",
+            "logging.run_name = \"exp1\"",
+            "Keep your config outside the run directory",
+            "--set logging.run_name=NAME",
+        ],
+    );
+    assert_eq!(
+        fs::read_to_string(&file).unwrap(),
+        mine,
+        "the file was changed"
+    );
+    assert_eq!(tree(&dir.join("experiments")), ["exp1", "exp1/config.json"]);
+
+    // The config.json lockstep wrote, given back unchanged, is fine (nothing would change).
+    let plain = with(&small(&corpus), &["train"], &["--max-steps", "1"]);
+    ok(dir, &plain);
+    let written = dir.join("runs/tiny/config.json");
+    let before = fs::read(&written).unwrap();
+    ok(
+        dir,
+        &args(&[
+            "train",
+            "--preset",
+            "tiny",
+            "--config",
+            "runs/tiny/config.json",
+            "--resume",
+            "auto",
+        ]),
+    );
+    assert_eq!(fs::read(&written).unwrap(), before);
+}
+
+/// Finding 3: run names that are not one plain folder name wrote outside `logging.dir`, into
+/// it, or into the working directory.
+#[test]
+fn run_names_that_are_not_one_folder_name_are_refused_and_create_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("work");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = write_corpus(tmp.path());
+    let before = tree(tmp.path());
+    for name in ["../../escape", "/abs/path", "..", ".", "", "a/b"] {
+        let set = format!("logging.run_name={name}");
+        for sub in [&["train"][..], &["run", "--cpu", "--nproc", "1", "--"][..]] {
+            let out = run(
+                &dir,
+                &with(&small(&corpus), sub, &["--set", &set, "--max-steps", "1"]),
+            );
+            fails(
+                &out,
+                2,
+                &[
+                    &format!("logging.run_name = {name:?}"),
+                    "one plain folder name (e.g. --set logging.run_name=exp1)",
+                ],
+            );
+        }
+    }
+    assert_eq!(tree(tmp.path()), before, "something was created");
+    assert!(!Path::new("/abs/path").exists());
+}
+
+/// Findings 13 and 15: usage errors found after parsing exit 2 like clap's, and a negative
+/// number is a value, not a flag.
+#[test]
+fn usage_errors_exit_2_naming_the_flag_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for (list, parts) in [
+        (
+            &[
+                "generate",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+            ][..],
+            &["--temperature -1 must be a finite number >= 0"][..],
+        ),
+        (
+            &["generate", "--model", "m", "--prompt", "hi", "--top-p", "2"],
+            &["--top-p 2 must be in (0, 1]"],
+        ),
+        (
+            &["run", "--cpu", "--nproc", "0", "--", "--preset", "tiny"],
+            &["--nproc 0: must be at least 1"],
+        ),
+        (
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--resume",
+                "/nonexistent/step_5",
+            ],
+            &[
+                "--resume /nonexistent/step_5: no such directory",
+                "--resume auto",
+            ],
+        ),
+        (
+            &["train", "--preset", "tiny", "--set", "model.vocab_size=0"],
+            &["model.vocab_size = 0: must be at least the tokenizer's"],
+        ),
+    ] {
+        fails(&run(dir, &args(list)), 2, parts);
+    }
+    assert!(!dir.join("runs").exists(), "a refused start left runs/");
+    let help = output_text(&run(dir, &args(&["export", "--help"])));
+    assert!(help.contains("fp32|bf16|fp16"), "{help}");
+}
+
+/// Finding 15: a start refused after the run directory was claimed (here: no such data) leaves
+/// no empty `runs/`; more threads than CPUs are named.
+#[test]
+fn a_refused_start_leaves_no_empty_runs_and_too_many_threads_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let missing = with(
+        &small(&corpus),
+        &["train"],
+        &["--set", "data.path=nowhere.txt", "--max-steps", "1"],
+    );
+    let out = run(dir, &missing);
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
+    assert!(!dir.join("runs").exists(), "{:?}", tree(dir));
+
+    let many = with(
+        &small(&corpus),
+        &["train"],
+        &["--set", "system.num_threads=1000", "--max-steps", "1"],
+    );
+    let text = ok(dir, &many);
+    assert!(
+        text.contains("Warning: system.num_threads = 1000 is more than the")
+            && text.contains("CPUs this process may use"),
+        "{text}"
+    );
+}
+
+/// Finding 7: a damaged newest checkpoint no longer stops `--resume auto`: it falls back to the
+/// newest one that loads and says what is trained again.
+#[test]
+fn resume_auto_skips_a_damaged_newest_checkpoint_and_says_what_is_redone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["train"],
+        &[
+            "--set",
+            "checkpoint.interval=2",
+            "--set",
+            "checkpoint.keep_last=3",
+        ],
+    );
+    ok(dir, &with(&base, &[], &["--max-steps", "4"]));
+    let root = dir.join("runs/tiny/checkpoints");
+    for damage in ["weights", "trainer.json"] {
+        match damage {
+            "weights" => {
+                let f = root.join("step_4/model.safetensors");
+                let len = fs::metadata(&f).unwrap().len();
+                fs::File::options()
+                    .write(true)
+                    .open(&f)
+                    .unwrap()
+                    .set_len(len - 1000)
+                    .unwrap();
+            }
+            _ => {
+                let f = root.join("step_4/trainer.json");
+                let text = fs::read_to_string(&f).unwrap();
+                fs::write(&f, &text[..text.len() / 2]).unwrap();
+            }
+        }
+        let text = ok(
+            dir,
+            &with(&base, &[], &["--max-steps", "4", "--resume", "auto"]),
+        );
+        assert!(
+            text.contains("skipping damaged checkpoint runs/tiny/checkpoints/step_4 (")
+                && text.contains(
+                    "resuming from runs/tiny/checkpoints/step_2 instead; steps 3..=4 will be \
+                     trained again"
+                )
+                && text.contains("Resumed from")
+                && text.contains("at step 2 "),
+            "{damage}: {text}"
+        );
+        // The save at step 4 replaced the damaged one.
+        assert!(text.contains("Checkpoint saved"), "{text}");
+    }
+    fails(
+        &run(dir, &with(&base, &[], &["--resume", "runs/none/step_1"])),
+        2,
+        &["--resume runs/none/step_1: no such directory"],
+    );
+}
+
+/// Finding 14: a resumed checkpoint already past `--max-steps` or `--stop-at-step` says so.
+#[test]
+fn nothing_to_do_says_why_and_what_to_pass() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(&small(&corpus), &["train"], &[]);
+    ok(dir, &with(&base, &[], &["--max-steps", "4"]));
+    let text = ok(
+        dir,
+        &with(&base, &[], &["--max-steps", "2", "--resume", "auto"]),
+    );
+    assert!(
+        text.contains("Nothing to do: the checkpoint is at step 4, past training.max_steps = 2")
+            && text.contains("pass --max-steps (or training.max_steps) above 4"),
+        "{text}"
+    );
+    let text = ok(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[
+                "--max-steps",
+                "8",
+                "--stop-at-step",
+                "3",
+                "--resume",
+                "auto",
+            ],
+        ),
+    );
+    assert!(
+        text.contains("Nothing to do: --stop-at-step 3 is not after the resumed step 4")
+            && text.contains("pass a step between 5 and 8"),
+        "{text}"
+    );
+}
+
+/// Finding 5: metrics.jsonl reads as one run after a resume from an earlier checkpoint, and a
+/// fresh start begins a new record, keeping the old one under a name that says so.
+#[test]
+fn metrics_rewind_on_resume_and_start_anew_on_a_fresh_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["train"],
+        &[
+            "--set",
+            "checkpoint.interval=2",
+            "--set",
+            "checkpoint.keep_last=3",
+            "--set",
+            "logging.tensorboard=true",
+        ],
+    );
+    ok(dir, &with(&base, &[], &["--max-steps", "5"]));
+    let run_dir = dir.join("runs/tiny");
+    let steps = |p: &Path| -> Vec<u64> { common::losses(p).into_iter().map(|s| s.0).collect() };
+    assert_eq!(steps(&run_dir.join("metrics.jsonl")), [1, 2, 3, 4, 5]);
+    // As if killed after step 5 with step_4 the last checkpoint.
+    fs::remove_dir_all(run_dir.join("checkpoints/step_5")).unwrap();
+    let text = ok(
+        dir,
+        &with(&base, &[], &["--max-steps", "6", "--resume", "auto"]),
+    );
+    assert!(
+        text.contains("metrics.jsonl: removed 1 records after step 4"),
+        "{text}"
+    );
+    assert_eq!(steps(&run_dir.join("metrics.jsonl")), [1, 2, 3, 4, 5, 6]);
+
+    // A fresh start in the same directory (checkpoints gone).
+    fs::remove_dir_all(run_dir.join("checkpoints")).unwrap();
+    let text = ok(
+        dir,
+        &with(&base, &[], &["--max-steps", "2", "--resume", "auto"]),
+    );
+    assert!(
+        text.contains("metrics.jsonl: a fresh start; the earlier record is kept as")
+            && text.contains("TensorBoard: a fresh start; the earlier run's events are kept in"),
+        "{text}"
+    );
+    assert_eq!(steps(&run_dir.join("metrics.jsonl")), [1, 2]);
+    let previous: Vec<_> = fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("metrics.previous-") && n.ends_with(".jsonl"))
+        .collect();
+    assert_eq!(previous.len(), 1, "{previous:?}");
+    assert_eq!(steps(&run_dir.join(&previous[0])), [1, 2, 3, 4, 5, 6]);
+    let tb: Vec<String> = tree(&run_dir.join("tensorboard"));
+    assert!(
+        tb.iter()
+            .any(|p| p.starts_with("previous-") && p.contains("events.out")),
+        "{tb:?}"
+    );
+}
+
+/// Finding 4: two Ctrl-C in quick succession. The first says it saves after the current step
+/// and how to exit at once; the second exits 130 and says what is lost.
+#[test]
+fn two_interrupts_say_what_each_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["train"],
+        &[
+            "--max-steps",
+            "100000",
+            "--set",
+            "checkpoint.interval=3",
+            "--set",
+            "model.num_layers=6",
+            "--set",
+            "model.hidden_size=256",
+        ],
+    );
+    ok(dir, &with(&base[1..], &["prepare"], &[]));
+    let mut child = lockstep(dir)
+        .args(&base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut text = String::new();
+    // After the first checkpoint, so something is saved and later steps can be lost.
+    while !text.contains("Checkpoint saved") {
+        let line = lines.next().expect("output until a save").unwrap();
+        text.push_str(&line);
+        text.push('\n');
+        assert!(Instant::now() < deadline, "{text}");
+    }
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: kill(2) of the child this test started.
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    for line in lines {
+        text.push_str(&line.unwrap());
+        text.push('\n');
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(0) {
+        // The first stop finished (save included) before the second signal: nothing lost.
+        assert!(
+            err.contains("lockstep: SIGINT: saving a checkpoint after step"),
+            "{err}"
+        );
+        eprintln!("the stop finished within 300 ms; the second signal found nothing to cut");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{text}{err}");
+    assert!(
+        err.contains("lockstep: SIGINT: saving a checkpoint after step")
+            && err.contains("send it again (Ctrl-C) to exit at once without saving")
+            && err.contains("lockstep: SIGINT again: exiting now without saving")
+            && err.contains("the steps after the last complete checkpoint (step ")
+            && err.contains(") are lost")
+            && err.contains("--resume auto continues from there"),
+        "{text}{err}"
+    );
+}
