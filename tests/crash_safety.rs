@@ -6,12 +6,12 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{lockstep, output_text, run, write_corpus};
+use common::{lockstep, output_text, run, write_corpus, Tmpfs};
 use lockstep::model::hf::Weights;
 use lockstep::train::checkpoint::{read_state, MomentFiles};
 
@@ -461,46 +461,6 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
     let why =
         defect(&done, latest + 1).expect("a checkpoint without rank 2's moments is not complete");
     assert!(why.contains("no moments for elements"), "{why}");
-}
-
-/// Mounts a tmpfs at `dir` for the guard's lifetime; `None` (and a note) where mounting is not
-/// allowed (no CAP_SYS_ADMIN), so those environments skip the check instead of faking it.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, options: &str) -> Option<Tmpfs> {
-        fs::create_dir_all(dir).unwrap();
-        let status = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
-            .arg(dir)
-            .stderr(Stdio::null())
-            .status();
-        if status.is_ok_and(|s| s.success()) {
-            Some(Tmpfs(dir.to_path_buf()))
-        } else {
-            eprintln!(
-                "SKIPPED: cannot mount a tmpfs at {} here (needs root / CAP_SYS_ADMIN)",
-                dir.display()
-            );
-            None
-        }
-    }
-
-    fn remount(&self, options: &str) {
-        let ok = Command::new("mount")
-            .args(["-o", &format!("remount,{options}")])
-            .arg(&self.0)
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "remount {options}");
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
 }
 
 fn dir_bytes(dir: &Path) -> u64 {

@@ -448,3 +448,211 @@ fn two_interrupts_say_what_each_does() {
         "{text}{err}"
     );
 }
+
+/// Finding 11: `run --nproc 64 --cpu` on a small host started 64 workers that each refused
+/// with "use more ranks"; the launcher now checks the node's memory once, before any start.
+#[test]
+fn too_many_cpu_workers_for_the_host_are_refused_by_the_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let big = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "64", "--"],
+        &[
+            "--set",
+            "model.hidden_size=1024",
+            "--set",
+            "model.num_layers=8",
+            "--set",
+            "model.intermediate_size=2816",
+            "--set",
+            "model.num_attention_heads=8",
+            "--set",
+            "model.num_key_value_heads=8",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let text = fails(
+        &run(dir, &big),
+        2,
+        &[
+            "--nproc 64: 64 CPU workers on this node share MemAvailable",
+            "each needs an estimated",
+            "more workers on one host only add copies",
+        ],
+    );
+    assert!(!text.contains("use more ranks"), "{text}");
+    assert!(!text.contains("[launcher] 64 workers"), "{text}");
+    assert!(!dir.join("logs").exists() && !dir.join("runs").exists());
+}
+
+/// Finding 8: a full disk during `prepare` printed the bare OS error; it names the cache, the
+/// bytes needed and the key, and leaves no partial entry.
+#[test]
+fn prepare_on_a_full_disk_names_the_cache_the_size_and_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let cache = dir.join("small-cache");
+    let Some(_mount) = common::Tmpfs::mount(&cache, "size=16k") else {
+        return;
+    };
+    let out = run(
+        dir,
+        &with(
+            &small(&corpus),
+            &["prepare"],
+            &["--set", &format!("data.cache_dir={}", cache.display())],
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            &format!("data.cache_dir {}: the token files need", cache.display()),
+            "MB free; free space there, or set data.cache_dir to a disk with room",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert_eq!(
+        tree(&cache),
+        Vec::<String>::new(),
+        "a partial entry was left"
+    );
+}
+
+/// Finding 6: a resume on other data was accepted without a word (a changed seed was refused
+/// "because the data order would change"); now it is refused the same way, or continued on
+/// the new data with the order starting anew where the user says so.
+#[test]
+fn resuming_on_other_data_is_refused_unless_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let other = dir.join("other.txt");
+    let text: String = fs::read_to_string(corpus.join("doc1.txt")).unwrap();
+    fs::write(&other, text.repeat(2)).unwrap();
+    let base = with(&small(&corpus), &["train"], &[]);
+    ok(dir, &with(&base, &[], &["--max-steps", "2"]));
+    let moved = ["--set", "data.path=other.txt"];
+    let out = run(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[&moved[..], &["--max-steps", "3", "--resume", "auto"]].concat(),
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "the checkpoint was trained on other data (source",
+            "set data.allow_new_data_on_resume=true",
+        ],
+    );
+    assert!(!text.contains("Step [3/3]"), "{text}");
+    // Asked for: the model continues, the data order starts at the new data's first sample.
+    let text = ok(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[
+                &moved[..],
+                &[
+                    "--set",
+                    "data.allow_new_data_on_resume=true",
+                    "--max-steps",
+                    "3",
+                    "--resume",
+                    "auto",
+                ],
+            ]
+            .concat(),
+        ),
+    );
+    assert!(
+        text.contains("Resumed from")
+            && text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"),
+        "{text}"
+    );
+    // The same data again, prepared anew (cache removed): the same identity, accepted.
+    fs::remove_dir_all(dir.join(".lockstep/cache")).unwrap();
+    let again = with(
+        &base,
+        &[],
+        &[&moved[..], &["--max-steps", "4", "--resume", "auto"]].concat(),
+    );
+    let text = ok(dir, &again);
+    assert!(!text.contains("New data"), "{text}");
+}
+
+/// Finding 15: the launcher's rendezvous store listening socket was inherited by every worker
+/// (no close-on-exec), so a worker outliving its launcher kept the port bound.
+#[test]
+fn workers_do_not_inherit_the_stores_listening_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "1", "--"],
+        &["--max-steps", "100000"],
+    );
+    let mut child = lockstep(dir)
+        .args(&base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = err.next().expect("the launcher's line").unwrap();
+        if let Some(rest) = line.split("rendezvous on 127.0.0.1:").nth(1) {
+            break rest.split(',').next().unwrap().trim().parse().unwrap();
+        }
+    };
+    // The listening socket's inode, from /proc/net/tcp (state 0A = LISTEN).
+    let listen_inode = fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            (local_port == port && f[3] == "0A").then(|| f[9].to_string())
+        })
+        .expect("the store listens");
+    let launcher = child.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let worker = loop {
+        let kids = fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+            .unwrap_or_default();
+        // Once it has exec'd (close-on-exec acts at exec, not at fork).
+        if let Some(pid) = kids.split_whitespace().next() {
+            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains("worker-spec") {
+                break pid.to_string();
+            }
+        }
+        assert!(Instant::now() < deadline, "no worker started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let held: Vec<String> = fs::read_dir(format!("/proc/{worker}/fd"))
+        .unwrap()
+        .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+        .map(|l| l.display().to_string())
+        .collect();
+    // SAFETY: kill(2) of the launcher this test started (it stops its worker).
+    unsafe { libc::kill(launcher as libc::pid_t, libc::SIGKILL) };
+    // SAFETY: as above, for the worker.
+    unsafe { libc::kill(worker.parse().unwrap(), libc::SIGKILL) };
+    let _ = child.wait();
+    assert!(
+        !held.contains(&format!("socket:[{listen_inode}]")),
+        "the worker holds the store's listening socket: {held:?}"
+    );
+}

@@ -50,6 +50,7 @@ pub struct DataConfig {
     pub document_masking: bool,
     pub reset_position_ids: bool,
     pub cache_dir: String,
+    pub allow_new_data_on_resume: bool,
 }
 
 /// One entry of `data.sources` (its fields are `schema::SOURCE_FIELDS`).

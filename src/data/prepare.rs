@@ -17,6 +17,7 @@ use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
+    TOK_HEADER_BYTES,
 };
 
 /// Bumped whenever the cache contents for the same inputs would change.
@@ -438,6 +439,53 @@ fn choose_cut(doc_starts: &[u64], total: u64, val_fraction: f64, context: u64) -
     }
 }
 
+/// Bytes free to this user on the file system holding `dir` (None where it cannot be read).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs fills the zeroed struct; the path is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0)
+        .then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The error for a cache entry that does not fit: where, how much, and the key to change.
+fn room_error(spec: &PrepareSpec, need: u64, free: Option<u64>) -> String {
+    let free = free.map_or(String::new(), |f| {
+        format!(", {:.1} MB free", f as f64 / 1e6)
+    });
+    format!(
+        "data.cache_dir {}: the token files need {:.1} MB{free}; free space there, or set \
+         data.cache_dir to a disk with room (nothing was kept: an entry is written whole or not \
+         at all)",
+        spec.cache_dir.display(),
+        need as f64 / 1e6
+    )
+}
+
+/// Refuses before writing when the file system holding `tmp` has less room than `need`.
+fn check_room(spec: &PrepareSpec, tmp: &Path, need: u64) -> Result<()> {
+    match free_bytes(tmp) {
+        Some(free) if free < need => bail!("{}", room_error(spec, need, Some(free))),
+        _ => Ok(()),
+    }
+}
+
+/// A write that failed for want of room (another writer took it meanwhile) says what
+/// [`check_room`] says; other errors pass unchanged.
+fn out_of_room(spec: &PrepareSpec, tmp: &Path, need: u64, e: anyhow::Error) -> anyhow::Error {
+    let full = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::ENOSPC))
+    });
+    if full {
+        let why = room_error(spec, need, free_bytes(tmp));
+        e.context(why)
+    } else {
+        e
+    }
+}
+
 /// Token counts and largest ids of a new cache entry.
 struct Built {
     train_tokens: u64,
@@ -477,6 +525,12 @@ fn build(
     };
     let dtype = dtype_for_vocab(tok.vocab_size());
     let hash = tok.definition_hash();
+    // The token files' size is known now: header, tokens, one u64 offset per document (the
+    // validation part adds a header and the cut document's EOS and offset).
+    let need = 2 * TOK_HEADER_BYTES
+        + (total + 1) * u64::from(dtype)
+        + (corpus.doc_starts.len() as u64 + 1) * 8;
+    check_room(spec, tmp, need)?;
     let ends: Vec<u64> = corpus.doc_starts[1..]
         .iter()
         .copied()
@@ -484,26 +538,30 @@ fn build(
         .collect();
     let docs = || corpus.doc_starts.iter().copied().zip(ends.iter().copied());
 
+    let no_room = |e: anyhow::Error| out_of_room(spec, tmp, need, e);
     let mut train = TokFileWriter::create(&tmp.join("train.tok"), dtype, hash)?;
     for (s, e) in docs().filter(|&(s, _)| s < cut) {
         if e <= cut {
-            train.push_document(&corpus.tokens[s as usize..e as usize])?;
+            train
+                .push_document(&corpus.tokens[s as usize..e as usize])
+                .map_err(no_room)?;
         } else {
             // The document cut in two: its train part gets its own EOS so every
             // document in a .tok file still ends with one.
             let mut head = corpus.tokens[s as usize..cut as usize].to_vec();
             head.push(tok.eos_id());
-            train.push_document(&head)?;
+            train.push_document(&head).map_err(no_room)?;
         }
     }
-    let train = train.finish()?;
+    let train = train.finish().map_err(no_room)?;
 
     let val = if want_val {
         let mut val = TokFileWriter::create(&tmp.join("val.tok"), dtype, hash)?;
         for (s, e) in docs().filter(|&(_, e)| e > cut) {
-            val.push_document(&corpus.tokens[s.max(cut) as usize..e as usize])?;
+            val.push_document(&corpus.tokens[s.max(cut) as usize..e as usize])
+                .map_err(no_room)?;
         }
-        Some(val.finish()?)
+        Some(val.finish().map_err(no_room)?)
     } else {
         None
     };

@@ -136,9 +136,9 @@ impl Tokenizer {
             .with_context(|| format!("{}: cannot resolve the tokenizer path", path.display()))?;
         let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
             anyhow!(
-                "{}: not a valid Hugging Face tokenizer.json ({e}); point data.tokenizer at a \
-                 tokenizer.json or use one of {}",
+                "{}: {}; point data.tokenizer at a Hugging Face tokenizer.json or use one of {}",
                 path.display(),
+                why_not_a_tokenizer(&path, &e.to_string()),
                 BUILTIN_NAMES.join(", ")
             )
         })?;
@@ -309,9 +309,69 @@ fn is_ws(b: u8) -> bool {
     b.is_ascii_whitespace() || b == 0x0B || b >= 0x80
 }
 
+/// Why `tokenizers` refused `path`: not JSON at all (where), JSON that is not a tokenizer
+/// (what it lacks and what it looks like instead), or the library's own reason.
+fn why_not_a_tokenizer(path: &Path, library: &str) -> String {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return format!("not a valid Hugging Face tokenizer.json ({library})");
+    };
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Err(e) => format!(
+            "not valid JSON at line {}, column {} ({e}), so not a tokenizer.json",
+            e.line(),
+            e.column()
+        ),
+        Ok(serde_json::Value::Object(map)) if !map.contains_key("model") => {
+            let mut keys: Vec<&str> = map.keys().map(String::as_str).take(8).collect();
+            keys.sort_unstable();
+            let looks_like = if map.contains_key("architectures") || map.contains_key("model_type")
+            {
+                " (it looks like a model's config.json)"
+            } else if map.contains_key("tokenizer_class") {
+                " (it looks like a tokenizer_config.json; the tokenizer.json beside it is needed)"
+            } else {
+                ""
+            };
+            format!(
+                "valid JSON but not a tokenizer.json: it has no \"model\" section (its keys: \
+                 {}){looks_like}",
+                keys.join(", ")
+            )
+        }
+        Ok(serde_json::Value::Object(_)) => {
+            format!("not a valid Hugging Face tokenizer.json ({library})")
+        }
+        Ok(_) => "valid JSON but not a tokenizer.json: its top level is not an object".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_that_is_not_a_tokenizer_says_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let case = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            format!("{:#}", Tokenizer::load(p.to_str().unwrap()).err().unwrap())
+        };
+        let config = case(
+            "config.json",
+            r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8}"#,
+        );
+        assert!(
+            config.contains("valid JSON but not a tokenizer.json: it has no \"model\" section")
+                && config.contains("it looks like a model's config.json")
+                && !config.contains("syntax"),
+            "{config}"
+        );
+        let broken = case("broken.json", "{\"model\": ");
+        assert!(broken.contains("not valid JSON at line 1"), "{broken}");
+        let list = case("list.json", "[1, 2]");
+        assert!(list.contains("its top level is not an object"), "{list}");
+    }
 
     #[test]
     fn gpt2_hello_world() {

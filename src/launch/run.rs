@@ -144,9 +144,20 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         crate::data::hub::resolve_model(model)?;
     }
     if let Devices::Cpu(n) = plan.devices {
+        // Before any worker starts: N CPU workers share this host's memory.
+        if let Ok(shape) = crate::plan::shape(&resolved.config) {
+            crate::train::fit::check_cpu_workers(&resolved.config, &shape, n, plan.nnodes)?;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if n > cores {
+            eprintln!(
+                "[launcher] Warning: --nproc {n} CPU workers on {cores} cores: each gets a \
+                 fraction of a core and every collective waits for the slowest; --nproc {cores} \
+                 or fewer runs faster"
+            );
+        }
         // N CPU workers share the cores; libtorch would otherwise give each all of them.
         if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
         }
     }

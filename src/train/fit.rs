@@ -166,6 +166,64 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
     Err(ConfigError(message).into())
 }
 
+/// The launcher's check before it starts `nproc` CPU workers on this node (`world` in all):
+/// they share the host's MemAvailable, so a worker count whose share is too small is refused
+/// here, once, with the largest count that fits, instead of by every worker with advice meant
+/// for GPUs ("use more ranks" only adds copies on one host). Skipped where
+/// `system.memory_check` is off, `system.memory_budget_gb` is set (the workers check that), or
+/// the memory cannot be read.
+pub fn check_cpu_workers(
+    cfg: &Config,
+    shape: &LlamaShape,
+    nproc: usize,
+    nnodes: usize,
+) -> Result<()> {
+    if cfg.system.memory_check == MemoryCheck::Off || cfg.system.memory_budget_gb > 0.0 {
+        return Ok(());
+    }
+    let Some(avail) = budget::mem_available() else {
+        return Ok(());
+    };
+    let need = |k: usize| {
+        let setting = Setting::new(
+            cfg,
+            shape.clone(),
+            Target {
+                device: plan::Device::Cpu,
+                world: k * nnodes,
+                budget: (avail / k as f64, "MemAvailable".into()),
+                mfu: 0.4,
+                cpu_threads: 1,
+                storage_bw: plan::checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
+            },
+        );
+        let r = report::build(&setting, &Layout::from_config(cfg));
+        (r.fits, r.configured.total_bytes)
+    };
+    let (fits, per_worker) = need(nproc);
+    if fits {
+        return Ok(());
+    }
+    let most = (1..nproc).rev().find(|&k| need(k).0);
+    let fix = match most {
+        Some(k) => format!("use --nproc {k} or fewer (the most whose share fits)"),
+        None => "even one worker does not fit: use a smaller model or shorter context (`lockstep plan` shows the breakdown)".into(),
+    };
+    let message = format!(
+        "--nproc {nproc}: {nproc} CPU workers on this node share MemAvailable {}, {} each, but \
+         each needs an estimated {}; more workers on one host only add copies. {fix}; \
+         system.memory_check=warn starts anyway.",
+        gb(avail),
+        gb(avail / nproc as f64),
+        gb(per_worker)
+    );
+    if cfg.system.memory_check == MemoryCheck::Warn {
+        eprintln!("[launcher] WARNING: {message}");
+        return Ok(());
+    }
+    Err(ConfigError(message).into())
+}
+
 /// What the host-memory check of `checkpoint.async`'s staging buffers on a GPU found.
 enum HostStaging {
     /// They fit: a note for the memory plan's line.

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
@@ -224,6 +224,78 @@ pub struct DataSource {
     pub name: String,
     pub weight: f64,
     pub prepared: Prepared,
+}
+
+/// What identifies the data a run trains on, as recorded in every checkpoint: per source its
+/// name, weight, tokenizer, token counts, and a hash of three 64 KiB samples of its training
+/// tokens (start, middle, end). Path- and time-free, so a copied or re-prepared corpus is the
+/// same data, and cheap on any corpus size.
+pub fn data_identity(sources: &[DataSource]) -> Result<serde_json::Value> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SAMPLE: u64 = 64 << 10;
+    let mut out = Vec::new();
+    for s in sources {
+        let p = &s.prepared;
+        let mut f = std::fs::File::open(&p.train)
+            .with_context(|| format!("{}: cannot open", p.train.display()))?;
+        let len = f.metadata()?.len();
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; SAMPLE as usize];
+        for at in [
+            0,
+            len.saturating_sub(SAMPLE) / 2,
+            len.saturating_sub(SAMPLE),
+        ] {
+            f.seek(SeekFrom::Start(at))?;
+            let n = f.read(&mut buf)?;
+            hasher.update(&buf[..n]);
+        }
+        out.push(serde_json::json!({
+            "name": s.name,
+            "weight": s.weight,
+            "tokenizer": p.tokenizer_id,
+            "train_tokens": p.train_tokens,
+            "val_tokens": p.val_tokens,
+            "sample_blake3": hasher.finalize().to_hex().as_str(),
+        }));
+    }
+    Ok(serde_json::Value::Array(out))
+}
+
+/// How the data `now` differs from the checkpoint's `then` ([`data_identity`]), in words; None
+/// when they are the same.
+pub fn data_difference(then: &serde_json::Value, now: &serde_json::Value) -> Option<String> {
+    if then == now {
+        return None;
+    }
+    let (a, b) = (
+        then.as_array().cloned().unwrap_or_default(),
+        now.as_array().cloned().unwrap_or_default(),
+    );
+    if a.len() != b.len() {
+        return Some(format!("{} source(s) then, {} now", a.len(), b.len()));
+    }
+    let mut diffs = Vec::new();
+    for (x, y) in a.iter().zip(&b) {
+        let name = y["name"].as_str().unwrap_or("?");
+        for (key, what) in [
+            ("name", "name"),
+            ("weight", "weight"),
+            ("tokenizer", "tokenizer"),
+            ("train_tokens", "training tokens"),
+            ("val_tokens", "validation tokens"),
+            ("sample_blake3", "token content"),
+        ] {
+            if x[key] != y[key] {
+                diffs.push(if key == "sample_blake3" {
+                    format!("source {name}: {what} differs")
+                } else {
+                    format!("source {name}: {what} {} then, {} now", x[key], y[key])
+                });
+            }
+        }
+    }
+    Some(diffs.join("; "))
 }
 
 /// The run's sources: the entries of `data.sources`, else `data.path` alone. Each is prepared

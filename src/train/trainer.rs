@@ -144,9 +144,10 @@ impl<'a> Trainer<'a> {
         let mut opt = opt.with_prefetch(cfg.system.prefetch_units);
         model.set_activation_memory(ActivationMemory::from_config(t));
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
-        let mut state = fresh_state(resolved, &shape, rank.topo.world);
+        let identity = setup::data_identity(&data)?;
+        let mut state = fresh_state(resolved, &shape, rank.topo.world, identity.clone());
         if let Some(dir) = &resume_dir {
-            state = resume(dir, &shape, &mut opt, resolved, &rank)?;
+            state = resume(dir, &shape, &mut opt, resolved, &rank, identity)?;
         }
 
         // The start is accepted (data found, checkpoint compatible): only now write into the
@@ -613,7 +614,12 @@ fn open_sources(data: &[DataSource]) -> Result<Vec<(SourceTokens, Option<SourceT
         .collect()
 }
 
-fn fresh_state(resolved: &Resolved, shape: &LlamaShape, world: usize) -> TrainerState {
+fn fresh_state(
+    resolved: &Resolved,
+    shape: &LlamaShape,
+    world: usize,
+    data: serde_json::Value,
+) -> TrainerState {
     TrainerState {
         format: checkpoint::FORMAT_VERSION,
         step: 0,
@@ -628,18 +634,24 @@ fn fresh_state(resolved: &Resolved, shape: &LlamaShape, world: usize) -> Trainer
         zero_stage: resolved.config.system.zero_stage,
         config: resolved.to_json(),
         versions: checkpoint::versions(),
+        data: Some(data),
     }
 }
 
 /// Loads a checkpoint into the parameters and moments and returns the state to continue from.
+/// The checkpoint's seed and data (`data`, [`setup::data_identity`]) must be this run's: either
+/// changing would change the data order without a word (`data.allow_new_data_on_resume`
+/// continues on new data, its order starting anew).
 fn resume(
     dir: &std::path::Path,
     shape: &LlamaShape,
     opt: &mut Optimizer,
     resolved: &Resolved,
     rank: &Rank,
+    data: serde_json::Value,
 ) -> Result<TrainerState> {
-    let seed = resolved.config.system.seed;
+    let cfg = &resolved.config;
+    let seed = cfg.system.seed;
     let started = std::time::Instant::now();
     let saved = checkpoint::load(dir, shape, opt)?;
     anyhow::ensure!(
@@ -647,6 +659,21 @@ fn resume(
         "{}: checkpoint was trained with system.seed = {}, config has {seed}; the data order would change. Set system.seed={}",
         dir.display(), saved.seed, saved.seed
     );
+    let changed = saved
+        .data
+        .as_ref()
+        .and_then(|then| setup::data_difference(then, &data));
+    if let Some(diff) = &changed {
+        anyhow::ensure!(
+            cfg.data.allow_new_data_on_resume,
+            "{}: the checkpoint was trained on other data ({diff}); resuming would change what \
+             the model sees next without a word. Resume with the data it was trained on (see \
+             data in {}), or set data.allow_new_data_on_resume=true to continue the model on \
+             the new data, its order starting anew",
+            dir.display(),
+            dir.join("config.json").display()
+        );
+    }
     println!(
         "{} Resumed from {} at step {} ({} samples consumed; loaded in {:.2} s)",
         rank.tag,
@@ -655,10 +682,23 @@ fn resume(
         saved.samples_consumed,
         started.elapsed().as_secs_f64()
     );
+    let samples_consumed = match &changed {
+        Some(diff) => {
+            println!(
+                "{} New data ({diff}): data.allow_new_data_on_resume is set, so the data order \
+                 starts anew at the first sample of the new data",
+                rank.tag
+            );
+            0
+        }
+        None => saved.samples_consumed,
+    };
     Ok(TrainerState {
         world_size: rank.topo.world,
-        zero_stage: resolved.config.system.zero_stage,
+        zero_stage: cfg.system.zero_stage,
         config: resolved.to_json(),
+        data: Some(data),
+        samples_consumed,
         ..saved
     })
 }

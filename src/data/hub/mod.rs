@@ -8,11 +8,12 @@
 //! lives in `models--owner--name/` (`datasets--owner--name/`): `refs/main` names the commit,
 //! `snapshots/<commit>/` holds the files (links into `blobs/`).
 //!
-//! A model or tokenizer missing from the cache is downloaded into that same layout (the `hf-hub`
-//! crate, from `$HF_ENDPOINT`, default `https://huggingface.co`, with the token of `$HF_TOKEN` or
-//! the `hf auth login` token file), unless `HF_HUB_OFFLINE` is set: then what is missing is named
-//! in the error, with the command that fetches it on a machine with Hub access (`hf download …`)
-//! and where to copy the result. The token is never printed. Datasets are never downloaded.
+//! A model or tokenizer missing from the cache is downloaded into that same layout (`download`,
+//! from `$HF_ENDPOINT`, default `https://huggingface.co`, with the token of `$HF_TOKEN` or the
+//! `hf auth login` token file), unless `HF_HUB_OFFLINE` is set: then what is missing is named in
+//! the error, with the command that fetches it on a machine with Hub access (`hf download …`)
+//! and where to copy the result. The token is never printed, and never sent off the endpoint's
+//! origin (a redirect to a CDN gets the request without it). Datasets are never downloaded.
 
 use std::path::{Component, Path, PathBuf};
 

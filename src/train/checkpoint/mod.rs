@@ -459,6 +459,9 @@ pub struct TrainerState {
     pub zero_stage: ZeroStage,
     pub config: Value,
     pub versions: Value,
+    /// What the run trained on (`setup::data_identity`); absent in older checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
 }
 
 fn one() -> f64 {
