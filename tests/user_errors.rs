@@ -656,3 +656,57 @@ fn workers_do_not_inherit_the_stores_listening_socket() {
         "the worker holds the store's listening socket: {held:?}"
     );
 }
+
+/// Finding 9: a cache entry whose token file was overwritten in place (2000 bytes) was blamed on
+/// the tokenizer ("set model.vocab_size"); it is found damaged by its checksum and rebuilt,
+/// while a copied cache (new stamps, same bytes) is used as it is.
+#[test]
+fn a_damaged_cache_entry_is_rebuilt_and_a_copied_one_is_used() {
+    use std::io::{Seek, SeekFrom, Write};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(&small(&corpus), &["train"], &["--max-steps", "1"]);
+    ok(dir, &with(&base[1..], &["prepare"], &[]));
+    let cache = dir.join(".lockstep/cache");
+    let entry = fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("train.tok").is_file())
+        .expect("a cache entry");
+    let train = entry.join("train.tok");
+    let original = fs::read(&train).unwrap();
+    // A copy of the whole cache elsewhere: other inodes and times, the same bytes.
+    let copied = dir.join("copied-cache");
+    let status = std::process::Command::new("cp")
+        .args(["-r"])
+        .arg(&cache)
+        .arg(&copied)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let set_copied = format!("data.cache_dir={}", copied.display());
+    let text = ok(dir, &with(&base, &[], &["--set", &set_copied]));
+    assert!(
+        text.contains("Data: cache hit") && !text.contains("damaged"),
+        "{text}"
+    );
+
+    let mut f = fs::File::options().write(true).open(&train).unwrap();
+    f.seek(SeekFrom::Start(original.len() as u64 / 2)).unwrap();
+    f.write_all(&[0xFF; 2000]).unwrap();
+    drop(f);
+    let text = ok(dir, &with(&base, &[], &["--set", "logging.run_name=after"]));
+    assert!(
+        text.contains(&format!(
+            "cache entry .lockstep/cache/{} is damaged (train.tok's bytes no longer match the \
+             BLAKE3 recorded in meta.json when it was written); tokenizing it again",
+            entry.file_name().unwrap().to_str().unwrap()
+        )) && !text.contains("model.vocab_size"),
+        "{text}"
+    );
+    assert!(
+        fs::read(&train).unwrap() == original,
+        "not rebuilt as it was"
+    );
+}

@@ -119,6 +119,22 @@ pub fn max_token_id(
     Ok(max_token_id)
 }
 
+/// True when `path` still has the stamp a record of it holds (its cache entry's `meta.json`, or
+/// `<cache_dir>/max-ids/`): it has not changed since lockstep wrote or last checked it.
+pub fn unchanged(path: &Path, cache_dir: Option<&Path>) -> Result<bool> {
+    let stamp = FileStamp::of(path)?;
+    if from_meta_json(path).is_some_and(|r| r.stamp == stamp) {
+        return Ok(true);
+    }
+    let Some(dir) = cache_dir else {
+        return Ok(false);
+    };
+    let rec: Option<MaxIdRecord> = fs::read(sidecar_path(dir, path)?)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    Ok(rec.is_some_and(|r| r.stamp == stamp))
+}
+
 /// The record prepare left in `meta.json` beside `path` (`train.tok` → its `"train"` part).
 fn from_meta_json(path: &Path) -> Option<MaxIdRecord> {
     let part = path.file_name()?.to_str()?.strip_suffix(".tok")?;

@@ -242,6 +242,13 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
     let Some((train, val)) = valid() else {
         return Ok(None);
     };
+    if let Some(why) = damaged(dir, want_val)? {
+        eprintln!(
+            "[data] cache entry {} is damaged ({why}); tokenizing it again",
+            dir.display()
+        );
+        return Ok(None);
+    }
     // From meta.json; entries of an older lockstep are scanned once (into the cache's max-ids/).
     let cache_dir = dir.parent();
     let train_max_id = max_token_id(&dir.join("train.tok"), &train, cache_dir)?;
@@ -263,6 +270,44 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
         train_max_id,
         val_max_id,
     }))
+}
+
+/// BLAKE3 of a file's bytes, hex.
+fn file_blake3(path: &Path) -> Result<String> {
+    let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = blake3::Hasher::new();
+    std::io::copy(&mut f, &mut h).with_context(|| format!("{}: cannot read", path.display()))?;
+    Ok(h.finalize().to_hex().to_string())
+}
+
+/// Why the token files of the entry in `dir` are not the bytes prepare wrote, if they are not.
+/// A file whose stamp still matches its record is taken as written (no read); one that changed
+/// since (a copy, a `touch`, an overwrite) is hashed against the BLAKE3 that `meta.json`
+/// recorded: equal, its new stamp is remembered; different, the entry is damaged. Entries
+/// written before the checksum existed are not checked.
+fn damaged(dir: &Path, want_val: bool) -> Result<Option<String>> {
+    let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json"))?)?;
+    let parts: &[&str] = if want_val {
+        &["train", "val"]
+    } else {
+        &["train"]
+    };
+    for part in parts {
+        let path = dir.join(format!("{part}.tok"));
+        if super::ids::unchanged(&path, dir.parent())? {
+            continue;
+        }
+        let Some(want) = meta[*part]["blake3"].as_str() else {
+            continue;
+        };
+        if file_blake3(&path)? != want {
+            return Ok(Some(format!(
+                "{part}.tok's bytes no longer match the BLAKE3 recorded in meta.json when it was \
+                 written"
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// Removes `<short>.tmp-<pid>` directories left by crashed runs; directories
@@ -574,6 +619,7 @@ fn build(
             "documents": info.num_docs,
             "max_token_id": rec.max_token_id,
             "stamp": rec.stamp,
+            "blake3": file_blake3(&info.path)?,
         }))
     };
     let created = SystemTime::now()
