@@ -27,6 +27,10 @@ use crate::train::checkpoint;
 /// How long node 0 gives the other nodes, after its own workers are down, to report theirs
 /// (on top of `--grace-s`): noticing the stop takes a store poll, tearing down takes the grace.
 const REPORT_SLACK: Duration = Duration::from_secs(30);
+/// A node whose heartbeat ([`Rendezvous::heartbeat`], every few hundred ms while it supervises)
+/// has not moved for this long, and that has not reported, is taken as gone: its launcher died
+/// (or lost the store), so node 0 does not wait [`REPORT_SLACK`] for it.
+const HEARTBEAT_LOST: Duration = Duration::from_secs(3);
 /// How long node 0 keeps the store up for the other nodes to read a final decision.
 const ACK_WAIT: Duration = Duration::from_secs(10);
 /// Poll interval while waiting for keys (the store's `wait` cannot say which key is missing).
@@ -127,6 +131,12 @@ impl Peers for AttemptPeers<'_> {
     fn request_stop(&mut self) {
         if self.rdzv.nnodes > 1 && !std::mem::replace(&mut self.requested, true) {
             self.rdzv.request_stop(self.attempt);
+        }
+    }
+
+    fn alive(&mut self) {
+        if self.rdzv.nnodes > 1 {
+            self.rdzv.heartbeat();
         }
     }
 }
@@ -286,6 +296,8 @@ pub struct Rendezvous {
     grace: Duration,
     /// How long to wait for node 0 (connecting, a decision).
     timeout: Duration,
+    /// Heartbeats sent so far (the value of this node's `alive` key).
+    beats: std::sync::atomic::AtomicU64,
 }
 
 impl Rendezvous {
@@ -322,6 +334,7 @@ impl Rendezvous {
             nnodes: plan.nnodes,
             grace: plan.grace,
             timeout: plan.rendezvous_timeout,
+            beats: Default::default(),
         })
     }
 
@@ -332,6 +345,20 @@ impl Rendezvous {
 
     fn key(attempt: usize, what: &str) -> String {
         format!("lockstep/launch/{attempt}/{what}")
+    }
+
+    fn alive_key(node: usize) -> String {
+        format!("lockstep/launch/alive/{node}")
+    }
+
+    /// Moves this node's heartbeat on (best effort: a store that is gone is noticed elsewhere).
+    pub(super) fn heartbeat(&self) {
+        let beat = self
+            .beats
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let _ = self
+            .store
+            .set(&Self::alive_key(self.node), beat.to_string().as_bytes());
     }
 
     /// Whether some launcher asked everyone to stop attempt `attempt`. A store that cannot be
@@ -413,6 +440,8 @@ impl Rendezvous {
         let keys: Vec<String> = (0..self.nnodes)
             .map(|n| Self::key(attempt, &format!("report/{n}")))
             .collect();
+        // node → (its last heartbeat seen, when it was first seen at that value)
+        let mut beats: std::collections::HashMap<usize, (Vec<u8>, Instant)> = Default::default();
         loop {
             let mut reports = Vec::new();
             let mut missing = Vec::new();
@@ -423,7 +452,29 @@ impl Rendezvous {
                     missing.push(n);
                 }
             }
-            if missing.is_empty() || Instant::now() >= deadline {
+            let now = Instant::now();
+            let mut all_gone = !missing.is_empty();
+            for &n in &missing {
+                let alive = Self::alive_key(n);
+                let beat = if self.store.check(&[&alive])? {
+                    Some(self.store.get(&alive)?)
+                } else {
+                    None
+                };
+                let gone = match beat {
+                    // Never heard from (still starting): only the deadline decides.
+                    None => false,
+                    Some(b) => {
+                        let seen = beats.entry(n).or_insert_with(|| (b.clone(), now));
+                        if seen.0 != b {
+                            *seen = (b, now);
+                        }
+                        now.duration_since(seen.1) > HEARTBEAT_LOST
+                    }
+                };
+                all_gone &= gone;
+            }
+            if missing.is_empty() || all_gone || now >= deadline {
                 return Ok((reports, missing));
             }
             std::thread::sleep(KEY_POLL);

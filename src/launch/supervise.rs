@@ -104,6 +104,9 @@ pub(super) trait Peers {
     fn stop_requested(&mut self) -> bool;
     /// Asks every other node to stop its workers (a worker of ours failed, or we got a signal).
     fn request_stop(&mut self);
+    /// Tells the other nodes this launcher is alive, while it supervises (node 0 stops waiting
+    /// for a node whose heartbeat stopped).
+    fn alive(&mut self);
 }
 
 /// Result of [`supervise`].
@@ -159,6 +162,9 @@ pub(super) fn supervise(
         s.reap_exited();
         if s.exits.iter().all(Option::is_some) {
             break;
+        }
+        if round % PEER_POLLS == 0 {
+            s.peers.alive();
         }
         if s.stop.is_none() && round % PEER_POLLS == 0 && s.peers.stop_requested() {
             s.note("a worker on another node failed (or its launcher was stopped); stopping this node's workers");
