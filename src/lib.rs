@@ -1,4 +1,5 @@
-//! lockstep: LLaMA pretraining on libtorch. See DESIGN.md in the shared docs for the data flow;
+//! lockstep: LLaMA pretraining on libtorch. The design (data flow, formats, conventions) is in
+//! `DESIGN.md` of the project's shared docs, beside the repository (`../shared/`), not in it;
 //! each module owns one concern:
 //! `config` (keys, presets, resolution), `data` (tokenizers, token files, sampler, prepare),
 //! `model` (LLaMA, RoPE, HF loading, the layer-by-layer training pass), `plan` (memory, FLOP

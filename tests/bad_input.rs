@@ -7,16 +7,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
-use common::{ok, output_text, run, small, write_corpus};
-
-fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
-    let mut a = vec![sub.to_string()];
-    a.extend(base.iter().cloned());
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
-}
+use common::{cmd, fails, ok, output_text, run, small, write_corpus};
 
 /// Every file under `dir` with its bytes, by relative path (directories as empty entries).
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
@@ -45,16 +37,6 @@ fn tmp_leftovers(dir: &Path) -> Vec<PathBuf> {
         .into_keys()
         .filter(|p| p.to_string_lossy().contains(".tmp"))
         .collect()
-}
-
-/// The exit code and the message, with the full output on failure.
-fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
-    let text = output_text(out);
-    assert_eq!(out.status.code(), Some(code), "{text}");
-    for p in parts {
-        assert!(text.contains(p), "expected `{p}` in:\n{text}");
-    }
-    text
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{lockstep, output_text, run, write_corpus, Tmpfs};
+use common::{cmd, lockstep, output_text, run, write_corpus, Tmpfs};
 use lockstep::model::hf::Weights;
 use lockstep::train::checkpoint::{read_state, MomentFiles};
 
@@ -50,13 +50,6 @@ fn tiny(corpus: &Path, ckpt: &Path) -> Vec<String> {
         args.extend(["--set".to_string(), s]);
     }
     args
-}
-
-fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
-    let mut a = vec![sub.to_string()];
-    a.extend(base.iter().cloned());
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
 }
 
 /// `lockstep run --cpu --nproc 2` with `base` and `extra`.

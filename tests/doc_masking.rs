@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::rel;
+
 use std::path::Path;
 
 use lockstep::config::{self, Sources};
@@ -20,10 +22,6 @@ use tch::nn::VarStore;
 use tch::{Device, Kind};
 
 const CTX: usize = 32;
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
-}
 
 fn load_model(dir: &Path, backend: AttentionBackend) -> (VarStore, Llama) {
     let mut m = config::resolve(&Sources::default()).unwrap().config.model;

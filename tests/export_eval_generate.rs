@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::rel;
+
 use std::path::Path;
 
 use lockstep::data::tokenizer::Tokenizer;
@@ -16,10 +18,6 @@ use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
 const SAMPLE: &str = "HAMLET: To be, or not to be, that is the question.";
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
-}
 
 /// ‖a − b‖ / ‖b‖ over the whole tensor.
 fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::rel;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -18,10 +20,6 @@ use lockstep::train::optim::{AdamWParams, Optimizer};
 use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
-}
 
 fn load_model(dir: &Path, backend: AttentionBackend) -> (VarStore, Llama) {
     let mut m = config::resolve(&Sources::default()).unwrap().config.model;

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::strs;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -337,10 +339,6 @@ fn train_args<'a>(model: &'a str, corpus: &'a str, run: &'a str) -> Vec<String> 
     .iter()
     .map(|s| s.to_string())
     .collect()
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
 }
 
 #[test]

@@ -67,12 +67,16 @@ fn zero_stages_follow_the_sharding_model_and_every_layout_is_listed() {
     };
     assert_eq!(bytes(s0, "gradients"), at_peak, "{}", s0["memory"]);
     // Stage 1 (bf16 compute, 8 ranks): bf16 working weights, an fp32 master shard and moment
-    // shards; gradients still whole.
+    // shards; gradients still whole, in the working weights' bf16 (half of stage 0's).
     let s1 = at(1, "none");
     assert_eq!(bytes(s1, "weights"), 2.0 * params);
     assert_eq!(bytes(s1, "master_weights"), 4.0 * params / 8.0);
     assert_eq!(bytes(s1, "moments"), 8.0 * params / 8.0);
-    assert!([head, 4.0 * params].contains(&bytes(s1, "gradients")));
+    assert!(
+        [head / 2.0, 2.0 * params].contains(&bytes(s1, "gradients")),
+        "{}",
+        s1["memory"]
+    );
     // Stage 2: this rank's fp32 gradient slice, plus one unit's gradients and their send buffer
     // in flight (the largest unit: the untied 525M-parameter embedding or LM head).
     let s2 = at(2, "none");

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{ok, small, with, write_corpus};
+use common::{ok, small, strs, with, write_corpus};
 
 const ADDR_A: &str = "10.77.0.1";
 const ADDR_B: &str = "10.77.0.2";
@@ -204,10 +204,6 @@ fn listeners(ns: &str, port: u16) -> Vec<String> {
 fn proc_hex(addr: &str) -> String {
     let b: Vec<u8> = addr.split('.').map(|x| x.parse().unwrap()).collect();
     format!("{:02X}{:02X}{:02X}{:02X}", b[3], b[2], b[1], b[0])
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
 }
 
 /// Every `*.safetensors` of a checkpoint, by name.

@@ -7,20 +7,10 @@ mod common;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{lockstep, ok, output_text, run, small, with, write_corpus};
-
-/// The exit code and the message, with the full output on failure.
-fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
-    let text = output_text(out);
-    assert_eq!(out.status.code(), Some(code), "{text}");
-    for p in parts {
-        assert!(text.contains(p), "expected `{p}` in:\n{text}");
-    }
-    text
-}
+use common::{fails, lockstep, ok, output_text, run, small, with, write_corpus};
 
 fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()

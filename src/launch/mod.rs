@@ -87,7 +87,7 @@ pub struct LaunchPlan {
     pub grace: Duration,
     /// Show every rank's lines on the console; otherwise rank 0 of node 0 in full and only
     /// warning/error-looking lines of the other ranks.
-    pub log_all_ranks: bool,
+    pub log_ranks: LogRanks,
 }
 
 /// A writer shared between the output threads; each holder locks it for one whole line.
@@ -257,6 +257,15 @@ pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) 
             }
         }
     }
+}
+
+/// Which workers' lines the launcher shows on its console (every line goes to the rank's log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogRanks {
+    /// Rank 0's lines, and the other ranks' warnings and errors.
+    Rank0,
+    /// Every rank's lines.
+    All,
 }
 
 /// Rejects plans that cannot work before anything is started: usage errors (exit 2).

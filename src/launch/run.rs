@@ -9,7 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::{
-    detect_gpus, parse_gpu_list, pick_free_gpus, Devices, Job, LaunchPlan, RestartPolicy, Sinks,
+    detect_gpus, parse_gpu_list, pick_free_gpus, Devices, Job, LaunchPlan, LogRanks, RestartPolicy,
+    Sinks,
 };
 use crate::config::{check_backend_device, ConfigError, DeviceChoice, Resolved};
 use crate::dist::slurm;
@@ -48,8 +49,8 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_restarts: usize,
     /// `all` shows every rank's lines; by default rank 0's lines and other ranks' warnings/errors.
-    #[arg(long, value_name = "rank0|all", default_value = "rank0")]
-    pub log_ranks: String,
+    #[arg(long, value_enum, default_value_t = LogRanks::Rank0)]
+    pub log_ranks: LogRanks,
     /// Seconds between SIGTERM and SIGKILL when tearing workers down.
     #[arg(long, default_value_t = 10)]
     pub grace_s: u64,
@@ -128,7 +129,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         },
         log_dir: PathBuf::from("logs").join(run_id),
         grace: std::time::Duration::from_secs(la.grace_s),
-        log_all_ranks: la.log_ranks == "all",
+        log_ranks: la.log_ranks,
     };
     let rendezvous = super::preflight(&plan)?;
     let master_port = rendezvous.port();

@@ -204,7 +204,8 @@ fn spawn_one(
     drop(cmd);
     let child = spawned.with_context(|| format!("starting rank {rank}: {}", program.display()))?;
 
-    let show_all = plan.log_all_ranks || (plan.node_rank == 0 && local_rank == 0);
+    let show_all =
+        plan.log_ranks == super::LogRanks::All || (plan.node_rank == 0 && local_rank == 0);
     let output = Arc::new(RankOutput::new(
         tag(plan, local_rank),
         show_all,

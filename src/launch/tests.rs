@@ -46,7 +46,7 @@ fn plan(devices: Devices, dir: &Path) -> LaunchPlan {
         restart: RestartPolicy::default(),
         log_dir: dir.join("logs"),
         grace: Duration::from_secs(2),
-        log_all_ranks: true,
+        log_ranks: LogRanks::All,
     }
 }
 
@@ -172,7 +172,7 @@ fn cpu_workers_get_rank_env_tags_and_logs() {
 fn console_shows_rank0_and_other_ranks_warnings_only() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = plan(Devices::Cpu(3), dir.path());
-    p.log_all_ranks = false;
+    p.log_ranks = LogRanks::Rank0;
     let (out, cap) = run(
         &p,
         "echo \"step from $RANK\"; echo \"WARNING: slow from $RANK\"; echo \"Loss: NaN at $RANK\"",

@@ -288,16 +288,23 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     // until the update; stages 2 and 3 reduce-scatter each unit as backward leaves it and drop
     // it, so they hold the fp32 slice, one unit's gradients and their send buffer
     // (train/optim/reduce.rs).
+    // A gradient has its parameter's dtype: fp32 at stage 0 (fp32 weights, cast per op), the
+    // compute dtype at stage 1 (its working weights are bf16 with bf16 compute).
+    let grad_bytes = if stage == ZeroStage::Optimizer {
+        c
+    } else {
+        4.0
+    };
     let head_gradient = if s.shape.tie_word_embeddings {
         0.0
     } else {
-        4.0 * m.vocab * m.d
+        grad_bytes * m.vocab * m.d
     };
     let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
     let all_gradients = if stage.shards_gradients() {
         4.0 * m.params / world + 2.0 * 4.0 * largest_unit
     } else {
-        4.0 * m.params
+        grad_bytes * m.params
     };
 
     // Per token of the micro-batch.

@@ -6,8 +6,8 @@
 //! accounting, op by op), so the same function answers "does it fit" for `train` and prints the
 //! breakdown for `plan`, and a change in the model code has one place to be reflected in. It
 //! is checked against the measured peak RSS of CPU runs (tests/plan_memory.rs, within 15%;
-//! figures in BENCHMARKS.md). The zero-stage terms follow DESIGN.md's "Sharded data
-//! parallelism": stage 0 holds fp32 weights, gradients and two moments (16 B/param); stage 1
+//! figures in BENCHMARKS.md). The zero-stage terms follow the design's "Sharded data
+//! parallelism" (`../shared/DESIGN.md`, beside the repository): stage 0 holds fp32 weights, gradients and two moments (16 B/param); stage 1
 //! shards the moments and, with bf16 compute, keeps bf16 working weights plus an fp32 master
 //! shard; stage 2 also shards the gradients; stage 3 also shards the parameters, so that a rank
 //! keeps 16 B/param over N ranks (fp32 master, moment and gradient slices) plus the units it
@@ -15,7 +15,8 @@
 //! checkpointing none or selective the weights each layer's autograd graph holds until its
 //! backward), and at every micro-batch sends two all-gathers of the parameters in the compute
 //! dtype (before the forward and again before the backward) and one fp32 reduce-scatter of the
-//! gradients. Gradients are fp32 at every stage, as the buckets reduce them today.
+//! gradients. A gradient has its parameter's dtype: fp32 at stages 0, 2 and 3 (fp32 weights, or
+//! the fp32 slice the reduce-scatter fills), the compute dtype at stage 1 (bf16 working weights).
 //! Step time is FLOPs over an assumed utilisation of the device's peak, and communication is
 //! the ring algorithm's bandwidth term over stated link speeds: both are stated in the output
 //! as assumptions, because they are. A checkpoint save (`checkpoint.rs`) writes 12 B/param

@@ -228,3 +228,28 @@ impl Drop for Tmpfs {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
 }
+
+/// |a − b| / |b| (relative difference against the reference `b`).
+pub fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Asserts the exit code and that the output holds every one of `parts`; the output.
+pub fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
+    let text = output_text(out);
+    assert_eq!(out.status.code(), Some(code), "{text}");
+    for p in parts {
+        assert!(text.contains(p), "expected `{p}` in:\n{text}");
+    }
+    text
+}
+
+/// `&str` views of an argument list.
+pub fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// `sub` + `base` + `extra` as one argument list.
+pub fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
+    with(base, &[sub], extra)
+}
