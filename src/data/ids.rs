@@ -3,7 +3,7 @@
 //! A token file written with another tokenizer (a nanoGPT `.bin` of GPT-2 ids given to a model
 //! with a smaller vocabulary, or any file of random bytes ending in `.bin`) holds ids past the
 //! embedding's last row. libtorch notices only inside the embedding lookup and aborts the
-//! process with a C++ stack, so [`check_ids_fit`] compares each file's largest id with the
+//! process with a C++ stack, so [`check_max_id`] compares each file's largest id with the
 //! model's vocabulary before training starts.
 //!
 //! Finding the largest id reads the whole file, so it is remembered with a [`FileStamp`] (size,
@@ -23,7 +23,6 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::prepare::Prepared;
 use super::tokfile::TokenFile;
 
 /// Subdirectory of the data cache holding the largest ids of token files lockstep did not write.
@@ -160,37 +159,36 @@ fn sidecar_path(cache_dir: &Path, path: &Path) -> Result<PathBuf> {
         .join(format!("{}.json", &hash.to_hex()[..32])))
 }
 
-/// Fails unless every token of the prepared train and validation files is below `vocab_size`,
-/// the model's vocabulary (its embedding rows, which may exceed the tokenizer's). Call before
-/// the model sees a batch: an id past the embedding aborts libtorch.
-pub fn check_ids_fit(prepared: &Prepared, vocab_size: usize) -> Result<()> {
-    let files = [
-        (Some(&prepared.train), prepared.train_max_id),
-        (prepared.val.as_ref(), prepared.val_max_id),
-    ];
-    for (path, max) in files {
-        let (Some(path), Some(max)) = (path, max) else {
-            continue;
-        };
-        if max as usize >= vocab_size {
-            bail!(
-                "{}: holds token id {max}, but the model's vocabulary has {vocab_size} ids \
-                 (0..={}), so the file was not tokenized with data.tokenizer ({}, {} ids). Set \
-                 data.tokenizer to the tokenizer that wrote the file, or point data.path at the \
-                 text to tokenize it with this one; if the ids are right and the model's \
-                 embedding should be larger, set model.vocab_size to at least {}",
-                path.display(),
-                vocab_size - 1,
-                prepared.tokenizer_id,
-                prepared.vocab_size,
-                max as u64 + 1
-            );
-        }
+/// Fails unless `max`, the largest id of the prepared token file `path` (tokenized with
+/// `tokenizer`, `tokenizer_vocab` ids), is below `vocab_size`, the model's vocabulary (its
+/// embedding rows, which may exceed the tokenizer's). Checked before the model sees a batch
+/// ([`crate::data::Prepared::check_ids_fit`]): an id past the embedding aborts libtorch.
+pub fn check_max_id(
+    path: &Path,
+    max: Option<u32>,
+    vocab_size: usize,
+    tokenizer: &str,
+    tokenizer_vocab: usize,
+) -> Result<()> {
+    let Some(max) = max else {
+        return Ok(());
+    };
+    if max as usize >= vocab_size {
+        bail!(
+            "{}: holds token id {max}, but the model's vocabulary has {vocab_size} ids \
+             (0..={}), so the file was not tokenized with data.tokenizer ({tokenizer}, \
+             {tokenizer_vocab} ids). Set data.tokenizer to the tokenizer that wrote the file, or \
+             point data.path at the text to tokenize it with this one; if the ids are right and \
+             the model's embedding should be larger, set model.vocab_size to at least {}",
+            path.display(),
+            vocab_size - 1,
+            max as u64 + 1
+        );
     }
     Ok(())
 }
 
-/// [`check_ids_fit`] for one token file given on the command line as `--data` (`lockstep
+/// [`check_max_id`] for one token file given on the command line as `--data` (`lockstep
 /// eval`): its largest id (from its cache entry's `meta.json`, else a scan) against the model's
 /// vocabulary.
 pub fn check_file_ids_fit(path: &Path, file: &TokenFile, vocab_size: usize) -> Result<()> {

@@ -2,7 +2,7 @@
 //! sources, the deterministic sampler and the tokenize-once cache.
 //!
 //! Typical use: [`prepare`] turns `data.path` (a built-in corpus, files on
-//! disk or a cached Hub dataset) into cached `.tok` files, [`check_ids_fit`]
+//! disk or a cached Hub dataset) into cached `.tok` files, [`Prepared::check_ids_fit`]
 //! makes sure their ids fit the model's vocabulary, [`TokenFile::open`] maps
 //! them, and a [`Sampler`] with [`rank_indices`] and [`fill_batch`] produces
 //! each rank's batches in a resumable order. A `data.sources` mixture prepares
@@ -20,7 +20,7 @@ pub mod sources;
 pub mod tokenizer;
 pub mod tokfile;
 
-pub use ids::{check_file_ids_fit, check_ids_fit, max_token_id};
+pub use ids::{check_file_ids_fit, max_token_id};
 pub use mixture::{source_names, source_seed, Mixture};
 pub use prepare::{prepare, PrepareSpec, Prepared};
 pub use sampler::{fill_batch, rank_indices, Sampler};

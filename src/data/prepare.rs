@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::hub::resolve_tokenizer;
-use super::ids::{max_token_id, MaxIdRecord};
+use super::ids::{check_max_id, max_token_id, MaxIdRecord};
 use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
@@ -74,10 +74,28 @@ pub struct Prepared {
     pub train_tokens: u64,
     /// Tokens in `val` (0 without one).
     pub val_tokens: u64,
-    /// The largest token id in `train` (`None` without tokens); see [`super::check_ids_fit`].
+    /// The largest token id in `train` (`None` without tokens); see [`Prepared::check_ids_fit`].
     pub train_max_id: Option<u32>,
     /// The largest token id in `val`.
     pub val_max_id: Option<u32>,
+}
+
+impl Prepared {
+    /// Fails unless every token of the train and validation files is below `vocab_size`, the
+    /// model's vocabulary ([`super::ids::check_max_id`], with the largest ids counted when the
+    /// files were written or scanned).
+    pub fn check_ids_fit(&self, vocab_size: usize) -> Result<()> {
+        let files = [
+            (Some(&self.train), self.train_max_id),
+            (self.val.as_ref(), self.val_max_id),
+        ];
+        for (path, max) in files {
+            if let Some(path) = path {
+                check_max_id(path, max, vocab_size, &self.tokenizer_id, self.vocab_size)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Returns token files for `spec`, tokenizing only when the cache has no

@@ -3,8 +3,8 @@
 //! (`dist::forensics::trace`) and their process states. The trace files are readable while a
 //! worker is stopped and after it died, which is exactly when a report is wanted.
 
+use super::exit::{signal_name, ExitKind};
 use super::spawn::Worker;
-use super::supervise::{signal_name, ExitKind};
 use crate::dist::forensics::{self, trace, Snapshot};
 
 /// What the launcher knows about one local worker.

@@ -17,6 +17,7 @@
 //!
 //! Everything here is Linux-specific (process groups, `prctl`, `/proc`).
 
+mod exit;
 mod gpus;
 mod hang;
 mod output;
@@ -35,10 +36,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
+pub use exit::ExitKind;
 pub use gpus::{detect_gpus, parse_gpu_list, pick_free_gpus, GpuInfo};
 pub use rendezvous::{decide, Decision, FailureReport, NodeReport, Rendezvous, RestartPolicy};
 pub use run::{run, LaunchArgs};
-pub use supervise::{ExitKind, RankFailure};
+pub use supervise::RankFailure;
 
 use rendezvous::AttemptPeers;
 

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::supervise::{ExitKind, Peers, RankFailure};
+use super::exit::ExitKind;
+use super::supervise::{Peers, RankFailure};
 use super::LaunchPlan;
 use crate::dist::{Store, StoreError, StoreErrorKind};
 use crate::train::checkpoint;
@@ -178,7 +179,7 @@ pub fn decide(
         let message = (nnodes > 1).then(|| {
             format!(
                 "node {node}'s launcher got {}; every node stops",
-                super::supervise::signal_name(sig)
+                super::exit::signal_name(sig)
             )
         });
         return Decision::Finish {

@@ -56,6 +56,7 @@ use torch_sys::C_tensor;
 
 use super::documents::DocumentMask;
 use super::llama::Llama;
+use super::units::{chunks, counted_targets, GradUnit, UnitEvents};
 pub use crate::config::ActivationCheckpointing;
 use crate::sys::phase::{self, Phase};
 
@@ -68,111 +69,6 @@ extern "C" {
         n: usize,
         err: *mut *mut libc::c_char,
     ) -> libc::c_int;
-}
-
-/// How a training pass trades memory for compute (`training.activation_checkpointing`,
-/// `training.loss_chunk_tokens`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ActivationMemory {
-    pub checkpointing: ActivationCheckpointing,
-    /// Tokens per LM-head chunk; 0 = the whole micro-batch in one chunk.
-    pub loss_chunk_tokens: usize,
-}
-
-impl Default for ActivationMemory {
-    /// Everything kept, one chunk: what a plain forward + backward does.
-    fn default() -> Self {
-        ActivationMemory {
-            checkpointing: ActivationCheckpointing::None,
-            loss_chunk_tokens: 0,
-        }
-    }
-}
-
-impl ActivationMemory {
-    pub fn from_config(t: &crate::config::TrainingConfig) -> ActivationMemory {
-        ActivationMemory {
-            checkpointing: t.activation_checkpointing,
-            loss_chunk_tokens: t.loss_chunk_tokens,
-        }
-    }
-}
-
-/// A group of parameters whose gradients become final together during the backward of a
-/// micro-batch, in the order listed in the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradUnit {
-    /// `lm_head.weight` (untied models only).
-    LmHead,
-    /// `model.norm.weight`.
-    FinalNorm,
-    /// Every `model.layers.{i}.*` parameter.
-    Layer(usize),
-    /// `model.embed_tokens.weight` (with tied embeddings, also the LM head).
-    Embedding,
-}
-
-/// What a pass tells its caller about the model's units, so that the caller can make a unit's
-/// parameters present just before they are read and let them go after (zero stage 3 gathers
-/// and frees them), and reduce a unit's gradients as soon as they are final.
-pub trait UnitEvents {
-    /// `unit`'s parameters are about to be read: its forward, its recomputation, its backward.
-    fn before(&mut self, _unit: GradUnit) -> Result<()> {
-        Ok(())
-    }
-    /// `unit`'s parameters are not read again until the next `before`.
-    fn after(&mut self, _unit: GradUnit) -> Result<()> {
-        Ok(())
-    }
-    /// `unit`'s gradients for this micro-batch are complete.
-    fn grads_final(&mut self, _unit: GradUnit) -> Result<()> {
-        Ok(())
-    }
-}
-
-/// A pass whose caller needs no events: every parameter is always present.
-pub struct NoEvents;
-
-impl UnitEvents for NoEvents {}
-
-impl GradUnit {
-    /// The parameters of `names` grouped by unit, units in the order backward finishes them
-    /// (a parameter no unit claims counts as the embedding's: final only at the very end).
-    pub fn group_in_backward_order(names: &[&str]) -> Vec<(GradUnit, Vec<usize>)> {
-        let rank_of = |u: GradUnit| match u {
-            GradUnit::LmHead => (0, 0),
-            GradUnit::FinalNorm => (1, 0),
-            GradUnit::Layer(i) => (2, usize::MAX - i),
-            GradUnit::Embedding => (3, 0),
-        };
-        let mut units: Vec<(GradUnit, Vec<usize>)> = Vec::new();
-        for (i, name) in names.iter().enumerate() {
-            let unit = GradUnit::of_parameter(name).unwrap_or(GradUnit::Embedding);
-            match units.iter_mut().find(|(u, _)| *u == unit) {
-                Some((_, list)) => list.push(i),
-                None => units.push((unit, vec![i])),
-            }
-        }
-        units.sort_by_key(|(u, _)| rank_of(*u));
-        units
-    }
-
-    /// The unit that holds the parameter with this Hugging Face name.
-    pub fn of_parameter(name: &str) -> Option<GradUnit> {
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            return rest
-                .split('.')
-                .next()
-                .and_then(|i| i.parse().ok())
-                .map(GradUnit::Layer);
-        }
-        match name {
-            "lm_head.weight" => Some(GradUnit::LmHead),
-            "model.norm.weight" => Some(GradUnit::FinalNorm),
-            "model.embed_tokens.weight" => Some(GradUnit::Embedding),
-            _ => None,
-        }
-    }
 }
 
 /// What a decoder layer keeps between its forward and its backward.
@@ -213,20 +109,6 @@ fn grad_of(leaf: &Tensor) -> Result<Tensor> {
         "internal error: no gradient reached a layer boundary"
     );
     Ok(g)
-}
-
-/// (start, length) of the chunks of `n` rows, `chunk` rows each (0 = one chunk).
-pub(super) fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
-    let step = if chunk == 0 { n.max(1) } else { chunk as i64 };
-    (0..n)
-        .step_by(step as usize)
-        .map(move |s| (s, step.min(n - s)))
-}
-
-/// The number of targets that count (not -100), as an fp32 tensor: the mean's divisor, kept on
-/// the device so that no host sync is needed.
-pub(super) fn counted_targets(targets: &Tensor) -> Tensor {
-    targets.ne(-100).sum(Kind::Float)
 }
 
 impl Llama {

@@ -18,10 +18,11 @@ use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use super::backward::{ActivationCheckpointing, ActivationMemory};
+use super::backward::ActivationCheckpointing;
 use super::documents::DocumentMask;
 use super::generate::{generate, generate_uncached, GenerateOptions};
 use super::shape::{AttentionBackend, LlamaShape};
+use super::units::ActivationMemory;
 use super::{flash, hf, Llama};
 
 /// The device under test. CUDA's backend is loaded before anything else touches libtorch's

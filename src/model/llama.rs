@@ -10,11 +10,11 @@
 use tch::nn::{Init, Path};
 use tch::{Kind, Reduction, Tensor};
 
-use super::backward::{ActivationMemory, GradUnit, NoEvents, UnitEvents};
 use super::documents::DocumentMask;
 use super::flash;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
+use super::units::{chunks, counted_targets, ActivationMemory, GradUnit, NoEvents, UnitEvents};
 
 struct Layer {
     input_layernorm: Tensor,
@@ -342,10 +342,10 @@ impl Llama {
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
         let targets = targets.reshape([-1]);
-        let count = super::backward::counted_targets(&targets);
+        let count = counted_targets(&targets);
         let mut total: Option<Tensor> = None;
         units.before(self.head_unit())?;
-        for (start, len) in super::backward::chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
+        for (start, len) in chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
             let part =
                 self.chunk_loss_sum(&flat.narrow(0, start, len), &targets.narrow(0, start, len));
             total = Some(match total {

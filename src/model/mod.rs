@@ -12,8 +12,10 @@ pub mod hf;
 pub mod llama;
 pub mod rope;
 pub mod shape;
+pub mod units;
 
-pub use backward::{ActivationCheckpointing, ActivationMemory, GradUnit, NoEvents, UnitEvents};
+pub use backward::ActivationCheckpointing;
 pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
 pub use shape::{AttentionBackend, LlamaShape};
+pub use units::{ActivationMemory, GradUnit, NoEvents, UnitEvents};

@@ -38,9 +38,9 @@ thread_local! {
     static RSS_AT_PANIC: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
-/// Called by [`super::phase::enter`]: if `debug.inject_oom` armed `phase` on this thread, fail
-/// here, once, with a real allocation failure.
-pub(super) fn on_enter(phase: Phase) {
+/// Run by [`super::phase::enter`] once [`arm`] registered it: if `debug.inject_oom` armed
+/// `phase` on this thread, fail here, once, with a real allocation failure.
+fn on_enter(phase: Phase) {
     if let Some((armed, device)) = ARMED.with(Cell::get) {
         if armed == phase {
             ARMED.with(|a| a.set(None));
@@ -55,6 +55,7 @@ pub use super::phase::{current, enter};
 
 /// `debug.inject_oom`: the next [`enter`] of `phase` on this thread fails to allocate.
 pub fn arm(phase: Phase, device: Device) {
+    super::phase::inject_on_enter(on_enter);
     ARMED.with(|a| a.set(Some((phase, device))));
 }
 

@@ -88,6 +88,9 @@ impl std::fmt::Display for Phase {
 }
 
 static OBSERVER: OnceLock<fn(Phase)> = OnceLock::new();
+/// `debug.inject_oom`'s check at every entry, once armed (`sys::oom::arm` registers it, so this
+/// module does not depend on that one).
+static INJECT: OnceLock<fn(Phase)> = OnceLock::new();
 
 thread_local! {
     /// The phase this thread entered last: what an allocation failure on this thread is
@@ -97,13 +100,20 @@ thread_local! {
 }
 
 /// Marks the start of `p`. If `debug.inject_oom` armed this phase, it fails here, once, with a
-/// real allocation failure ([`super::oom::arm`]).
+/// real allocation failure (the hook `sys::oom::arm` registers).
 pub fn enter(p: Phase) {
     ON_THIS_THREAD.with(|c| c.set(p));
     if let Some(observe) = OBSERVER.get() {
         observe(p);
     }
-    super::oom::on_enter(p);
+    if let Some(inject) = INJECT.get() {
+        inject(p);
+    }
+}
+
+/// Registers the process's one fault-injection hook, run at every [`enter`].
+pub fn inject_on_enter(f: fn(Phase)) {
+    let _ = INJECT.set(f);
 }
 
 /// The phase entered last on this thread.

@@ -407,7 +407,7 @@ pub fn model_shape(cfg: &Config, sources: &[DataSource]) -> Result<LlamaShape> {
         shape.vocab_size
     );
     for s in sources {
-        crate::data::check_ids_fit(&s.prepared, shape.vocab_size)?;
+        s.prepared.check_ids_fit(shape.vocab_size)?;
     }
     Ok(shape)
 }
