@@ -117,19 +117,50 @@ impl Memory {
             + self.staging
     }
 
-    /// (name, bytes) in the order of the report.
-    pub fn parts(&self) -> [(&'static str, f64); 9] {
+    /// (part, bytes) in the order of the report.
+    pub fn parts(&self) -> [(Part, f64); 9] {
         [
-            ("weights", self.weights),
-            ("master weights", self.master_weights),
-            ("moments", self.moments),
-            ("gradients", self.gradients),
-            ("gathered units", self.gathered_units),
-            ("activations", self.activations),
-            ("logits", self.logits),
-            ("workspace", self.workspace),
-            ("staging", self.staging),
+            (Part::Weights, self.weights),
+            (Part::MasterWeights, self.master_weights),
+            (Part::Moments, self.moments),
+            (Part::Gradients, self.gradients),
+            (Part::GatheredUnits, self.gathered_units),
+            (Part::Activations, self.activations),
+            (Part::Logits, self.logits),
+            (Part::Workspace, self.workspace),
+            (Part::Staging, self.staging),
         ]
+    }
+}
+
+/// One row of [`Memory`]: what its bytes hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Weights,
+    MasterWeights,
+    Moments,
+    Gradients,
+    GatheredUnits,
+    Activations,
+    Logits,
+    Workspace,
+    Staging,
+}
+
+impl Part {
+    /// The row's name in `lockstep plan`'s table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Weights => "weights",
+            Part::MasterWeights => "master weights",
+            Part::Moments => "moments",
+            Part::Gradients => "gradients",
+            Part::GatheredUnits => "gathered units",
+            Part::Activations => "activations",
+            Part::Logits => "logits",
+            Part::Workspace => "workspace",
+            Part::Staging => "staging",
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::advice::{self, Change};
 use super::checkpoint::{self, Checkpoint};
 use super::comm::{self, Scaling};
-use super::memory::{self, PeakPhase};
+use super::memory::{self, Part, PeakPhase};
 use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
@@ -154,43 +154,52 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     }
 }
 
-fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
+fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
     let chunk = match l.loss_chunk_tokens {
         0 => "one chunk of the micro-batch".to_string(),
         c => format!("chunks of {} tokens", c.min(l.batch * s.context)),
     };
     let dtype = if s.bf16 { "bf16" } else { "fp32" };
     let stage = l.zero_stage;
-    match name {
-        "weights" if stage == ZeroStage::Replicated => {
+    match part {
+        Part::Weights if stage == ZeroStage::Replicated => {
             "fp32 parameters (also the master copy)".into()
         }
-        "weights" if stage.shards_parameters() => {
+        Part::Weights if stage.shards_parameters() => {
             "none kept between uses: gathered a unit at a time".into()
         }
-        "weights" => format!("{dtype} working parameters"),
-        "master weights" if stage.shards_parameters() => {
+        Part::Weights => format!("{dtype} working parameters"),
+        Part::MasterWeights if stage.shards_parameters() => {
             "fp32 shard of this rank, the parameters' only persistent copy".into()
         }
-        "master weights" if stage.shards_optimizer() && s.bf16 => "fp32 shard of this rank".into(),
-        "master weights" => "none separate".into(),
-        "moments" if stage.shards_optimizer() => "AdamW m and v, fp32, this rank's shard".into(),
-        "moments" => "AdamW m and v, fp32".into(),
-        "gradients" if peak == PeakPhase::CheckpointSave => {
+        Part::MasterWeights if stage.shards_optimizer() && s.bf16 => {
+            "fp32 shard of this rank".into()
+        }
+        Part::MasterWeights => "none separate".into(),
+        Part::Moments if stage.shards_optimizer() => {
+            "AdamW m and v, fp32, this rank's shard".into()
+        }
+        Part::Moments => "AdamW m and v, fp32".into(),
+        Part::Gradients if peak == PeakPhase::CheckpointSave => {
             if stage.shards_gradients() {
                 "fp32 shard, kept between steps".into()
             } else {
                 "none: dropped after each update".into()
             }
         }
-        "gradients" if stage.shards_gradients() => {
+        Part::Gradients if stage.shards_gradients() => {
             "fp32 shard + the largest unit's gradients and their send buffer".into()
         }
-        "gradients" => "fp32".into(),
-        "activations" | "logits" | "gathered units" if peak == PeakPhase::CheckpointSave => {
+        Part::Gradients if stage == ZeroStage::Optimizer => {
+            format!("{dtype}, as the working parameters")
+        }
+        Part::Gradients => "fp32".into(),
+        Part::Activations | Part::Logits | Part::GatheredUnits
+            if peak == PeakPhase::CheckpointSave =>
+        {
             "none: freed between steps".into()
         }
-        "gathered units" => {
+        Part::GatheredUnits => {
             let in_use = match peak {
                 PeakPhase::LmHead => "final norm + LM head",
                 // A save's gathered units are none, said above.
@@ -209,7 +218,7 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
                 s.prefetch_units
             )
         }
-        "activations" => format!(
+        Part::Activations => format!(
             "{}, {} layers × {} tokens",
             match l.activation_checkpointing {
                 ActivationCheckpointing::None => "no checkpointing: every saved tensor",
@@ -220,12 +229,12 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             s.shape.num_layers,
             l.batch * s.context
         ),
-        "logits" => format!(
+        Part::Logits => format!(
             "{chunk} × vocab {}: fp32{}, hidden states and their gradient",
             s.shape.vocab_size,
             if s.bf16 { " + bf16" } else { "" }
         ),
-        "workspace" => {
+        Part::Workspace => {
             let mut w = match s.device {
                 super::Device::Cpu if peak == PeakPhase::CheckpointSave => {
                     "libtorch runtime".to_string()
@@ -248,7 +257,7 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             }
             w
         }
-        "staging" => {
+        Part::Staging => {
             let writers = checkpoint::writing_ranks(s);
             let kept = if peak == PeakPhase::CheckpointSave {
                 "kept from the first save"
@@ -260,7 +269,6 @@ fn what(name: &str, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
                 if writers == 1 { "" } else { "s" }
             )
         }
-        _ => String::new(),
     }
 }
 
@@ -448,16 +456,17 @@ pub fn text(r: &Report, s: &Setting) -> String {
         }
     );
     let peak = r.configured.memory.peak_during;
-    for (name, bytes) in r.configured.memory.parts() {
-        if (name == "gathered units" && !l.zero_stage.shards_parameters())
-            || (name == "staging" && bytes == 0.0)
+    for (part, bytes) in r.configured.memory.parts() {
+        if (part == Part::GatheredUnits && !l.zero_stage.shards_parameters())
+            || (part == Part::Staging && bytes == 0.0)
         {
             continue;
         }
-        let note = if name == "logits" && bytes == 0.0 && peak != PeakPhase::CheckpointSave {
+        let name = part.name();
+        let note = if part == Part::Logits && bytes == 0.0 && peak != PeakPhase::CheckpointSave {
             "below the peak: a decoder layer's backward needs more".to_string()
         } else {
-            what(name, s, l, peak)
+            what(part, s, l, peak)
         };
         let _ = writeln!(o, "  {name:<15} {:>10}   {note}", gb(bytes));
     }

@@ -141,9 +141,9 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
         .parts()
         .iter()
         .filter(|(_, b)| *b > 0.0)
-        .map(|(n, b)| match *n {
-            "staging" => format!("checkpoint.async staging {}", gb(*b)),
-            n => format!("{n} {}", gb(*b)),
+        .map(|(part, b)| match part {
+            plan::memory::Part::Staging => format!("checkpoint.async staging {}", gb(*b)),
+            part => format!("{} {}", part.name(), gb(*b)),
         })
         .collect();
     let during = if memory.peak_during == plan::memory::PeakPhase::CheckpointSave {
