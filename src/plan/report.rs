@@ -384,8 +384,35 @@ fn checkpoint_text(o: &mut String, r: &Report, s: &Setting) {
 
 /// The plan as text.
 pub fn text(r: &Report, s: &Setting) -> String {
-    let l = &r.configured.layout;
     let mut o = String::new();
+    model_text(&mut o, r, s);
+    memory_text(&mut o, r, s);
+    layouts_text(&mut o, r, s);
+    compute_text(&mut o, r, s);
+    checkpoint_text(&mut o, r, s);
+    let _ = writeln!(o);
+    if r.fits {
+        let _ = writeln!(
+            o,
+            "Fits: {} of {} per rank.",
+            gb(r.configured.total_bytes),
+            gb(r.budget_bytes)
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "Does not fit: {} needed, {} available. {}",
+            gb(r.configured.total_bytes),
+            gb(r.budget_bytes),
+            advice_text(r)
+        );
+    }
+    o
+}
+
+/// The model and the layout it runs in.
+fn model_text(o: &mut String, r: &Report, _s: &Setting) {
+    let l = &r.configured.layout;
     let m = &r.model;
     let _ = writeln!(
         o,
@@ -441,6 +468,11 @@ pub fn text(r: &Report, s: &Setting) -> String {
             c => format!("{c} tokens"),
         }
     );
+}
+
+/// The configured layout's per-rank peak, row by row, against the budget.
+fn memory_text(o: &mut String, r: &Report, s: &Setting) {
+    let l = &r.configured.layout;
     let _ = writeln!(
         o,
         "\nPer-rank peak memory ({}):",
@@ -479,7 +511,10 @@ pub fn text(r: &Report, s: &Setting) -> String {
         gb(r.budget_bytes),
         r.budget_source
     );
+}
 
+/// Every zero stage × checkpointing mode: GB per rank and whether it fits.
+fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
     let _ = writeln!(o, "\nEvery layout (GB per rank; * = fits):");
     let _ = writeln!(
         o,
@@ -498,7 +533,11 @@ pub fn text(r: &Report, s: &Setting) -> String {
         }
         let _ = writeln!(o);
     }
+}
 
+/// FLOPs and step time, communication per step, and scaling.
+fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
+    let l = &r.configured.layout;
     let f = &r.flops_per_token;
     let _ = writeln!(
         o,
@@ -552,25 +591,6 @@ pub fn text(r: &Report, s: &Setting) -> String {
             sc.efficiency_overlapped * 100.0
         );
     }
-    checkpoint_text(&mut o, r, s);
-    let _ = writeln!(o);
-    if r.fits {
-        let _ = writeln!(
-            o,
-            "Fits: {} of {} per rank.",
-            gb(r.configured.total_bytes),
-            gb(r.budget_bytes)
-        );
-    } else {
-        let _ = writeln!(
-            o,
-            "Does not fit: {} needed, {} available. {}",
-            gb(r.configured.total_bytes),
-            gb(r.budget_bytes),
-            advice_text(r)
-        );
-    }
-    o
 }
 
 /// When the configured layout does not fit: the cheapest change that does, or what even the
