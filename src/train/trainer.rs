@@ -88,18 +88,7 @@ impl<'a> Trainer<'a> {
     ) -> Result<Trainer<'a>> {
         let cfg = &resolved.config;
         let t = &cfg.training;
-        if cfg.system.num_threads > 0 {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-            if cfg.system.num_threads > cpus && rank.lead() {
-                println!(
-                    "{} Warning: system.num_threads = {} is more than the {cpus} CPUs this \
-                     process may use; the extra threads only wait for each other. Set it to at \
-                     most {cpus} per rank on this host (0 = libtorch's default)",
-                    rank.tag, cfg.system.num_threads
-                );
-            }
-            tch::set_num_threads(cfg.system.num_threads as i32);
-        }
+        set_threads(cfg, &rank);
         // Before anything else, so a second process on this run directory stops at once.
         let run_dir = resolved.run_dir();
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
@@ -127,22 +116,13 @@ impl<'a> Trainer<'a> {
         let loader = Loader::new(train, cfg, &rank)?;
         let validator = Validator::new(val, cfg, rank.device)?;
 
-        faults::arm_model_build_oom(cfg, rank.device);
-        phase::enter(Phase::ModelBuild);
-        tch::manual_seed(cfg.system.seed as i64);
-        let vs = VarStore::new(rank.device);
         let compute = setup::compute_kind(cfg, rank.device);
+        let vs = VarStore::new(rank.device);
         let Built {
-            mut model,
+            model,
             params,
-            opt,
-        } = if cfg.system.zero_stage.shards_parameters() {
-            build_sharded(cfg, &shape, &vs, compute, &rank, pg)?
-        } else {
-            build_whole(cfg, &shape, &vs, compute, &rank, pg)?
-        };
-        let mut opt = opt.with_prefetch(cfg.system.prefetch_units);
-        model.set_activation_memory(ActivationMemory::from_config(t));
+            mut opt,
+        } = build(cfg, &shape, &vs, compute, &rank, pg)?;
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
         let identity = setup::data_identity(&data)?;
         let mut state = fresh_state(resolved, &shape, rank.topo.world, identity.clone());
@@ -612,6 +592,56 @@ fn open_sources(data: &[DataSource]) -> Result<Vec<(SourceTokens, Option<SourceT
             Ok((open(s, &s.prepared.train)?, val))
         })
         .collect()
+}
+
+/// `system.num_threads` for libtorch, with a warning when it exceeds the CPUs this process may
+/// use.
+fn set_threads(cfg: &Config, rank: &Rank) {
+    let n = cfg.system.num_threads;
+    if n == 0 {
+        return;
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n > cpus && rank.lead() {
+        println!(
+            "{} Warning: system.num_threads = {n} is more than the {cpus} CPUs this process may \
+             use; the extra threads only wait for each other. Set it to at most {cpus} per rank \
+             on this host (0 = libtorch's default)",
+            rank.tag
+        );
+    }
+    tch::set_num_threads(n as i32);
+}
+
+/// The model, its parameters and the optimizer for `shape`, in `vs` (seeded, in the model-build
+/// phase; sharded parameters at zero stage 3), with the configured prefetch and activation
+/// memory.
+fn build(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: tch::Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Built> {
+    faults::arm_model_build_oom(cfg, rank.device);
+    phase::enter(Phase::ModelBuild);
+    tch::manual_seed(cfg.system.seed as i64);
+    let Built {
+        mut model,
+        params,
+        opt,
+    } = if cfg.system.zero_stage.shards_parameters() {
+        build_sharded(cfg, shape, vs, compute, rank, pg)?
+    } else {
+        build_whole(cfg, shape, vs, compute, rank, pg)?
+    };
+    model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
+    Ok(Built {
+        model,
+        params,
+        opt: opt.with_prefetch(cfg.system.prefetch_units),
+    })
 }
 
 fn fresh_state(
