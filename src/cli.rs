@@ -159,7 +159,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Prepare(args) => {
             let resolved = args.resolve()?;
-            train::setup::prepare_data(&resolved.config, "[CPU0]")?;
+            train::run_data::prepare_data(&resolved.config, "[CPU0]")?;
             Ok(())
         }
         Command::Train {

@@ -16,7 +16,7 @@ use crate::config::{check_backend_device, ConfigError, DeviceChoice, Resolved};
 use crate::dist::slurm;
 use crate::train::rank::WorkerSpec;
 use crate::train::rundir::RunDir;
-use crate::train::{setup, Resume, RunOptions};
+use crate::train::{run_data, setup, Resume, RunOptions};
 
 /// `lockstep run`'s own flags (the training flags are `train`'s).
 #[derive(Args, Debug, Clone)]
@@ -139,7 +139,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         RunDir::check_free(&run_dir)?;
     }
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    setup::prepare_data(&resolved.config, "[launcher]")?;
+    run_data::prepare_data(&resolved.config, "[launcher]")?;
     // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
     if let Some(model) = &resolved.config.model.model_path {
         crate::data::hub::resolve_model(model)?;

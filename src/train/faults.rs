@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 
-use super::setup::Rank;
+use super::place::Rank;
 use super::step::NanInjection;
 use crate::config::{Config, FaultChoice, OomPhase};
 use crate::sys::oom;

@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use anyhow::Result;
 use tch::Device;
 
-use super::setup::Rank;
+use super::place::Rank;
 use crate::config::{Config, ConfigError, MemoryCheck};
 use crate::model::LlamaShape;
 use crate::plan::{self, advice, budget, gb, report, Layout, Setting, Target};

@@ -5,7 +5,7 @@
 use anyhow::{bail, Context};
 use tch::{Device, Tensor};
 
-use super::setup::Rank;
+use super::place::Rank;
 use crate::config::Config;
 use crate::data::mixture::{source_seed, Mixture};
 use crate::data::sampler::{rank_indices, Sampler};
@@ -252,7 +252,7 @@ mod tests {
     use super::*;
     use crate::config::{resolve, Sources};
     use crate::data::tokfile::TokFileWriter;
-    use crate::train::setup::Topology;
+    use crate::train::place::Topology;
 
     /// Three sources whose token ids tell them apart (source s uses ids s·1000..), with
     /// documents of varied lengths so windows hold several.

@@ -13,15 +13,18 @@
 //! - `preempt`: SIGTERM/SIGINT; `stragglers`: naming a rank slower than the others
 
 pub mod checkpoint;
+pub mod device;
 pub mod eval;
 pub mod faults;
 pub mod fit;
 pub mod guard;
 pub mod loader;
 pub mod optim;
+pub mod place;
 pub mod preempt;
 pub mod rank;
 pub mod recorder;
+pub mod run_data;
 pub mod rundir;
 pub mod setup;
 pub mod step;
@@ -29,7 +32,8 @@ pub mod stragglers;
 pub mod trainer;
 
 pub use loader::Batch;
+pub use place::{Rank, Topology};
 pub use rank::train_rank;
-pub use setup::{Rank, Resume, RunOptions, Topology};
+pub use setup::{Resume, RunOptions};
 pub use step::{train_step, NanInjection, StepConfig, StepOutcome, StepPlan};
 pub use trainer::{Summary, Trainer};

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::setup::{self, Rank, RunOptions, Topology};
+use super::device;
+use super::place::{Rank, Topology};
+use super::setup::RunOptions;
 use super::trainer::{Summary, Trainer};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::dist::{self, Backend, DistEnv, SingleProcess};
@@ -62,7 +64,7 @@ pub fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<Summary> {
     if let (Some(note), true) = (&env.note, rank.lead()) {
         println!("{} {note}", rank.tag);
     }
-    let backend = setup::dist_backend(cfg, rank.device)?;
+    let backend = device::dist_backend(cfg, rank.device)?;
     let timeout = Duration::from_secs(cfg.system.collective_timeout_s);
     let mut pg = dist::init(&env, timeout, backend)?;
     if let (Backend::Nccl { .. }, true, 2..) = (backend, rank.lead(), env.world_size) {

@@ -12,7 +12,7 @@ use tch::Device;
 use super::checkpoint::TrainerState;
 use super::eval::Validation;
 use super::optim::StateBytes;
-use super::setup::Rank;
+use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
 use crate::config::Config;
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};

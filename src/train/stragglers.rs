@@ -7,7 +7,7 @@
 
 use anyhow::Result;
 
-use super::setup::Rank;
+use super::place::Rank;
 use crate::config::Config;
 use crate::dist::forensics;
 use crate::dist::ProcessGroup;

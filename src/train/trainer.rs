@@ -14,16 +14,19 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, Checkpointer, TrainerState};
+use super::device;
 use super::eval::Validator;
 use super::faults::{self, Faults};
 use super::fit;
 use super::guard::{self, Event, Guard, NanAbort};
 use super::loader::{Loader, SourceTokens};
 use super::optim::{AdamWParams, Optimizer, Schedule, Sharding};
+use super::place::{self, Rank};
 use super::preempt;
 use super::recorder::Recorder;
+use super::run_data::{self, DataSource};
 use super::rundir::RunDir;
-use super::setup::{self, DataSource, Rank, RunOptions};
+use super::setup::{self, RunOptions};
 use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
 use crate::config::{Config, GuardPolicy, Resolved};
@@ -100,7 +103,7 @@ impl<'a> Trainer<'a> {
         )?;
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
-        setup::shard_degree(cfg, rank.topo.world)?;
+        place::shard_degree(cfg, rank.topo.world)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
@@ -108,7 +111,7 @@ impl<'a> Trainer<'a> {
             fit::check(cfg, &crate::plan::shape(cfg)?, &rank)?;
         }
         let data = prepare_on_node(cfg, &rank, pg)?;
-        let shape = setup::model_shape(cfg, &data)?;
+        let shape = run_data::model_shape(cfg, &data)?;
         if cfg.model.model_path.is_some() {
             fit::check(cfg, &shape, &rank)?;
         }
@@ -116,7 +119,7 @@ impl<'a> Trainer<'a> {
         let loader = Loader::new(train, cfg, &rank)?;
         let validator = Validator::new(val, cfg, rank.device)?;
 
-        let compute = setup::compute_kind(cfg, rank.device);
+        let compute = device::compute_kind(cfg, rank.device);
         let vs = VarStore::new(rank.device);
         let Built {
             model,
@@ -124,7 +127,7 @@ impl<'a> Trainer<'a> {
             mut opt,
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
-        let identity = setup::data_identity(&data)?;
+        let identity = run_data::data_identity(&data)?;
         let mut state = fresh_state(resolved, &shape, rank.topo.world, identity.clone());
         if let Some(dir) = &resume_dir {
             state = resume(dir, &shape, &mut opt, resolved, &rank, identity)?;
@@ -158,7 +161,7 @@ impl<'a> Trainer<'a> {
         let mut step_cfg = StepConfig::from_config(cfg);
         // The overlap runs the ring from a second thread; NCCL's from a second thread is not
         // verified on GPUs yet, so ranks on NCCL reduce after backward.
-        step_cfg.overlap &= setup::dist_backend(cfg, rank.device)? == crate::dist::Backend::Ring;
+        step_cfg.overlap &= device::dist_backend(cfg, rank.device)? == crate::dist::Backend::Ring;
         let last_step = opts
             .stop_at_step
             .map_or(t.max_steps, |s| s.min(t.max_steps));
@@ -444,8 +447,8 @@ fn optimizer(
 ) -> Result<Optimizer> {
     let sharding = Sharding {
         stage: cfg.system.zero_stage,
-        hybrid: setup::hybrid_groups(cfg, pg)?,
-        reduce: setup::reduce_kind(cfg),
+        hybrid: place::hybrid_groups(cfg, pg)?,
+        reduce: device::reduce_kind(cfg),
     };
     let hp = AdamWParams::from_config(&cfg.training);
     Optimizer::with_shapes(
@@ -566,14 +569,14 @@ fn prepare_on_node(
     pg: &mut dyn ProcessGroup,
 ) -> Result<Vec<DataSource>> {
     let prepared = if rank.topo.local_rank == 0 {
-        Some(setup::prepare_data(cfg, &rank.tag)?)
+        Some(run_data::prepare_data(cfg, &rank.tag)?)
     } else {
         None
     };
     pg.barrier()?;
     match prepared {
         Some(p) => Ok(p),
-        None => setup::prepare_quietly(cfg),
+        None => run_data::prepare_quietly(cfg),
     }
 }
 
@@ -669,7 +672,7 @@ fn fresh_state(
 }
 
 /// Loads a checkpoint into the parameters and moments and returns the state to continue from.
-/// The checkpoint's seed and data (`data`, [`setup::data_identity`]) must be this run's: either
+/// The checkpoint's seed and data (`data`, [`run_data::data_identity`]) must be this run's: either
 /// changing would change the data order without a word (`data.allow_new_data_on_resume`
 /// continues on new data, its order starting anew).
 fn resume(
@@ -692,7 +695,7 @@ fn resume(
     let changed = saved
         .data
         .as_ref()
-        .and_then(|then| setup::data_difference(then, &data));
+        .and_then(|then| run_data::data_difference(then, &data));
     if let Some(diff) = &changed {
         anyhow::ensure!(
             cfg.data.allow_new_data_on_resume,

@@ -459,7 +459,7 @@ pub struct TrainerState {
     pub zero_stage: ZeroStage,
     pub config: Value,
     pub versions: Value,
-    /// What the run trained on (`setup::data_identity`); absent in older checkpoints.
+    /// What the run trained on (`run_data::data_identity`); absent in older checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Value>,
 }

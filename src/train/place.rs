@@ -1,0 +1,100 @@
+//! A rank's place among the ranks (its global and local rank, the world), the device it
+//! resolved and the tag its lines carry; and the groups zero stages shard the state over
+//! (`system.shard_degree`).
+
+use anyhow::Result;
+use tch::Device;
+
+use super::device::resolve_device;
+use crate::config::{Config, ConfigError};
+
+/// This process's place among the ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct Topology {
+    pub rank: usize,
+    pub world: usize,
+    /// Rank on this node: under torchrun it picks the CUDA device.
+    pub local_rank: usize,
+}
+
+impl Topology {
+    pub const SINGLE: Topology = Topology {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+    };
+}
+
+/// A rank as the trainer sees it: its place, the device it resolved once at start, and the tag
+/// (`[GPU3]`, `[CPU1]`) its lines carry.
+#[derive(Debug, Clone)]
+pub struct Rank {
+    pub topo: Topology,
+    pub device: Device,
+    pub tag: String,
+}
+
+impl Rank {
+    /// Resolves this rank's device (`system.device`) once; everything after uses `device`.
+    pub fn new(cfg: &Config, topo: Topology) -> Result<Rank> {
+        let device = resolve_device(cfg, topo.world, topo.local_rank)?;
+        Ok(Rank {
+            topo,
+            device,
+            tag: crate::telemetry::rank_tag(device.is_cuda(), topo.rank),
+        })
+    }
+
+    /// Rank 0: the one that prints the run's summary and writes its records and checkpoints.
+    pub fn lead(&self) -> bool {
+        self.topo.rank == 0
+    }
+}
+
+/// The ranks that shard one copy of the state among `world` (`system.shard_degree`, 0 = all),
+/// checked against the world and the stage: a config error (exit 2), found at start-up.
+pub fn shard_degree(cfg: &Config, world: usize) -> Result<usize, ConfigError> {
+    let degree = match cfg.system.shard_degree {
+        0 => world,
+        d => d,
+    };
+    if degree > world || !world.is_multiple_of(degree) {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
+             ranks of one node), or be 0 for all ranks"
+        )));
+    }
+    if degree < world && !cfg.system.zero_stage.shards_optimizer() {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
+             system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
+             system.shard_degree = 0"
+        )));
+    }
+    Ok(degree)
+}
+
+/// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank
+/// together, shard groups first; None when one group shards across all ranks.
+pub fn hybrid_groups(
+    cfg: &Config,
+    pg: &mut dyn crate::dist::ProcessGroup,
+) -> Result<Option<crate::train::optim::Hybrid>> {
+    use std::sync::{Arc, Mutex};
+    let (world, rank) = (pg.world_size(), pg.rank());
+    let degree = shard_degree(cfg, world)?;
+    if degree == world {
+        return Ok(None);
+    }
+    let index = rank / degree;
+    let shard: Vec<usize> = (index * degree..(index + 1) * degree).collect();
+    let shard = pg.subgroup(&shard, &format!("shard{index}"))?;
+    let position = rank % degree;
+    let replica: Vec<usize> = (0..world / degree).map(|g| g * degree + position).collect();
+    let replica = pg.subgroup(&replica, &format!("replica{position}"))?;
+    Ok(Some(crate::train::optim::Hybrid {
+        shard: Arc::new(Mutex::new(shard)),
+        replica: Arc::new(Mutex::new(replica)),
+        index,
+    }))
+}
