@@ -32,10 +32,6 @@ pub struct DistEnv {
     pub note: Option<String>,
 }
 
-/// Defaults used when a single-process job leaves the address unset (nothing connects to it).
-const DEFAULT_ADDR: &str = "127.0.0.1";
-const DEFAULT_PORT: u16 = 29500;
-
 impl DistEnv {
     /// Reads the process environment. `Ok(None)` when neither `RANK` nor `WORLD_SIZE` is set
     /// (a plain single-process run); an error naming the variable when they are inconsistent.
@@ -94,7 +90,7 @@ impl DistEnv {
                 "MASTER_ADDR is not set but WORLD_SIZE={world_size}: every rank needs the host \
                  of the rendezvous store"
             ),
-            _ => DEFAULT_ADDR.to_owned(),
+            _ => super::SINGLE_RANK_ADDR.to_owned(),
         };
         let master_port = match get("MASTER_PORT") {
             Some(s) => {
@@ -111,7 +107,7 @@ impl DistEnv {
                 "MASTER_PORT is not set but WORLD_SIZE={world_size}: every rank needs the port \
                  of the rendezvous store"
             ),
-            None => DEFAULT_PORT,
+            None => super::SINGLE_RANK_PORT,
         };
         let agent_store = match get("TORCHELASTIC_USE_AGENT_STORE") {
             None => false,

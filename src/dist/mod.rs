@@ -45,6 +45,11 @@ pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
 
+/// The rendezvous address and port of a job of one rank, where nothing connects (torchrun's
+/// defaults); `env` and `slurm` both use them.
+pub(crate) const SINGLE_RANK_ADDR: &str = "127.0.0.1";
+pub(crate) const SINGLE_RANK_PORT: u16 = 29500;
+
 /// Which collectives carry the tensors of a multi-rank group (`system.dist_backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {

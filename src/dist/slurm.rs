@@ -260,8 +260,8 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
         rendezvous(&v)?
     } else {
         (
-            "127.0.0.1".to_owned(),
-            29500,
+            super::SINGLE_RANK_ADDR.to_owned(),
+            super::SINGLE_RANK_PORT,
             "one task: no rendezvous".to_owned(),
         )
     };
