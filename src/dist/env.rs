@@ -4,17 +4,34 @@
 
 use anyhow::{bail, Context, Result};
 
+/// A rank's place in the job: the one description of it, whether torchrun's variables, srun's
+/// or lockstep's launcher gave it, and what the trainer reads (`train::place::Rank`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    /// Global rank, `0..world` (`RANK`, `SLURM_PROCID`).
+    pub rank: usize,
+    /// Number of ranks in the job (`WORLD_SIZE`, `SLURM_NTASKS`).
+    pub world: usize,
+    /// Rank on this node, used to pick the GPU (`LOCAL_RANK`; defaults to `rank % local_world`).
+    pub local_rank: usize,
+    /// Ranks on this node (`LOCAL_WORLD_SIZE`; defaults to `world`, i.e. one node).
+    pub local_world: usize,
+}
+
+impl Place {
+    /// A job of one rank.
+    pub const SINGLE: Place = Place {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+        local_world: 1,
+    };
+}
+
 /// Where this process sits in the job and where the rendezvous store lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {
-    /// Global rank, `0..world_size` (`RANK`).
-    pub rank: usize,
-    /// Number of ranks in the job (`WORLD_SIZE`).
-    pub world_size: usize,
-    /// Rank on this node, used to pick the GPU (`LOCAL_RANK`; defaults to `rank % local_world_size`).
-    pub local_rank: usize,
-    /// Ranks on this node (`LOCAL_WORLD_SIZE`; defaults to `world_size`, i.e. one node).
-    pub local_world_size: usize,
+    pub place: Place,
     /// Host of the rendezvous store (`MASTER_ADDR`).
     pub master_addr: String,
     /// Port of the rendezvous store (`MASTER_PORT`).
@@ -122,10 +139,12 @@ impl DistEnv {
             None => 0,
         };
         Ok(Some(DistEnv {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
+            place: Place {
+                rank,
+                world: world_size,
+                local_rank,
+                local_world: local_world_size,
+            },
             master_addr,
             master_port,
             agent_store,
@@ -141,10 +160,7 @@ impl DistEnv {
             return Ok(None);
         };
         Ok(Some(DistEnv {
-            rank: t.rank,
-            world_size: t.world_size,
-            local_rank: t.local_rank,
-            local_world_size: t.local_world_size,
+            place: t.place,
             master_addr: t.master_addr,
             master_port: t.master_port,
             agent_store: false,
@@ -202,10 +218,12 @@ mod tests {
         assert_eq!(
             e,
             DistEnv {
-                rank: 3,
-                world_size: 8,
-                local_rank: 3,
-                local_world_size: 4,
+                place: Place {
+                    rank: 3,
+                    world: 8,
+                    local_rank: 3,
+                    local_world: 4,
+                },
                 master_addr: "node0".into(),
                 master_port: 29400,
                 agent_store: false,
@@ -240,7 +258,12 @@ mod tests {
         ];
         let e = parse(&slurm).unwrap().unwrap();
         assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (
+                e.place.rank,
+                e.place.world,
+                e.place.local_rank,
+                e.place.local_world
+            ),
             (1, 2, 1, 2)
         );
         assert_eq!(
@@ -251,7 +274,7 @@ mod tests {
         let mut both = slurm.to_vec();
         both.extend(FULL);
         let e = parse(&both).unwrap().unwrap();
-        assert_eq!((e.rank, e.world_size, e.note), (3, 8, None));
+        assert_eq!((e.place.rank, e.place.world, e.note), (3, 8, None));
     }
 
     #[test]
@@ -259,7 +282,7 @@ mod tests {
         let e = parse(&[("RANK", "0"), ("WORLD_SIZE", "1")])
             .unwrap()
             .unwrap();
-        assert_eq!((e.local_rank, e.local_world_size), (0, 1));
+        assert_eq!((e.place.local_rank, e.place.local_world), (0, 1));
         assert_eq!(
             (e.master_addr.as_str(), e.master_port),
             ("127.0.0.1", 29500)
@@ -273,7 +296,7 @@ mod tests {
         ])
         .unwrap()
         .unwrap();
-        assert_eq!(e.local_rank, 1);
+        assert_eq!(e.place.local_rank, 1);
     }
 
     #[test]

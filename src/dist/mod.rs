@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-pub use env::DistEnv;
+pub use env::{DistEnv, Place};
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
@@ -68,21 +68,21 @@ pub enum Backend {
 /// The store lives as long as the returned group; rank 0's group must outlive the others' use
 /// of the store, so end a run with a final `barrier()` before dropping the group.
 pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dyn ProcessGroup>> {
-    if env.world_size == 1 {
+    if env.place.world == 1 {
         return Ok(Box::new(SingleProcess));
     }
     let (addr, port) = (env.master_addr.as_str(), env.master_port);
-    let host_here = env.rank == 0 && !env.agent_store;
+    let host_here = env.place.rank == 0 && !env.agent_store;
     let store = if host_here {
-        if env.world_size > env.local_world_size {
+        if env.place.world > env.place.local_world {
             store::check_reachable_name(addr)?;
         }
-        Store::server(addr, port, env.world_size, timeout)?
+        Store::server(addr, port, env.place.world, timeout)?
     } else {
         Store::client(addr, port, timeout).with_context(|| {
             format!(
                 "rank {} cannot reach the rendezvous store at {addr}:{port}; is {} running?",
-                env.rank,
+                env.place.rank,
                 if env.agent_store {
                     "the torchrun agent"
                 } else {
@@ -103,14 +103,15 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
             format!("rank 0 on {addr}")
         },
     };
-    if env.rank == 0 && matches!(backend, Backend::Nccl { .. }) {
+    if env.place.rank == 0 && matches!(backend, Backend::Nccl { .. }) {
         // ProcessGroupNCCL's monitor polls this key at the store's root (below any prefix): a
         // previous torchrun attempt's timeout would make this attempt dump and terminate. The
         // ring's formation below is a rendezvous, so no rank's NCCL group exists yet.
         store.delete(nccl::DUMP_SIGNAL_KEY)?;
     }
     let store = Arc::new(store);
-    let mut ring = RingGroup::with_config(store.clone(), env.rank, env.world_size, timeout, cfg)?;
+    let mut ring =
+        RingGroup::with_config(store.clone(), env.place.rank, env.place.world, timeout, cfg)?;
     agree_on_backend(&mut ring, backend)?;
     let next_seq = ring.collectives_started() + 1;
     let group: Box<dyn ProcessGroup> = match backend {
@@ -191,10 +192,12 @@ mod tests {
                 .map(|rank| {
                     s.spawn(move || {
                         f(DistEnv {
-                            rank,
-                            world_size: world,
-                            local_rank: rank,
-                            local_world_size: world,
+                            place: Place {
+                                rank,
+                                world,
+                                local_rank: rank,
+                                local_world: world,
+                            },
                             master_addr: "127.0.0.1".into(),
                             master_port: port,
                             agent_store: agent_restart.is_some(),
@@ -213,8 +216,8 @@ mod tests {
     fn init_builds_a_working_group_per_rank() {
         let sums = each_rank(3, free_port(), None, |env| {
             let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
-            assert_eq!((g.rank(), g.world_size()), (env.rank, 3));
-            let mut v = vec![env.rank as f32; 5];
+            assert_eq!((g.rank(), g.world_size()), (env.place.rank, 3));
+            let mut v = vec![env.place.rank as f32; 5];
             g.all_reduce_sum_f32(&mut v).unwrap();
             g.barrier().unwrap();
             v
@@ -229,7 +232,7 @@ mod tests {
     #[test]
     fn ranks_that_disagree_on_the_backend_all_fail() {
         let errors = each_rank(2, free_port(), None, |env| {
-            let backend = if env.rank == 0 {
+            let backend = if env.place.rank == 0 {
                 Backend::Nccl { cuda_device: 0 }
             } else {
                 Backend::Ring
@@ -263,7 +266,7 @@ mod tests {
         let agent = Store::server("127.0.0.1", 0, 2, Duration::from_secs(10)).unwrap();
         let maxima = each_rank(2, agent.port(), Some(1), |env| {
             let mut g = init(&env, Duration::from_secs(10), Backend::Ring).unwrap();
-            g.all_reduce_max_f64(env.rank as f64).unwrap()
+            g.all_reduce_max_f64(env.place.rank as f64).unwrap()
         });
         assert_eq!(maxima, [1.0, 1.0]);
         assert!(agent.check(&["lockstep/1/ring/nonce"]).unwrap());

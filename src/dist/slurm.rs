@@ -207,10 +207,7 @@ fn rendezvous<F: Fn(&str) -> Option<String>>(v: &Vars<'_, F>) -> Result<(String,
 /// One task's place in an `srun lockstep train` job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskLayout {
-    pub rank: usize,
-    pub world_size: usize,
-    pub local_rank: usize,
-    pub local_world_size: usize,
+    pub place: super::env::Place,
     pub master_addr: String,
     pub master_port: u16,
     /// What was derived from what, for the log.
@@ -266,10 +263,12 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
         )
     };
     Ok(Some(TaskLayout {
-        rank,
-        world_size,
-        local_rank,
-        local_world_size,
+        place: super::env::Place {
+            rank,
+            world: world_size,
+            local_rank,
+            local_world: local_world_size,
+        },
         master_addr,
         master_port,
         note: format!(
@@ -428,7 +427,12 @@ mod tests {
     fn srun_task_layout() {
         let t = task_layout(&lookup(TASK)).unwrap().unwrap();
         assert_eq!(
-            (t.rank, t.world_size, t.local_rank, t.local_world_size),
+            (
+                t.place.rank,
+                t.place.world,
+                t.place.local_rank,
+                t.place.local_world
+            ),
             (5, 8, 1, 4)
         );
         assert_eq!((t.master_addr.as_str(), t.master_port), ("gpu07", 17345));

@@ -54,7 +54,7 @@ impl Faults {
             oom: step_phase(d.inject_oom),
             oom_step: d.inject_oom_step,
             device: rank.device,
-            rank: rank.topo.rank,
+            rank: rank.place.rank,
             tag: rank.tag.clone(),
         })
     }

@@ -95,7 +95,7 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
         shape.clone(),
         Target {
             device,
-            world: rank.topo.world,
+            world: rank.place.world,
             budget,
             mfu: 0.4,
             cpu_threads: tch::get_num_threads().max(1) as usize,

@@ -139,9 +139,9 @@ impl Loader {
             packing,
             context_length: t.context_length,
             batch_size: t.batch_size,
-            global_batch: (t.batch_size * t.grad_accum_nums * rank.topo.world) as u64,
-            rank: rank.topo.rank as u64,
-            world: rank.topo.world as u64,
+            global_batch: (t.batch_size * t.grad_accum_nums * rank.place.world) as u64,
+            rank: rank.place.rank as u64,
+            world: rank.place.world as u64,
             device: rank.device,
             lead: rank.lead(),
             tag: rank.tag.clone(),
@@ -252,7 +252,7 @@ mod tests {
     use super::*;
     use crate::config::{resolve, Sources};
     use crate::data::tokfile::TokFileWriter;
-    use crate::train::place::Topology;
+    use crate::dist::Place;
 
     /// Three sources whose token ids tell them apart (source s uses ids s·1000..), with
     /// documents of varied lengths so windows hold several.
@@ -308,10 +308,11 @@ mod tests {
         let mut seen = BTreeMap::new();
         for r in 0..world {
             let rank = Rank {
-                topo: Topology {
+                place: Place {
                     rank: r,
                     world,
                     local_rank: r,
+                    local_world: world,
                 },
                 device: Device::Cpu,
                 tag: format!("[CPU{r}]"),
@@ -386,7 +387,7 @@ mod tests {
         .unwrap()
         .config;
         let rank = Rank {
-            topo: Topology::SINGLE,
+            place: Place::SINGLE,
             device: Device::Cpu,
             tag: "[CPU0]".into(),
         };

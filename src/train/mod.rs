@@ -32,7 +32,7 @@ pub mod stragglers;
 pub mod trainer;
 
 pub use loader::Batch;
-pub use place::{Rank, Topology};
+pub use place::Rank;
 pub use rank::train_rank;
 pub use setup::{Resume, RunOptions};
 pub use step::{train_step, NanInjection, StepConfig, StepOutcome, StepPlan};

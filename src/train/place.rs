@@ -1,4 +1,4 @@
-//! A rank's place among the ranks (its global and local rank, the world), the device it
+//! A rank as the trainer sees it: its place among the ranks (`dist::Place`), the device it
 //! resolved and the tag its lines carry; and the groups zero stages shard the state over
 //! (`system.shard_degree`).
 
@@ -7,47 +7,31 @@ use tch::Device;
 
 use super::device::resolve_device;
 use crate::config::{Config, ConfigError};
-
-/// This process's place among the ranks.
-#[derive(Debug, Clone, Copy)]
-pub struct Topology {
-    pub rank: usize,
-    pub world: usize,
-    /// Rank on this node: under torchrun it picks the CUDA device.
-    pub local_rank: usize,
-}
-
-impl Topology {
-    pub const SINGLE: Topology = Topology {
-        rank: 0,
-        world: 1,
-        local_rank: 0,
-    };
-}
+use crate::dist::Place;
 
 /// A rank as the trainer sees it: its place, the device it resolved once at start, and the tag
 /// (`[GPU3]`, `[CPU1]`) its lines carry.
 #[derive(Debug, Clone)]
 pub struct Rank {
-    pub topo: Topology,
+    pub place: Place,
     pub device: Device,
     pub tag: String,
 }
 
 impl Rank {
     /// Resolves this rank's device (`system.device`) once; everything after uses `device`.
-    pub fn new(cfg: &Config, topo: Topology) -> Result<Rank> {
-        let device = resolve_device(cfg, topo.world, topo.local_rank)?;
+    pub fn new(cfg: &Config, place: Place) -> Result<Rank> {
+        let device = resolve_device(cfg, place.world, place.local_rank)?;
         Ok(Rank {
-            topo,
+            place,
             device,
-            tag: crate::telemetry::rank_tag(device.is_cuda(), topo.rank),
+            tag: crate::telemetry::rank_tag(device.is_cuda(), place.rank),
         })
     }
 
     /// Rank 0: the one that prints the run's summary and writes its records and checkpoints.
     pub fn lead(&self) -> bool {
-        self.topo.rank == 0
+        self.place.rank == 0
     }
 }
 

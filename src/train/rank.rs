@@ -8,11 +8,11 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::device;
-use super::place::{Rank, Topology};
+use super::place::Rank;
 use super::setup::RunOptions;
 use super::trainer::{Summary, Trainer};
 use crate::config::{Config, ConfigError, Resolved};
-use crate::dist::{self, Backend, DistEnv, SingleProcess};
+use crate::dist::{self, Backend, DistEnv, Place, SingleProcess};
 
 /// What every worker of a `lockstep run` trains: the launcher resolves the config once and
 /// writes this file; each worker reads it (`lockstep train --worker-spec FILE`), so no worker
@@ -49,25 +49,20 @@ impl WorkerSpec {
 pub fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<Summary> {
     let cfg = &resolved.config;
     let Some(env) = DistEnv::from_env()? else {
-        let rank = Rank::new(cfg, Topology::SINGLE)?;
+        let rank = Rank::new(cfg, Place::SINGLE)?;
         return run_trainer(resolved, opts, rank, &mut SingleProcess);
     };
-    let topo = Topology {
-        rank: env.rank,
-        world: env.world_size,
-        local_rank: env.local_rank,
-    };
-    let rank = Rank::new(cfg, topo)?;
+    let rank = Rank::new(cfg, env.place)?;
     // Before the rendezvous, so a rank stuck in it can already be asked (SIGUSR1) and seen by
     // the launcher (its trace file).
-    dist::forensics::install(env.rank, &rank.tag)?;
+    dist::forensics::install(env.place.rank, &rank.tag)?;
     if let (Some(note), true) = (&env.note, rank.lead()) {
         println!("{} {note}", rank.tag);
     }
     let backend = device::dist_backend(cfg, rank.device)?;
     let timeout = Duration::from_secs(cfg.system.collective_timeout_s);
     let mut pg = dist::init(&env, timeout, backend)?;
-    if let (Backend::Nccl { .. }, true, 2..) = (backend, rank.lead(), env.world_size) {
+    if let (Backend::Nccl { .. }, true, 2..) = (backend, rank.lead(), env.place.world) {
         println!(
             "{} Collectives: NCCL {} (c10d ProcessGroupNCCL) for gradients and parameters, TCP ring for scalars",
             rank.tag,

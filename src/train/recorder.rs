@@ -117,7 +117,7 @@ impl Recorder {
         } else {
             None
         };
-        let world = rank.topo.world;
+        let world = rank.place.world;
         Ok(Recorder {
             tag: rank.tag.clone(),
             device: rank.device,

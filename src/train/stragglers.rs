@@ -41,8 +41,8 @@ impl Stragglers {
         Stragglers {
             interval: cfg.logging.interval.max(1),
             pct: cfg.logging.straggler_pct,
-            rank: rank.topo.rank,
-            world: rank.topo.world,
+            rank: rank.place.rank,
+            world: rank.place.world,
             tag: rank.tag.clone(),
             last_busy: busy_seconds(),
             last_step: first_step,

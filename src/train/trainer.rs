@@ -103,7 +103,7 @@ impl<'a> Trainer<'a> {
         )?;
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
-        place::shard_degree(cfg, rank.topo.world)?;
+        place::shard_degree(cfg, rank.place.world)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
@@ -128,7 +128,7 @@ impl<'a> Trainer<'a> {
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
         let identity = run_data::data_identity(&data)?;
-        let mut state = fresh_state(resolved, &shape, rank.topo.world, identity.clone());
+        let mut state = fresh_state(resolved, &shape, rank.place.world, identity.clone());
         if let Some(dir) = &resume_dir {
             state = resume(dir, &shape, &mut opt, resolved, &rank, identity)?;
         }
@@ -568,7 +568,7 @@ fn prepare_on_node(
     rank: &Rank,
     pg: &mut dyn ProcessGroup,
 ) -> Result<Vec<DataSource>> {
-    let prepared = if rank.topo.local_rank == 0 {
+    let prepared = if rank.place.local_rank == 0 {
         Some(run_data::prepare_data(cfg, &rank.tag)?)
     } else {
         None
@@ -727,7 +727,7 @@ fn resume(
         None => saved.samples_consumed,
     };
     Ok(TrainerState {
-        world_size: rank.topo.world,
+        world_size: rank.place.world,
         zero_stage: cfg.system.zero_stage,
         config: resolved.to_json(),
         data: Some(data),
@@ -755,7 +755,7 @@ fn print_summary(
 ) {
     let (cfg, tag) = (&resolved.config, &rank.tag);
     let t = &cfg.training;
-    let world = rank.topo.world;
+    let world = rank.place.world;
     if cfg.logging.verbose {
         let json = serde_json::to_string_pretty(&resolved.to_json()).unwrap_or_default();
         println!(
