@@ -28,6 +28,21 @@ impl Place {
     };
 }
 
+/// A node's place in a job and where node 0's rendezvous store is: the one description of it,
+/// whether `lockstep run`'s flags or srun's variables (`slurm::node_layout`) gave it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePlace {
+    /// Number of nodes taking part; every node runs the same number of workers.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of node 0, exported as `MASTER_ADDR`; node 0's launcher hosts the rendezvous
+    /// store there (on that address only).
+    pub master_addr: String,
+    /// Rendezvous port exported as `MASTER_PORT`; 0 picks a free one (single node only).
+    pub master_port: u16,
+}
+
 /// Where this process sits in the job and where the rendezvous store lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {

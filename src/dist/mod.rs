@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-pub use env::{DistEnv, Place};
+pub use env::{DistEnv, NodePlace, Place};
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};

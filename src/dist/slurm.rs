@@ -281,10 +281,7 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
 /// This node's place in an `srun --ntasks-per-node=1 lockstep run` job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeLayout {
-    pub nnodes: usize,
-    pub node_rank: usize,
-    pub master_addr: String,
-    pub master_port: u16,
+    pub place: super::env::NodePlace,
     /// SLURM_GPUS_ON_NODE: GPUs allocated on this node.
     pub gpus_on_node: Option<usize>,
     pub note: String,
@@ -320,10 +317,12 @@ pub fn node_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<NodeL
     }
     let (master_addr, master_port, rdzv) = rendezvous(&v)?;
     Ok(Some(NodeLayout {
-        nnodes,
-        node_rank,
-        master_addr,
-        master_port,
+        place: super::env::NodePlace {
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+        },
         gpus_on_node: v.num("SLURM_GPUS_ON_NODE")?,
         note: format!("Slurm: node {node_rank} of {nnodes} (SLURM_NODEID, SLURM_NNODES); {rdzv}"),
     }))
@@ -498,10 +497,12 @@ mod tests {
         assert_eq!(
             n,
             NodeLayout {
-                nnodes: 2,
-                node_rank: 1,
-                master_addr: "dgx1".into(),
-                master_port: 15077,
+                place: crate::dist::NodePlace {
+                    nnodes: 2,
+                    node_rank: 1,
+                    master_addr: "dgx1".into(),
+                    master_port: 15077,
+                },
                 gpus_on_node: Some(4),
                 note: n.note.clone(),
             }

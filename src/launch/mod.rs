@@ -42,6 +42,7 @@ pub use rendezvous::{decide, Decision, FailureReport, NodeReport, Rendezvous, Re
 pub use run::{run, LaunchArgs};
 pub use supervise::RankFailure;
 
+use crate::dist::NodePlace;
 use rendezvous::AttemptPeers;
 
 /// Which devices the workers of this node run on; one worker per entry.
@@ -69,15 +70,8 @@ impl Devices {
 pub struct LaunchPlan {
     /// Devices of this node (decides the number of local workers).
     pub devices: Devices,
-    /// Number of nodes taking part; every node runs the same number of workers.
-    pub nnodes: usize,
-    /// This node's index in `0..nnodes`.
-    pub node_rank: usize,
-    /// Address of node 0, exported as `MASTER_ADDR`; node 0's launcher hosts the rendezvous
-    /// store there (on that address only).
-    pub master_addr: String,
-    /// Rendezvous port exported as `MASTER_PORT`; 0 picks a free one (single node only).
-    pub master_port: u16,
+    /// This node's place among the nodes and node 0's rendezvous address.
+    pub node: NodePlace,
     /// How long a node waits for node 0's launcher (to connect, and for its decisions).
     pub rendezvous_timeout: Duration,
     /// Restarts after failures, and what they resume from.
@@ -223,11 +217,11 @@ pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) 
             }
         };
         let report = NodeReport {
-            node: plan.node_rank,
+            node: plan.node.node_rank,
             failure: sup
                 .failure
                 .as_ref()
-                .map(|f| FailureReport::of(f, plan.node_rank)),
+                .map(|f| FailureReport::of(f, plan.node.node_rank)),
             interrupted_by: sup.interrupted_by,
         };
         match rdzv.agree(attempt, &report, &plan.restart, prev_before_first_step)? {
@@ -273,15 +267,15 @@ pub enum LogRanks {
 /// Rejects plans that cannot work before anything is started: usage errors (exit 2).
 fn validate(plan: &LaunchPlan) -> Result<()> {
     let usage = |msg: String| -> Result<()> { Err(crate::config::ConfigError(msg).into()) };
-    if plan.nnodes == 0 {
+    if plan.node.nnodes == 0 {
         return usage("--nnodes must be at least 1".into());
     }
-    if plan.node_rank >= plan.nnodes {
+    if plan.node.node_rank >= plan.node.nnodes {
         return usage(format!(
             "--node-rank {} is out of range for --nnodes {} (expected 0..={})",
-            plan.node_rank,
-            plan.nnodes,
-            plan.nnodes - 1
+            plan.node.node_rank,
+            plan.node.nnodes,
+            plan.node.nnodes - 1
         ));
     }
     match &plan.devices {
@@ -294,14 +288,14 @@ fn validate(plan: &LaunchPlan) -> Result<()> {
         Devices::Gpus(ids) => gpus::check_unique(ids)?,
         Devices::Cpu(_) => {}
     }
-    if plan.master_port == 0 && plan.nnodes > 1 {
+    if plan.node.master_port == 0 && plan.node.nnodes > 1 {
         return usage(format!(
             "--master-port 0 (pick a free port) only works with one node; with --nnodes {} \
              every node must be given the same explicit --master-port",
-            plan.nnodes
+            plan.node.nnodes
         ));
     }
-    if plan.master_addr.trim().is_empty() {
+    if plan.node.master_addr.trim().is_empty() {
         return usage("--master-addr must not be empty".into());
     }
     Ok(())

@@ -305,9 +305,9 @@ impl Rendezvous {
     /// Node 0 hosts the store at `--master-addr:--master-port` (port 0 picks a free one);
     /// the other nodes connect to it, waiting up to the plan's rendezvous timeout.
     pub fn open(plan: &LaunchPlan) -> Result<Rendezvous> {
-        let (addr, port) = (plan.master_addr.as_str(), plan.master_port);
-        let store = if plan.node_rank == 0 {
-            if plan.nnodes > 1 {
+        let (addr, port) = (plan.node.master_addr.as_str(), plan.node.master_port);
+        let store = if plan.node.node_rank == 0 {
+            if plan.node.nnodes > 1 {
                 crate::dist::store::check_reachable_name(addr)?;
             }
             Store::server(addr, port, 0, plan.rendezvous_timeout).map_err(|e| {
@@ -324,15 +324,15 @@ impl Rendezvous {
                 format!(
                     "node {}: cannot reach node 0's launcher at {addr}:{port} within {} s; is \
                      `lockstep run --node-rank 0` running there with the same --master-port?",
-                    plan.node_rank,
+                    plan.node.node_rank,
                     plan.rendezvous_timeout.as_secs()
                 )
             })?
         };
         Ok(Rendezvous {
             store,
-            node: plan.node_rank,
-            nnodes: plan.nnodes,
+            node: plan.node.node_rank,
+            nnodes: plan.node.nnodes,
             grace: plan.grace,
             timeout: plan.rendezvous_timeout,
             beats: Default::default(),

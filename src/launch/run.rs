@@ -13,7 +13,7 @@ use super::{
     Sinks,
 };
 use crate::config::{check_backend_device, ConfigError, DeviceChoice, Resolved};
-use crate::dist::slurm;
+use crate::dist::{slurm, NodePlace};
 use crate::train::rank::WorkerSpec;
 use crate::train::rundir::RunDir;
 use crate::train::{run_data, setup, Resume, RunOptions};
@@ -56,47 +56,34 @@ pub struct LaunchArgs {
     pub grace_s: u64,
 }
 
-/// This node's place: the flags, else srun's variables, else a single node on loopback.
-struct NodePlace {
-    nnodes: usize,
-    node_rank: usize,
-    master_addr: String,
-    master_port: u16,
-    /// GPUs Slurm allocated on this node, the default worker count.
-    slurm_gpus: Option<usize>,
-}
-
-fn node_place(la: &LaunchArgs) -> Result<NodePlace> {
+/// This node's place: the flags, else srun's variables, else a single node on loopback; and the
+/// GPUs Slurm allocated on this node (the default worker count).
+fn node_place(la: &LaunchArgs) -> Result<(NodePlace, Option<usize>)> {
     // Slurm's variables are checked before anything starts: a mistake there is a usage error.
     let slurm = slurm::node_layout(&|k| std::env::var(k).ok())
         .map_err(|e| ConfigError(format!("{e:#}")))?;
     if let Some(s) = &slurm {
         eprintln!("[launcher] {}", s.note);
     }
-    Ok(NodePlace {
-        nnodes: la.nnodes.or(slurm.as_ref().map(|s| s.nnodes)).unwrap_or(1),
-        node_rank: la
-            .node_rank
-            .or(slurm.as_ref().map(|s| s.node_rank))
-            .unwrap_or(0),
+    let from = slurm.as_ref().map(|s| &s.place);
+    let place = NodePlace {
+        nnodes: la.nnodes.or(from.map(|s| s.nnodes)).unwrap_or(1),
+        node_rank: la.node_rank.or(from.map(|s| s.node_rank)).unwrap_or(0),
         master_addr: la
             .master_addr
             .clone()
-            .or(slurm.as_ref().map(|s| s.master_addr.clone()))
-            .unwrap_or_else(|| "127.0.0.1".to_string()),
-        master_port: la
-            .master_port
-            .or(slurm.as_ref().map(|s| s.master_port))
-            .unwrap_or(0),
-        slurm_gpus: slurm.and_then(|s| s.gpus_on_node),
-    })
+            .or(from.map(|s| s.master_addr.clone()))
+            .unwrap_or_else(|| crate::dist::SINGLE_RANK_ADDR.to_string()),
+        master_port: la.master_port.or(from.map(|s| s.master_port)).unwrap_or(0),
+    };
+    Ok((place, slurm.and_then(|s| s.gpus_on_node)))
 }
 
 /// Runs the launcher; returns the code to exit with (the failing worker's, once no restart
 /// is left).
 pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i32> {
-    let place = node_place(la)?;
-    let devices = choose_devices(la, place.slurm_gpus)?;
+    let (node, slurm_gpus) = node_place(la)?;
+    let devices = choose_devices(la, slurm_gpus)?;
     let resolved = for_workers(resolved, &devices)?;
     let run_dir = resolved.run_dir();
     let run_id = format!(
@@ -112,10 +99,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     let checkpoints = setup::checkpoint_dir(&resolved);
     let plan = LaunchPlan {
         devices,
-        nnodes: place.nnodes,
-        node_rank: place.node_rank,
-        master_addr: place.master_addr,
-        master_port: place.master_port,
+        node,
         rendezvous_timeout: std::time::Duration::from_secs(
             resolved.config.system.collective_timeout_s.max(1),
         ),
@@ -133,7 +117,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     };
     let rendezvous = super::preflight(&plan)?;
     let master_port = rendezvous.port();
-    if plan.node_rank == 0 {
+    if plan.node.node_rank == 0 {
         // Rank 0 takes the lock when it starts; a run already in this directory is reported
         // now, before any tokenizing or worker start.
         RunDir::check_free(&run_dir)?;
@@ -147,7 +131,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     if let Devices::Cpu(n) = plan.devices {
         // Before any worker starts: N CPU workers share this host's memory.
         if let Ok(shape) = crate::plan::shape(&resolved.config) {
-            crate::train::fit::check_cpu_workers(&resolved.config, &shape, n, plan.nnodes)?;
+            crate::train::fit::check_cpu_workers(&resolved.config, &shape, n, plan.node.nnodes)?;
         }
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         if n > cores {
@@ -166,9 +150,9 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         .with_context(|| format!("creating log directory {}", plan.log_dir.display()))?;
     // Launchers of several nodes may share the log directory (a shared filesystem, the same
     // second): each writes its own spec.
-    let node_suffix = match plan.nnodes {
+    let node_suffix = match plan.node.nnodes {
         1 => String::new(),
-        _ => format!("_node{}", plan.node_rank),
+        _ => format!("_node{}", plan.node.node_rank),
     };
     let spec = |name: &str, options: RunOptions| -> Result<Vec<String>> {
         let path = plan.log_dir.join(format!("{name}{node_suffix}.json"));
@@ -197,7 +181,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     eprintln!(
         "[launcher] {} workers, rendezvous on {}:{}{}, logs in {}",
         plan.devices.local_world(),
-        plan.master_addr,
+        plan.node.master_addr,
         master_port,
         match la.max_restarts {
             0 => String::new(),

@@ -55,11 +55,11 @@ pub(super) fn worker_env(
     let local_world = plan.devices.local_world();
     let mut env = vec![
         ("RANK", global_rank(plan, local_rank).to_string()),
-        ("WORLD_SIZE", (plan.nnodes * local_world).to_string()),
+        ("WORLD_SIZE", (plan.node.nnodes * local_world).to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("LOCAL_WORLD_SIZE", local_world.to_string()),
-        ("GROUP_RANK", plan.node_rank.to_string()),
-        ("MASTER_ADDR", plan.master_addr.clone()),
+        ("GROUP_RANK", plan.node.node_rank.to_string()),
+        ("MASTER_ADDR", plan.node.master_addr.clone()),
         ("MASTER_PORT", master_port.to_string()),
         ("LOCKSTEP_LAUNCHER", "1".to_string()),
         ("LOCKSTEP_TAG", tag(plan, local_rank)),
@@ -96,7 +96,7 @@ pub(super) fn trace_path(plan: &LaunchPlan, rank: usize) -> PathBuf {
 
 /// Ranks are numbered node by node: node `r` holds `r * local_world ..`.
 pub(super) fn global_rank(plan: &LaunchPlan, local_rank: usize) -> usize {
-    plan.node_rank * plan.devices.local_world() + local_rank
+    plan.node.node_rank * plan.devices.local_world() + local_rank
 }
 
 /// `[GPU<physical id>]` or `[CPU<global rank>]`.
@@ -205,7 +205,7 @@ fn spawn_one(
     let child = spawned.with_context(|| format!("starting rank {rank}: {}", program.display()))?;
 
     let show_all =
-        plan.log_ranks == super::LogRanks::All || (plan.node_rank == 0 && local_rank == 0);
+        plan.log_ranks == super::LogRanks::All || (plan.node.node_rank == 0 && local_rank == 0);
     let output = Arc::new(RankOutput::new(
         tag(plan, local_rank),
         show_all,

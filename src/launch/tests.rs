@@ -38,10 +38,12 @@ impl Captured {
 fn plan(devices: Devices, dir: &Path) -> LaunchPlan {
     LaunchPlan {
         devices,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
+        node: NodePlace {
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+        },
         rendezvous_timeout: Duration::from_secs(30),
         restart: RestartPolicy::default(),
         log_dir: dir.join("logs"),
@@ -193,13 +195,13 @@ fn console_shows_rank0_and_other_ranks_warnings_only() {
 /// Runs one launcher per node, each on its own thread (as on its own machine), with `script`
 /// for every worker; node 0 hosts the store on a free port.
 fn run_nodes(nodes: usize, mut p: LaunchPlan, script: &str) -> Vec<(Outcome, Captured)> {
-    p.nnodes = nodes;
-    p.master_port = crate::dist::free_port();
+    p.node.nnodes = nodes;
+    p.node.master_port = crate::dist::free_port();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..nodes)
             .map(|n| {
                 let mut p = p.clone();
-                p.node_rank = n;
+                p.node.node_rank = n;
                 s.spawn(move || run(&p, script))
             })
             .collect();
@@ -238,9 +240,9 @@ fn second_node_gets_global_ranks() {
 fn a_node_without_node_0_names_it() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = plan(Devices::Cpu(1), dir.path());
-    p.nnodes = 2;
-    p.node_rank = 1;
-    p.master_port = crate::dist::free_port();
+    p.node.nnodes = 2;
+    p.node.node_rank = 1;
+    p.node.master_port = crate::dist::free_port();
     p.rendezvous_timeout = Duration::from_secs(1);
     let (_, sinks) = Captured::new();
     let err = launch_with(&p, Path::new("/bin/true"), &[], &sinks).unwrap_err();
@@ -492,7 +494,7 @@ fn busy_explicit_port_is_a_clear_error() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port();
     let mut p = plan(Devices::Cpu(1), dir.path());
-    p.master_port = port;
+    p.node.master_port = port;
     let (_, sinks) = Captured::new();
     let err = launch_with(&p, Path::new("/bin/true"), &[], &sinks).unwrap_err();
     assert_eq!(
@@ -520,16 +522,22 @@ fn impossible_plans_are_rejected_before_starting() {
     let base = plan(Devices::Cpu(1), dir.path());
     check(
         LaunchPlan {
-            nnodes: 2,
+            node: NodePlace {
+                nnodes: 2,
+                ..base.node.clone()
+            },
             ..base.clone()
         },
         "--master-port 0",
     );
     check(
         LaunchPlan {
-            nnodes: 2,
-            node_rank: 2,
-            master_port: 1234,
+            node: NodePlace {
+                nnodes: 2,
+                node_rank: 2,
+                master_port: 1234,
+                ..base.node.clone()
+            },
             ..base.clone()
         },
         "--node-rank 2 is out of range",
