@@ -6,101 +6,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus};
+use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus, Launcher};
 use lockstep::dist::forensics::{trace, Snapshot};
-
-/// A launcher started in the background whose stderr (the launcher's own messages) and stdout
-/// are collected line by line, with the time each line arrived.
-struct Launcher {
-    child: Child,
-    lines: Arc<Mutex<Vec<(Instant, String)>>>,
-    readers: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Launcher {
-    fn start(dir: &Path, args: &[String]) -> Launcher {
-        let mut child = lockstep(dir)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let mut readers = Vec::new();
-        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
-        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
-        for pipe in [out, err] {
-            let lines = lines.clone();
-            readers.push(std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    lines.lock().unwrap().push((Instant::now(), line));
-                }
-            }));
-        }
-        Launcher {
-            child,
-            lines,
-            readers,
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn text(&self) -> String {
-        let lines = self.lines.lock().unwrap();
-        lines.iter().map(|(_, l)| format!("{l}\n")).collect()
-    }
-
-    /// When the first line containing `needle` arrived.
-    fn seen(&self, needle: &str) -> Option<Instant> {
-        let lines = self.lines.lock().unwrap();
-        lines
-            .iter()
-            .find(|(_, l)| l.contains(needle))
-            .map(|(t, _)| *t)
-    }
-
-    fn running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    /// Waits for the exit (at most `limit`) and returns the code and everything printed.
-    fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
-        let deadline = Instant::now() + limit;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("launcher still running after {limit:?}:\n{}", self.text());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
-        (status.code(), self.text())
-    }
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: plain kill(2); a process that is already gone gives ESRCH, which is fine here.

@@ -6,13 +6,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ok, small, strs, with, write_corpus};
+use common::{ok, small, strs, with, write_corpus, Launcher};
 
 const ADDR_A: &str = "10.77.0.1";
 const ADDR_B: &str = "10.77.0.2";
@@ -70,110 +68,14 @@ impl Drop for Hosts {
     }
 }
 
-/// A launcher running in namespace `ns`, its output collected as it comes.
-struct Node {
-    child: Child,
-    text: Arc<Mutex<String>>,
-    readers: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Node {
-    fn start(ns: &str, dir: &Path, args: &[String]) -> Node {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_lockstep")])
-            .args(args)
-            .current_dir(dir)
-            .env("OMP_WAIT_POLICY", "PASSIVE")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let text = Arc::new(Mutex::new(String::new()));
-        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
-        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
-        let readers = [out, err]
-            .into_iter()
-            .map(|pipe| {
-                let text = text.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                        let mut t = text.lock().unwrap();
-                        t.push_str(&line);
-                        t.push('\n');
-                    }
-                })
-            })
-            .collect();
-        Node {
-            child,
-            text,
-            readers,
-        }
-    }
-
-    fn text(&self) -> String {
-        self.text.lock().unwrap().clone()
-    }
-
-    /// Waits until the output holds `needle`.
-    fn wait_for(&self, needle: &str, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while !self.text().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} within {limit:?}:\n{}",
-                self.text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// The launcher's worker (its only child), once it has exec'd.
-    fn worker(&self) -> u32 {
-        let pid = self.child.id();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-                .unwrap_or_default();
-            if let Some(k) = kids.split_whitespace().next() {
-                let cmdline = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
-                if String::from_utf8_lossy(&cmdline).contains("worker-spec") {
-                    return k.parse().unwrap();
-                }
-            }
-            assert!(Instant::now() < deadline, "no worker:\n{}", self.text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// The exit code (waiting at most `limit`) and the whole output.
-    fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
-        let deadline = Instant::now() + limit;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("launcher still running after {limit:?}:\n{}", self.text());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
-        (status.code(), self.text())
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// A launcher in namespace `ns`: `ip netns exec NS lockstep ARGS` in `dir`.
+fn start(ns: &str, dir: &Path, args: &[String]) -> Launcher {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_lockstep")])
+        .args(args)
+        .current_dir(dir)
+        .env("OMP_WAIT_POLICY", "PASSIVE");
+    Launcher::spawn(cmd)
 }
 
 fn kill(pid: u32, sig: libc::c_int) {
@@ -273,7 +175,7 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
             "2",
         ];
         let ns = if rank == "0" { &hosts.a } else { &hosts.b };
-        Node::start(ns, dir, &with(&base, &head, &strs(&tail(run, steps))))
+        start(ns, dir, &with(&base, &head, &strs(&tail(run, steps))))
     };
     let limit = Duration::from_secs(180);
 
@@ -310,7 +212,7 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     );
     n0.wait_for("Step [3/", limit);
     let killed = Instant::now();
-    kill(n1.child.id(), libc::SIGKILL);
+    kill(n1.pid(), libc::SIGKILL);
     let (code, text) = n0.finish(limit);
     let took = killed.elapsed();
     assert_ne!(code, Some(0), "{text}");

@@ -617,20 +617,7 @@ fn workers_do_not_inherit_the_stores_listening_socket() {
         })
         .expect("the store listens");
     let launcher = child.id();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let worker = loop {
-        let kids = fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
-            .unwrap_or_default();
-        // Once it has exec'd (close-on-exec acts at exec, not at fork).
-        if let Some(pid) = kids.split_whitespace().next() {
-            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains("worker-spec") {
-                break pid.to_string();
-            }
-        }
-        assert!(Instant::now() < deadline, "no worker started");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let worker = common::worker_of(launcher, Duration::from_secs(60));
     let held: Vec<String> = fs::read_dir(format!("/proc/{worker}/fd"))
         .unwrap()
         .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
@@ -639,7 +626,7 @@ fn workers_do_not_inherit_the_stores_listening_socket() {
     // SAFETY: kill(2) of the launcher this test started (it stops its worker).
     unsafe { libc::kill(launcher as libc::pid_t, libc::SIGKILL) };
     // SAFETY: as above, for the worker.
-    unsafe { libc::kill(worker.parse().unwrap(), libc::SIGKILL) };
+    unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
     let _ = child.wait();
     assert!(
         !held.contains(&format!("socket:[{listen_inode}]")),

@@ -1,8 +1,11 @@
 //! Shared by the integration tests: the project venv's Python, the built binary, temp dirs.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -199,7 +202,7 @@ impl Tmpfs {
         let status = Command::new("mount")
             .args(["-t", "tmpfs", "-o", options, "tmpfs"])
             .arg(dir)
-            .stderr(std::process::Stdio::null())
+            .stderr(Stdio::null())
             .status();
         if status.is_ok_and(|s| s.success()) {
             Some(Tmpfs(dir.to_path_buf()))
@@ -252,4 +255,137 @@ pub fn strs(v: &[String]) -> Vec<&str> {
 /// `sub` + `base` + `extra` as one argument list.
 pub fn cmd(sub: &str, base: &[String], extra: &[&str]) -> Vec<String> {
     with(base, &[sub], extra)
+}
+
+/// A launcher started in the background whose stderr (the launcher's own messages) and stdout
+/// are collected line by line, with the time each line arrived.
+pub struct Launcher {
+    child: Child,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Launcher {
+    /// `lockstep ARGS` in `dir`.
+    pub fn start(dir: &Path, args: &[String]) -> Launcher {
+        let mut cmd = lockstep(dir);
+        cmd.args(args);
+        Launcher::spawn(cmd)
+    }
+
+    /// Any command (`ip netns exec … lockstep …`), its output collected the same way.
+    pub fn spawn(mut cmd: Command) -> Launcher {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let mut readers = Vec::new();
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
+        for pipe in [out, err] {
+            let lines = lines.clone();
+            readers.push(std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push((Instant::now(), line));
+                }
+            }));
+        }
+        Launcher {
+            child,
+            lines,
+            readers,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn text(&self) -> String {
+        let lines = self.lines.lock().unwrap();
+        lines.iter().map(|(_, l)| format!("{l}\n")).collect()
+    }
+
+    /// Waits (at most `limit`) until a line contains `needle`.
+    pub fn wait_for(&self, needle: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.seen(needle).is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} within {limit:?}:\n{}",
+                self.text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The pid of this launcher's first worker, once it has exec'd (see [`worker_of`]).
+    pub fn worker(&self) -> u32 {
+        worker_of(self.pid(), Duration::from_secs(60))
+    }
+
+    /// When the first line containing `needle` arrived.
+    pub fn seen(&self, needle: &str) -> Option<Instant> {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .find(|(_, l)| l.contains(needle))
+            .map(|(t, _)| *t)
+    }
+
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Waits for the exit (at most `limit`) and returns the code and everything printed.
+    pub fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("launcher still running after {limit:?}:\n{}", self.text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        (status.code(), self.text())
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The first child of `parent` that has exec'd into a lockstep worker (`train --worker-spec`):
+/// close-on-exec and the worker's own state exist only after the exec, not at the fork.
+pub fn worker_of(parent: u32, limit: Duration) -> u32 {
+    let deadline = Instant::now() + limit;
+    loop {
+        let kids = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+            .unwrap_or_default();
+        if let Some(k) = kids.split_whitespace().next() {
+            let cmdline = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains("worker-spec") {
+                return k.parse().unwrap();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no worker of pid {parent} within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
