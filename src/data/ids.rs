@@ -90,24 +90,12 @@ pub fn max_token_id(
     cache_dir: Option<&Path>,
 ) -> Result<Option<u32>> {
     let stamp = FileStamp::of(path)?;
-    if let Some(rec) = from_meta_json(path).filter(|r| r.stamp == stamp) {
-        return Ok(rec.max_token_id);
-    }
-    let sidecar = match cache_dir {
-        Some(dir) => Some(sidecar_path(dir, path)?),
-        None => None,
-    };
-    let read =
-        |p: &Path| -> Option<MaxIdRecord> { serde_json::from_slice(&fs::read(p).ok()?).ok() };
-    if let Some(rec) = sidecar
-        .as_deref()
-        .and_then(read)
-        .filter(|r| r.stamp == stamp)
-    {
+    if let Some(rec) = recorded(path, &stamp, cache_dir)? {
         return Ok(rec.max_token_id);
     }
     let max_token_id = file.scan_max_token_id();
-    if let Some(sidecar) = sidecar {
+    if let Some(dir) = cache_dir {
+        let sidecar = sidecar_path(dir, path)?;
         let rec = MaxIdRecord {
             path: path.display().to_string(),
             stamp,
@@ -121,17 +109,26 @@ pub fn max_token_id(
 /// True when `path` still has the stamp a record of it holds (its cache entry's `meta.json`, or
 /// `<cache_dir>/max-ids/`): it has not changed since lockstep wrote or last checked it.
 pub fn unchanged(path: &Path, cache_dir: Option<&Path>) -> Result<bool> {
-    let stamp = FileStamp::of(path)?;
-    if from_meta_json(path).is_some_and(|r| r.stamp == stamp) {
-        return Ok(true);
+    Ok(recorded(path, &FileStamp::of(path)?, cache_dir)?.is_some())
+}
+
+/// The first record of `path` still valid for its `stamp`: its cache entry's `meta.json`, then
+/// `<cache_dir>/max-ids/`.
+fn recorded(
+    path: &Path,
+    stamp: &FileStamp,
+    cache_dir: Option<&Path>,
+) -> Result<Option<MaxIdRecord>> {
+    if let Some(rec) = from_meta_json(path).filter(|r| r.stamp == *stamp) {
+        return Ok(Some(rec));
     }
     let Some(dir) = cache_dir else {
-        return Ok(false);
+        return Ok(None);
     };
     let rec: Option<MaxIdRecord> = fs::read(sidecar_path(dir, path)?)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok());
-    Ok(rec.is_some_and(|r| r.stamp == stamp))
+    Ok(rec.filter(|r| r.stamp == *stamp))
 }
 
 /// The record prepare left in `meta.json` beside `path` (`train.tok` → its `"train"` part).

@@ -241,7 +241,7 @@ fn tokenizer_that_wrote(path: &Path, hash: [u8; 32]) -> Option<String> {
 
 /// The cache entry in `dir` if it is complete, made from `key` and readable.
 fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Option<Prepared>> {
-    let valid = || -> Option<(TokenFile, Option<TokenFile>)> {
+    let valid = || -> Option<(Value, TokenFile, Option<TokenFile>)> {
         let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json")).ok()?).ok()?;
         if meta.get("key")?.as_str()? != key {
             return None;
@@ -255,12 +255,12 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
         } else {
             None
         };
-        Some((open("train.tok")?, val))
+        Some((meta, open("train.tok")?, val))
     };
-    let Some((train, val)) = valid() else {
+    let Some((meta, train, val)) = valid() else {
         return Ok(None);
     };
-    if let Some(why) = damaged(dir, want_val)? {
+    if let Some(why) = damaged(dir, &meta, want_val)? {
         eprintln!(
             "[data] cache entry {} is damaged ({why}); tokenizing it again",
             dir.display()
@@ -298,13 +298,13 @@ fn file_blake3(path: &Path) -> Result<String> {
     Ok(h.finalize().to_hex().to_string())
 }
 
-/// Why the token files of the entry in `dir` are not the bytes prepare wrote, if they are not.
+/// Why the token files of the entry in `dir` (its `meta`) are not the bytes prepare wrote, if
+/// they are not.
 /// A file whose stamp still matches its record is taken as written (no read); one that changed
 /// since (a copy, a `touch`, an overwrite) is hashed against the BLAKE3 that `meta.json`
 /// recorded: equal, its new stamp is remembered; different, the entry is damaged. Entries
 /// written before the checksum existed are not checked.
-fn damaged(dir: &Path, want_val: bool) -> Result<Option<String>> {
-    let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json"))?)?;
+fn damaged(dir: &Path, meta: &Value, want_val: bool) -> Result<Option<String>> {
     let parts: &[&str] = if want_val {
         &["train", "val"]
     } else {
