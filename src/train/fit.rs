@@ -90,17 +90,13 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
     } else {
         plan::Device::Cpu
     };
-    let setting = Setting::new(
+    let setting = start_setting(
         cfg,
-        shape.clone(),
-        Target {
-            device,
-            world: rank.place.world,
-            budget,
-            mfu: 0.4,
-            cpu_threads: tch::get_num_threads().max(1) as usize,
-            storage_bw: plan::checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
-        },
+        shape,
+        device,
+        rank.place.world,
+        budget,
+        tch::get_num_threads().max(1) as usize,
     );
     let layout = Layout::from_config(cfg);
     let r = report::build(&setting, &layout);
@@ -166,6 +162,30 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
     Err(ConfigError(message).into())
 }
 
+/// The plan's setting for a check at start-up: `world` ranks on `device` with `budget` bytes
+/// each, at the plan's assumed 40% utilisation and default storage bandwidth.
+fn start_setting(
+    cfg: &Config,
+    shape: &LlamaShape,
+    device: plan::Device,
+    world: usize,
+    budget: (f64, String),
+    cpu_threads: usize,
+) -> Setting {
+    Setting::new(
+        cfg,
+        shape.clone(),
+        Target {
+            device,
+            world,
+            budget,
+            mfu: 0.4,
+            cpu_threads,
+            storage_bw: plan::checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
+        },
+    )
+}
+
 /// The launcher's check before it starts `nproc` CPU workers on this node (`world` in all):
 /// they share the host's MemAvailable, so a worker count whose share is too small is refused
 /// here, once, with the largest count that fits, instead of by every worker with advice meant
@@ -185,17 +205,13 @@ pub fn check_cpu_workers(
         return Ok(());
     };
     let need = |k: usize| {
-        let setting = Setting::new(
+        let setting = start_setting(
             cfg,
-            shape.clone(),
-            Target {
-                device: plan::Device::Cpu,
-                world: k * nnodes,
-                budget: (avail / k as f64, "MemAvailable".into()),
-                mfu: 0.4,
-                cpu_threads: 1,
-                storage_bw: plan::checkpoint::DEFAULT_STORAGE_GBPS * 1e9,
-            },
+            shape,
+            plan::Device::Cpu,
+            k * nnodes,
+            (avail / k as f64, "MemAvailable".into()),
+            1,
         );
         let r = report::build(&setting, &Layout::from_config(cfg));
         (r.fits, r.configured.total_bytes)
