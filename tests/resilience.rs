@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus, Launcher};
+use common::{
+    assert_bitwise_equal_checkpoints, lockstep, losses, ok, output_text, run, small, with,
+    write_corpus, Launcher,
+};
 use lockstep::dist::forensics::{trace, Snapshot};
 
 fn signal(pid: u32, sig: libc::c_int) {
@@ -62,42 +65,6 @@ fn wait_trace(
             "rank {rank} never reached: {what}"
         );
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Every `*.safetensors` of a checkpoint, by name (the model and the optimizer state).
-fn tensor_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(ckpt)
-        .unwrap_or_else(|e| panic!("{}: {e}", ckpt.display()))
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .map(|p| {
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&p).unwrap())
-        })
-        .collect();
-    files.sort();
-    files
-}
-
-fn assert_bitwise_equal_checkpoints(a: &Path, b: &Path) {
-    let (fa, fb) = (tensor_files(a), tensor_files(b));
-    let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
-    assert_eq!(names(&fa), names(&fb));
-    assert!(
-        names(&fa).iter().any(|n| n.starts_with("model"))
-            && names(&fa).iter().any(|n| n.starts_with("optimizer")),
-        "{:?}",
-        names(&fa)
-    );
-    for ((name, x), (_, y)) in fa.iter().zip(&fb) {
-        assert!(
-            x == y,
-            "{name} differs between {} and {}",
-            a.display(),
-            b.display()
-        );
     }
 }
 

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ok, small, strs, with, write_corpus, Launcher};
+use common::{assert_bitwise_equal_checkpoints, ok, small, strs, with, write_corpus, Launcher};
 
 const ADDR_A: &str = "10.77.0.1";
 const ADDR_B: &str = "10.77.0.2";
@@ -108,21 +108,6 @@ fn proc_hex(addr: &str) -> String {
     format!("{:02X}{:02X}{:02X}{:02X}", b[3], b[2], b[1], b[0])
 }
 
-/// Every `*.safetensors` of a checkpoint, by name.
-fn tensors(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(ckpt)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .map(|p| {
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&p).unwrap())
-        })
-        .collect();
-    files.sort();
-    files
-}
-
 #[test]
 fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     let Some(hosts) = Hosts::make() else {
@@ -196,14 +181,8 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
         let (code, text) = n.finish(limit);
         assert_eq!(code, Some(0), "node {i}:\n{text}");
     }
-    let (one, two) = (
-        tensors(&dir.join("runs/onenode/checkpoints/step_6")),
-        tensors(&dir.join("runs/twohosts/checkpoints/step_6")),
-    );
-    assert!(one.len() >= 2 && one.iter().map(|f| &f.0).eq(two.iter().map(|f| &f.0)));
-    for ((name, x), (_, y)) in one.iter().zip(&two) {
-        assert!(x == y, "{name} differs between one node and two hosts");
-    }
+    let one = dir.join("runs/onenode/checkpoints/step_6");
+    assert_bitwise_equal_checkpoints(&one, &dir.join("runs/twohosts/checkpoints/step_6"));
 
     // 2. Node 1's launcher killed: node 0 stops within the collective timeout, naming it.
     let (n0, n1) = (
@@ -245,11 +224,5 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
             "node {i}:\n{text}"
         );
     }
-    let again = tensors(&dir.join("runs/restarted/checkpoints/step_6"));
-    for ((name, x), (_, y)) in one.iter().zip(&again) {
-        assert!(
-            x == y,
-            "{name} differs after a restart across the two hosts"
-        );
-    }
+    assert_bitwise_equal_checkpoints(&one, &dir.join("runs/restarted/checkpoints/step_6"));
 }
