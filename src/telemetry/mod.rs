@@ -4,6 +4,7 @@
 pub mod memory;
 pub mod mfu;
 pub mod tensorboard;
+pub mod tracker;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

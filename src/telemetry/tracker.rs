@@ -1,0 +1,483 @@
+//! Experiment trackers (W&B, MLflow) behind one bounded queue each, so a tracker that is slow,
+//! unreachable or dead never slows or stops training.
+//!
+//! The training thread hands a [`Record`] to [`Tracker::send`] (a `try_send` into a bounded
+//! channel: never blocks; a full queue drops the record and counts it). The tracker's own thread
+//! runs a [`Sink`] — the service's client — and is the only place that talks to the service:
+//!
+//! - steps never repeat: a record whose step is not after the last one the service has (after a
+//!   restart, a resume or a rollback, the steps trained again) is not sent again;
+//! - a failure warns once, naming what failed and the fix; a passing failure (network, a dead
+//!   sidecar) is retried with a growing pause, the records arriving meanwhile waiting in the
+//!   queue, while a lasting one (no `wandb` package, a refused key) turns the tracker off;
+//! - [`Tracker::finish`] ends the service's run with the run's status, waiting a bounded time.
+//!
+//! `metrics.jsonl` stays the complete record whatever a tracker does.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Records a tracker may hold while its service is slow or away (one per logged step; a record
+/// is a few hundred bytes, so the bound is about a megabyte).
+pub const QUEUE_RECORDS: usize = 4096;
+
+/// How long the end of a run waits for a tracker to deliver what it holds and end its run.
+pub const FINISH_WAIT: Duration = Duration::from_secs(60);
+
+/// One logged point: a step and its named values (`train/loss`, `val/loss`, ...).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub step: u64,
+    pub values: Vec<(String, f64)>,
+}
+
+/// How the run ended, as the trackers record it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    /// Trained to the end.
+    Finished,
+    /// Stopped by an error (the NaN guard, a lost rank, ...).
+    Failed,
+    /// Stopped by a signal after saving a checkpoint (to be resumed).
+    Killed,
+}
+
+impl RunStatus {
+    /// MLflow's name for it.
+    pub fn mlflow(self) -> &'static str {
+        match self {
+            RunStatus::Finished => "FINISHED",
+            RunStatus::Failed => "FAILED",
+            RunStatus::Killed => "KILLED",
+        }
+    }
+}
+
+/// What went wrong in a sink.
+#[derive(Debug)]
+pub struct SinkError {
+    /// One line naming what failed and the fix.
+    pub message: String,
+    /// Retrying cannot help (a missing package, a refused key): the tracker turns off.
+    pub lasting: bool,
+}
+
+impl SinkError {
+    pub fn passing(message: impl Into<String>) -> SinkError {
+        SinkError {
+            message: message.into(),
+            lasting: false,
+        }
+    }
+    pub fn lasting(message: impl Into<String>) -> SinkError {
+        SinkError {
+            message: message.into(),
+            lasting: true,
+        }
+    }
+}
+
+/// A tracking service's client, run on the tracker's thread only.
+pub trait Sink: Send + 'static {
+    /// Creates or continues the service's run. Returns a line for the log (the run's address)
+    /// and the last step the service already has for this run (None: none).
+    fn start(&mut self) -> Result<(String, Option<u64>), SinkError>;
+    /// Sends records in step order (steps increasing).
+    fn send(&mut self, records: &[Record]) -> Result<(), SinkError>;
+    /// Ends the service's run.
+    fn finish(&mut self, status: RunStatus) -> Result<(), SinkError>;
+}
+
+enum Msg {
+    Record(Record),
+    Finish(RunStatus),
+}
+
+/// The training thread's handle on one tracker.
+pub struct Tracker {
+    name: &'static str,
+    tag: String,
+    tx: Option<SyncSender<Msg>>,
+    /// Records dropped because the queue was full.
+    dropped: Arc<AtomicU64>,
+    /// The first drop was reported.
+    told_full: AtomicBool,
+    /// Signals the end of the thread's work (it sends once, when it returns).
+    done: Receiver<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Tracker {
+    /// Starts `sink` on its own thread (`name` is the service's name in messages, `tag` the
+    /// rank tag).
+    pub fn start(name: &'static str, tag: &str, sink: Box<dyn Sink>) -> Tracker {
+        let (tx, rx) = sync_channel(QUEUE_RECORDS);
+        let (done_tx, done) = sync_channel(1);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let worker = Worker {
+            name,
+            tag: tag.to_string(),
+            sink,
+            rx,
+            dropped: dropped.clone(),
+            last_step: None,
+            state: State::Starting,
+            warned: false,
+            skipped: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("tracker-{}", name.to_lowercase()))
+            .spawn(move || {
+                worker.run();
+                let _ = done_tx.send(());
+            })
+            .expect("spawning a tracker thread");
+        Tracker {
+            name,
+            tag: tag.to_string(),
+            tx: Some(tx),
+            dropped,
+            told_full: AtomicBool::new(false),
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    /// Queues a record; never blocks. A full queue drops it (counted, said once).
+    pub fn send(&self, record: Record) {
+        let Some(tx) = &self.tx else { return };
+        match tx.try_send(Msg::Record(record)) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Err(TrySendError::Full(_)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                if !self.told_full.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "{} Warning: {} is {QUEUE_RECORDS} records behind; later records are \
+                         dropped until it catches up (counted at the end). Training goes on; \
+                         metrics.jsonl has every record",
+                        self.tag, self.name
+                    );
+                }
+            }
+        }
+    }
+
+    /// Ends the service's run with `status`, waiting at most `wait` for the records still
+    /// queued to be delivered.
+    pub fn finish(mut self, status: RunStatus, wait: Duration) {
+        self.end(status, wait);
+    }
+
+    fn end(&mut self, status: RunStatus, wait: Duration) {
+        let Some(tx) = self.tx.take() else { return };
+        // Blocks only while the queue is full, and then at most `wait`.
+        let deadline = Instant::now() + wait;
+        let mut msg = Msg::Finish(status);
+        loop {
+            match tx.try_send(msg) {
+                Ok(()) | Err(TrySendError::Disconnected(_)) => break,
+                Err(TrySendError::Full(m)) if Instant::now() < deadline => {
+                    msg = m;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(TrySendError::Full(_)) => break,
+            }
+        }
+        drop(tx);
+        match self
+            .done
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                if let Some(t) = self.thread.take() {
+                    let _ = t.join();
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => eprintln!(
+                "{} Warning: {} has not finished after {} s; leaving it (records not yet \
+                 delivered are in metrics.jsonl; upload them later with `lockstep wandb-sync` \
+                 for W&B)",
+                self.tag,
+                self.name,
+                wait.as_secs()
+            ),
+        }
+    }
+}
+
+impl Drop for Tracker {
+    /// A tracker dropped without [`Tracker::finish`] (an error unwinding the trainer) ends its
+    /// run as failed.
+    fn drop(&mut self) {
+        self.end(RunStatus::Failed, FINISH_WAIT);
+    }
+}
+
+#[derive(PartialEq)]
+enum State {
+    Starting,
+    Running,
+    /// A passing failure: retried at this time.
+    Retry(Instant, Duration),
+    /// A lasting failure: records are dropped.
+    Off,
+}
+
+struct Worker {
+    name: &'static str,
+    tag: String,
+    sink: Box<dyn Sink>,
+    rx: Receiver<Msg>,
+    dropped: Arc<AtomicU64>,
+    /// The last step the service has.
+    last_step: Option<u64>,
+    state: State,
+    /// The one warning was printed.
+    warned: bool,
+    /// Records not sent because the service already had their step.
+    skipped: u64,
+}
+
+/// First pause after a passing failure; each further failure doubles it, up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_secs(2);
+const MAX_PAUSE: Duration = Duration::from_secs(60);
+/// Tries at the end of a run after a passing failure (a second apart).
+const FINAL_TRIES: usize = 3;
+/// Records sent in one request at most.
+const BATCH: usize = 64;
+
+impl Worker {
+    fn run(mut self) {
+        let mut pending: Vec<Record> = Vec::new();
+        let mut finish: Option<RunStatus> = None;
+        let mut final_tries = 0;
+        loop {
+            // Take what is queued (waiting for it when nothing is pending).
+            if finish.is_none() {
+                let wait = match (&self.state, pending.is_empty()) {
+                    (State::Retry(at, _), _) => at.saturating_duration_since(Instant::now()),
+                    (_, true) => Duration::from_secs(3600),
+                    (_, false) => Duration::ZERO,
+                };
+                match self.rx.recv_timeout(wait) {
+                    Ok(m) => self.take(m, &mut pending, &mut finish),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    // The trainer went away without finishing: an error unwound it.
+                    Err(RecvTimeoutError::Disconnected) => finish = Some(RunStatus::Failed),
+                }
+                while pending.len() < BATCH && finish.is_none() {
+                    match self.rx.try_recv() {
+                        Ok(m) => self.take(m, &mut pending, &mut finish),
+                        Err(_) => break,
+                    }
+                }
+            }
+            // Held records beyond the queue's bound are dropped (the oldest first).
+            if pending.len() > QUEUE_RECORDS {
+                let extra = pending.len() - QUEUE_RECORDS;
+                pending.drain(..extra);
+                self.dropped.fetch_add(extra as u64, Ordering::Relaxed);
+            }
+            if let State::Retry(at, _) = self.state {
+                if Instant::now() < at {
+                    if finish.is_some() {
+                        // Ending: one last try now rather than waiting out the pause.
+                        self.state = State::Retry(Instant::now(), MAX_PAUSE);
+                    } else {
+                        continue;
+                    }
+                }
+            }
+            if matches!(self.state, State::Starting | State::Retry(..)) {
+                self.try_start();
+            }
+            if self.state == State::Running && !pending.is_empty() {
+                let batch: Vec<Record> = pending
+                    .iter()
+                    .filter(|r| self.last_step.is_none_or(|last| r.step > last))
+                    .cloned()
+                    .collect();
+                self.skipped += (pending.len() - batch.len()) as u64;
+                match self.sink.send(&batch) {
+                    Ok(()) => {
+                        if let Some(r) = batch.last() {
+                            self.last_step = Some(r.step);
+                        }
+                        pending.clear();
+                    }
+                    Err(e) => self.failed(e),
+                }
+            }
+            if self.state == State::Off {
+                pending.clear();
+            }
+            if let Some(status) = finish {
+                if matches!(self.state, State::Retry(..)) && final_tries < FINAL_TRIES {
+                    // Ending after a passing failure: a few quick tries before giving up.
+                    final_tries += 1;
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
+                if self.state == State::Running && pending.is_empty() {
+                    if let Err(e) = self.sink.finish(status) {
+                        self.failed(e);
+                    }
+                } else if !pending.is_empty() {
+                    self.dropped
+                        .fetch_add(pending.len() as u64, Ordering::Relaxed);
+                }
+                let dropped = self.dropped.load(Ordering::Relaxed);
+                if dropped > 0 {
+                    eprintln!(
+                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them)",
+                        self.tag, self.name
+                    );
+                }
+                return;
+            }
+        }
+    }
+
+    fn take(&mut self, m: Msg, pending: &mut Vec<Record>, finish: &mut Option<RunStatus>) {
+        match m {
+            Msg::Record(r) => {
+                // A step at or before one already queued is a step trained again (a rollback):
+                // the service keeps the first.
+                let last = pending.last().map(|p| p.step).or(self.last_step);
+                if last.is_none_or(|l| r.step > l) {
+                    pending.push(r);
+                } else {
+                    self.skipped += 1;
+                }
+            }
+            Msg::Finish(s) => *finish = Some(s),
+        }
+    }
+
+    fn try_start(&mut self) {
+        let again = matches!(self.state, State::Retry(..));
+        match self.sink.start() {
+            Ok((line, last)) => {
+                self.last_step = match (self.last_step, last) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
+                let note = match (again, last) {
+                    (true, _) => " (again, after the failure above)".to_string(),
+                    (false, Some(s)) => {
+                        format!("; continuing after step {s}, which it already has")
+                    }
+                    (false, None) => String::new(),
+                };
+                println!("{} {}: {line}{note}", self.tag, self.name);
+                self.state = State::Running;
+            }
+            Err(e) => self.failed(e),
+        }
+    }
+
+    fn failed(&mut self, e: SinkError) {
+        if !self.warned {
+            self.warned = true;
+            let then = if e.lasting {
+                "it is off for the rest of this run"
+            } else {
+                "retrying in the background"
+            };
+            eprintln!(
+                "{} Warning: {}: {}; {then}. Training goes on; metrics.jsonl has every record",
+                self.tag, self.name, e.message
+            );
+        }
+        self.state = if e.lasting {
+            State::Off
+        } else {
+            let pause = match self.state {
+                State::Retry(_, p) => (p * 2).min(MAX_PAUSE),
+                _ => FIRST_PAUSE,
+            };
+            State::Retry(Instant::now() + pause, pause)
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A sink that records what it was sent, failing as told.
+    struct Fake {
+        log: Arc<Mutex<Vec<String>>>,
+        /// Fail this many sends first (passing failures).
+        fail_sends: usize,
+        has: Option<u64>,
+    }
+
+    impl Sink for Fake {
+        fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
+            self.log.lock().unwrap().push("start".into());
+            Ok(("fake run".into(), self.has))
+        }
+        fn send(&mut self, records: &[Record]) -> Result<(), SinkError> {
+            if self.fail_sends > 0 {
+                self.fail_sends -= 1;
+                return Err(SinkError::passing("down"));
+            }
+            let mut log = self.log.lock().unwrap();
+            log.extend(records.iter().map(|r| format!("step {}", r.step)));
+            Ok(())
+        }
+        fn finish(&mut self, status: RunStatus) -> Result<(), SinkError> {
+            self.log.lock().unwrap().push(status.mlflow().into());
+            Ok(())
+        }
+    }
+
+    fn record(step: u64) -> Record {
+        Record {
+            step,
+            values: vec![("train/loss".into(), step as f64)],
+        }
+    }
+
+    #[test]
+    fn steps_the_service_has_are_not_sent_again_and_a_passing_failure_is_retried() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Fake {
+            log: log.clone(),
+            fail_sends: 1,
+            has: Some(2),
+        };
+        let t = Tracker::start("Fake", "[CPU0]", Box::new(sink));
+        // Steps 1-2 the service has; 4 after 5 is a rollback's step trained again.
+        for s in [1, 2, 3, 5, 4, 6] {
+            t.send(record(s));
+        }
+        t.finish(RunStatus::Finished, Duration::from_secs(20));
+        let log = log.lock().unwrap().clone();
+        let sent: Vec<&str> = log.iter().map(String::as_str).collect();
+        // The failed send starts the run again; then the steps after 2, once each.
+        assert_eq!(sent, ["start", "start", "step 3", "step 5", "step 6", "FINISHED"]);
+    }
+
+    #[test]
+    fn a_dropped_tracker_ends_its_run_as_failed() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Fake {
+            log: log.clone(),
+            fail_sends: 0,
+            has: None,
+        };
+        let t = Tracker::start("Fake", "[CPU0]", Box::new(sink));
+        t.send(record(1));
+        drop(t);
+        assert_eq!(
+            log.lock().unwrap().as_slice(),
+            ["start", "step 1", "FAILED"]
+        );
+    }
+}
