@@ -13,6 +13,9 @@
 //!    works from any directory. Packed here rather than committed as a blob so the text files
 //!    stay the only copy and the two can never disagree.
 //!
+//! 5. Names the Python of the venv that libtorch came from (`LOCKSTEP_VENV_PYTHON`, empty when
+//!    it is not a venv): the W&B sidecar's default interpreter (src/telemetry/wandb.rs).
+//!
 //! All shims share csrc/ffi_util.hpp (the error convention; see src/sys/ffi.rs).
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,6 +36,14 @@ fn main() {
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
         .expect("torch-sys exports DEP_TCH_LIBTORCH_LIB; build with LIBTORCH_USE_PYTORCH=1 (scripts/env.sh)");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{lib}");
+    let venv_python = Path::new(&lib)
+        .ancestors()
+        .find(|d| d.join("pyvenv.cfg").exists())
+        .map(|d| d.join("bin/python").display().to_string());
+    println!(
+        "cargo:rustc-env=LOCKSTEP_VENV_PYTHON={}",
+        venv_python.unwrap_or_default()
+    );
     let torch_includes = [
         format!("{lib}/../include"),
         format!("{lib}/../include/torch/csrc/api/include"),

@@ -73,6 +73,10 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArgs,
     },
+    /// Upload a run's metrics.jsonl into its W&B run afterwards (for nodes without internet,
+    /// or a run whose tracker fell behind): the same run id and names as during training;
+    /// steps W&B already has are not sent again.
+    WandbSync(commands::wandb_sync::WandbSyncArgs),
     /// Print the resolved config, the table of keys, or the docs/CONFIG.md markdown.
     Config {
         #[command(flatten)]
@@ -199,6 +203,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Eval(args) => commands::eval::run(&args),
         Command::Generate(args) => commands::generate::run(&args),
         Command::Plan { plan, config } => commands::plan::run(&config.resolve()?, &plan),
+        Command::WandbSync(args) => commands::wandb_sync::run(&args),
         Command::Config {
             config,
             keys,

@@ -195,15 +195,37 @@ fn checked_layer(layer: Value, origin: &str) -> Result<Value, ConfigError> {
                 suggestion_suffix(&section)
             ));
         }
-        for (leaf, value) in entries {
-            let full = format!("{section}.{leaf}");
-            let key = schema::canonical(&full);
-            let spec = known_key(key, origin)?;
-            check_kind(spec, &value, origin)?;
-            set_path(&mut out, spec.key, value);
-        }
+        check_entries(&section, entries, &mut out, origin)?;
     }
     Ok(out)
+}
+
+/// The keys under `prefix` (a section, or a group inside one such as `logging.wandb`): each one
+/// known and of the right kind, a group's object checked key by key.
+fn check_entries(
+    prefix: &str,
+    entries: Map<String, Value>,
+    out: &mut Value,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    for (leaf, value) in entries {
+        let full = format!("{prefix}.{leaf}");
+        let key = schema::canonical(&full);
+        if schema::find(key).is_none() && schema::is_group(key) {
+            let Value::Object(inner) = value else {
+                return err(format!(
+                    "{origin}: \"{key}\" must be an object {{...}} of its keys ({})",
+                    schema::group_keys(key).join(", ")
+                ));
+            };
+            check_entries(key, inner, out, origin)?;
+            continue;
+        }
+        let spec = known_key(key, origin)?;
+        check_kind(spec, &value, origin)?;
+        set_path(out, spec.key, value);
+    }
+    Ok(())
 }
 
 fn known_key(key: &str, origin: &str) -> Result<&'static schema::KeySpec, ConfigError> {
@@ -251,6 +273,13 @@ fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
         schema::Kind::Str | schema::Kind::Choice(_) => Value::String(unquote(raw)),
         schema::Kind::OptStr if raw == "null" => Value::Null,
         schema::Kind::OptStr => Value::String(unquote(raw)),
+        schema::Kind::StrList => serde_json::from_str(raw).unwrap_or_else(|_| {
+            raw.split(',')
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(|t| Value::String(t.to_string()))
+                .collect()
+        }),
         _ => serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string())),
     };
     check_kind(spec, &value, &origin)?;
@@ -261,15 +290,18 @@ fn unquote(raw: &str) -> String {
     serde_json::from_str::<String>(raw).unwrap_or_else(|_| raw.to_string())
 }
 
+/// Puts `value` at a dotted key (`logging.wandb.project`), making the objects on the way.
 fn set_path(root: &mut Value, key: &str, value: Value) {
-    let (section, leaf) = key.split_once('.').expect("keys are section.key");
-    let obj = root.as_object_mut().expect("root is an object");
-    let sec = obj
-        .entry(section)
-        .or_insert_with(|| Value::Object(Map::new()));
-    sec.as_object_mut()
-        .expect("sections are objects")
-        .insert(leaf.to_string(), value);
+    let (groups, leaf) = key.rsplit_once('.').expect("keys are section.key");
+    let mut obj = root.as_object_mut().expect("root is an object");
+    for group in groups.split('.') {
+        obj = obj
+            .entry(group)
+            .or_insert_with(|| Value::Object(Map::new()))
+            .as_object_mut()
+            .expect("sections and groups are objects");
+    }
+    obj.insert(leaf.to_string(), value);
 }
 
 /// Deep merge: objects merge key by key, anything else replaces.

@@ -28,6 +28,8 @@ pub enum Kind {
     UIntIn(&'static [u64]),
     /// A list of objects with these fields (`data.sources`); each field's kind is a scalar one.
     Records(&'static [Field]),
+    /// A list of strings (`--set` also takes them comma-separated).
+    StrList,
 }
 
 /// One field of a [`Kind::Records`] entry.
@@ -73,6 +75,7 @@ impl Kind {
             Kind::Choice(c) => format!("one of {}", c.join(" | ")),
             Kind::OptStr => "string or null".into(),
             Kind::OptUInt => "integer >= 0 or null".into(),
+            Kind::StrList => "list of strings".into(),
             Kind::UIntIn(n) => {
                 let n: Vec<String> = n.iter().map(u64::to_string).collect();
                 format!("one of {}", n.join(" | "))
@@ -151,6 +154,7 @@ impl Kind {
             Kind::Choice(c) => v.as_str().is_some_and(|s| c.contains(&s)),
             Kind::OptStr => v.is_null() || v.is_string(),
             Kind::OptUInt => v.is_null() || uint(v),
+            Kind::StrList => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
             Kind::UIntIn(n) => uint(v) && v.as_f64().is_some_and(|f| n.contains(&(f as u64))),
             Kind::Records(_) => self.problem(v).is_none(),
         }
@@ -263,6 +267,17 @@ keys! {
     "logging.memory_interval", Kind::UInt, "100", "Log resident memory (and the peak) every N steps (0 = only the peak at the end).";
     "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
     "logging.straggler_pct", Kind::Float, "20.0", "Every logging.interval steps, rank 0 names the slowest rank when its time per step on its own work (data, forward, backward, optimizer; not waiting for others) exceeds the median of all ranks by more than this many percent (0 = off; one small all-reduce per check).";
+    "logging.wandb.project", Kind::OptStr, "null", "Weights & Biases project; setting it turns W&B on. Rank 0 runs the official `wandb` client in a sidecar process (Python, fed over a pipe, never waited for by training) and logs every step line's values, validation, guard events and the resolved config. The W&B run id is kept in <run dir>/wandb/lockstep-run.json, so --resume and restarts continue one W&B run; a fresh start begins a new one.";
+    "logging.wandb.entity", Kind::OptStr, "null", "W&B entity (user or team); null = the API key's default entity (or WANDB_ENTITY).";
+    "logging.wandb.name", Kind::OptStr, "null", "W&B run display name; null = the run directory's name.";
+    "logging.wandb.group", Kind::OptStr, "null", "W&B run group (e.g. one sweep or ablation).";
+    "logging.wandb.tags", Kind::StrList, "[]", "W&B run tags (`--set logging.wandb.tags=a,b`).";
+    "logging.wandb.mode", Kind::OptStr, "null", "online | offline | disabled; null = WANDB_MODE, else online. offline writes the run under logging.wandb.dir for `wandb sync` (clusters without internet).";
+    "logging.wandb.dir", Kind::OptStr, "null", "Where W&B keeps its files (it makes a wandb/ folder inside); null = the run directory.";
+    "logging.wandb.python", Kind::OptStr, "null", "The Python that runs the W&B sidecar (it must have the `wandb` package); null = the project venv lockstep was built with when it exists, else python3 on PATH.";
+    "logging.mlflow.tracking_uri", Kind::OptStr, "null", "MLflow tracking server (http://host:port); setting it, or MLFLOW_TRACKING_URI, turns MLflow on. Rank 0 logs through MLflow's REST API from a background thread: the step line's values and validation as metrics, the resolved config as params, FINISHED / FAILED / KILLED at the end. The run id is kept in <run dir>/mlflow.json, so resumes and restarts continue one MLflow run. Auth: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD.";
+    "logging.mlflow.experiment", Kind::OptStr, "null", "MLflow experiment name (created when missing); null = MLFLOW_EXPERIMENT_NAME, else lockstep.";
+    "logging.mlflow.run_name", Kind::OptStr, "null", "MLflow run name; null = the run directory's name.";
     "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
     "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
     "checkpoint.keep_every", Kind::UInt, "0", "Also keep every checkpoint whose step is a multiple of N forever, besides the last checkpoint.keep_last (0 = off; e.g. 1000 keeps step_1000, step_2000, ...).";
@@ -281,6 +296,18 @@ keys! {
 
 pub fn find(key: &str) -> Option<&'static KeySpec> {
     KEYS.iter().find(|k| k.key == key)
+}
+
+/// Whether `key` names a group of keys inside a section (`logging.wandb`).
+pub fn is_group(key: &str) -> bool {
+    !group_keys(key).is_empty()
+}
+
+/// The leaf names of the keys in group `key` (`project`, `entity`, ... for `logging.wandb`).
+pub fn group_keys(key: &str) -> Vec<&'static str> {
+    KEYS.iter()
+        .filter_map(|k| k.key.strip_prefix(key)?.strip_prefix('.'))
+        .collect()
 }
 
 pub fn canonical(key: &str) -> &str {

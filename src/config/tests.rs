@@ -219,12 +219,26 @@ fn impossible_shapes_are_rejected_with_a_fix() {
 #[test]
 fn schema_table_and_typed_struct_agree() {
     let json = resolve(&Sources::default()).unwrap().to_json();
-    let mut from_struct = BTreeSet::new();
-    for (section, body) in json.as_object().unwrap() {
-        for key in body.as_object().unwrap().keys() {
-            from_struct.insert(format!("{section}.{key}"));
+    fn leaves(prefix: &str, v: &serde_json::Value, out: &mut BTreeSet<String>) {
+        match v.as_object() {
+            // `data.sources` is one key whose value is a list, not a group.
+            Some(obj) => {
+                for (k, inner) in obj {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    leaves(&key, inner, out);
+                }
+            }
+            None => {
+                out.insert(prefix.to_string());
+            }
         }
     }
+    let mut from_struct = BTreeSet::new();
+    leaves("", &json, &mut from_struct);
     let from_table: BTreeSet<String> = schema::KEYS.iter().map(|k| k.key.to_string()).collect();
     assert_eq!(from_struct, from_table);
 }

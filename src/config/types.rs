@@ -127,6 +127,35 @@ pub struct LoggingConfig {
     pub tensorboard: bool,
     pub run_name: Option<String>,
     pub straggler_pct: f64,
+    pub wandb: WandbConfig,
+    pub mlflow: MlflowConfig,
+}
+
+/// The values `logging.wandb.mode` (and WANDB_MODE) take.
+pub const WANDB_MODES: &[&str] = &["online", "offline", "disabled"];
+
+/// `logging.wandb.*`: Weights & Biases (on when `project` is set).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WandbConfig {
+    pub project: Option<String>,
+    pub entity: Option<String>,
+    pub name: Option<String>,
+    pub group: Option<String>,
+    pub tags: Vec<String>,
+    /// online | offline | disabled; None = WANDB_MODE, else online.
+    pub mode: Option<String>,
+    pub dir: Option<String>,
+    pub python: Option<String>,
+}
+
+/// `logging.mlflow.*`: MLflow (on when `tracking_uri` or MLFLOW_TRACKING_URI is set).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlflowConfig {
+    pub tracking_uri: Option<String>,
+    pub experiment: Option<String>,
+    pub run_name: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

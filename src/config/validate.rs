@@ -11,6 +11,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
     check_paths(c, &mut bad);
+    check_trackers(c, &mut bad);
     if problems.is_empty() {
         Ok(())
     } else {
@@ -182,6 +183,42 @@ fn check_paths(c: &Config, bad: &mut impl FnMut(String)) {
                 "logging.run_name = {name:?} {why}; the run directory is logging.dir/<run_name>, \
                  so the name must be one plain folder name (e.g. --set logging.run_name=exp1); \
                  put the runs elsewhere with logging.dir"
+            ));
+        }
+    }
+}
+
+/// W&B's mode and project, MLflow's address: a mistake here would otherwise only show as a
+/// tracker's warning once training has started.
+fn check_trackers(c: &Config, bad: &mut impl FnMut(String)) {
+    let (w, m) = (&c.logging.wandb, &c.logging.mlflow);
+    if let Some(mode) = &w.mode {
+        if !crate::config::WANDB_MODES.contains(&mode.as_str()) {
+            bad(format!(
+                "logging.wandb.mode = {mode:?} is not a W&B mode; use one of {} (or null for \
+                 WANDB_MODE, else online)",
+                crate::config::WANDB_MODES.join(", ")
+            ));
+        }
+    }
+    for (key, value) in [
+        ("logging.wandb.project", &w.project),
+        ("logging.wandb.entity", &w.entity),
+        ("logging.mlflow.tracking_uri", &m.tracking_uri),
+        ("logging.mlflow.experiment", &m.experiment),
+    ] {
+        if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+            bad(format!(
+                "{key} is an empty string; give a name, or null to leave it unset"
+            ));
+        }
+    }
+    if let Some(uri) = m.tracking_uri.as_deref().filter(|u| !u.trim().is_empty()) {
+        if !(uri.starts_with("http://") || uri.starts_with("https://")) {
+            bad(format!(
+                "logging.mlflow.tracking_uri = {uri:?}: lockstep talks to an MLflow tracking \
+                 server over HTTP; give its address (e.g. http://127.0.0.1:5000; start one with \
+                 `mlflow server`), not a file store or other scheme"
             ));
         }
     }

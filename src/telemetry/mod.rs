@@ -3,8 +3,10 @@
 
 pub mod memory;
 pub mod mfu;
+pub mod mlflow;
 pub mod tensorboard;
 pub mod tracker;
+pub mod wandb;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -69,6 +71,83 @@ impl std::fmt::Display for StepLine<'_> {
         }
         Ok(())
     }
+}
+
+/// The named series of one `metrics.jsonl` record, as TensorBoard, W&B and MLflow show them
+/// (one list, so the three agree): `train/loss`, `train/lr`, `train/grad_norm`,
+/// `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/ppl`, `val/loss/<source>`,
+/// `data/tokens/<source>`, `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`,
+/// `guard/events`, `guard/<kind>`. Absent (null) values give no point.
+pub fn series(record: &Value) -> Vec<(String, f64)> {
+    let mut out = Vec::new();
+    let mut put = |name: String, v: Option<f64>| {
+        if let Some(v) = v {
+            out.push((name, v));
+        }
+    };
+    let num = |key: &str| record.get(key).and_then(Value::as_f64);
+    for (key, name) in [
+        ("loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("grad_norm", "train/grad_norm"),
+        ("tokens_per_s", "perf/tokens_per_s"),
+        ("mfu", "perf/mfu"),
+        ("val_loss", "val/loss"),
+    ] {
+        put(name.to_string(), num(key));
+    }
+    put("val/ppl".into(), num("val_loss").map(f64::exp));
+    let entries = |key: &str| {
+        record
+            .get(key)
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .map(|(name, v)| (name.clone(), v.as_f64()))
+    };
+    for (name, v) in entries("val_loss_by_source") {
+        put(format!("val/loss/{name}"), v);
+    }
+    for (name, v) in entries("tokens_by_source") {
+        put(format!("data/tokens/{name}"), v);
+    }
+    // Guard events since the previous record, by kind (nonfinite, spike).
+    for (kind, n) in entries("guard") {
+        put(format!("guard/{kind}"), n);
+    }
+    for (key, name) in [
+        ("samples_consumed", "data/samples_consumed"),
+        ("rss_gb", "memory/rss_gb"),
+        ("gpu_used_gb", "memory/gpu_used_gb"),
+        ("guard_events", "guard/events"),
+    ] {
+        put(name.to_string(), num(key));
+    }
+    out
+}
+
+/// A config as flat `key = value` text pairs (`training.learning_rate` = `0.0003`; lists and
+/// null as JSON): MLflow's params.
+pub fn flat_params(config: &Value) -> Vec<(String, String)> {
+    fn walk(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) {
+        match v {
+            Value::Object(obj) => {
+                for (k, inner) in obj {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&key, inner, out);
+                }
+            }
+            Value::String(s) => out.push((prefix.to_string(), s.clone())),
+            other => out.push((prefix.to_string(), other.to_string())),
+        }
+    }
+    let mut out = Vec::new();
+    walk("", config, &mut out);
+    out
 }
 
 /// Appends one JSON object per line; flushed per record so a crash loses at most one line.
@@ -229,6 +308,35 @@ mod tests {
             ..line
         };
         assert!(gpu.to_string().ends_with("| ETA: 5:30:12 | MFU: 41.2%"));
+    }
+
+    #[test]
+    fn a_record_gives_its_named_series() {
+        let record = serde_json::json!({
+            "step": 7, "loss": 2.5, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 1000.0,
+            "samples_consumed": 56, "val_loss": 0.0, "rss_gb": 1.5, "guard_events": 0, "mfu": null,
+            "tokens_by_source": {"web": 10, "code": 20},
+            "val_loss_by_source": {"web": 0.0, "code": null},
+        });
+        let names: Vec<String> = series(&record).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "train/loss",
+                "train/lr",
+                "train/grad_norm",
+                "perf/tokens_per_s",
+                "val/loss",
+                "val/ppl",
+                "val/loss/web",
+                "data/tokens/web",
+                "data/tokens/code",
+                "data/samples_consumed",
+                "memory/rss_gb",
+                "guard/events"
+            ]
+        );
+        assert_eq!(series(&record)[5].1, 1.0); // ppl = exp(0)
     }
 
     #[test]

@@ -99,6 +99,8 @@ enum Msg {
 /// The training thread's handle on one tracker.
 pub struct Tracker {
     name: &'static str,
+    /// `; <how to deliver what it missed>`, or empty.
+    catch_up_note: String,
     tag: String,
     tx: Option<SyncSender<Msg>>,
     /// Records dropped because the queue was full.
@@ -112,14 +114,15 @@ pub struct Tracker {
 
 impl Tracker {
     /// Starts `sink` on its own thread (`name` is the service's name in messages, `tag` the
-    /// rank tag).
-    pub fn start(name: &'static str, tag: &str, sink: Box<dyn Sink>) -> Tracker {
+    /// rank tag, `catch_up` how to deliver what it missed afterwards, if there is a way).
+    pub fn start(name: &'static str, tag: &str, catch_up: &str, sink: Box<dyn Sink>) -> Tracker {
         let (tx, rx) = sync_channel(QUEUE_RECORDS);
         let (done_tx, done) = sync_channel(1);
         let dropped = Arc::new(AtomicU64::new(0));
         let worker = Worker {
             name,
             tag: tag.to_string(),
+            catch_up: catch_up.to_string(),
             sink,
             rx,
             dropped: dropped.clone(),
@@ -137,6 +140,10 @@ impl Tracker {
             .expect("spawning a tracker thread");
         Tracker {
             name,
+            catch_up_note: match catch_up {
+                "" => String::new(),
+                how => format!("; {how}"),
+            },
             tag: tag.to_string(),
             tx: Some(tx),
             dropped,
@@ -198,11 +205,11 @@ impl Tracker {
             }
             Err(RecvTimeoutError::Timeout) => eprintln!(
                 "{} Warning: {} has not finished after {} s; leaving it (records not yet \
-                 delivered are in metrics.jsonl; upload them later with `lockstep wandb-sync` \
-                 for W&B)",
+                 delivered are in metrics.jsonl){}",
                 self.tag,
                 self.name,
-                wait.as_secs()
+                wait.as_secs(),
+                self.catch_up_note
             ),
         }
     }
@@ -229,6 +236,8 @@ enum State {
 struct Worker {
     name: &'static str,
     tag: String,
+    /// How to deliver the records it missed afterwards ("" = no way).
+    catch_up: String,
     sink: Box<dyn Sink>,
     rx: Receiver<Msg>,
     dropped: Arc<AtomicU64>,
@@ -331,8 +340,12 @@ impl Worker {
                 }
                 let dropped = self.dropped.load(Ordering::Relaxed);
                 if dropped > 0 {
+                    let how = match self.catch_up.as_str() {
+                        "" => String::new(),
+                        how => format!("; {how}"),
+                    };
                     eprintln!(
-                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them)",
+                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them{how})",
                         self.tag, self.name
                     );
                 }
@@ -452,7 +465,7 @@ mod tests {
             fail_sends: 1,
             has: Some(2),
         };
-        let t = Tracker::start("Fake", "[CPU0]", Box::new(sink));
+        let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
         // Steps 1-2 the service has; 4 after 5 is a rollback's step trained again.
         for s in [1, 2, 3, 5, 4, 6] {
             t.send(record(s));
@@ -461,7 +474,10 @@ mod tests {
         let log = log.lock().unwrap().clone();
         let sent: Vec<&str> = log.iter().map(String::as_str).collect();
         // The failed send starts the run again; then the steps after 2, once each.
-        assert_eq!(sent, ["start", "start", "step 3", "step 5", "step 6", "FINISHED"]);
+        assert_eq!(
+            sent,
+            ["start", "start", "step 3", "step 5", "step 6", "FINISHED"]
+        );
     }
 
     #[test]
@@ -472,7 +488,7 @@ mod tests {
             fail_sends: 0,
             has: None,
         };
-        let t = Tracker::start("Fake", "[CPU0]", Box::new(sink));
+        let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
         t.send(record(1));
         drop(t);
         assert_eq!(

@@ -1,6 +1,8 @@
 //! What a run tells the world about its steps: the console step line (and, with
-//! `logging.verbose`, the per-phase timing line), `metrics.jsonl`, TensorBoard event files, and
-//! the memory line. Rank 0 writes the records; every rank watches its own memory.
+//! `logging.verbose`, the per-phase timing line), `metrics.jsonl`, TensorBoard event files, the
+//! experiment trackers (W&B, MLflow), and the memory line. Rank 0 writes the records; every rank
+//! watches its own memory. TensorBoard and the trackers show the same named series
+//! ([`telemetry::series`]) of each metrics.jsonl record.
 
 use std::path::Path;
 use std::time::Instant;
@@ -14,15 +16,25 @@ use super::eval::Validation;
 use super::optim::StateBytes;
 use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
-use crate::config::Config;
+use crate::config::Resolved;
+use crate::model::LlamaShape;
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
+use crate::telemetry::mlflow::{MlflowOptions, MlflowSink};
 use crate::telemetry::tensorboard::EventWriter;
+use crate::telemetry::tracker::{self, Record, RunStatus, Tracker};
+use crate::telemetry::wandb::{WandbOptions, WandbSink};
 use crate::telemetry::{self, Earlier, Metrics, StepLine};
 
-/// Rank 0's files: metrics.jsonl and, with `logging.tensorboard`, event files.
+/// Rank 0's records: metrics.jsonl, with `logging.tensorboard` event files, and the trackers
+/// that are on.
 struct Records {
     metrics: Metrics,
     tensorboard: Option<EventWriter>,
+    trackers: Vec<Tracker>,
+    /// Guard events since the last record: (step, kind, events so far). The next record
+    /// carries them (`"guard": {kind: count}`), so that the step trained again after a skip or
+    /// a rollback is not shadowed by an event of its own at the same step.
+    guard: Vec<(usize, String, usize)>,
 }
 
 /// Step timings summed since the last logged step, for Tok/s, the ETA and the timing line.
@@ -68,12 +80,14 @@ impl Recorder {
     /// (metrics.jsonl loses the records after it; TensorBoard marks a session start there,
     /// which hides the later points), a fresh start begins a new metrics.jsonl.
     pub fn new(
-        cfg: &Config,
+        resolved: &Resolved,
         rank: &Rank,
         run_dir: &Path,
+        shape: &LlamaShape,
         mfu_basis: Option<(f64, f64)>,
         resumed_at: usize,
     ) -> Result<Recorder> {
+        let cfg = &resolved.config;
         let t = &cfg.training;
         let records = if rank.lead() {
             let tensorboard = if cfg.logging.tensorboard {
@@ -110,9 +124,12 @@ impl Recorder {
                 ),
                 _ => {}
             }
+            let trackers = trackers(resolved, rank, run_dir, shape, resumed_at > 0);
             Some(Records {
                 metrics,
                 tensorboard,
+                trackers,
+                guard: Vec::new(),
             })
         } else {
             None
@@ -210,7 +227,12 @@ impl Recorder {
                     println!("{tag} {}", source_line(by_source));
                 }
             }
+            let gpu_used_gb = match self.device {
+                Device::Cuda(i) => telemetry::mfu::nvml_device(i).map(|g| gb(g.memory_used)),
+                _ => None,
+            };
             let point = Point {
+                gpu_used_gb,
                 lr,
                 grad_norm: out.grad_norm,
                 tokens_per_s: tok_s,
@@ -236,6 +258,24 @@ impl Recorder {
             tb.session_start(step as i64 + 1)?;
         }
         Ok(())
+    }
+
+    /// A guard event at `step` (`kind`: nonfinite or spike; `events` counts them so far): the
+    /// next record carries it, or, when the run ends first (an abort), a record of its own.
+    pub fn guard_event(&mut self, step: usize, kind: &str, events: usize) {
+        if let Some(records) = self.records.as_mut() {
+            records.guard.push((step, kind.to_string(), events));
+        }
+    }
+
+    /// Ends the trackers' runs with `status`, waiting a bounded time for what they still hold.
+    pub fn finish(&mut self, status: RunStatus) {
+        if let Some(records) = self.records.as_mut() {
+            records.flush_guard();
+            for t in records.trackers.drain(..) {
+                t.finish(status, tracker::FINISH_WAIT);
+            }
+        }
     }
 
     /// Whether `step` prints the memory line (every `logging.memory_interval` steps).
@@ -309,6 +349,8 @@ fn count(n: u64) -> String {
 
 /// What a logged step records beside the trainer's state.
 struct Point<'a> {
+    /// What NVML says the GPU has in use (CUDA ranks).
+    gpu_used_gb: Option<f64>,
     lr: f64,
     grad_norm: f64,
     tokens_per_s: f64,
@@ -318,9 +360,33 @@ struct Point<'a> {
     by_source: &'a [(String, u64)],
 }
 
+impl Drop for Recorder {
+    /// An error ends the run: the guard event that caused it (an abort) still reaches the
+    /// trackers, before they end their runs as failed.
+    fn drop(&mut self) {
+        if let Some(records) = self.records.as_mut() {
+            records.flush_guard();
+        }
+    }
+}
+
 impl Records {
+    /// Guard events no record carried, each as a record of its own.
+    fn flush_guard(&mut self) {
+        for (step, kind, events) in std::mem::take(&mut self.guard) {
+            self.track(
+                step,
+                vec![
+                    ("guard/events".into(), events as f64),
+                    (format!("guard/{kind}"), 1.0),
+                ],
+            );
+        }
+    }
+
     fn write(&mut self, state: &TrainerState, p: &Point) -> Result<()> {
         let Point {
+            gpu_used_gb,
             lr,
             grad_norm: norm,
             tokens_per_s: tok_s,
@@ -335,6 +401,17 @@ impl Records {
             "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
             "guard_events": state.guard_events, "mfu": mfu,
         });
+        if let Some(g) = gpu_used_gb {
+            record["gpu_used_gb"] = json!(g);
+        }
+        if !self.guard.is_empty() {
+            let mut kinds = serde_json::Map::new();
+            for (_, kind, _) in self.guard.drain(..) {
+                let n = kinds.get(&kind).and_then(|v| v.as_u64()).unwrap_or(0);
+                kinds.insert(kind, json!(n + 1));
+            }
+            record["guard"] = kinds.into();
+        }
         // A mixture's records also hold each source's tokens so far and validation loss.
         if !by_source.is_empty() {
             let tokens: serde_json::Map<String, serde_json::Value> = by_source
@@ -351,32 +428,123 @@ impl Records {
             record["val_loss_by_source"] = json!(val_by_source);
         }
         self.metrics.record(&record)?;
-        let Some(tb) = self.tensorboard.as_mut() else {
-            return Ok(());
-        };
+        let series = telemetry::series(&record);
         let s = state.step as i64;
-        tb.scalar("train/loss", s, state.loss)?;
-        tb.scalar("train/lr", s, lr)?;
-        tb.scalar("train/grad_norm", s, norm)?;
-        tb.scalar("train/tokens_per_s", s, tok_s)?;
-        if let Some(m) = mfu {
-            tb.scalar("train/mfu", s, m)?;
-        }
-        if let Some(v) = val {
-            tb.scalar("val/loss", s, v.loss)?;
-            tb.scalar("val/ppl", s, v.loss.exp())?;
-            if !by_source.is_empty() {
-                for (name, l) in &v.by_source {
-                    tb.scalar(&format!("val/loss/{name}"), s, *l)?;
-                }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            for (name, v) in &series {
+                tb.scalar(name, s, *v)?;
             }
+            tb.flush()?;
         }
-        for (name, n) in by_source {
-            tb.scalar(&format!("data/tokens/{name}"), s, *n as f64)?;
-        }
-        tb.scalar("memory/rss_gb", s, rss)?;
-        tb.flush()
+        self.track(state.step, series);
+        Ok(())
     }
+
+    /// Hands a record to every tracker (never blocks).
+    fn track(&self, step: usize, values: Vec<(String, f64)>) {
+        for t in &self.trackers {
+            t.send(Record {
+                step: step as u64,
+                values: values.clone(),
+            });
+        }
+    }
+}
+
+/// The trackers the config turns on, started (each on its own thread). A tracker that cannot be
+/// set up is reported and left out: it never stops training.
+fn trackers(
+    resolved: &Resolved,
+    rank: &Rank,
+    run_dir: &Path,
+    shape: &LlamaShape,
+    resume: bool,
+) -> Vec<Tracker> {
+    let cfg = &resolved.config;
+    let t = &cfg.training;
+    let world = rank.place.world;
+    let about = json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "world_size": world,
+        "preset": resolved.preset,
+        "parameters": shape.num_parameters(),
+        "tokens_per_step": t.batch_size * t.grad_accum_nums * world * t.context_length,
+        "device": format!("{:?}", rank.device),
+        "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
+    });
+    let mut out = Vec::new();
+    let mut config = resolved.to_json();
+    config["lockstep"] = about.clone();
+    match WandbOptions::new(&cfg.logging.wandb, run_dir, resume, config) {
+        Ok(Some(opts)) => {
+            let catch_up = format!(
+                "upload them later with `lockstep wandb-sync {}`",
+                run_dir.display()
+            );
+            let sink = Box::new(WandbSink::new(opts));
+            out.push(Tracker::start("W&B", &rank.tag, &catch_up, sink))
+        }
+        Ok(None) => {}
+        Err(e) => eprintln!("{} Warning: W&B is off for this run: {e:#}", rank.tag),
+    }
+    match mlflow_options(resolved, run_dir, resume, &about) {
+        Ok(Some(opts)) => out.push(Tracker::start(
+            "MLflow",
+            &rank.tag,
+            "",
+            Box::new(MlflowSink::new(opts)),
+        )),
+        Ok(None) => {}
+        Err(e) => eprintln!("{} Warning: MLflow is off for this run: {e}", rank.tag),
+    }
+    out
+}
+
+/// MLflow's options: on with `logging.mlflow.tracking_uri` or MLFLOW_TRACKING_URI; the resolved
+/// config as params, what the run is as `lockstep.*` tags.
+fn mlflow_options(
+    resolved: &Resolved,
+    run_dir: &Path,
+    resume: bool,
+    about: &serde_json::Value,
+) -> Result<Option<MlflowOptions>, String> {
+    let m = &resolved.config.logging.mlflow;
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let uri = match (&m.tracking_uri, env("MLFLOW_TRACKING_URI")) {
+        (Some(uri), _) => uri.clone(),
+        (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => uri,
+        (None, Some(uri)) => {
+            return Err(format!(
+                "MLFLOW_TRACKING_URI = {uri:?} is not an MLflow server's http(s) address;                  lockstep logs to a tracking server (start one with `mlflow server`) - set                  logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI"
+            ))
+        }
+        (None, None) => return Ok(None),
+    };
+    let name = run_dir
+        .file_name()
+        .map_or_else(|| "lockstep".into(), |n| n.to_string_lossy().into_owned());
+    let tags = about
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| {
+            let text = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+            (format!("lockstep.{k}"), text)
+        })
+        .collect();
+    Ok(Some(MlflowOptions {
+        tracking_uri: uri,
+        experiment: m
+            .experiment
+            .clone()
+            .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
+            .unwrap_or_else(|| "lockstep".into()),
+        run_name: m.run_name.clone().unwrap_or(name),
+        run_file: run_dir.join("mlflow.json"),
+        resume,
+        params: telemetry::flat_params(&resolved.to_json()),
+        tags,
+    }))
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ use crate::model::llama::init_parameter;
 use crate::model::{hf, ActivationMemory, Llama, LlamaShape};
 use crate::sys::phase::{self, Phase};
 use crate::telemetry::memory::{gb, peak_rss_bytes};
+use crate::telemetry::tracker::RunStatus;
 
 /// What a finished run reports back (tests read it).
 #[derive(Debug, Clone)]
@@ -155,7 +156,7 @@ impl<'a> Trainer<'a> {
                 .map(|peak| (shape.flops_per_token(t.context_length), peak)),
             _ => None,
         };
-        let recorder = Recorder::new(cfg, &rank, &run_dir, mfu_basis, state.step)?;
+        let recorder = Recorder::new(resolved, &rank, &run_dir, &shape, mfu_basis, state.step)?;
         let stragglers = Stragglers::new(cfg, &rank, state.step);
         forensics::resumed_at(state.step);
         let mut step_cfg = StepConfig::from_config(cfg);
@@ -296,6 +297,11 @@ impl<'a> Trainer<'a> {
             println!("{tag} {}", self.nothing_to_do());
         }
         println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
+        self.recorder.finish(if summary.preempted {
+            RunStatus::Killed
+        } else {
+            RunStatus::Finished
+        });
         if let Some(ckpt) = &summary.last_checkpoint {
             print_next_steps(tag, ckpt, &self.data[0].prepared);
         }
@@ -370,6 +376,12 @@ impl<'a> Trainer<'a> {
             Event::Spike { z } => eprintln!("{}", self.guard.spike_warning(&tag, step, loss, z)),
         }
         self.pg.barrier()?;
+        let kind = match event {
+            Event::NonFinite => "nonfinite",
+            Event::Spike { .. } => "spike",
+        };
+        self.recorder
+            .guard_event(step, kind, self.state.guard_events + 1);
         let what = event.describe();
         let policy = self.guard.policy(event);
         if policy == GuardPolicy::Abort {

@@ -1,0 +1,552 @@
+//! The MLflow sink against a real `mlflow server` (the venv's), read back with MLflow's own
+//! Python client; and against dead, hanging and odd servers.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lockstep::telemetry::mlflow::{MlflowOptions, MlflowSink};
+use lockstep::telemetry::tracker::{Record, RunStatus, Sink, Tracker, FINISH_WAIT};
+use serde_json::Value;
+
+// ---- helpers (candidates for tests/common) ----
+
+/// The project venv (scripts/env.sh), which has `mlflow`.
+pub fn venv_bin(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(".venv/bin")
+        .join(name)
+}
+
+/// A port nothing listens on now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `mlflow server` on 127.0.0.1 with its SQLite store and artifacts in `dir`, in its own process
+/// group (killed with everything it started when dropped). About 7 s to start on a 2-core
+/// machine.
+pub struct MlflowServer {
+    child: Option<Child>,
+    pub port: u16,
+    log: PathBuf,
+}
+
+impl MlflowServer {
+    /// Starts a server on a free port and waits until it answers.
+    pub fn start(dir: &Path) -> MlflowServer {
+        MlflowServer::start_on(dir, free_port())
+    }
+
+    /// Starts a server on `port` (a restart: the same `dir` keeps the same store).
+    pub fn start_on(dir: &Path, port: u16) -> MlflowServer {
+        let mlflow = venv_bin("mlflow");
+        assert!(
+            mlflow.exists(),
+            "{} missing: run scripts/test.sh, which installs the venv",
+            mlflow.display()
+        );
+        let log = dir.join("mlflow-server.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(&mlflow)
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
+            .arg("--default-artifact-root")
+            .arg(dir.join("artifacts"))
+            .args(["--workers", "1"])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} cannot start: {e}", mlflow.display()));
+        let mut server = MlflowServer {
+            child: Some(child),
+            port,
+            log,
+        };
+        server.wait_ready(Duration::from_secs(60));
+        server
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn uri(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn wait_ready(&mut self, limit: Duration) {
+        let t = Instant::now();
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(2))
+            .build();
+        let health = format!("{}/health", self.uri());
+        loop {
+            if agent.get(&health).call().is_ok() {
+                eprintln!(
+                    "mlflow server on port {} ready after {:.1} s",
+                    self.port,
+                    t.elapsed().as_secs_f64()
+                );
+                return;
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || t.elapsed() > limit {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                self.kill();
+                panic!(
+                    "mlflow server on port {} {} ; its log:\n{log}",
+                    self.port,
+                    match exited {
+                        Some(status) => format!("exited ({status}) before answering"),
+                        None => format!("did not answer GET /health within {limit:?}"),
+                    }
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Kills the server and everything it started (SIGKILL to its process group).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: a signal to the process group this test started.
+            unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What MLflow's own Python client reads of `run_id`: status, params, tags, the latest value of
+/// each metric and the history of `keys` as `[step, repr(value)]` (repr keeps every bit, NaN included).
+pub fn read_run(uri: &str, run_id: &str, keys: &[&str]) -> Value {
+    let script = r#"
+import json, sys
+from mlflow.tracking import MlflowClient
+c = MlflowClient()
+run_id = sys.argv[1]
+r = c.get_run(run_id)
+print(json.dumps({
+    "run_id": r.info.run_id,
+    "status": r.info.status,
+    "params": r.data.params,
+    "tags": r.data.tags,
+    "latest": r.data.metrics,
+    "history": {k: [[m.step, repr(m.value)] for m in c.get_metric_history(run_id, k)]
+                for k in sys.argv[2:]},
+}))
+"#;
+    let out = Command::new(venv_bin("python"))
+        .arg("-c")
+        .arg(script)
+        .arg(run_id)
+        .args(keys)
+        .env("MLFLOW_TRACKING_URI", uri)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "reading run {run_id} with MlflowClient failed:\n{}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap()
+}
+
+/// A history from [`read_run`] as (step, value) pairs in step order.
+fn history(run: &Value, key: &str) -> Vec<(u64, f64)> {
+    let mut points: Vec<(u64, f64)> = run["history"][key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p[0].as_u64().unwrap(),
+                p[1].as_str().unwrap().parse().unwrap(),
+            )
+        })
+        .collect();
+    points.sort_by_key(|p| p.0);
+    points
+}
+
+/// The run id a sink kept in its run file.
+fn run_id_in(run_file: &Path) -> String {
+    let ids: Value = serde_json::from_str(&std::fs::read_to_string(run_file).unwrap()).unwrap();
+    ids["run_id"].as_str().unwrap().to_string()
+}
+
+/// A server that answers every request with `response` (status line, headers and body).
+fn canned(response: &'static str) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let mut buf = [0u8; 65536];
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(response.as_bytes());
+        }
+    });
+    port
+}
+
+// ---- the tests ----
+
+fn options(uri: &str, run_file: &Path, resume: bool, params: &[(&str, &str)]) -> MlflowOptions {
+    let pairs = |v: &[(&str, &str)]| {
+        v.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    MlflowOptions {
+        tracking_uri: uri.to_string(),
+        experiment: "lockstep-test".into(),
+        run_name: "sink-test".into(),
+        run_file: run_file.to_path_buf(),
+        resume,
+        params: pairs(params),
+        tags: pairs(&[("lockstep.version", "0.1.0"), ("lockstep.world_size", "2")]),
+    }
+}
+
+/// Step `s`'s values: a loss and lr with full mantissas, a validation loss every 5th step, and
+/// a gradient norm that is NaN at step 7 and infinite at step 8. `shift` marks values sent again.
+fn record(s: u64, shift: f64) -> Record {
+    let x = s as f64;
+    let mut values = vec![
+        (
+            "train/loss".to_string(),
+            std::f64::consts::PI / x.sqrt() + shift,
+        ),
+        (
+            "train/lr".to_string(),
+            3e-4 * (x / 7.0).sin().abs() + 1e-9 / 3.0,
+        ),
+        (
+            "train/grad_norm".to_string(),
+            match s {
+                7 => f64::NAN,
+                8 => f64::INFINITY,
+                _ => 1.0 / 3.0 + x,
+            },
+        ),
+    ];
+    if s.is_multiple_of(5) {
+        values.push(("val/loss".to_string(), 2.0 + 1.0 / x + shift));
+    }
+    Record { step: s, values }
+}
+
+/// The (step, value) pairs of `key` in `records`.
+fn sent(records: &[Record], key: &str) -> Vec<(u64, f64)> {
+    records
+        .iter()
+        .flat_map(|r| {
+            r.values
+                .iter()
+                .filter(|(k, _)| k == key)
+                .map(move |(_, v)| (r.step, *v))
+        })
+        .collect()
+}
+
+fn assert_same_points(got: &[(u64, f64)], want: &[(u64, f64)], key: &str) {
+    assert_eq!(got.len(), want.len(), "{key}: {got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        let same = g.0 == w.0
+            && (g.1 == w.1 || (g.1.is_nan() && w.1.is_nan())
+                // MLflow stores an infinity as the largest double.
+                || (w.1.is_infinite() && g.1.abs() == f64::MAX && g.1.signum() == w.1.signum()));
+        assert!(same, "{key}: got {g:?}, sent {w:?}");
+    }
+}
+
+const KEYS: [&str; 4] = ["train/loss", "train/lr", "train/grad_norm", "val/loss"];
+
+#[test]
+fn a_run_is_logged_and_a_resume_continues_it_without_repeating_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MlflowServer::start(dir.path());
+    let uri = server.uri();
+    let run_file = dir.path().join("run").join("mlflow.json");
+    let params = [
+        ("training.learning_rate", "0.0003"),
+        ("training.max_steps", "25"),
+        ("model.name", "llama-tiny"),
+    ];
+
+    // A new run (a trailing '/' in the address is fine).
+    let sink = MlflowSink::new(options(&format!("{uri}/"), &run_file, false, &params));
+    let tracker = Tracker::start("MLflow", "[CPU0]", "", Box::new(sink));
+    let first: Vec<Record> = (1..=25).map(|s| record(s, 0.0)).collect();
+    for r in &first {
+        tracker.send(r.clone());
+    }
+    tracker.finish(RunStatus::Finished, FINISH_WAIT);
+    let run_id = run_id_in(&run_file);
+    let run = read_run(&uri, &run_id, &KEYS);
+    for key in KEYS {
+        assert_same_points(&history(&run, key), &sent(&first, key), key);
+    }
+    let want_params: serde_json::Map<String, Value> = params
+        .iter()
+        .map(|(k, v)| (k.to_string(), Value::from(*v)))
+        .collect();
+    assert_eq!(run["params"], Value::Object(want_params.clone()));
+    assert_eq!(run["status"], "FINISHED");
+    assert_eq!(run["tags"]["mlflow.runName"], "sink-test");
+    assert_eq!(run["tags"]["lockstep.world_size"], "2");
+
+    // Resumed at step 19 with max_steps raised: steps 20-25 (already there) are not sent again
+    // (their values here differ, to tell), 26-30 are.
+    let changed = [
+        ("training.learning_rate", "0.0003"),
+        ("training.max_steps", "30"),
+        ("model.name", "llama-tiny"),
+        ("data.seed", "7"),
+    ];
+    let sink = MlflowSink::new(options(&uri, &run_file, true, &changed));
+    let tracker = Tracker::start("MLflow", "[CPU0]", "", Box::new(sink));
+    for s in 20..=30 {
+        tracker.send(record(s, if s <= 25 { 100.0 } else { 0.0 }));
+    }
+    tracker.finish(RunStatus::Failed, FINISH_WAIT);
+    assert_eq!(run_id_in(&run_file), run_id, "the resume made a new run");
+    let run = read_run(&uri, &run_id, &KEYS);
+    let all: Vec<Record> = (1..=30).map(|s| record(s, 0.0)).collect();
+    for key in KEYS {
+        assert_same_points(&history(&run, key), &sent(&all, key), key);
+    }
+    let steps: Vec<u64> = history(&run, "train/loss").iter().map(|p| p.0).collect();
+    assert_eq!(steps, (1..=30).collect::<Vec<_>>());
+    assert_eq!(run["status"], "FAILED");
+    assert_eq!(run["run_id"], run_id.as_str());
+    // Params are immutable: the old value stays, the change is a tag; a new key is logged.
+    assert_eq!(run["params"]["training.max_steps"], "25");
+    assert_eq!(run["params"]["data.seed"], "7");
+    assert_eq!(
+        run["tags"]["lockstep.changed.training.max_steps"],
+        "25 -> 30"
+    );
+
+    // resume = false: a new run, and the run file names it. MLflow's limits are kept: 100
+    // params and 1000 metrics a request, 6000 characters a param value, its key characters.
+    let long = "x".repeat(7000);
+    let mut many: Vec<(String, String)> = (0..150)
+        .map(|i| (format!("extra.p{i:03}"), i.to_string()))
+        .collect();
+    many.push(("model.long".into(), long.clone()));
+    many.push(("data.sources[0].path".into(), "/corpus".into()));
+    let mut opts = options(&uri, &run_file, false, &[]);
+    opts.params = many;
+    let mut sink = MlflowSink::new(opts);
+    let (line, last) = sink.start().unwrap();
+    assert_eq!(last, None);
+    let new_id = run_id_in(&run_file);
+    assert_ne!(new_id, run_id);
+    assert!(line.contains(&new_id), "{line}");
+    assert!(line.contains(&format!("{uri}/#/experiments/")), "{line}");
+    let wide = Record {
+        step: 1,
+        values: (0..1500).map(|i| (format!("m/{i:04}"), i as f64)).collect(),
+    };
+    sink.send(&[wide]).unwrap();
+    sink.finish(RunStatus::Killed).unwrap();
+    let run = read_run(&uri, &new_id, &[]);
+    assert_eq!(run["params"].as_object().unwrap().len(), 152);
+    assert_eq!(run["params"]["extra.p149"], "149");
+    assert_eq!(run["params"]["model.long"], &long[..6000]);
+    assert_eq!(run["params"]["data.sources_0_.path"], "/corpus");
+    assert_eq!(
+        run["tags"]["lockstep.truncated.model.long"],
+        "7000 characters, cut to MLflow's 6000"
+    );
+    let latest = run["latest"].as_object().unwrap();
+    assert_eq!(latest.len(), 1500);
+    assert_eq!(latest["m/1499"], 1499.0);
+    assert_eq!(run["status"], "KILLED");
+}
+
+#[test]
+fn a_server_that_dies_holds_nothing_up_and_delivery_resumes_when_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = MlflowServer::start(dir.path());
+    let uri = server.uri();
+    let run_file = dir.path().join("mlflow.json");
+    let sink = MlflowSink::new(options(&uri, &run_file, false, &[("a", "1")]));
+    let tracker = Tracker::start("MLflow", "[CPU0]", "", Box::new(sink));
+    for s in 1..=10 {
+        tracker.send(record(s, 0.0));
+    }
+    // Wait for the 10 to be there, then kill the server.
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(5))
+        .build();
+    let t = Instant::now();
+    loop {
+        let delivered = std::fs::read_to_string(&run_file)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+            .and_then(|ids| {
+                let url = format!("{uri}/api/2.0/mlflow/metrics/get-history");
+                let answer = agent
+                    .get(&url)
+                    .query("run_id", ids["run_id"].as_str()?)
+                    .query("metric_key", "train/loss")
+                    .call()
+                    .ok()?;
+                let history: Value = serde_json::from_reader(answer.into_reader()).ok()?;
+                Some(history["metrics"].as_array().map_or(0, Vec::len))
+            });
+        if delivered == Some(10) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "10 records not delivered in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    server.kill();
+
+    // Records keep coming while the server is away: sending never waits on it.
+    let mut slowest = Duration::ZERO;
+    for s in 11..=30 {
+        let t = Instant::now();
+        tracker.send(record(s, 0.0));
+        slowest = slowest.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(slowest < Duration::from_secs(1), "a send took {slowest:?}");
+
+    // Back on the same port and store: what waited is delivered, once.
+    let _server = MlflowServer::start_on(dir.path(), server.port);
+    let t = Instant::now();
+    tracker.finish(RunStatus::Finished, FINISH_WAIT);
+    assert!(t.elapsed() < FINISH_WAIT, "finish took {:?}", t.elapsed());
+    let run = read_run(&uri, &run_id_in(&run_file), &["train/loss"]);
+    let steps: Vec<u64> = history(&run, "train/loss").iter().map(|p| p.0).collect();
+    assert_eq!(steps, (1..=30).collect::<Vec<_>>());
+    assert_eq!(run["status"], "FINISHED");
+}
+
+#[test]
+fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_file = dir.path().join("mlflow.json");
+    let sink_at = |uri: &str| MlflowSink::new(options(uri, &run_file, true, &[]));
+
+    // Nothing listening: a passing error naming the address and the fix.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let e = sink_at(&dead).start().unwrap_err();
+    assert!(!e.lasting, "{}", e.message);
+    assert!(
+        e.message.contains(&dead)
+            && e.message.contains("connection refused")
+            && e.message.contains("MLFLOW_TRACKING_URI"),
+        "{}",
+        e.message
+    );
+    // ... and a tracker on it ends within a few seconds, never blocking a send.
+    let tracker = Tracker::start("MLflow", "[CPU0]", "", Box::new(sink_at(&dead)));
+    let t = Instant::now();
+    for s in 1..=50 {
+        tracker.send(record(s, 0.0));
+    }
+    assert!(t.elapsed() < Duration::from_secs(1));
+    tracker.finish(RunStatus::Finished, FINISH_WAIT);
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+
+    // A server that accepts and never answers: finish gives up after its wait.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let hanging = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    std::thread::spawn(move || {
+        let held: Vec<_> = listener.incoming().collect();
+        drop(held);
+    });
+    let tracker = Tracker::start("MLflow", "[CPU0]", "", Box::new(sink_at(&hanging)));
+    let t = Instant::now();
+    tracker.send(record(1, 0.0));
+    tracker.finish(RunStatus::Finished, Duration::from_secs(3));
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(6),
+        "{took:?}"
+    );
+
+    // Refused credentials: lasting, naming the variables.
+    let port = canned(
+        "HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\nContent-Length: 12\r\n\
+         Connection: close\r\n\r\nUnauthorized",
+    );
+    let e = sink_at(&format!("http://127.0.0.1:{port}"))
+        .start()
+        .unwrap_err();
+    eprintln!("{}", e.message);
+    assert!(
+        e.lasting && e.message.contains("MLFLOW_TRACKING_TOKEN"),
+        "{}",
+        e.message
+    );
+
+    // A server error: passing.
+    let port = canned(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    );
+    let e = sink_at(&format!("http://127.0.0.1:{port}"))
+        .start()
+        .unwrap_err();
+    eprintln!("{}", e.message);
+    assert!(!e.lasting && e.message.contains("503"), "{}", e.message);
+
+    // A refusal with MLflow's JSON error: lasting, with its code and message.
+    let port = canned(
+        "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 69\r\n\
+         Connection: close\r\n\r\n\
+         {\"error_code\": \"INVALID_PARAMETER_VALUE\", \"message\": \"bad name: xyz\"}",
+    );
+    let e = sink_at(&format!("http://127.0.0.1:{port}"))
+        .start()
+        .unwrap_err();
+    eprintln!("{}", e.message);
+    assert!(
+        e.lasting
+            && e.message.contains("INVALID_PARAMETER_VALUE")
+            && e.message.contains("bad name: xyz"),
+        "{}",
+        e.message
+    );
+
+    // Not MLflow at all (a web page): lasting, no panic.
+    let port = canned(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\
+         Connection: close\r\n\r\n<html></html>",
+    );
+    let e = sink_at(&format!("http://127.0.0.1:{port}"))
+        .start()
+        .unwrap_err();
+    eprintln!("{}", e.message);
+    assert!(e.lasting && e.message.contains("MLflow"), "{}", e.message);
+}

@@ -1,0 +1,454 @@
+//! Weights & Biases with the real `wandb` package, offline: what lockstep logs is read back
+//! from W&B's own transaction logs by W&B's own reader (`wandb leet inspect --json`) and
+//! compared with metrics.jsonl and config.json; one W&B run across a resume and a restart; a
+//! sidecar killed mid-run and a missing `wandb` package cost one warning and nothing else.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{ok, root, small, with, write_corpus, Launcher};
+use serde_json::Value;
+
+/// The small run with W&B offline in `<dir>/runs/<name>`.
+fn args(base: &[String], name: &str, extra: &[&str]) -> Vec<String> {
+    let run_name = format!("logging.run_name={name}");
+    with(
+        base,
+        &[],
+        &[
+            &[
+                "--set",
+                "logging.wandb.project=lockstep-test",
+                "--set",
+                "logging.wandb.mode=offline",
+                "--set",
+                "logging.wandb.tags=ci,tiny",
+                "--set",
+                &run_name,
+            ],
+            extra,
+        ]
+        .concat(),
+    )
+}
+
+/// What W&B recorded for run `id` under `run_dir`, over all its offline sessions in order:
+/// (step, values) of every history row, the run's config, and each session's exit code.
+struct Logged {
+    history: Vec<(u64, serde_json::Map<String, Value>)>,
+    config: Value,
+    exits: Vec<i64>,
+}
+
+fn logged(run_dir: &Path, id: &str) -> Logged {
+    let mut sessions: Vec<PathBuf> = std::fs::read_dir(run_dir.join("wandb"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with("offline-run-") && name.ends_with(id)
+        })
+        .collect();
+    sessions.sort();
+    assert!(
+        !sessions.is_empty(),
+        "no offline run {id} in {}",
+        run_dir.display()
+    );
+    let mut out = Logged {
+        history: Vec::new(),
+        config: Value::Null,
+        exits: Vec::new(),
+    };
+    let wandb = root().join(".venv/bin/wandb");
+    for s in sessions {
+        let file = s.join(format!("run-{id}.wandb"));
+        let read = Command::new(&wandb)
+            .args(["leet", "inspect", "--json"])
+            .arg(&file)
+            .output()
+            .expect("wandb runs");
+        assert!(
+            read.status.success(),
+            "wandb leet inspect {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&read.stderr)
+        );
+        for line in String::from_utf8_lossy(&read.stdout).lines() {
+            let r: Value = serde_json::from_str(line).unwrap();
+            match r["type"].as_str() {
+                Some("history") => {
+                    let item = r["history"]["item"].as_object().unwrap().clone();
+                    out.history.push((item["_step"].as_u64().unwrap(), item));
+                }
+                Some("run") => out.config = r["run"]["config"]["update"].clone(),
+                Some("exit") => out.exits.push(r["exit"]["exit_code"].as_i64().unwrap_or(0)),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+fn run_id(run_dir: &Path) -> String {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("wandb.json")).unwrap())
+            .unwrap();
+    v["id"].as_str().unwrap().to_string()
+}
+
+/// Every W&B row equals metrics.jsonl's record at the same step, steps strictly increasing,
+/// none missing; the config is config.json's.
+fn assert_matches_the_record(run_dir: &Path, l: &Logged) {
+    let metrics: Vec<Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|x| serde_json::from_str(x).unwrap())
+        .collect();
+    let steps: Vec<u64> = l.history.iter().map(|(s, _)| *s).collect();
+    let want: Vec<u64> = metrics
+        .iter()
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, want, "W&B's steps vs metrics.jsonl's");
+    for ((step, item), m) in l.history.iter().zip(&metrics) {
+        for (name, value) in lockstep::telemetry::series(m) {
+            assert_eq!(
+                item.get(&name).and_then(Value::as_f64),
+                Some(value),
+                "step {step}: {name}"
+            );
+        }
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).unwrap())
+            .unwrap();
+    for (section, body) in config.as_object().unwrap() {
+        assert!(
+            same(&l.config[section], body),
+            "config section {section}: W&B has {}, config.json {body}",
+            l.config[section]
+        );
+    }
+}
+
+#[test]
+fn wandb_offline_run_is_the_metrics_record_and_continues_across_resume_and_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let run_dir = dir.join("runs/wb");
+    let text = ok(
+        dir,
+        &with(&args(&base, "wb", &[]), &["train"], &["--max-steps", "20"]),
+    );
+    assert!(text.contains("W&B: run "), "{text}");
+    let id = run_id(&run_dir);
+    let first = logged(&run_dir, &id);
+    assert_matches_the_record(&run_dir, &first);
+    assert_eq!(first.config["lockstep"]["world_size"], 1);
+    assert_eq!(first.history.len(), 20);
+    assert_eq!(first.exits, [0]);
+
+    // Resume to step 30: the same W&B run.
+    ok(
+        dir,
+        &with(
+            &args(&base, "wb", &[]),
+            &["train"],
+            &["--max-steps", "30", "--resume", "auto"],
+        ),
+    );
+    assert_eq!(run_id(&run_dir), id);
+
+    // On to 40 under `lockstep run --max-restarts 1`; the worker is killed after step 33, so
+    // the restart trains steps after the step-30 or -35 checkpoint again: W&B gets each once.
+    let mut l = Launcher::start(
+        dir,
+        &with(
+            &args(&base, "wb", &[]),
+            &["run", "--nproc", "1", "--cpu", "--max-restarts", "1"],
+            &["--max-steps", "40", "--resume", "auto"],
+        ),
+    );
+    l.wait_for("Step [33/40]", Duration::from_secs(120));
+    let worker = l.worker();
+    unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+    assert!(l.running());
+    let (code, text) = l.finish(Duration::from_secs(180));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("restart 1 of 1"), "{text}");
+    assert_eq!(run_id(&run_dir), id);
+    let all = logged(&run_dir, &id);
+    assert_matches_the_record(&run_dir, &all);
+    assert_eq!(all.history.len(), 40);
+    // Sessions: the first two finished, the killed one ended as failed, the restart finished.
+    assert_eq!(all.exits.first(), Some(&0));
+    assert_eq!(all.exits.last(), Some(&0));
+
+    // A fresh start in the same directory (its checkpoints removed) is a new W&B run.
+    std::fs::remove_dir_all(run_dir.join("checkpoints")).unwrap();
+    ok(
+        dir,
+        &with(&args(&base, "wb", &[]), &["train"], &["--max-steps", "3"]),
+    );
+    assert_ne!(run_id(&run_dir), id);
+}
+
+#[test]
+fn a_killed_sidecar_costs_one_warning_and_is_started_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let run_dir = dir.join("runs/killed");
+    // Slow steps, so that the kill lands mid-run.
+    let l = Launcher::start(
+        dir,
+        &with(
+            &args(
+                &base,
+                "killed",
+                &[
+                    "--set",
+                    "debug.fault=slow",
+                    "--set",
+                    "debug.fault_step=1",
+                    "--set",
+                    "debug.fault_delay_ms=150",
+                ],
+            ),
+            &["train"],
+            &["--max-steps", "40"],
+        ),
+    );
+    l.wait_for("W&B: run ", Duration::from_secs(60));
+    l.wait_for("Step [5/40]", Duration::from_secs(60));
+    let sidecar = sidecar_of(l.pid());
+    unsafe { libc::kill(sidecar as i32, libc::SIGKILL) };
+    let (code, text) = l.finish(Duration::from_secs(180));
+    assert_eq!(code, Some(0), "{text}");
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|x| x.contains("Warning: W&B"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].contains("sidecar"), "{text}");
+    assert!(text.contains("(again, after the failure above)"), "{text}");
+    let steps: Vec<u64> = common::losses(&run_dir.join("metrics.jsonl"))
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(steps, (1..=40).collect::<Vec<_>>());
+    // The restarted sidecar went on in the same W&B run, after the steps it had.
+    let l = logged(&run_dir, &run_id(&run_dir));
+    let logged_steps: Vec<u64> = l.history.iter().map(|(s, _)| *s).collect();
+    assert!(
+        logged_steps.windows(2).all(|w| w[0] < w[1]),
+        "{logged_steps:?}"
+    );
+    assert_eq!(logged_steps.last(), Some(&40));
+}
+
+/// The W&B sidecar (a Python child running `-c`) of the trainer `pid` (started by the
+/// tracker's thread, so listed under that thread's children).
+fn sidecar_of(pid: u32) -> u32 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .flatten()
+        .flat_map(|t| {
+            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            kids.split_whitespace()
+                .map(|k| k.parse::<u32>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .find(|k| {
+            let cmd = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains("wandb")
+        })
+        .unwrap_or_else(|| panic!("no W&B sidecar among the children of {pid}"))
+}
+
+/// JSON values equal as numbers where both are numbers (10000 and 10000.0 are one value).
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(v, w)| same(v, w))
+        }
+        _ => a == b,
+    }
+}
+
+#[test]
+fn without_the_wandb_package_training_warns_once_and_finishes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    // A venv of its own without wandb: the system Python may or may not have it.
+    let bare = dir.join("bare");
+    let made = Command::new("python3")
+        .args(["-m", "venv", "--without-pip"])
+        .arg(&bare)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let python = format!("logging.wandb.python={}", bare.join("bin/python").display());
+    let text = ok(
+        dir,
+        &with(
+            &args(&base, "bare", &["--set", &python]),
+            &["train"],
+            &["--max-steps", "6"],
+        ),
+    );
+    let warnings: Vec<&str> = text.lines().filter(|x| x.contains("Warning")).collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(
+        warnings[0].contains("cannot import wandb") && warnings[0].contains("pip install wandb"),
+        "{text}"
+    );
+    assert_eq!(
+        common::losses(&dir.join("runs/bare/metrics.jsonl")).len(),
+        6,
+        "{text}"
+    );
+}
+
+/// A stand-in for the W&B server on 127.0.0.1 that refuses every request as W&B refuses a
+/// wrong API key (401). Returns its address.
+fn refusing_server() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut reader = BufReader::new(conn);
+            let mut length = 0usize;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let lower = line.to_ascii_lowercase();
+                if let Some(v) = lower.strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let answer = r#"{"errors":[{"message":"user is not logged in"}]}"#;
+            let _ = write!(
+                reader.get_mut(),
+                "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    addr
+}
+
+#[test]
+fn online_with_a_refused_key_or_no_network_warns_once_and_trains_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
+    for (name, url, says) in [
+        ("refused", refusing_server(), "WANDB_API_KEY"),
+        ("nonet", closed, "check the network"),
+    ] {
+        let out = common::lockstep(dir)
+            .args(with(
+                &args(&base, name, &["--set", "logging.wandb.mode=online"]),
+                &["train"],
+                &["--max-steps", "6"],
+            ))
+            .env("WANDB_BASE_URL", &url)
+            .env("WANDB_API_KEY", "x".repeat(40))
+            .env("WANDB_INIT_TIMEOUT", "3")
+            .output()
+            .unwrap();
+        let text = common::output_text(&out);
+        assert!(out.status.success(), "{name}:\n{text}");
+        let warnings: Vec<&str> = text.lines().filter(|x| x.contains("Warning")).collect();
+        assert_eq!(warnings.len(), 1, "{name}:\n{text}");
+        assert!(warnings[0].contains(says), "{name}:\n{text}");
+        let metrics = dir.join(format!("runs/{name}/metrics.jsonl"));
+        assert_eq!(common::losses(&metrics).len(), 6, "{name}:\n{text}");
+    }
+}
+
+#[test]
+fn wandb_sync_uploads_a_run_trained_without_wandb() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let run = with(
+        &base,
+        &["train"],
+        &["--max-steps", "7", "--set", "logging.run_name=later"],
+    );
+    ok(dir, &run);
+    let run_dir = dir.join("runs/later");
+    // Without a project anywhere: the error says what to pass.
+    let out = common::run(dir, &["wandb-sync".into(), "runs/later".into()]);
+    let text = common::fails(&out, 2, &["has no logging.wandb.project", "--project"]);
+    assert!(!run_dir.join("wandb.json").exists(), "{text}");
+    let text = ok(
+        dir,
+        &strs_owned(&[
+            "wandb-sync",
+            "runs/later",
+            "--project",
+            "p",
+            "--mode",
+            "offline",
+        ]),
+    );
+    assert!(text.contains("sent 7 steps"), "{text}");
+    let l = logged(&run_dir, &run_id(&run_dir));
+    assert_matches_the_record(&run_dir, &l);
+}
+
+fn strs_owned(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// A rollback trains steps again: W&B keeps the first pass of a step it has (its steps only
+/// increase); the guard event rides on the next record, so the redone step is not lost.
+#[test]
+fn a_rollback_logs_each_step_once_and_the_guard_event_with_the_next() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let tail = [
+        "--max-steps",
+        "8",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "training.nan_policy=rollback",
+        "--set",
+        "debug.inject_nan_at_step=5",
+    ];
+    let text = ok(dir, &with(&args(&base, "rb", &[]), &["train"], &tail));
+    assert!(text.contains("Rolled back to"), "{text}");
+    let run_dir = dir.join("runs/rb");
+    let l = logged(&run_dir, &run_id(&run_dir));
+    assert_matches_the_record(&run_dir, &l);
+    let (step, row) = &l.history[4];
+    assert_eq!(*step, 5);
+    assert_eq!(
+        row.get("guard/nonfinite").and_then(Value::as_f64),
+        Some(1.0)
+    );
+    assert_eq!(row.get("guard/events").and_then(Value::as_f64), Some(1.0));
+}
