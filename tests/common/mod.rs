@@ -1,6 +1,8 @@
 //! Shared by the integration tests: the project venv's Python, the built binary, temp dirs.
 #![allow(dead_code)]
 
+pub mod mlflow;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

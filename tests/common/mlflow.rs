@@ -1,0 +1,177 @@
+//! A real `mlflow server` for the tracking tests, and MLflow's own client reading runs back.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The project venv (scripts/env.sh), which has `mlflow`.
+pub fn venv_bin(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(".venv/bin")
+        .join(name)
+}
+
+/// `mlflow server` on 127.0.0.1 with its SQLite store and artifacts in `dir`, in its own process
+/// group (killed with everything it started when dropped). About 7 s to start on a 2-core
+/// machine.
+pub struct MlflowServer {
+    child: Option<Child>,
+    pub port: u16,
+    log: PathBuf,
+}
+
+impl MlflowServer {
+    /// Starts a server on a free port and waits until it answers.
+    pub fn start(dir: &Path) -> MlflowServer {
+        MlflowServer::start_on(dir, lockstep::dist::free_port())
+    }
+
+    /// Starts a server on `port` (a restart: the same `dir` keeps the same store).
+    pub fn start_on(dir: &Path, port: u16) -> MlflowServer {
+        let mlflow = venv_bin("mlflow");
+        assert!(
+            mlflow.exists(),
+            "{} missing: run scripts/test.sh, which installs the venv",
+            mlflow.display()
+        );
+        let log = dir.join("mlflow-server.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(&mlflow)
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
+            .arg("--default-artifact-root")
+            .arg(dir.join("artifacts"))
+            .args(["--workers", "1"])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} cannot start: {e}", mlflow.display()));
+        let mut server = MlflowServer {
+            child: Some(child),
+            port,
+            log,
+        };
+        server.wait_ready(Duration::from_secs(60));
+        server
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn uri(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn wait_ready(&mut self, limit: Duration) {
+        let t = Instant::now();
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(2))
+            .build();
+        let health = format!("{}/health", self.uri());
+        loop {
+            if agent.get(&health).call().is_ok() {
+                eprintln!(
+                    "mlflow server on port {} ready after {:.1} s",
+                    self.port,
+                    t.elapsed().as_secs_f64()
+                );
+                return;
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || t.elapsed() > limit {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                self.kill();
+                panic!(
+                    "mlflow server on port {} {} ; its log:\n{log}",
+                    self.port,
+                    match exited {
+                        Some(status) => format!("exited ({status}) before answering"),
+                        None => format!("did not answer GET /health within {limit:?}"),
+                    }
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Kills the server and everything it started (SIGKILL to its process group).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: a signal to the process group this test started.
+            unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What MLflow's own Python client reads of `run_id`: status, params, tags, the latest value of
+/// each metric and the history of `keys` as `[step, repr(value)]` (repr keeps every bit, NaN included).
+pub fn read_run(uri: &str, run_id: &str, keys: &[&str]) -> Value {
+    let script = r#"
+import json, sys
+from mlflow.tracking import MlflowClient
+c = MlflowClient()
+run_id = sys.argv[1]
+r = c.get_run(run_id)
+print(json.dumps({
+    "run_id": r.info.run_id,
+    "status": r.info.status,
+    "params": r.data.params,
+    "tags": r.data.tags,
+    "latest": r.data.metrics,
+    "history": {k: [[m.step, repr(m.value)] for m in c.get_metric_history(run_id, k)]
+                for k in sys.argv[2:]},
+}))
+"#;
+    let out = Command::new(venv_bin("python"))
+        .arg("-c")
+        .arg(script)
+        .arg(run_id)
+        .args(keys)
+        .env("MLFLOW_TRACKING_URI", uri)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "reading run {run_id} with MlflowClient failed:\n{}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap()
+}
+
+/// A history from [`read_run`] as (step, value) pairs in step order.
+pub fn history(run: &Value, key: &str) -> Vec<(u64, f64)> {
+    let mut points: Vec<(u64, f64)> = run["history"][key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p[0].as_u64().unwrap(),
+                p[1].as_str().unwrap().parse().unwrap(),
+            )
+        })
+        .collect();
+    points.sort_by_key(|p| p.0);
+    points
+}
+

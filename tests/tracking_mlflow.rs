@@ -1,0 +1,183 @@
+//! Training with MLflow on, against a real `mlflow server` on 127.0.0.1, read back with
+//! MLflow's own client: the metrics are metrics.jsonl's, the params the resolved config, one
+//! run across a resume, and the run's status follows the exit (FINISHED, FAILED after a NaN
+//! abort, KILLED after SIGTERM). A server that goes away mid-run costs one warning.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::mlflow::{history, read_run, MlflowServer};
+use common::{ok, run, small, with, write_corpus, Launcher};
+use serde_json::Value;
+
+fn args(base: &[String], uri: &str, name: &str, extra: &[&str]) -> Vec<String> {
+    let uri = format!("logging.mlflow.tracking_uri={uri}");
+    let name = format!("logging.run_name={name}");
+    with(
+        base,
+        &[],
+        &[
+            &[
+                "--set",
+                &uri,
+                "--set",
+                "logging.mlflow.experiment=lockstep-e2e",
+                "--set",
+                &name,
+            ],
+            extra,
+        ]
+        .concat(),
+    )
+}
+
+fn run_id(run_dir: &Path) -> String {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("mlflow.json")).unwrap())
+            .unwrap();
+    v["run_id"].as_str().unwrap().to_string()
+}
+
+const KEYS: &[&str] = &["train/loss", "train/lr", "train/grad_norm", "guard/nonfinite"];
+
+/// Every logged value of the keys in [`KEYS`] equals metrics.jsonl's at the same step, each
+/// step once.
+fn assert_matches_the_record(run_dir: &Path, got: &Value) {
+    let metrics: Vec<Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|x| serde_json::from_str(x).unwrap())
+        .collect();
+    for key in &KEYS[..3] {
+        let want: Vec<(u64, f64)> = metrics
+            .iter()
+            .map(|m| {
+                let value = lockstep::telemetry::series(m)
+                    .into_iter()
+                    .find(|(n, _)| n == key)
+                    .unwrap()
+                    .1;
+                (m["step"].as_u64().unwrap(), value)
+            })
+            .collect();
+        assert_eq!(history(got, key), want, "{key}");
+    }
+}
+
+#[test]
+fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let server = MlflowServer::start(dir);
+    let base = small(&write_corpus(dir));
+    let run_dir = dir.join("runs/ml");
+    let text = ok(
+        dir,
+        &with(&args(&base, &server.uri(), "ml", &[]), &["train"], &["--max-steps", "12"]),
+    );
+    assert!(text.contains("MLflow: run "), "{text}");
+    let id = run_id(&run_dir);
+    let got = read_run(&server.uri(), &id, KEYS);
+    assert_eq!(got["status"], "FINISHED");
+    assert_matches_the_record(&run_dir, &got);
+    // The params are the resolved config, flattened.
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).unwrap())
+            .unwrap();
+    let params = got["params"].as_object().unwrap();
+    for (key, value) in lockstep::telemetry::flat_params(&config) {
+        let key = key.replace(['[', ']'], "_");
+        assert_eq!(params.get(&key).and_then(Value::as_str), Some(value.as_str()), "{key}");
+    }
+    assert_eq!(got["tags"]["lockstep.world_size"], "1");
+
+    // A resume with more steps: the same run, each step once, max_steps recorded as changed.
+    ok(
+        dir,
+        &with(
+            &args(&base, &server.uri(), "ml", &[]),
+            &["train"],
+            &["--max-steps", "16", "--resume", "auto"],
+        ),
+    );
+    assert_eq!(run_id(&run_dir), id);
+    let got = read_run(&server.uri(), &id, KEYS);
+    assert_eq!(got["status"], "FINISHED");
+    assert_matches_the_record(&run_dir, &got);
+    assert_eq!(history(&got, "train/loss").len(), 16);
+    assert_eq!(got["tags"]["lockstep.changed.training.max_steps"], "12 -> 16");
+}
+
+#[test]
+fn the_status_follows_the_exit_a_nan_abort_fails_and_sigterm_kills() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let server = MlflowServer::start(dir);
+    let base = small(&write_corpus(dir));
+    let nan = [
+        "--set",
+        "training.nan_policy=abort",
+        "--set",
+        "debug.inject_nan_at_step=4",
+    ];
+    let out = run(
+        dir,
+        &with(&args(&base, &server.uri(), "nan", &nan), &["train"], &["--max-steps", "8"]),
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", common::output_text(&out));
+    let got = read_run(&server.uri(), &run_id(&dir.join("runs/nan")), KEYS);
+    assert_eq!(got["status"], "FAILED");
+    assert_eq!(history(&got, "guard/nonfinite"), [(4, 1.0)]);
+    assert_eq!(history(&got, "train/loss").len(), 3);
+
+    // SIGTERM: a checkpoint, exit 0, and the run KILLED (to be resumed).
+    let slow = [
+        "--set",
+        "debug.fault=slow",
+        "--set",
+        "debug.fault_delay_ms=200",
+    ];
+    let l = Launcher::start(
+        dir,
+        &with(&args(&base, &server.uri(), "term", &slow), &["train"], &["--max-steps", "50"]),
+    );
+    l.wait_for("Step [3/50]", Duration::from_secs(60));
+    unsafe { libc::kill(l.pid() as i32, libc::SIGTERM) };
+    let (code, text) = l.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{text}");
+    let got = read_run(&server.uri(), &run_id(&dir.join("runs/term")), KEYS);
+    assert_eq!(got["status"], "KILLED", "{text}");
+}
+
+#[test]
+fn a_server_gone_mid_run_costs_one_warning() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut server = MlflowServer::start(dir);
+    let base = small(&write_corpus(dir));
+    let slow = [
+        "--set",
+        "debug.fault=slow",
+        "--set",
+        "debug.fault_delay_ms=100",
+    ];
+    let l = Launcher::start(
+        dir,
+        &with(&args(&base, &server.uri(), "gone", &slow), &["train"], &["--max-steps", "30"]),
+    );
+    l.wait_for("MLflow: run ", Duration::from_secs(60));
+    l.wait_for("Step [5/30]", Duration::from_secs(60));
+    server.kill();
+    let (code, text) = l.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{text}");
+    let warnings: Vec<&str> = text.lines().filter(|x| x.contains("Warning")).collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].contains("MLflow"), "{text}");
+    assert_eq!(
+        common::losses(&dir.join("runs/gone/metrics.jsonl")).len(),
+        30,
+        "{text}"
+    );
+}
