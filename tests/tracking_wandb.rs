@@ -38,6 +38,8 @@ fn args(base: &[String], name: &str, extra: &[&str]) -> Vec<String> {
 /// What W&B recorded for run `id` under `run_dir`, over all its offline sessions in order:
 /// (step, values) of every history row, the run's config, and each session's exit code.
 struct Logged {
+    /// W&B sessions (one per trainer process that logged).
+    sessions: usize,
     history: Vec<(u64, serde_json::Map<String, Value>)>,
     config: Value,
     exits: Vec<i64>,
@@ -60,6 +62,7 @@ fn logged(run_dir: &Path, id: &str) -> Logged {
         run_dir.display()
     );
     let mut out = Logged {
+        sessions: sessions.len(),
         history: Vec::new(),
         config: Value::Null,
         exits: Vec::new(),
@@ -165,13 +168,14 @@ fn wandb_offline_run_is_the_metrics_record_and_continues_across_resume_and_resta
     );
     assert_eq!(run_id(&run_dir), id);
 
-    // On to 40 under `lockstep run --max-restarts 1`; the worker is killed after step 33, so
-    // the restart trains steps after the step-30 or -35 checkpoint again: W&B gets each once.
+    // On to 40 on two ranks under `lockstep run --max-restarts 1`; rank 0 is killed after step
+    // 33, so the restart trains steps after the step-30 or -35 checkpoint again: W&B gets each
+    // once, from rank 0 only.
     let mut l = Launcher::start(
         dir,
         &with(
             &args(&base, "wb", &[]),
-            &["run", "--nproc", "1", "--cpu", "--max-restarts", "1"],
+            &["run", "--nproc", "2", "--cpu", "--max-restarts", "1"],
             &["--max-steps", "40", "--resume", "auto"],
         ),
     );
@@ -186,6 +190,9 @@ fn wandb_offline_run_is_the_metrics_record_and_continues_across_resume_and_resta
     let all = logged(&run_dir, &id);
     assert_matches_the_record(&run_dir, &all);
     assert_eq!(all.history.len(), 40);
+    // One session per trainer process of rank 0: train, resume, run, its restart.
+    assert_eq!(all.sessions, 4);
+    assert_eq!(all.config["lockstep"]["world_size"], 2);
     // Sessions: the first two finished, the killed one ended as failed, the restart finished.
     assert_eq!(all.exits.first(), Some(&0));
     assert_eq!(all.exits.last(), Some(&0));

@@ -480,6 +480,43 @@ mod tests {
         );
     }
 
+    /// A sink whose service never answers: it blocks in `send`.
+    struct Stuck;
+
+    impl Sink for Stuck {
+        fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
+            Ok(("stuck".into(), None))
+        }
+        fn send(&mut self, _: &[Record]) -> Result<(), SinkError> {
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(())
+        }
+        fn finish(&mut self, _: RunStatus) -> Result<(), SinkError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stalled_service_costs_the_queue_bound_then_drops_with_a_count() {
+        let t = Tracker::start("Stuck", "[CPU0]", "", Box::new(Stuck));
+        let started = Instant::now();
+        let n = QUEUE_RECORDS as u64 + 500;
+        for s in 1..=n {
+            t.send(record(s));
+        }
+        // The sender never waited for the service (well under a second for all of them).
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // At most the queue plus what the stuck thread took into its batch are held.
+        let dropped = t.dropped.load(Ordering::Relaxed);
+        assert!(
+            dropped >= n - QUEUE_RECORDS as u64 - BATCH as u64 - 1 && dropped <= 500,
+            "{dropped}"
+        );
+        let ending = Instant::now();
+        t.finish(RunStatus::Finished, Duration::from_millis(300));
+        assert!(ending.elapsed() < Duration::from_secs(2));
+    }
+
     #[test]
     fn a_dropped_tracker_ends_its_run_as_failed() {
         let log = Arc::new(Mutex::new(Vec::new()));

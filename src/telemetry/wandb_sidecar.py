@@ -103,7 +103,9 @@ try:
         dir=init["dir"],
         resume="allow",
         config=init["config"],
-        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        # console off: this process prints nothing of the training's; W&B's system metrics
+        # (CPU, GPU through NVML) stay on.
+        settings=wandb.Settings(console="off", silent=True),
     )
 except Exception as e:  # noqa: BLE001
     text = "%s: %s" % (type(e).__name__, e)

@@ -54,6 +54,13 @@ impl Window {
     }
 }
 
+/// What a run is, for the trackers' run config beside the resolved config: the model's shape
+/// and the data (each source's name, weight, tokenizer and token counts).
+pub struct About<'a> {
+    pub shape: &'a LlamaShape,
+    pub data: Option<&'a serde_json::Value>,
+}
+
 pub struct Recorder {
     tag: String,
     device: Device,
@@ -83,7 +90,7 @@ impl Recorder {
         resolved: &Resolved,
         rank: &Rank,
         run_dir: &Path,
-        shape: &LlamaShape,
+        about: &About,
         mfu_basis: Option<(f64, f64)>,
         resumed_at: usize,
     ) -> Result<Recorder> {
@@ -124,7 +131,7 @@ impl Recorder {
                 ),
                 _ => {}
             }
-            let trackers = trackers(resolved, rank, run_dir, shape, resumed_at > 0);
+            let trackers = trackers(resolved, rank, run_dir, about, resumed_at > 0);
             Some(Records {
                 metrics,
                 tensorboard,
@@ -457,10 +464,11 @@ fn trackers(
     resolved: &Resolved,
     rank: &Rank,
     run_dir: &Path,
-    shape: &LlamaShape,
+    about: &About,
     resume: bool,
 ) -> Vec<Tracker> {
     let cfg = &resolved.config;
+    let shape = about.shape;
     let t = &cfg.training;
     let world = rank.place.world;
     let about = json!({
@@ -470,6 +478,7 @@ fn trackers(
         "parameters": shape.num_parameters(),
         "tokens_per_step": t.batch_size * t.grad_accum_nums * world * t.context_length,
         "device": format!("{:?}", rank.device),
+        "data": about.data,
         "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
     });
     let mut out = Vec::new();

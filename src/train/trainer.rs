@@ -23,7 +23,7 @@ use super::loader::{Loader, SourceTokens};
 use super::optim::{AdamWParams, Optimizer, Schedule, Sharding};
 use super::place::{self, Rank};
 use super::preempt;
-use super::recorder::Recorder;
+use super::recorder::{About, Recorder};
 use super::run_data::{self, DataSource};
 use super::rundir::RunDir;
 use super::setup::{self, RunOptions};
@@ -156,7 +156,11 @@ impl<'a> Trainer<'a> {
                 .map(|peak| (shape.flops_per_token(t.context_length), peak)),
             _ => None,
         };
-        let recorder = Recorder::new(resolved, &rank, &run_dir, &shape, mfu_basis, state.step)?;
+        let about = About {
+            shape: &shape,
+            data: state.data.as_ref(),
+        };
+        let recorder = Recorder::new(resolved, &rank, &run_dir, &about, mfu_basis, state.step)?;
         let stragglers = Stragglers::new(cfg, &rank, state.step);
         forensics::resumed_at(state.step);
         let mut step_cfg = StepConfig::from_config(cfg);
