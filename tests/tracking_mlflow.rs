@@ -40,7 +40,12 @@ fn run_id(run_dir: &Path) -> String {
     v["run_id"].as_str().unwrap().to_string()
 }
 
-const KEYS: &[&str] = &["train/loss", "train/lr", "train/grad_norm", "guard/nonfinite"];
+const KEYS: &[&str] = &[
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "guard/nonfinite",
+];
 
 /// Every logged value of the keys in [`KEYS`] equals metrics.jsonl's at the same step, each
 /// step once.
@@ -75,7 +80,11 @@ fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
     let run_dir = dir.join("runs/ml");
     let text = ok(
         dir,
-        &with(&args(&base, &server.uri(), "ml", &[]), &["train"], &["--max-steps", "12"]),
+        &with(
+            &args(&base, &server.uri(), "ml", &[]),
+            &["train"],
+            &["--max-steps", "12"],
+        ),
     );
     assert!(text.contains("MLflow: run "), "{text}");
     let id = run_id(&run_dir);
@@ -89,7 +98,11 @@ fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
     let params = got["params"].as_object().unwrap();
     for (key, value) in lockstep::telemetry::flat_params(&config) {
         let key = key.replace(['[', ']'], "_");
-        assert_eq!(params.get(&key).and_then(Value::as_str), Some(value.as_str()), "{key}");
+        assert_eq!(
+            params.get(&key).and_then(Value::as_str),
+            Some(value.as_str()),
+            "{key}"
+        );
     }
     assert_eq!(got["tags"]["lockstep.world_size"], "1");
 
@@ -107,7 +120,10 @@ fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
     assert_eq!(got["status"], "FINISHED");
     assert_matches_the_record(&run_dir, &got);
     assert_eq!(history(&got, "train/loss").len(), 16);
-    assert_eq!(got["tags"]["lockstep.changed.training.max_steps"], "12 -> 16");
+    assert_eq!(
+        got["tags"]["lockstep.changed.training.max_steps"],
+        "12 -> 16"
+    );
 }
 
 #[test]
@@ -124,7 +140,11 @@ fn the_status_follows_the_exit_a_nan_abort_fails_and_sigterm_kills() {
     ];
     let out = run(
         dir,
-        &with(&args(&base, &server.uri(), "nan", &nan), &["train"], &["--max-steps", "8"]),
+        &with(
+            &args(&base, &server.uri(), "nan", &nan),
+            &["train"],
+            &["--max-steps", "8"],
+        ),
     );
     assert_eq!(out.status.code(), Some(3), "{}", common::output_text(&out));
     let got = read_run(&server.uri(), &run_id(&dir.join("runs/nan")), KEYS);
@@ -141,7 +161,11 @@ fn the_status_follows_the_exit_a_nan_abort_fails_and_sigterm_kills() {
     ];
     let l = Launcher::start(
         dir,
-        &with(&args(&base, &server.uri(), "term", &slow), &["train"], &["--max-steps", "50"]),
+        &with(
+            &args(&base, &server.uri(), "term", &slow),
+            &["train"],
+            &["--max-steps", "50"],
+        ),
     );
     l.wait_for("Step [3/50]", Duration::from_secs(60));
     unsafe { libc::kill(l.pid() as i32, libc::SIGTERM) };
@@ -165,7 +189,11 @@ fn a_server_gone_mid_run_costs_one_warning() {
     ];
     let l = Launcher::start(
         dir,
-        &with(&args(&base, &server.uri(), "gone", &slow), &["train"], &["--max-steps", "30"]),
+        &with(
+            &args(&base, &server.uri(), "gone", &slow),
+            &["train"],
+            &["--max-steps", "30"],
+        ),
     );
     l.wait_for("MLflow: run ", Duration::from_secs(60));
     l.wait_for("Step [5/30]", Duration::from_secs(60));

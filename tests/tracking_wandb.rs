@@ -429,8 +429,9 @@ fn strs_owned(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-/// A rollback trains steps again: W&B keeps the first pass of a step it has (its steps only
-/// increase); the guard event rides on the next record, so the redone step is not lost.
+/// A rollback trains steps again: metrics.jsonl rewinds to the checkpoint and holds the steps
+/// trained again; W&B (whose steps only go forward) keeps its first pass of them and gets the
+/// steps after; the guard event rides on the next record.
 #[test]
 fn a_rollback_logs_each_step_once_and_the_guard_event_with_the_next() {
     let tmp = tempfile::tempdir().unwrap();
@@ -438,21 +439,38 @@ fn a_rollback_logs_each_step_once_and_the_guard_event_with_the_next() {
     let base = small(&write_corpus(dir));
     let tail = [
         "--max-steps",
-        "8",
+        "10",
         "--set",
-        "checkpoint.interval=2",
+        "checkpoint.interval=4",
         "--set",
         "training.nan_policy=rollback",
         "--set",
-        "debug.inject_nan_at_step=5",
+        "debug.inject_nan_at_step=7",
     ];
     let text = ok(dir, &with(&args(&base, "rb", &[]), &["train"], &tail));
     assert!(text.contains("Rolled back to"), "{text}");
+    assert!(
+        text.contains("metrics.jsonl: removed 2 records after step 4"),
+        "{text}"
+    );
     let run_dir = dir.join("runs/rb");
+    let metrics = common::losses(&run_dir.join("metrics.jsonl"));
+    let steps: Vec<u64> = metrics.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, (1..=10).collect::<Vec<_>>());
     let l = logged(&run_dir, &run_id(&run_dir));
-    assert_matches_the_record(&run_dir, &l);
-    let (step, row) = &l.history[4];
-    assert_eq!(*step, 5);
+    let logged_steps: Vec<u64> = l.history.iter().map(|(s, _)| *s).collect();
+    assert_eq!(logged_steps, steps);
+    for ((step, row), (_, loss)) in l.history.iter().zip(&metrics) {
+        let first_pass = (5..=6).contains(step);
+        let same = row["train/loss"].as_f64() == Some(*loss);
+        assert_eq!(
+            same, !first_pass,
+            "step {step}: W&B {row:?}, metrics.jsonl {loss}"
+        );
+    }
+    // Step 7 went non-finite; the step 7 trained after the rollback carries the event.
+    let (step, row) = &l.history[6];
+    assert_eq!(*step, 7);
     assert_eq!(
         row.get("guard/nonfinite").and_then(Value::as_f64),
         Some(1.0)

@@ -26,7 +26,8 @@ mod tests {
     fn a_touched_allocation_shows_in_resident_and_peak_memory() {
         // Other tests in this process allocate and free concurrently, so compare against the
         // allocation itself (and the peak, which never goes down), not against a "before".
-        let v = vec![1u8; 256 << 20];
+        // black_box: an allocation nothing reads may be removed by the optimizer altogether.
+        let v = std::hint::black_box(vec![1u8; 256 << 20]);
         let rss = super::rss_bytes();
         assert!(rss >= 256 << 20, "{rss}");
         assert!(super::peak_rss_bytes() >= 256 << 20);

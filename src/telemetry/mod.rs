@@ -153,6 +153,7 @@ pub fn flat_params(config: &Value) -> Vec<(String, String)> {
 /// Appends one JSON object per line; flushed per record so a crash loses at most one line.
 /// `metrics.jsonl`: one JSON object per logged step, each with its `step`.
 pub struct Metrics {
+    path: std::path::PathBuf,
     out: BufWriter<File>,
 }
 
@@ -219,10 +220,23 @@ impl Metrics {
             .with_context(fail)?;
         Ok((
             Metrics {
+                path: path.to_path_buf(),
                 out: BufWriter::new(file),
             },
             earlier,
         ))
+    }
+
+    /// Back to `step` (a rollback): the records after it are removed, as on a resume, so the
+    /// steps trained again replace them. Returns how many were removed.
+    pub fn rewind(&mut self, step: usize) -> Result<usize> {
+        self.out.flush()?;
+        let (reopened, earlier) = Metrics::open(&self.path, step.max(1))?;
+        *self = reopened;
+        Ok(match earlier {
+            Earlier::Truncated { dropped } => dropped,
+            _ => 0,
+        })
     }
 
     pub fn record(&mut self, record: &Value) -> Result<()> {
@@ -278,6 +292,11 @@ mod tests {
             .starts_with("metrics.previous-"));
         assert_eq!(steps(&old), (1..=26).collect::<Vec<_>>());
         m.record(&serde_json::json!({"step": 1})).unwrap();
+        assert_eq!(steps(&path), vec![1]);
+        // A rollback to step 24 removes 25 and 26.
+        m.record(&serde_json::json!({"step": 2})).unwrap();
+        let (mut m, _) = Metrics::open(&path, 2).unwrap();
+        assert_eq!(m.rewind(1).unwrap(), 1);
         assert_eq!(steps(&path), vec![1]);
         // Nothing earlier: nothing done.
         let other = dir.path().join("none.jsonl");

@@ -35,6 +35,10 @@ struct Records {
     /// carries them (`"guard": {kind: count}`), so that the step trained again after a skip or
     /// a rollback is not shadowed by an event of its own at the same step.
     guard: Vec<(usize, String, usize)>,
+    /// The last step handed to the trackers in this process.
+    tracked: Option<usize>,
+    /// Guard values of records not handed over (steps trained again), for the next one.
+    carried: Vec<(String, f64)>,
 }
 
 /// Step timings summed since the last logged step, for Tok/s, the ETA and the timing line.
@@ -137,6 +141,8 @@ impl Recorder {
                 tensorboard,
                 trackers,
                 guard: Vec::new(),
+                tracked: None,
+                carried: Vec::new(),
             })
         } else {
             None
@@ -259,9 +265,22 @@ impl Recorder {
         self.window = Window::new();
     }
 
-    /// TensorBoard points from `step + 1` on replace earlier ones (after a rollback).
+    /// After a rollback to `step`: the steps trained again replace the later records in
+    /// metrics.jsonl and TensorBoard (a session start hides the later points). The trackers keep
+    /// what they have (their steps only go forward) and get the steps after it.
     pub fn rewind(&mut self, step: usize) -> Result<()> {
-        if let Some(tb) = self.records.as_mut().and_then(|r| r.tensorboard.as_mut()) {
+        let Some(records) = self.records.as_mut() else {
+            return Ok(());
+        };
+        let dropped = records.metrics.rewind(step)?;
+        if dropped > 0 {
+            println!(
+                "{} metrics.jsonl: removed {dropped} records after step {step} (trained again \
+                 after the rollback)",
+                self.tag
+            );
+        }
+        if let Some(tb) = records.tensorboard.as_mut() {
             tb.session_start(step as i64 + 1)?;
         }
         Ok(())
@@ -447,8 +466,25 @@ impl Records {
         Ok(())
     }
 
-    /// Hands a record to every tracker (never blocks).
-    fn track(&self, step: usize, values: Vec<(String, f64)>) {
+    /// Hands a record to every tracker (never blocks). A step at or before one already handed
+    /// over (trained again after a rollback) is not: the trackers keep their first pass; its
+    /// guard values go with the next new step.
+    fn track(&mut self, step: usize, mut values: Vec<(String, f64)>) {
+        if self.trackers.is_empty() {
+            return;
+        }
+        if self.tracked.is_some_and(|last| step <= last) {
+            self.carried
+                .extend(values.into_iter().filter(|(n, _)| n.starts_with("guard/")));
+            return;
+        }
+        for (name, v) in self.carried.drain(..) {
+            match values.iter_mut().find(|(n, _)| *n == name) {
+                Some(slot) => slot.1 = slot.1.max(v),
+                None => values.push((name, v)),
+            }
+        }
+        self.tracked = Some(step);
         for t in &self.trackers {
             t.send(Record {
                 step: step as u64,

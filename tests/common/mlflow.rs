@@ -174,4 +174,3 @@ pub fn history(run: &Value, key: &str) -> Vec<(u64, f64)> {
     points.sort_by_key(|p| p.0);
     points
 }
-
