@@ -267,7 +267,15 @@ fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
             "{origin}: expected section.key=value, e.g. --set training.learning_rate=3e-4"
         ));
     };
-    let spec = known_key(schema::canonical(key.trim()), &origin)?;
+    let key = schema::canonical(key.trim());
+    if schema::find(key).is_none() && schema::is_group(key) {
+        return err(format!(
+            "{origin}: {key} is a group of keys ({}); set them one at a time, e.g. --set {key}.{}=…",
+            schema::group_keys(key).join(", "),
+            schema::group_keys(key)[0]
+        ));
+    }
+    let spec = known_key(key, &origin)?;
     let raw = raw.trim();
     let value = match spec.kind {
         schema::Kind::Str | schema::Kind::Choice(_) => Value::String(unquote(raw)),

@@ -338,3 +338,37 @@ fn data_sources_rules_name_the_entry_and_the_fix() {
     let e = error_of(&sets(&[r#"data.sources=[{"path":" ","weight":1}]"#]));
     assert!(e.contains("data.sources[0].path is empty"), "{e}");
 }
+
+#[test]
+fn tracker_groups_nest_and_their_mistakes_are_named() {
+    let sets = |v: &[&str]| Sources {
+        sets: v.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    // A group in a file, and a list both as JSON and comma-separated.
+    let (_f, src) = with_file(
+        r#"{"logging": {"wandb": {"project": "p", "tags": ["a", "b"]}, "mlflow": {"experiment": "e"}}}"#,
+    );
+    let c = resolve(&src).unwrap().config;
+    assert_eq!(c.logging.wandb.project.as_deref(), Some("p"));
+    assert_eq!(c.logging.wandb.tags, ["a", "b"]);
+    assert_eq!(c.logging.mlflow.experiment.as_deref(), Some("e"));
+    let c = resolve(&sets(&["logging.wandb.tags=x, y"])).unwrap().config;
+    assert_eq!(c.logging.wandb.tags, ["x", "y"]);
+    for (bad, says) in [
+        ("logging.wandb.mode=sometimes", "is not a W&B mode; use one of online, offline"),
+        ("logging.mlflow.tracking_uri=file:///m", "not a file store or other scheme"),
+        ("logging.wandb.project=", "logging.wandb.project is an empty string"),
+        ("logging.wandb.projekt=x", "did you mean \"logging.wandb.project\""),
+        ("logging.wandb={}", "logging.wandb is a group of keys (project, entity"),
+    ] {
+        let e = error_of(&sets(&[bad]));
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+    let (_f, src) = with_file(r#"{"logging": {"wandb": "p"}}"#);
+    let e = error_of(&src);
+    assert!(e.contains("\"logging.wandb\" must be an object"), "{e}");
+    let (_f, src) = with_file(r#"{"logging": {"mlflow": {"tracking_url": "http://x"}}}"#);
+    let e = error_of(&src);
+    assert!(e.contains("did you mean \"logging.mlflow.tracking_uri\""), "{e}");
+}

@@ -268,7 +268,7 @@ impl WandbSink {
             .take()
             .map_or_else(String::new, |e| format!(" after: {e}"));
         SinkError::passing(format!(
-            "the W&B sidecar {how}{why}; see {}; starting it again",
+            "the W&B sidecar {how}{why}; see {}",
             log.display()
         ))
     }
