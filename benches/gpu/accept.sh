@@ -398,6 +398,8 @@ if wants c3 && time_for 150 c3-run; then
   memline=$(grep -a "$TAG Memory |" "$L" | tail -1 | sed 's/.*Memory | //')
   gpu_mem_ok=1
   [ "$DRY" = 0 ] && ! grep -qa "$TAG Memory |.*GPU used" "$L" && gpu_mem_ok=0
+  # The records W&B, MLflow and TensorBoard get carry the GPU's memory (memory/gpu_used_gb).
+  [ "$DRY" = 0 ] && ! grep -q '"gpu_used_gb"' "$RUNS/full/metrics.jsonl" 2>/dev/null && gpu_mem_ok=0
   if [ $rc -eq 0 ] && grep -qa "$TAG Step \[10/10\]" "$L" && [ -d "$CKPT" ] && [ $gpu_mem_ok = 1 ]; then
     eval "$($PY "$HERE/accept_lib.py" steplines "$L" --skip 2)"
     result PASS c3-run "10 bf16 steps, '$(grep -a "$TAG Run:" "$L" | head -1 | sed 's/.*| 1 rank | //')', median $TOKS tok/s${MFU:+, MFU $MFU%}; memory line: $memline; checkpoint step_10 written"
