@@ -57,7 +57,7 @@ fn tensorboard_reads_our_scalars() {
             "train/loss" => 10.0 / (1.0 + s.ln()),
             "train/lr" => 3e-4 * (s / 10.0).min(1.0),
             "train/grad_norm" => 0.812_345_678 + s * 1e-3,
-            "train/tokens_per_s" => 123_456.789 * s,
+            "perf/tokens_per_s" => 123_456.789 * s,
             _ => -1.5 * s,
         }
     };
@@ -65,7 +65,7 @@ fn tensorboard_reads_our_scalars() {
         "train/loss",
         "train/lr",
         "train/grad_norm",
-        "train/tokens_per_s",
+        "perf/tokens_per_s",
         "memory/rss_gb",
     ];
     for &step in &steps {

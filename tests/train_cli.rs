@@ -353,7 +353,7 @@ fn tensorboard_events_hold_the_same_losses_as_metrics_jsonl() {
         "train/loss",
         "train/lr",
         "train/grad_norm",
-        "train/tokens_per_s",
+        "perf/tokens_per_s",
         "val/loss",
         "memory/rss_gb",
     ] {

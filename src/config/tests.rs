@@ -356,11 +356,26 @@ fn tracker_groups_nest_and_their_mistakes_are_named() {
     let c = resolve(&sets(&["logging.wandb.tags=x, y"])).unwrap().config;
     assert_eq!(c.logging.wandb.tags, ["x", "y"]);
     for (bad, says) in [
-        ("logging.wandb.mode=sometimes", "is not a W&B mode; use one of online, offline"),
-        ("logging.mlflow.tracking_uri=file:///m", "not a file store or other scheme"),
-        ("logging.wandb.project=", "logging.wandb.project is an empty string"),
-        ("logging.wandb.projekt=x", "did you mean \"logging.wandb.project\""),
-        ("logging.wandb={}", "logging.wandb is a group of keys (project, entity"),
+        (
+            "logging.wandb.mode=sometimes",
+            "is not a W&B mode; use one of online, offline",
+        ),
+        (
+            "logging.mlflow.tracking_uri=file:///m",
+            "not a file store or other scheme",
+        ),
+        (
+            "logging.wandb.project=",
+            "logging.wandb.project is an empty string",
+        ),
+        (
+            "logging.wandb.projekt=x",
+            "did you mean \"logging.wandb.project\"",
+        ),
+        (
+            "logging.wandb={}",
+            "logging.wandb is a group of keys (project, entity",
+        ),
     ] {
         let e = error_of(&sets(&[bad]));
         assert!(e.contains(says), "{bad}: {e}");
@@ -370,5 +385,8 @@ fn tracker_groups_nest_and_their_mistakes_are_named() {
     assert!(e.contains("\"logging.wandb\" must be an object"), "{e}");
     let (_f, src) = with_file(r#"{"logging": {"mlflow": {"tracking_url": "http://x"}}}"#);
     let e = error_of(&src);
-    assert!(e.contains("did you mean \"logging.mlflow.tracking_uri\""), "{e}");
+    assert!(
+        e.contains("did you mean \"logging.mlflow.tracking_uri\""),
+        "{e}"
+    );
 }

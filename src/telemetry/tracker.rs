@@ -310,7 +310,12 @@ impl Worker {
                     .cloned()
                     .collect();
                 self.skipped += (pending.len() - batch.len()) as u64;
-                match self.sink.send(&batch) {
+                let sent = if batch.is_empty() {
+                    Ok(())
+                } else {
+                    self.sink.send(&batch)
+                };
+                match sent {
                     Ok(()) => {
                         if let Some(r) = batch.last() {
                             self.last_step = Some(r.step);
@@ -337,6 +342,12 @@ impl Worker {
                 } else if !pending.is_empty() {
                     self.dropped
                         .fetch_add(pending.len() as u64, Ordering::Relaxed);
+                }
+                if self.skipped > 0 {
+                    println!(
+                        "{} {}: {} records of steps it already had were not sent again",
+                        self.tag, self.name, self.skipped
+                    );
                 }
                 let dropped = self.dropped.load(Ordering::Relaxed);
                 if dropped > 0 {

@@ -267,10 +267,7 @@ impl WandbSink {
             .last_error
             .take()
             .map_or_else(String::new, |e| format!(" after: {e}"));
-        SinkError::passing(format!(
-            "the W&B sidecar {how}{why}; see {}",
-            log.display()
-        ))
+        SinkError::passing(format!("the W&B sidecar {how}{why}; see {}", log.display()))
     }
 }
 
