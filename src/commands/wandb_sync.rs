@@ -74,9 +74,9 @@ pub fn run(args: &WandbSyncArgs) -> Result<()> {
         "run_dir": std::path::absolute(dir)?,
         "uploaded_by": "lockstep wandb-sync",
     });
-    let Some(mut opts) = WandbOptions::new(&w, dir, true, config)? else {
-        unreachable!("a project is set and the mode is not disabled");
-    };
+    // A project is set and the mode is online or offline, so W&B is on.
+    let mut opts = WandbOptions::new(&w, dir, true, config)?
+        .ok_or_else(|| anyhow::anyhow!("internal: W&B options for {} are off", dir.display()))?;
     opts.init["local_steps"] = Value::Bool(false);
     let id = opts.id().to_string();
     let mut sink = WandbSink::new(opts);
