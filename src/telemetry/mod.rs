@@ -126,6 +126,13 @@ pub fn series(record: &Value) -> Vec<(String, f64)> {
     out
 }
 
+/// A run's name as the trackers show it by default: its directory's name.
+pub fn run_name(run_dir: &Path) -> String {
+    run_dir
+        .file_name()
+        .map_or_else(|| "lockstep".into(), |n| n.to_string_lossy().into_owned())
+}
+
 /// A config as flat `key = value` text pairs (`training.learning_rate` = `0.0003`; lists and
 /// null as JSON): MLflow's params.
 pub fn flat_params(config: &Value) -> Vec<(String, String)> {

@@ -116,13 +116,17 @@ impl Tracker {
     /// Starts `sink` on its own thread (`name` is the service's name in messages, `tag` the
     /// rank tag, `catch_up` how to deliver what it missed afterwards, if there is a way).
     pub fn start(name: &'static str, tag: &str, catch_up: &str, sink: Box<dyn Sink>) -> Tracker {
+        let catch_up_note = match catch_up {
+            "" => String::new(),
+            how => format!("; {how}"),
+        };
         let (tx, rx) = sync_channel(QUEUE_RECORDS);
         let (done_tx, done) = sync_channel(1);
         let dropped = Arc::new(AtomicU64::new(0));
         let worker = Worker {
             name,
             tag: tag.to_string(),
-            catch_up: catch_up.to_string(),
+            catch_up_note: catch_up_note.clone(),
             sink,
             rx,
             dropped: dropped.clone(),
@@ -140,10 +144,7 @@ impl Tracker {
             .expect("spawning a tracker thread");
         Tracker {
             name,
-            catch_up_note: match catch_up {
-                "" => String::new(),
-                how => format!("; {how}"),
-            },
+            catch_up_note,
             tag: tag.to_string(),
             tx: Some(tx),
             dropped,
@@ -236,8 +237,8 @@ enum State {
 struct Worker {
     name: &'static str,
     tag: String,
-    /// How to deliver the records it missed afterwards ("" = no way).
-    catch_up: String,
+    /// `; <how to deliver the records it missed afterwards>`, or empty.
+    catch_up_note: String,
     sink: Box<dyn Sink>,
     rx: Receiver<Msg>,
     dropped: Arc<AtomicU64>,
@@ -351,13 +352,9 @@ impl Worker {
                 }
                 let dropped = self.dropped.load(Ordering::Relaxed);
                 if dropped > 0 {
-                    let how = match self.catch_up.as_str() {
-                        "" => String::new(),
-                        how => format!("; {how}"),
-                    };
                     eprintln!(
-                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them{how})",
-                        self.tag, self.name
+                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them{})",
+                        self.tag, self.name, self.catch_up_note
                     );
                 }
                 return;

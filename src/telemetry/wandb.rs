@@ -82,11 +82,7 @@ impl WandbOptions {
             )
         })?;
         let id = run_id(&run_dir, resume)?;
-        let name = w.name.clone().unwrap_or_else(|| {
-            run_dir
-                .file_name()
-                .map_or_else(|| "lockstep".into(), |n| n.to_string_lossy().into_owned())
-        });
+        let name = w.name.clone().unwrap_or_else(|| super::run_name(&run_dir));
         let init = json!({
             "id": id, "project": project, "entity": w.entity, "name": name, "group": w.group,
             "tags": w.tags, "mode": mode, "dir": dir, "config": config,
@@ -138,6 +134,14 @@ fn run_id(run_dir: &Path, resume: bool) -> Result<String> {
     crate::sys::durable::write_atomic(&path, json!({ "id": id }).to_string().as_bytes())
         .with_context(|| format!("{}: cannot write the W&B run id", path.display()))?;
     Ok(id)
+}
+
+/// The error a sidecar report line carries (`{"error": ..., "lasting": ...}`), if any.
+fn reported_error(report: &Value) -> Option<SinkError> {
+    Some(SinkError {
+        message: report["error"].as_str()?.to_string(),
+        lasting: report["lasting"].as_bool().unwrap_or(false),
+    })
 }
 
 /// A running sidecar: its stdin, and its report lines as they come.
@@ -250,14 +254,8 @@ impl WandbSink {
                 _ => std::thread::sleep(Duration::from_millis(20)),
             }
         };
-        while let Ok(r) = s.reports.try_recv() {
-            if let Some(e) = r["error"].as_str() {
-                let lasting = r["lasting"].as_bool().unwrap_or(false);
-                return SinkError {
-                    message: e.to_string(),
-                    lasting,
-                };
-            }
+        if let Some(e) = s.reports.try_iter().find_map(|r| reported_error(&r)) {
+            return e;
         }
         let how = status.map_or_else(
             || "stopped responding".into(),
@@ -287,13 +285,9 @@ impl Sink for WandbSink {
                 let line = started["line"].as_str().unwrap_or_default().to_string();
                 Ok((line, started["last_step"].as_u64()))
             }
-            Ok(r) => Err(SinkError {
-                message: r["error"]
-                    .as_str()
-                    .unwrap_or("the W&B sidecar answered without starting")
-                    .to_string(),
-                lasting: r["lasting"].as_bool().unwrap_or(false),
-            }),
+            Ok(r) => Err(reported_error(&r).unwrap_or_else(|| {
+                SinkError::passing("the W&B sidecar answered without starting")
+            })),
             Err(RecvTimeoutError::Disconnected) => Err(self.gone()),
             Err(RecvTimeoutError::Timeout) => Err(SinkError::passing(format!(
                 "wandb.init did not finish within {} s (see {})",
@@ -305,10 +299,8 @@ impl Sink for WandbSink {
 
     fn send(&mut self, records: &[Record]) -> Result<(), SinkError> {
         if let Some(s) = &self.sidecar {
-            while let Ok(r) = s.reports.try_recv() {
-                if let Some(e) = r["error"].as_str() {
-                    self.last_error = Some(e.to_string());
-                }
+            for e in s.reports.try_iter().filter_map(|r| reported_error(&r)) {
+                self.last_error = Some(e.message);
             }
         }
         for r in records {

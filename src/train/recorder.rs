@@ -400,13 +400,8 @@ impl Records {
     /// Guard events no record carried, each as a record of its own.
     fn flush_guard(&mut self) {
         for (step, kind, events) in std::mem::take(&mut self.guard) {
-            self.track(
-                step,
-                vec![
-                    ("guard/events".into(), events as f64),
-                    (format!("guard/{kind}"), 1.0),
-                ],
-            );
+            let record = json!({ "guard_events": events, "guard": { kind: 1 } });
+            self.track(step, telemetry::series(&record));
         }
     }
 
@@ -560,14 +555,13 @@ fn mlflow_options(
         (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => uri,
         (None, Some(uri)) => {
             return Err(format!(
-                "MLFLOW_TRACKING_URI = {uri:?} is not an MLflow server's http(s) address;                  lockstep logs to a tracking server (start one with `mlflow server`) - set                  logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI"
+                "MLFLOW_TRACKING_URI = {uri:?} is not an MLflow server's http(s) address; \
+                 lockstep logs to a tracking server (start one with `mlflow server`) - set \
+                 logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI"
             ))
         }
         (None, None) => return Ok(None),
     };
-    let name = run_dir
-        .file_name()
-        .map_or_else(|| "lockstep".into(), |n| n.to_string_lossy().into_owned());
     let tags = about
         .as_object()
         .into_iter()
@@ -584,7 +578,10 @@ fn mlflow_options(
             .clone()
             .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
             .unwrap_or_else(|| "lockstep".into()),
-        run_name: m.run_name.clone().unwrap_or(name),
+        run_name: m
+            .run_name
+            .clone()
+            .unwrap_or_else(|| telemetry::run_name(run_dir)),
         run_file: run_dir.join("mlflow.json"),
         resume,
         params: telemetry::flat_params(&resolved.to_json()),
