@@ -3,11 +3,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::canned_http;
 use common::mlflow::{history, read_run, MlflowServer};
 use lockstep::dist::free_port;
 
@@ -19,21 +19,6 @@ use serde_json::Value;
 fn run_id_in(run_file: &Path) -> String {
     let ids: Value = serde_json::from_str(&std::fs::read_to_string(run_file).unwrap()).unwrap();
     ids["run_id"].as_str().unwrap().to_string()
-}
-
-/// A server that answers every request with `response` (status line, headers and body).
-fn canned(response: &'static str) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for mut stream in listener.incoming().flatten() {
-            let mut buf = [0u8; 65536];
-            let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-            let _ = stream.read(&mut buf);
-            let _ = stream.write_all(response.as_bytes());
-        }
-    });
-    port
 }
 
 // ---- the tests ----
@@ -321,7 +306,7 @@ fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
     );
 
     // Refused credentials: lasting, naming the variables.
-    let port = canned(
+    let port = canned_http(
         "HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\nContent-Length: 12\r\n\
          Connection: close\r\n\r\nUnauthorized",
     );
@@ -336,7 +321,7 @@ fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
     );
 
     // A server error: passing.
-    let port = canned(
+    let port = canned_http(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
     );
     let e = sink_at(&format!("http://127.0.0.1:{port}"))
@@ -346,7 +331,7 @@ fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
     assert!(!e.lasting && e.message.contains("503"), "{}", e.message);
 
     // A refusal with MLflow's JSON error: lasting, with its code and message.
-    let port = canned(
+    let port = canned_http(
         "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 69\r\n\
          Connection: close\r\n\r\n\
          {\"error_code\": \"INVALID_PARAMETER_VALUE\", \"message\": \"bad name: xyz\"}",
@@ -364,7 +349,7 @@ fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
     );
 
     // Not MLflow at all (a web page): lasting, no panic.
-    let port = canned(
+    let port = canned_http(
         "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\
          Connection: close\r\n\r\n<html></html>",
     );

@@ -50,11 +50,7 @@ const KEYS: &[&str] = &[
 /// Every logged value of the keys in [`KEYS`] equals metrics.jsonl's at the same step, each
 /// step once.
 fn assert_matches_the_record(run_dir: &Path, got: &Value) {
-    let metrics: Vec<Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|x| serde_json::from_str(x).unwrap())
-        .collect();
+    let metrics = common::records(&run_dir.join("metrics.jsonl"));
     for key in &KEYS[..3] {
         let want: Vec<(u64, f64)> = metrics
             .iter()

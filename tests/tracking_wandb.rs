@@ -107,11 +107,7 @@ fn run_id(run_dir: &Path) -> String {
 /// Every W&B row equals metrics.jsonl's record at the same step, steps strictly increasing,
 /// none missing; the config is config.json's.
 fn assert_matches_the_record(run_dir: &Path, l: &Logged) {
-    let metrics: Vec<Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|x| serde_json::from_str(x).unwrap())
-        .collect();
+    let metrics = common::records(&run_dir.join("metrics.jsonl"));
     let steps: Vec<u64> = l.history.iter().map(|(s, _)| *s).collect();
     let want: Vec<u64> = metrics
         .iter()
@@ -331,35 +327,12 @@ fn without_the_wandb_package_training_warns_once_and_finishes() {
 /// A stand-in for the W&B server on 127.0.0.1 that refuses every request as W&B refuses a
 /// wrong API key (401). Returns its address.
 fn refusing_server() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let mut reader = BufReader::new(conn);
-            let mut length = 0usize;
-            loop {
-                let mut line = String::new();
-                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
-                }
-                let lower = line.to_ascii_lowercase();
-                if let Some(v) = lower.strip_prefix("content-length:") {
-                    length = v.trim().parse().unwrap_or(0);
-                }
-            }
-            let mut body = vec![0; length];
-            let _ = reader.read_exact(&mut body);
-            let answer = r#"{"errors":[{"message":"user is not logged in"}]}"#;
-            let _ = write!(
-                reader.get_mut(),
-                "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\nconnection: close\r\n\r\n{answer}",
-                answer.len()
-            );
-        }
-    });
-    addr
+    let port = common::canned_http(
+        "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n\
+         content-length: 48\r\nconnection: close\r\n\r\n\
+         {\"errors\":[{\"message\":\"user is not logged in\"}]}",
+    );
+    format!("http://127.0.0.1:{port}")
 }
 
 #[test]
@@ -406,27 +379,20 @@ fn wandb_sync_uploads_a_run_trained_without_wandb() {
     ok(dir, &run);
     let run_dir = dir.join("runs/later");
     // Without a project anywhere: the error says what to pass.
-    let out = common::run(dir, &["wandb-sync".into(), "runs/later".into()]);
+    let out = common::run(dir, &common::cmd("wandb-sync", &[], &["runs/later"]));
     let text = common::fails(&out, 2, &["has no logging.wandb.project", "--project"]);
     assert!(!run_dir.join("wandb.json").exists(), "{text}");
     let text = ok(
         dir,
-        &strs_owned(&[
+        &common::cmd(
             "wandb-sync",
-            "runs/later",
-            "--project",
-            "p",
-            "--mode",
-            "offline",
-        ]),
+            &[],
+            &["runs/later", "--project", "p", "--mode", "offline"],
+        ),
     );
     assert!(text.contains("sent 7 steps"), "{text}");
     let l = logged(&run_dir, &run_id(&run_dir));
     assert_matches_the_record(&run_dir, &l);
-}
-
-fn strs_owned(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
 }
 
 /// A rollback trains steps again: metrics.jsonl rewinds to the checkpoint and holds the steps

@@ -124,14 +124,50 @@ pub fn small(corpus: &Path) -> Vec<String> {
     .collect()
 }
 
+/// Every record of a metrics.jsonl.
+pub fn records(metrics: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(metrics)
+        .unwrap_or_else(|e| panic!("{}: {e}", metrics.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// (step, loss) of every line of a metrics.jsonl.
 pub fn losses(metrics: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+    records(metrics)
+        .iter()
         .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
         .collect()
+}
+
+/// A server on 127.0.0.1 that reads each request whole (headers and a Content-Length body)
+/// and answers it with `response` (status line, headers and body). Returns its port.
+pub fn canned_http(response: &'static str) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut reader = BufReader::new(conn);
+            let mut length = 0usize;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let lower = line.to_ascii_lowercase();
+                if let Some(v) = lower.strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let _ = reader.get_mut().write_all(response.as_bytes());
+        }
+    });
+    port
 }
 
 pub fn run(dir: &Path, args: &[String]) -> Output {
