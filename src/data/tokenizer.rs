@@ -1,6 +1,10 @@
 //! Text tokenizers: the OpenAI BPE encodings embedded in tiktoken-rs (offline)
-//! and Hugging Face `tokenizer.json` files.
+//! and Hugging Face `tokenizer.json` files. Text is encoded by lockstep's own exact BPE
+//! encoder ([`fast_bpe`]) for every tiktoken encoding and for byte-level BPE tokenizer.json
+//! files; other tokenizer.json models go through `tokenizers`. tiktoken-rs and `tokenizers`
+//! still decode, define the vocabulary hash and export.
 
+mod fast_bpe;
 mod hf_json;
 
 use std::path::{Path, PathBuf};
@@ -8,6 +12,8 @@ use std::sync::OnceLock;
 
 use anyhow::{anyhow, bail, Context, Result};
 use tiktoken_rs::CoreBPE;
+
+use fast_bpe::FastBpe;
 
 /// Names accepted by [`Tokenizer::load`] besides a path to a `tokenizer.json`.
 pub const BUILTIN_NAMES: &[&str] = &[
@@ -40,10 +46,14 @@ enum Kind {
     Tiktoken {
         name: &'static str,
         bpe: &'static CoreBPE,
+        /// Its static facts and lockstep's encoder for it.
+        spec: &'static TiktokenSpec,
     },
     HuggingFace {
         path: PathBuf,
         inner: Box<tokenizers::Tokenizer>,
+        /// lockstep's encoder where it reproduces this tokenizer.json exactly, else why not.
+        fast: Result<Box<FastBpe>, String>,
     },
 }
 
@@ -55,32 +65,50 @@ struct TiktokenSpec {
     vocab_size: usize,
     eos_id: u32,
     get: fn() -> &'static CoreBPE,
+    /// The classic form of its pre-tokenizer pattern ([`fast_bpe`]).
+    pattern: &'static str,
+    /// `bpe-openai`'s prebuilt dictionary, where it ships one.
+    prebuilt: Option<fn() -> &'static bpe_openai::Tokenizer>,
+    /// lockstep's encoder, built on first use (r50k/p50k: ~0.4 s) once per process.
+    fast: OnceLock<Result<FastBpe, String>>,
 }
 
-const TIKTOKEN_SPECS: &[TiktokenSpec] = &[
+static TIKTOKEN_SPECS: [TiktokenSpec; 4] = [
     TiktokenSpec {
         name: "r50k_base",
         vocab_size: 50257,
         eos_id: 50256,
         get: tiktoken_rs::r50k_base_singleton,
+        pattern: fast_bpe::GPT2_PATTERN,
+        prebuilt: None,
+        fast: OnceLock::new(),
     },
     TiktokenSpec {
         name: "p50k_base",
         vocab_size: 50281,
         eos_id: 50256,
         get: tiktoken_rs::p50k_base_singleton,
+        pattern: fast_bpe::GPT2_PATTERN,
+        prebuilt: None,
+        fast: OnceLock::new(),
     },
     TiktokenSpec {
         name: "cl100k_base",
         vocab_size: 100277,
         eos_id: 100257,
         get: tiktoken_rs::cl100k_base_singleton,
+        pattern: fast_bpe::CL100K_PATTERN,
+        prebuilt: Some(bpe_openai::cl100k_base),
+        fast: OnceLock::new(),
     },
     TiktokenSpec {
         name: "o200k_base",
         vocab_size: 200019,
         eos_id: 199999,
         get: tiktoken_rs::o200k_base_singleton,
+        pattern: fast_bpe::O200K_PATTERN,
+        prebuilt: Some(bpe_openai::o200k_base),
+        fast: OnceLock::new(),
     },
 ];
 
@@ -104,7 +132,7 @@ impl Tokenizer {
         )
     }
 
-    fn load_tiktoken(t: &TiktokenSpec) -> Result<Tokenizer> {
+    fn load_tiktoken(t: &'static TiktokenSpec) -> Result<Tokenizer> {
         let bpe = (t.get)();
         // Guards the hand-written table above against a tiktoken-rs upgrade
         // that changes an encoding.
@@ -123,7 +151,11 @@ impl Tokenizer {
             );
         }
         Ok(Tokenizer {
-            kind: Kind::Tiktoken { name: t.name, bpe },
+            kind: Kind::Tiktoken {
+                name: t.name,
+                bpe,
+                spec: t,
+            },
             vocab_size: t.vocab_size,
             eos_id: t.eos_id,
             hash: OnceLock::new(),
@@ -145,6 +177,10 @@ impl Tokenizer {
         // Training text that happens to contain "</s>" must stay ordinary text,
         // as with tiktoken's encode_ordinary.
         inner.set_encode_special_tokens(true);
+        let fast = serde_json::from_slice(&std::fs::read(&path)?)
+            .map_err(|e| e.to_string())
+            .and_then(|json| FastBpe::from_hf_json(&json).map_err(|e| format!("{e:#}")))
+            .map(Box::new);
         let eos_id = HF_EOS_CANDIDATES
             .iter()
             .find_map(|t| inner.token_to_id(t))
@@ -161,6 +197,7 @@ impl Tokenizer {
             kind: Kind::HuggingFace {
                 path,
                 inner: Box::new(inner),
+                fast,
             },
             vocab_size,
             eos_id,
@@ -186,7 +223,7 @@ impl Tokenizer {
     /// computed once (tens of milliseconds) on first use.
     pub fn definition_hash(&self) -> [u8; 32] {
         *self.hash.get_or_init(|| match &self.kind {
-            Kind::Tiktoken { name, bpe } => {
+            Kind::Tiktoken { name, bpe, .. } => {
                 let mut h = blake3::Hasher::new();
                 h.update(b"tiktoken\0");
                 h.update(name.as_bytes());
@@ -232,12 +269,36 @@ impl Tokenizer {
 
     /// Like [`Tokenizer::encode`] but reports Hugging Face encoding failures.
     pub fn try_encode(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
         match &self.kind {
-            Kind::Tiktoken { bpe, .. } => Ok(bpe.encode_ordinary(text)),
-            Kind::HuggingFace { path, inner } => inner
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| anyhow!("{}: cannot encode text: {e}", path.display())),
+            Kind::Tiktoken { spec, .. } => spec
+                .fast
+                .get_or_init(|| tiktoken_encoder(spec).map_err(|e| format!("{e:#}")))
+                .as_ref()
+                .map_err(|e| anyhow!("{e}"))?
+                .encode_into(text, &mut ids),
+            Kind::HuggingFace { fast: Ok(fast), .. } => fast.encode_into(text, &mut ids),
+            Kind::HuggingFace { path, inner, .. } => {
+                return inner
+                    .encode(text, false)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| anyhow!("{}: cannot encode text: {e}", path.display()))
+            }
+        }
+        Ok(ids)
+    }
+
+    /// What encodes text: lockstep's BPE encoder, or `tokenizers` and why (for the
+    /// `prepare` summary).
+    pub fn engine(&self) -> String {
+        match &self.kind {
+            Kind::Tiktoken { .. } => "lockstep's BPE encoder (tiktoken's ids)".into(),
+            Kind::HuggingFace { fast: Ok(_), .. } => {
+                "lockstep's byte-level BPE encoder (the tokenizer.json's ids)".into()
+            }
+            Kind::HuggingFace { fast: Err(why), .. } => {
+                format!("Hugging Face tokenizers (lockstep's faster encoder declined: {why})")
+            }
         }
     }
 
@@ -248,10 +309,15 @@ impl Tokenizer {
     /// Cuts are placed only right after a `\n` that follows a non-whitespace
     /// character and precedes a non-whitespace character: none of the tiktoken
     /// pre-tokenizer patterns lets a piece span such a newline, and none has a
-    /// look-behind. Hugging Face pipelines (prefix spaces, normalizers) give no
-    /// such guarantee, so their text is never split.
+    /// look-behind. A tokenizer.json is cut only when lockstep's encoder runs it with one of
+    /// those patterns (Llama 3's is cl100k's); other pipelines (prefix spaces, normalizers)
+    /// give no such guarantee.
     pub fn split_for_parallel<'a>(&self, text: &'a str, target_bytes: usize) -> Vec<&'a str> {
-        if matches!(self.kind, Kind::HuggingFace { .. }) || text.len() <= target_bytes {
+        let cuttable = match &self.kind {
+            Kind::Tiktoken { .. } => true,
+            Kind::HuggingFace { fast, .. } => fast.as_ref().is_ok_and(|f| f.cuttable()),
+        };
+        if !cuttable || text.len() <= target_bytes {
             return vec![text];
         }
         let bytes = text.as_bytes();
@@ -280,7 +346,7 @@ impl Tokenizer {
     /// (the same ids for every text; see `hf_json`). About 0.3 s for cl100k, 0.6 s for o200k.
     pub fn hf_tokenizer_json(&self) -> Result<Vec<u8>> {
         match &self.kind {
-            Kind::Tiktoken { name, bpe } => {
+            Kind::Tiktoken { name, bpe, .. } => {
                 let json = hf_json::from_tiktoken(name, bpe, self.vocab_size)?;
                 Ok((serde_json::to_string_pretty(&json)? + "\n").into_bytes())
             }
@@ -292,14 +358,56 @@ impl Tokenizer {
     /// Decodes ids back to text; fails on unknown ids or invalid UTF-8.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.kind {
-            Kind::Tiktoken { name, bpe } => bpe
+            Kind::Tiktoken { name, bpe, .. } => bpe
                 .decode(ids)
                 .map_err(|e| anyhow!("tiktoken {name}: cannot decode ids: {e}")),
-            Kind::HuggingFace { path, inner } => inner
+            Kind::HuggingFace { path, inner, .. } => inner
                 .decode(ids, false)
                 .map_err(|e| anyhow!("{}: cannot decode ids: {e}", path.display())),
         }
     }
+}
+
+/// lockstep's encoder for a tiktoken encoding: `bpe-openai`'s prebuilt dictionary where it
+/// has one (checked token by token against tiktoken-rs's vocabulary), else one built from
+/// tiktoken-rs's ranks.
+fn tiktoken_encoder(spec: &TiktokenSpec) -> Result<FastBpe> {
+    let core = (spec.get)();
+    let special: Vec<u32> = core
+        .special_tokens()
+        .iter()
+        .flat_map(|s| core.encode_with_special_tokens(s))
+        .collect();
+    // The ordinary tokens in rank order: tiktoken's ids, special ones left out.
+    let (ids, tokens): (Vec<u32>, Vec<Vec<u8>>) = (0..spec.vocab_size as u32)
+        .filter(|id| !special.contains(id))
+        .filter_map(|id| core.decode_bytes(&[id]).ok().map(|bytes| (id, bytes)))
+        .unzip();
+    let bpe = match spec.prebuilt {
+        Some(prebuilt) => {
+            let bpe = &prebuilt().bpe;
+            let same = bpe.num_tokens() == tokens.len()
+                && tokens
+                    .iter()
+                    .enumerate()
+                    .all(|(i, t)| bpe.token_bytes(i as u32) == t.as_slice());
+            if !same {
+                bail!(
+                    "bpe-openai's {} vocabulary differs from tiktoken-rs's; the bpe-openai \
+                     version is incompatible with lockstep",
+                    spec.name
+                );
+            }
+            bpe
+        }
+        None => {
+            let bpe =
+                bpe_openai::byte_pair_encoding::BytePairEncoding::from_dictionary(tokens, None);
+            &*Box::leak(Box::new(bpe))
+        }
+    };
+    let holes = ids.iter().enumerate().any(|(i, &id)| id != i as u32);
+    FastBpe::tiktoken(spec.pattern, bpe, holes.then_some(ids))
 }
 
 /// Whether byte `b` may belong to a whitespace character. Conservative: every

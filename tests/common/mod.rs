@@ -1,6 +1,7 @@
 //! Shared by the integration tests: the project venv's Python, the built binary, temp dirs.
 #![allow(dead_code)]
 
+pub mod fetch;
 pub mod mlflow;
 
 use std::io::{BufRead, BufReader};

@@ -77,7 +77,7 @@ fn pre_tokenizer(name: &str) -> Result<Value> {
 /// GPT-2's reversible byte → character map, used by the `ByteLevel` pre-tokenizer and
 /// decoder: printable Latin-1 bytes stand for themselves, the other 68 bytes for U+0100
 /// onwards, in byte order.
-fn byte_chars() -> [char; 256] {
+pub(super) fn byte_chars() -> [char; 256] {
     let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
     let mut map = ['\0'; 256];
     let mut next = 0x100;

@@ -1,0 +1,410 @@
+//! lockstep's own BPE encoder: the same ids as tiktoken (the embedded encodings) and as
+//! Hugging Face `tokenizers` (byte-level BPE `tokenizer.json` files: GPT-2, Llama 3, Qwen,
+//! models converted from tiktoken), several times faster than either.
+//!
+//! Three steps, each cheap:
+//! - [`Splitter`]: the pre-tokenizer regex on `regex-automata`'s lazy DFA instead of
+//!   `fancy-regex`'s backtracking; the one look-ahead of these patterns, `\s+(?!\S)`, is
+//!   emulated by matching one more whitespace character and giving it back (the technique of
+//!   GitHub's `bpe-openai`);
+//! - a whole-piece lookup: most pieces of real text are one token;
+//! - the rest is merged: for tiktoken encodings by the `bpe` crate's backtracking encoder
+//!   (linear in the piece, where tiktoken's loop is quadratic), for `tokenizer.json` files
+//!   by `tokenizers`' own rule (the adjacent pair with the lowest merge rank first, the
+//!   leftmost among equals), kept at n·log n by a heap.
+//!
+//! [`FastBpe::from_hf_json`] accepts only what it reproduces exactly and says why it
+//! declines otherwise (the caller then keeps `tokenizers`):
+//! - no normalizer; pre-tokenizer `ByteLevel` (GPT-2's regex, no prefix space) or `Sequence
+//!   [Split(regex, Isolated), ByteLevel(use_regex: false, no prefix space)]`;
+//! - a regex with no look-around except a final `\s+(?!\S)|\s+` (every tiktoken-style
+//!   pattern ends so);
+//! - model `BPE` without dropout, subword prefix/suffix or byte fallback, all 256 byte
+//!   symbols in the vocabulary, every merge made of vocabulary tokens;
+//! - added tokens only special ones (lockstep encodes their spellings as text).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use anyhow::{anyhow, bail, Result};
+use bpe_openai::byte_pair_encoding::BytePairEncoding;
+use regex_automata::meta::Regex;
+use regex_automata::{Anchored, Input};
+use rustc_hash::FxHashMap;
+use serde_json::Value;
+
+/// GPT-2's pre-tokenizer pattern (r50k_base, p50k_base; `ByteLevel` with `use_regex`).
+pub const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// cl100k_base's pattern, also Llama 3's. tiktoken now writes it with possessive
+/// quantifiers; this classic form splits the same way (the tests compare with tiktoken).
+pub const CL100K_PATTERN: &str = concat!(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
+/// o200k_base's pattern.
+pub const O200K_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
+/// Patterns under which no piece spans a `\n` between two non-whitespace characters, so a
+/// text cut there encodes as the concatenation of its parts (`Tokenizer::split_for_parallel`).
+const CUTTABLE_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN, O200K_PATTERN];
+
+/// The only look-ahead accepted, at the end of a pattern.
+const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// A pre-tokenizer regex that splits text into pieces the way `fancy-regex` does with the
+/// original pattern, without its backtracking: `A|\s+(?!\S)|\s+` becomes the patterns
+/// `A|\s+$`, `\s+\s` (its last character given back) and `\s+`, tried in that order.
+pub struct Splitter {
+    regex: Regex,
+    /// Per pattern: whether its last character is a look-ahead to give back.
+    lookahead: Vec<bool>,
+}
+
+impl Splitter {
+    /// Compiles `pattern`; fails on look-around other than the final `\s+(?!\S)|\s+`.
+    pub fn new(pattern: &str) -> Result<Splitter> {
+        let (patterns, lookahead): (Vec<String>, Vec<bool>) =
+            match pattern.strip_suffix(LOOKAHEAD_TAIL) {
+                Some(head) => (
+                    vec![format!(r"{head}|\s+$"), r"\s+\s".into(), r"\s+".into()],
+                    vec![false, true, false],
+                ),
+                None => (vec![pattern.to_string()], vec![false]),
+            };
+        if patterns
+            .iter()
+            .any(|p| p.contains("(?=") || p.contains("(?!") || p.contains("(?<"))
+        {
+            bail!("the pre-tokenizer regex has look-around");
+        }
+        let regex = Regex::new_many(&patterns)
+            .map_err(|e| anyhow!("the pre-tokenizer regex does not compile as a DFA: {e}"))?;
+        Ok(Splitter { regex, lookahead })
+    }
+
+    /// Calls `piece` with each piece of `text` in order: every match, and (as `tokenizers`'
+    /// `Isolated` split does) any text between matches.
+    pub fn split<'t>(&self, text: &'t str, mut piece: impl FnMut(&'t str)) {
+        let mut at = 0;
+        while at < text.len() {
+            let anchored = Input::new(text).range(at..).anchored(Anchored::Yes);
+            let (start, mut end, pattern) = match self.regex.find(anchored) {
+                Some(m) => (m.start(), m.end(), m.pattern().as_usize()),
+                None => match self.regex.find(Input::new(text).range(at..)) {
+                    Some(m) => {
+                        piece(&text[at..m.start()]);
+                        (m.start(), m.end(), m.pattern().as_usize())
+                    }
+                    None => {
+                        piece(&text[at..]);
+                        return;
+                    }
+                },
+            };
+            if self.lookahead[pattern] {
+                let last = text[start..end]
+                    .chars()
+                    .next_back()
+                    .map_or(0, char::len_utf8);
+                end -= last;
+            }
+            if end == start {
+                // An empty match cannot advance: the next character stands alone.
+                end = start + text[start..].chars().next().map_or(1, char::len_utf8);
+            }
+            piece(&text[start..end]);
+            at = end;
+        }
+    }
+}
+
+/// A BPE encoder with its pre-tokenizer.
+pub struct FastBpe {
+    splitter: Splitter,
+    /// Token bytes → id of every ordinary token.
+    vocab: FxHashMap<Box<[u8]>, u32>,
+    /// Whether a piece that is a token is that token without merging (tiktoken always;
+    /// `tokenizers` with `ignore_merges`).
+    whole_pieces: bool,
+    merger: Merger,
+    /// Whether texts may be cut for parallel encoding (see [`CUTTABLE_PATTERNS`]).
+    cuttable: bool,
+}
+
+/// How a piece that is not looked up whole is merged.
+enum Merger {
+    /// tiktoken's rule (the pair whose concatenation has the lowest rank first) by the `bpe`
+    /// crate, whose dictionary index is the rank; `ids` maps an index to its token id where
+    /// the ranks have holes (p50k_base's `<|endoftext|>` sits at 50256 amid ordinary tokens).
+    Ranks {
+        bpe: &'static BytePairEncoding,
+        ids: Option<Vec<u32>>,
+    },
+    /// `tokenizers`' rule.
+    Merges {
+        /// Id of each single byte.
+        byte_ids: Box<[u32; 256]>,
+        /// (left id, right id) → (merge rank, merged id).
+        merges: FxHashMap<(u32, u32), (u32, u32)>,
+    },
+}
+
+fn is_null_or_empty(v: &Value) -> bool {
+    v.is_null() || v.as_str() == Some("")
+}
+
+impl FastBpe {
+    /// The encoder of a tiktoken encoding: its classic `pattern`, the `bpe` crate's
+    /// dictionary of its ordinary tokens (index = rank) and, where the ranks have holes, the
+    /// token id of each index.
+    pub fn tiktoken(
+        pattern: &str,
+        bpe: &'static BytePairEncoding,
+        ids: Option<Vec<u32>>,
+    ) -> Result<FastBpe> {
+        let id = |i: usize| ids.as_ref().map_or(i as u32, |ids| ids[i]);
+        let vocab = (0..bpe.num_tokens())
+            .map(|i| (bpe.token_bytes(i as u32).into(), id(i)))
+            .collect();
+        Ok(FastBpe {
+            splitter: Splitter::new(pattern)?,
+            vocab,
+            whole_pieces: true,
+            merger: Merger::Ranks { bpe, ids },
+            cuttable: CUTTABLE_PATTERNS.contains(&pattern),
+        })
+    }
+
+    /// Builds the encoder from a parsed `tokenizer.json`, or says why it cannot reproduce
+    /// `tokenizers` exactly for it.
+    pub fn from_hf_json(json: &Value) -> Result<FastBpe> {
+        if !json["normalizer"].is_null() {
+            bail!("it has a normalizer");
+        }
+        let pattern = pre_tokenizer_pattern(&json["pre_tokenizer"])?;
+        let splitter = Splitter::new(&pattern)?;
+        if let Some(added) = json["added_tokens"].as_array() {
+            if added.iter().any(|t| t["special"].as_bool() != Some(true)) {
+                bail!("it has added tokens that are not special");
+            }
+        }
+        let model = &json["model"];
+        if model["type"].as_str() != Some("BPE") {
+            bail!("its model is not BPE");
+        }
+        if !model["dropout"].is_null()
+            || !is_null_or_empty(&model["continuing_subword_prefix"])
+            || !is_null_or_empty(&model["end_of_word_suffix"])
+            || model["byte_fallback"].as_bool() == Some(true)
+        {
+            bail!("its BPE has dropout, a subword prefix/suffix or byte fallback");
+        }
+        let chars: FxHashMap<char, u8> = super::hf_json::byte_chars()
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+        let to_bytes =
+            |s: &str| -> Option<Vec<u8>> { s.chars().map(|c| chars.get(&c).copied()).collect() };
+        let entries = model["vocab"]
+            .as_object()
+            .ok_or_else(|| anyhow!("its BPE has no vocab object"))?;
+        let mut vocab = FxHashMap::default();
+        for (token, id) in entries {
+            let id = id.as_u64().and_then(|i| u32::try_from(i).ok());
+            match (to_bytes(token), id) {
+                (Some(bytes), Some(id)) => {
+                    vocab.insert(bytes.into_boxed_slice(), id);
+                }
+                _ => bail!("vocabulary entry {token:?} is not a byte-level token with an id"),
+            }
+        }
+        let mut byte_ids = [0u32; 256];
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            *slot = *vocab
+                .get([b as u8].as_slice())
+                .ok_or_else(|| anyhow!("byte {b} has no token of its own"))?;
+        }
+        let list = model["merges"]
+            .as_array()
+            .ok_or_else(|| anyhow!("its BPE has no merges list"))?;
+        let mut merges = FxHashMap::default();
+        for (rank, m) in list.iter().enumerate() {
+            let (a, b) = match m {
+                Value::String(s) => s.split_once(' ').unzip(),
+                Value::Array(p) if p.len() == 2 => (p[0].as_str(), p[1].as_str()),
+                _ => (None, None),
+            };
+            let (Some(a), Some(b)) = (a.and_then(to_bytes), b.and_then(to_bytes)) else {
+                bail!("merge {rank} ({m}) is not two byte-level tokens");
+            };
+            let joined: Vec<u8> = [a.as_slice(), b.as_slice()].concat();
+            let (Some(&ia), Some(&ib), Some(&id)) = (
+                vocab.get(a.as_slice()),
+                vocab.get(b.as_slice()),
+                vocab.get(joined.as_slice()),
+            ) else {
+                bail!("merge {rank} ({m}) names a token missing from the vocabulary");
+            };
+            // `tokenizers` keeps the first rank of a pair listed twice.
+            merges.entry((ia, ib)).or_insert((rank as u32, id));
+        }
+        Ok(FastBpe {
+            cuttable: CUTTABLE_PATTERNS.contains(&pattern.as_str()),
+            splitter,
+            vocab,
+            whole_pieces: model["ignore_merges"].as_bool() == Some(true),
+            merger: Merger::Merges {
+                byte_ids: Box::new(byte_ids),
+                merges,
+            },
+        })
+    }
+
+    /// Whether a text may be cut after a `\n` between non-whitespace characters and its
+    /// parts encoded separately.
+    pub fn cuttable(&self) -> bool {
+        self.cuttable
+    }
+
+    /// Appends the ids of `text` to `out`.
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        let mut work = Work::default();
+        self.splitter.split(text, |piece| {
+            self.encode_piece(piece.as_bytes(), out, &mut work)
+        });
+    }
+
+    fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+        if self.whole_pieces {
+            if let Some(&id) = self.vocab.get(piece) {
+                out.push(id);
+                return;
+            }
+        }
+        match &self.merger {
+            Merger::Ranks { bpe, ids } => {
+                let merged = bpe.encode_via_backtracking(piece);
+                match ids {
+                    Some(ids) => out.extend(merged.iter().map(|&i| ids[i as usize])),
+                    None => out.extend(merged),
+                }
+            }
+            Merger::Merges { byte_ids, merges } => merge(piece, byte_ids, merges, out, work),
+        }
+    }
+}
+
+/// `tokenizers`' BPE merge of one piece: one symbol per byte in a doubly linked list, the
+/// queued pair with the lowest rank (then the leftmost) merged first.
+fn merge(
+    piece: &[u8],
+    byte_ids: &[u32; 256],
+    merges: &FxHashMap<(u32, u32), (u32, u32)>,
+    out: &mut Vec<u32>,
+    work: &mut Work,
+) {
+    match piece {
+        [] => return,
+        [b] => return out.push(byte_ids[*b as usize]),
+        _ => {}
+    }
+    // One symbol per byte in a doubly linked list; `id == u32::MAX` marks a merged-away one.
+    let n = piece.len();
+    work.syms.clear();
+    work.syms
+        .extend(piece.iter().enumerate().map(|(i, &b)| Sym {
+            id: byte_ids[b as usize],
+            prev: i.wrapping_sub(1),
+            next: i + 1,
+        }));
+    work.heap.clear();
+    for i in 0..n - 1 {
+        if let Some(&(rank, id)) = merges.get(&(work.syms[i].id, work.syms[i + 1].id)) {
+            work.heap.push(Reverse((rank, i, id)));
+        }
+    }
+    while let Some(Reverse((rank, i, id))) = work.heap.pop() {
+        let left = work.syms[i];
+        if left.id == u32::MAX || left.next >= n {
+            continue;
+        }
+        let right = work.syms[left.next];
+        // Stale: one side has changed since this pair was queued.
+        if merges.get(&(left.id, right.id)) != Some(&(rank, id)) {
+            continue;
+        }
+        work.syms[i] = Sym {
+            id,
+            prev: left.prev,
+            next: right.next,
+        };
+        work.syms[left.next].id = u32::MAX;
+        if right.next < n {
+            work.syms[right.next].prev = i;
+            if let Some(&(r, m)) = merges.get(&(id, work.syms[right.next].id)) {
+                work.heap.push(Reverse((r, i, m)));
+            }
+        }
+        if left.prev < n {
+            if let Some(&(r, m)) = merges.get(&(work.syms[left.prev].id, id)) {
+                work.heap.push(Reverse((r, left.prev, m)));
+            }
+        }
+    }
+    let mut i = 0;
+    while i < n {
+        out.push(work.syms[i].id);
+        i = work.syms[i].next;
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Sym {
+    id: u32,
+    prev: usize,
+    next: usize,
+}
+
+/// Buffers reused across the pieces of one text.
+#[derive(Default)]
+struct Work {
+    syms: Vec<Sym>,
+    heap: BinaryHeap<Reverse<(u32, usize, u32)>>,
+}
+
+/// The regex of a byte-level pre-tokenizer this encoder reproduces.
+fn pre_tokenizer_pattern(pre: &Value) -> Result<String> {
+    let byte_level = |p: &Value, with_regex: bool| {
+        p["type"].as_str() == Some("ByteLevel")
+            && p["add_prefix_space"].as_bool() != Some(true)
+            && p["use_regex"].as_bool().unwrap_or(true) == with_regex
+    };
+    if byte_level(pre, true) {
+        return Ok(GPT2_PATTERN.into());
+    }
+    if pre["type"].as_str() == Some("Sequence") {
+        if let Some([split, last]) = pre["pretokenizers"].as_array().map(Vec::as_slice) {
+            let regex = split["pattern"]["Regex"].as_str();
+            if split["type"].as_str() == Some("Split")
+                && split["behavior"].as_str() == Some("Isolated")
+                && split["invert"].as_bool() != Some(true)
+                && byte_level(last, false)
+            {
+                if let Some(regex) = regex {
+                    return Ok(regex.to_string());
+                }
+            }
+        }
+    }
+    bail!("its pre-tokenizer is not ByteLevel or Split(regex) + ByteLevel")
+}
