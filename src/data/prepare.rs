@@ -17,7 +17,6 @@ use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
-    TOK_HEADER_BYTES,
 };
 
 /// Bumped whenever the cache contents for the same inputs would change.
@@ -348,10 +347,10 @@ fn remove_stale_builds(cache_dir: &Path, short: &str) {
     }
 }
 
-/// The whole corpus as one token stream, EOS after each document.
+/// What was read while tokenizing.
+#[derive(Default)]
 struct Tokenized {
-    tokens: Vec<u32>,
-    doc_starts: Vec<u64>,
+    documents: u64,
     input_bytes: u64,
 }
 
@@ -367,17 +366,21 @@ impl std::fmt::Display for EnoughDocuments {
 
 impl std::error::Error for EnoughDocuments {}
 
-fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, dataset: &Dataset) -> Result<Tokenized> {
+/// Tokenizes every document into `out`, EOS after each, in order. Memory stays bounded
+/// whatever the corpus: at most [`BATCH_BYTES`] of text (plus the document being read) and
+/// its tokens are held at a time; tokens go straight to the file.
+fn tokenize_corpus(
+    spec: &PrepareSpec,
+    tok: &Tokenizer,
+    dataset: &Dataset,
+    out: &mut TokFileWriter,
+) -> Result<Tokenized> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(spec.num_threads)
         .build()
         .map_err(|e| anyhow!("cannot start {} tokenizer threads: {e}", spec.num_threads))?;
-    let bar = progress_bar(spec.progress, dataset.total_bytes());
-    let mut out = Tokenized {
-        tokens: Vec::new(),
-        doc_starts: Vec::new(),
-        input_bytes: 0,
-    };
+    let mut progress = Progress::new(spec.progress, dataset.total_bytes());
+    let mut done = Tokenized::default();
     let limit = spec.num_samples.unwrap_or(u64::MAX);
     let mut pending: Vec<String> = Vec::new();
     let mut pending_bytes = 0usize;
@@ -390,7 +393,8 @@ fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, dataset: &Dataset) -> Re
         pending_bytes += doc.len();
         pending.push(doc);
         if pending_bytes >= BATCH_BYTES {
-            flush(&pool, tok, &mut pending, &mut out, &bar)?;
+            flush(&pool, tok, &mut pending, out, &mut done)?;
+            progress.update(&done, out.num_tokens());
             pending_bytes = 0;
         }
         Ok(())
@@ -399,25 +403,26 @@ fn tokenize_corpus(spec: &PrepareSpec, tok: &Tokenizer, dataset: &Dataset) -> Re
         Err(e) if e.is::<EnoughDocuments>() => {}
         other => other?,
     }
-    flush(&pool, tok, &mut pending, &mut out, &bar)?;
-    bar.finish_and_clear();
-    if out.doc_starts.is_empty() {
+    flush(&pool, tok, &mut pending, out, &mut done)?;
+    progress.finish(&done, out.num_tokens());
+    if done.documents == 0 {
         bail!(
             "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
             spec.path.display()
         );
     }
-    Ok(out)
+    Ok(done)
 }
 
-/// Tokenizes the pending documents in parallel, appending them in order.
+/// Tokenizes the pending documents in parallel and appends them to `out` in order.
 fn flush(
     pool: &rayon::ThreadPool,
     tok: &Tokenizer,
     pending: &mut Vec<String>,
-    out: &mut Tokenized,
-    bar: &ProgressBar,
+    out: &mut TokFileWriter,
+    done: &mut Tokenized,
 ) -> Result<()> {
+    // (document, piece): a large document is cut into pieces encoded on several threads.
     let segments: Vec<(usize, &str)> = pending
         .iter()
         .enumerate()
@@ -432,52 +437,110 @@ fn flush(
             .map(|(_, s)| tok.try_encode(s))
             .collect()
     });
-    let mut current = None;
-    for ((doc, _), ids) in segments.iter().zip(encoded) {
-        if current != Some(*doc) {
-            if current.is_some() {
-                out.tokens.push(tok.eos_id());
-            }
-            out.doc_starts.push(out.tokens.len() as u64);
-            current = Some(*doc);
+    // Every document has at least one (possibly empty) piece, in order.
+    let mut doc: Vec<u32> = Vec::new();
+    let mut segments = segments.iter().zip(encoded).peekable();
+    while let Some(((i, _), ids)) = segments.next() {
+        doc.extend_from_slice(&ids?);
+        if segments.peek().is_none_or(|((next, _), _)| next != i) {
+            doc.push(tok.eos_id());
+            out.push_document(&doc)?;
+            doc.clear();
         }
-        out.tokens.extend_from_slice(&ids?);
     }
-    // Empty documents have one empty segment each, so every document above
-    // opened exactly one entry and only the last still lacks its EOS.
-    if current.is_some() {
-        out.tokens.push(tok.eos_id());
-    }
-    let bytes: usize = pending.iter().map(String::len).sum();
-    out.input_bytes += bytes as u64;
-    bar.inc(bytes as u64);
+    done.documents += pending.len() as u64;
+    done.input_bytes += pending.iter().map(|d| d.len() as u64).sum::<u64>();
     pending.clear();
     Ok(())
 }
 
-fn progress_bar(wanted: bool, total: u64) -> ProgressBar {
-    if !wanted || !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(total);
-    if let Ok(style) = ProgressStyle::with_template(
-        "tokenizing [{bar:30}] {binary_bytes}/{binary_total_bytes} \
-         {binary_bytes_per_sec} eta {eta}",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
+/// Tokenization progress: a bar on a terminal (bytes, documents, tokens, speed, ETA), a line
+/// every [`Progress::LOG_EVERY`] in a log (stderr not a terminal), nothing when not wanted.
+struct Progress {
+    bar: Option<ProgressBar>,
+    log: bool,
+    total: u64,
+    start: std::time::Instant,
+    last_line: std::time::Instant,
 }
 
-/// Where the validation part starts in a stream of `total` tokens whose
-/// documents start at `doc_starts`, and whether that is a document boundary.
+impl Progress {
+    const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+    fn new(wanted: bool, total: u64) -> Progress {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = (wanted && terminal).then(|| {
+            let bar = ProgressBar::new(total);
+            if let Ok(style) = ProgressStyle::with_template(
+                "tokenizing [{bar:30}] {binary_bytes}/{binary_total_bytes} \
+                 {binary_bytes_per_sec} {msg} eta {eta}",
+            ) {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        });
+        let now = std::time::Instant::now();
+        Progress {
+            bar,
+            log: wanted && !terminal,
+            total,
+            start: now,
+            last_line: now,
+        }
+    }
+
+    fn counts(done: &Tokenized, tokens: u64) -> String {
+        format!(
+            "{} documents, {} tokens",
+            crate::sys::count(done.documents),
+            crate::sys::count(tokens)
+        )
+    }
+
+    fn update(&mut self, done: &Tokenized, tokens: u64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(done.input_bytes);
+            bar.set_message(Self::counts(done, tokens));
+        } else if self.log && self.last_line.elapsed() >= Self::LOG_EVERY {
+            self.last_line = std::time::Instant::now();
+            let secs = self.start.elapsed().as_secs_f64().max(1e-3);
+            let rate = done.input_bytes as f64 / secs;
+            let left = self.total.saturating_sub(done.input_bytes) as f64 / rate.max(1.0);
+            eprintln!(
+                "[data] tokenizing: {:.1} of {:.1} MB ({:.0}%), {}, {:.1} MB/s, eta {:.0} s",
+                done.input_bytes as f64 / 1e6,
+                self.total as f64 / 1e6,
+                100.0 * done.input_bytes as f64 / self.total.max(1) as f64,
+                Self::counts(done, tokens),
+                rate / 1e6,
+                left
+            );
+        }
+    }
+
+    fn finish(&mut self, done: &Tokenized, tokens: u64) {
+        self.update(done, tokens);
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Where the validation part starts in a stream of `total` tokens whose `count` documents
+/// start at `start(i)`, and whether that is a document boundary.
 ///
 /// The target is the last `val_fraction` of tokens, at least `context + 1`
 /// tokens on each side when the corpus allows it (so both splits can form a
 /// sample). The nearest document start is used if it leaves both sides that
 /// large and moves the validation size by at most half; otherwise the cut
 /// falls inside a document, so a corpus of one big file still gets a split.
-fn choose_cut(doc_starts: &[u64], total: u64, val_fraction: f64, context: u64) -> (u64, bool) {
+fn choose_cut(
+    count: u64,
+    start: impl Fn(u64) -> u64,
+    total: u64,
+    val_fraction: f64,
+    context: u64,
+) -> (u64, bool) {
     let min_part = if total >= 2 * (context + 1) {
         context + 1
     } else {
@@ -488,9 +551,18 @@ fn choose_cut(doc_starts: &[u64], total: u64, val_fraction: f64, context: u64) -
     let target = total - val;
     let tolerance = val / 2;
     let ok = |b: u64| b >= min_part && total - b >= min_part && b.abs_diff(target) <= tolerance;
-    let i = doc_starts.partition_point(|&s| s < target);
-    let below = i.checked_sub(1).map(|j| doc_starts[j]);
-    let above = doc_starts.get(i).copied();
+    // The first document starting at or after the target.
+    let (mut lo, mut hi) = (0, count);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if start(mid) < target {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    let below = lo.checked_sub(1).map(&start);
+    let above = (lo < count).then(|| start(lo));
     let best = [below, above]
         .into_iter()
         .flatten()
@@ -557,7 +629,8 @@ struct Built {
     val_max_id: Option<u32>,
 }
 
-/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`.
+/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`: the tokens
+/// stream into `train.tok`, whose tail then becomes `val.tok` ([`TokFileWriter::finish_split`]).
 fn build(
     spec: &PrepareSpec,
     tok: &Tokenizer,
@@ -566,9 +639,23 @@ fn build(
     key: &str,
     inputs: Value,
 ) -> Result<Built> {
-    let corpus = tokenize_corpus(spec, tok, dataset)?;
-    let total = corpus.tokens.len() as u64;
     let want_val = spec.val_fraction > 0.0;
+    let dtype = dtype_for_vocab(tok.vocab_size());
+    // At least this much: every tokenizer here packs fewer than 8 bytes of text into a token
+    // on average (English: ~4). A full disk found while writing says the same below.
+    let need = dataset.total_bytes() / 8 * u64::from(dtype);
+    check_room(spec, tmp, need)?;
+    let mut writer = TokFileWriter::create(&tmp.join("train.tok"), dtype, tok.definition_hash())?;
+    let no_room = |e: anyhow::Error, written: u64| out_of_room(spec, tmp, written.max(need), e);
+    let corpus = match tokenize_corpus(spec, tok, dataset, &mut writer) {
+        Ok(c) => c,
+        Err(e) => {
+            let written = writer.num_tokens() * u64::from(dtype);
+            return Err(no_room(e, written));
+        }
+    };
+    let total = writer.num_tokens();
+    let written = total * u64::from(dtype);
     if want_val && total < 2 {
         bail!(
             "{}: the dataset has only {total} token(s), too few to split off validation data; \
@@ -576,58 +663,25 @@ fn build(
             spec.path.display()
         );
     }
-    let (cut, at_boundary) = if want_val {
-        choose_cut(
-            &corpus.doc_starts,
-            total,
-            spec.val_fraction,
-            spec.context_length as u64,
-        )
+    let (train, val) = if want_val {
+        let (train, val) = writer
+            .finish_split(&tmp.join("val.tok"), tok.eos_id(), |starts, total| {
+                choose_cut(
+                    starts.len(),
+                    |i| starts.get(i),
+                    total,
+                    spec.val_fraction,
+                    spec.context_length as u64,
+                )
+                .0
+            })
+            .map_err(|e| no_room(e, written))?;
+        (train, Some(val))
     } else {
-        (total, true)
+        (writer.finish().map_err(|e| no_room(e, written))?, None)
     };
-    let dtype = dtype_for_vocab(tok.vocab_size());
-    let hash = tok.definition_hash();
-    // The token files' size is known now: header, tokens, one u64 offset per document (the
-    // validation part adds a header and the cut document's EOS and offset).
-    let need = 2 * TOK_HEADER_BYTES
-        + (total + 1) * u64::from(dtype)
-        + (corpus.doc_starts.len() as u64 + 1) * 8;
-    check_room(spec, tmp, need)?;
-    let ends: Vec<u64> = corpus.doc_starts[1..]
-        .iter()
-        .copied()
-        .chain([total])
-        .collect();
-    let docs = || corpus.doc_starts.iter().copied().zip(ends.iter().copied());
-
-    let no_room = |e: anyhow::Error| out_of_room(spec, tmp, need, e);
-    let mut train = TokFileWriter::create(&tmp.join("train.tok"), dtype, hash)?;
-    for (s, e) in docs().filter(|&(s, _)| s < cut) {
-        if e <= cut {
-            train
-                .push_document(&corpus.tokens[s as usize..e as usize])
-                .map_err(no_room)?;
-        } else {
-            // The document cut in two: its train part gets its own EOS so every
-            // document in a .tok file still ends with one.
-            let mut head = corpus.tokens[s as usize..cut as usize].to_vec();
-            head.push(tok.eos_id());
-            train.push_document(&head).map_err(no_room)?;
-        }
-    }
-    let train = train.finish().map_err(no_room)?;
-
-    let val = if want_val {
-        let mut val = TokFileWriter::create(&tmp.join("val.tok"), dtype, hash)?;
-        for (s, e) in docs().filter(|&(_, e)| e > cut) {
-            val.push_document(&corpus.tokens[s.max(cut) as usize..e as usize])
-                .map_err(no_room)?;
-        }
-        Some(val.finish().map_err(no_room)?)
-    } else {
-        None
-    };
+    // The split document's head got an EOS of its own: one token more than the stream.
+    let at_boundary = train.num_tokens + val.as_ref().map_or(0, |v| v.num_tokens) == total;
 
     // The largest id, with the file's stamp so a changed file is never trusted with it.
     let part = |info: &TokFileInfo| -> Result<Value> {
@@ -649,7 +703,7 @@ fn build(
         "inputs": inputs,
         "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
         "dtype_bytes": dtype,
-        "documents": corpus.doc_starts.len(),
+        "documents": corpus.documents,
         "input_bytes": corpus.input_bytes,
         "split_at_document_boundary": at_boundary,
         "train": part(&train)?,
@@ -882,13 +936,22 @@ mod tests {
 
     #[test]
     fn cut_rules() {
+        let cut = |starts: &[u64], total, fraction, context| {
+            choose_cut(
+                starts.len() as u64,
+                |i| starts[i as usize],
+                total,
+                fraction,
+                context,
+            )
+        };
         // Boundary close to the 10% target is taken.
-        assert_eq!(choose_cut(&[0, 50, 88, 95], 100, 0.1, 3), (88, true));
+        assert_eq!(cut(&[0, 50, 88, 95], 100, 0.1, 3), (88, true));
         // Far boundaries are not: the cut falls inside the document.
-        assert_eq!(choose_cut(&[0, 50], 100, 0.1, 3), (90, false));
+        assert_eq!(cut(&[0, 50], 100, 0.1, 3), (90, false));
         // Both sides keep a full window when possible.
-        assert_eq!(choose_cut(&[0], 100, 0.01, 9), (90, false));
+        assert_eq!(cut(&[0], 100, 0.01, 9), (90, false));
         // Tiny corpora still split.
-        assert_eq!(choose_cut(&[0], 2, 0.5, 100), (1, false));
+        assert_eq!(cut(&[0], 2, 0.5, 100), (1, false));
     }
 }

@@ -53,16 +53,63 @@ pub struct TokFileInfo {
 
 /// Streams documents into a `.tok` file, atomically: data goes to
 /// `<final>.tmp-<pid>` and is renamed into place by [`TokFileWriter::finish`];
-/// a writer dropped before that removes its temporary file.
+/// a writer dropped before that removes its temporary files. Memory stays at its two 1 MiB
+/// buffers whatever the size: the document offsets go to a side file
+/// (`<final>.tmp-<pid>.offsets`, u64 each) appended at the end.
 pub struct TokFileWriter {
     out: Option<BufWriter<File>>,
+    offsets: Option<BufWriter<File>>,
     tmp_path: PathBuf,
+    offsets_path: PathBuf,
     final_path: PathBuf,
     dtype_bytes: u32,
     tokenizer_hash: [u8; 32],
     num_tokens: u64,
-    doc_starts: Vec<u64>,
-    max_token_id: Option<u32>,
+    num_docs: u64,
+    /// The largest id of each run of [`MAX_CHUNK`] tokens, so the largest id below any point
+    /// is known after a split without reading the tokens again.
+    chunk_max: Vec<u32>,
+    /// Renamed into place: nothing to clean up.
+    sealed: bool,
+}
+
+/// Tokens per entry of [`TokFileWriter`]'s `chunk_max`.
+const MAX_CHUNK: u64 = 1 << 20;
+
+/// The document start offsets of a stream being written, read from its side file.
+pub struct DocStarts<'a> {
+    bytes: &'a [u8],
+}
+
+impl DocStarts<'_> {
+    /// Number of documents.
+    pub fn len(&self) -> u64 {
+        self.bytes.len() as u64 / 8
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Where document `i` starts.
+    pub fn get(&self, i: u64) -> u64 {
+        le_u64(self.bytes, 8 * i as usize)
+    }
+
+    /// The index of the first document starting at or after token `t` (`len()` if none).
+    pub fn first_at_or_after(&self, t: u64) -> u64 {
+        let (mut lo, mut hi) = (0, self.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.get(mid) < t {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
 }
 
 fn tok_header(dtype: u32, tokens: u64, docs: u64, hash: &[u8; 32]) -> [u8; 64] {
@@ -88,21 +135,48 @@ impl TokFileWriter {
         let mut tmp_name = final_path.as_os_str().to_owned();
         tmp_name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = PathBuf::from(tmp_name);
-        let file = File::create(&tmp_path)
+        // Readable too: finish_split maps it.
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp_path)
             .with_context(|| format!("{}: cannot create token file", tmp_path.display()))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         // Placeholder; the real counts are only known in finish().
         out.write_all(&tok_header(dtype_bytes, 0, 0, &tokenizer_hash))?;
+        let mut offsets_name = tmp_path.as_os_str().to_owned();
+        offsets_name.push(".offsets");
+        let offsets_path = PathBuf::from(offsets_name);
+        let offsets = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&offsets_path)
+            .with_context(|| {
+                let _ = fs::remove_file(&tmp_path);
+                format!("{}: cannot create", offsets_path.display())
+            })?;
         Ok(TokFileWriter {
             out: Some(out),
+            offsets: Some(BufWriter::with_capacity(1 << 20, offsets)),
             tmp_path,
+            offsets_path,
             final_path: final_path.to_path_buf(),
             dtype_bytes,
             tokenizer_hash,
             num_tokens: 0,
-            doc_starts: Vec::new(),
-            max_token_id: None,
+            num_docs: 0,
+            chunk_max: Vec::new(),
+            sealed: false,
         })
+    }
+
+    /// Tokens written so far.
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
     }
 
     /// Appends one document (the caller has already appended EOS).
@@ -124,30 +198,146 @@ impl TokFileWriter {
                 out.write_all(&t.to_le_bytes())?;
             }
         }
-        self.doc_starts.push(self.num_tokens);
-        self.num_tokens += tokens.len() as u64;
-        self.max_token_id = self.max_token_id.max(tokens.iter().copied().max());
+        let offsets = self.offsets.as_mut().expect("writer used after finish");
+        offsets.write_all(&self.num_tokens.to_le_bytes())?;
+        let mut at = self.num_tokens;
+        for &t in tokens {
+            let chunk = (at / MAX_CHUNK) as usize;
+            if chunk == self.chunk_max.len() {
+                self.chunk_max.push(t);
+            }
+            self.chunk_max[chunk] = self.chunk_max[chunk].max(t);
+            at += 1;
+        }
+        self.num_docs += 1;
+        self.num_tokens = at;
         Ok(())
+    }
+
+    /// Ends the stream split in two: the tokens before `cut` stay in this file, the rest go
+    /// to a new one at `val_path`. `choose(starts, total)` picks the cut from the document
+    /// starts. A document cut in two keeps its head here, closed with `eos` so that every
+    /// document still ends with one, and its tail starts `val_path`. Costs the second
+    /// file's tokens and the first one's offsets in I/O, not a copy of the whole stream.
+    pub fn finish_split(
+        mut self,
+        val_path: &Path,
+        eos: u32,
+        choose: impl FnOnce(&DocStarts<'_>, u64) -> u64,
+    ) -> Result<(TokFileInfo, TokFileInfo)> {
+        let ctx = || format!("{}: cannot write token file", self.tmp_path.display());
+        let out = self.out.take().expect("finish called twice");
+        let offsets = self.offsets.take().expect("finish called twice");
+        let mut file = out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(ctx)?;
+        let offsets = offsets
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(ctx)?;
+        // SAFETY: both files are this writer's own temporary files, written only below.
+        let tokens = unsafe { Mmap::map(&file) }.with_context(ctx)?;
+        let off_map = unsafe { Mmap::map(&offsets) }.with_context(ctx)?;
+        let starts = DocStarts { bytes: &off_map };
+        let total = self.num_tokens;
+        let cut = choose(&starts, total).min(total);
+        let d = self.dtype_bytes as usize;
+        let token = |i: u64| {
+            let at = TOK_HEADER_BYTES as usize + i as usize * d;
+            match d {
+                2 => u32::from(u16::from_le_bytes([tokens[at], tokens[at + 1]])),
+                _ => le_u32(&tokens, at),
+            }
+        };
+
+        // The second file: every document that ends after the cut, from the cut on.
+        let mut val = TokFileWriter::create(val_path, self.dtype_bytes, self.tokenizer_hash)?;
+        let first_after = starts.first_at_or_after(cut);
+        let at_boundary = first_after < starts.len() && starts.get(first_after) == cut;
+        let first = if at_boundary {
+            first_after
+        } else {
+            first_after.saturating_sub(1)
+        };
+        let mut doc = Vec::new();
+        for i in first..starts.len() {
+            let end = if i + 1 < starts.len() {
+                starts.get(i + 1)
+            } else {
+                total
+            };
+            doc.clear();
+            doc.extend((starts.get(i).max(cut)..end).map(token));
+            val.push_document(&doc)?;
+        }
+        let val = val.finish()?;
+
+        // This file: its largest id below the cut from the chunk maxima and the partial chunk.
+        let full = (cut / MAX_CHUNK) as usize;
+        let partial = (full as u64 * MAX_CHUNK..cut).map(token).max();
+        let mut max = self.chunk_max[..full].iter().copied().max().max(partial);
+        let train_docs = first_after;
+        drop(tokens);
+        let mut kept = cut;
+        file.set_len(TOK_HEADER_BYTES + cut * d as u64)
+            .with_context(ctx)?;
+        file.seek(SeekFrom::End(0)).with_context(ctx)?;
+        let mut w = BufWriter::with_capacity(1 << 20, &mut file);
+        if !at_boundary && cut > 0 {
+            match d {
+                2 => w.write_all(&(eos as u16).to_le_bytes()),
+                _ => w.write_all(&eos.to_le_bytes()),
+            }
+            .with_context(ctx)?;
+            kept += 1;
+            max = max.max(Some(eos));
+        }
+        w.write_all(&off_map[..train_docs as usize * 8])
+            .with_context(ctx)?;
+        w.flush().with_context(ctx)?;
+        drop(w);
+        drop(off_map);
+        drop(offsets);
+        let _ = fs::remove_file(&self.offsets_path);
+        self.num_tokens = kept;
+        self.num_docs = train_docs;
+        let train = self.seal(file, max)?;
+        Ok((train, val))
     }
 
     /// Writes the offsets and final header, syncs, and renames into place.
     pub fn finish(mut self) -> Result<TokFileInfo> {
         let mut out = self.out.take().expect("finish called twice");
+        let offsets = self.offsets.take().expect("finish called twice");
         let ctx = || format!("{}: cannot write token file", self.tmp_path.display());
-        for &s in &self.doc_starts {
-            out.write_all(&s.to_le_bytes()).with_context(ctx)?;
-        }
-        let docs = self.doc_starts.len() as u64;
+        let mut offsets = offsets
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(ctx)?;
+        offsets.seek(SeekFrom::Start(0)).with_context(ctx)?;
+        std::io::copy(&mut offsets, &mut out).with_context(ctx)?;
+        drop(offsets);
+        let _ = fs::remove_file(&self.offsets_path);
+        let max = self.chunk_max.iter().copied().max();
+        let file = out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(ctx)?;
+        self.seal(file, max)
+    }
+
+    /// Writes the final header into `file` (data and offsets complete), syncs, and renames it
+    /// into place.
+    fn seal(&mut self, mut file: File, max_token_id: Option<u32>) -> Result<TokFileInfo> {
+        let ctx = || format!("{}: cannot write token file", self.tmp_path.display());
+        let docs = self.num_docs;
         let header = tok_header(
             self.dtype_bytes,
             self.num_tokens,
             docs,
             &self.tokenizer_hash,
         );
-        let mut file = out
-            .into_inner()
-            .map_err(|e| e.into_error())
-            .with_context(ctx)?;
         file.seek(SeekFrom::Start(0)).with_context(ctx)?;
         file.write_all(&header).with_context(ctx)?;
         file.sync_all().with_context(ctx)?;
@@ -159,22 +349,24 @@ impl TokFileWriter {
                 self.final_path.display()
             )
         })?;
+        self.sealed = true;
         sync_parent_dir(&self.final_path);
         Ok(TokFileInfo {
             path: self.final_path.clone(),
             num_tokens: self.num_tokens,
             num_docs: docs,
             dtype_bytes: self.dtype_bytes,
-            max_token_id: self.max_token_id,
+            max_token_id,
         })
     }
 }
 
 impl Drop for TokFileWriter {
     fn drop(&mut self) {
-        if self.out.take().is_some() {
+        if !self.sealed {
             let _ = fs::remove_file(&self.tmp_path);
         }
+        let _ = fs::remove_file(&self.offsets_path);
     }
 }
 
@@ -217,8 +409,8 @@ impl fmt::Display for SourceKind {
     }
 }
 
-/// A read-only, memory-mapped token file.
-pub struct TokenFile {
+/// One read-only, memory-mapped token file.
+struct Mapped {
     map: Mmap,
     kind: SourceKind,
     dtype: u32,
@@ -263,7 +455,7 @@ fn is_llmc_magic(head: &[u8]) -> bool {
     }
 }
 
-impl TokenFile {
+impl Mapped {
     /// Maps and validates a `.tok` file, an llm.c shard (detected by magic) or
     /// a nanoGPT `.bin` (any other file ending in `.bin`).
     pub fn open(path: &Path) -> Result<Self> {
@@ -291,7 +483,7 @@ impl TokenFile {
                 );
             }
             let num_tokens = map.len() as u64 / 2;
-            return Ok(TokenFile {
+            return Ok(Mapped {
                 map,
                 kind: SourceKind::NanoGpt,
                 dtype: 2,
@@ -356,7 +548,7 @@ impl TokenFile {
         let mut hash = [0u8; 32];
         hash.copy_from_slice(&map[32..64]);
         let data_start = TOK_HEADER_BYTES as usize;
-        let tf = TokenFile {
+        let tf = Mapped {
             offsets_start: data_start + (num_tokens * dtype as u64) as usize,
             map,
             kind: SourceKind::Lockstep,
@@ -410,7 +602,7 @@ impl TokenFile {
                  1024+{dtype}*{count} = {expected}; the file is {what}, regenerate it"
             );
         }
-        Ok(TokenFile {
+        Ok(Mapped {
             map,
             kind: SourceKind::LlmC { version },
             dtype,
@@ -420,26 +612,6 @@ impl TokenFile {
             offsets_start: 0,
             tokenizer_hash: None,
         })
-    }
-
-    /// Number of tokens.
-    pub fn num_tokens(&self) -> u64 {
-        self.num_tokens
-    }
-
-    /// Number of documents (0 for formats without document offsets).
-    pub fn num_docs(&self) -> u64 {
-        self.num_docs
-    }
-
-    /// Bytes per token (2 or 4).
-    pub fn dtype_bytes(&self) -> u32 {
-        self.dtype
-    }
-
-    /// BLAKE3 of the tokenizer that wrote the file (`.tok` only).
-    pub fn tokenizer_hash(&self) -> Option<[u8; 32]> {
-        self.tokenizer_hash
     }
 
     /// Token index where document `i` starts. Panics if `i >= num_docs()`.
@@ -452,34 +624,18 @@ impl TokenFile {
         le_u64(&self.map, self.offsets_start + 8 * i as usize)
     }
 
-    /// Lengths of the pieces that document starts cut `start..start + len` into, in order
-    /// (summing to `len`): the documents a packed window holds, the first and last possibly
-    /// partial. A binary search over the offsets table, then one entry per boundary inside the
-    /// range; no token is read. A file without document offsets (nanoGPT, llm.c) is one piece.
-    pub fn document_pieces(&self, start: u64, len: usize) -> Vec<usize> {
-        let end = start + len as u64;
-        // The first document starting after `start`: offsets are increasing.
+    /// How many documents start before token `t`.
+    fn docs_before(&self, t: u64) -> u64 {
         let (mut lo, mut hi) = (0, self.num_docs);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if self.doc_offset(mid) <= start {
+            if self.doc_offset(mid) < t {
                 lo = mid + 1;
             } else {
                 hi = mid;
             }
         }
-        let mut pieces = Vec::new();
-        let mut from = start;
-        for i in lo..self.num_docs {
-            let o = self.doc_offset(i);
-            if o >= end {
-                break;
-            }
-            pieces.push((o - from) as usize);
-            from = o;
-        }
-        pieces.push((end - from) as usize);
-        pieces
+        lo
     }
 
     /// Token `i`. Panics if `i >= num_tokens()`.
@@ -524,20 +680,15 @@ impl TokenFile {
         }
     }
 
-    /// The format this file was read as.
-    pub fn source_kind(&self) -> SourceKind {
-        self.kind
-    }
-
     /// The largest token id in the file (`None` when it has no tokens), by reading every token:
     /// a parallel scan of the mapped data (rayon's global pool). It reads the whole file, so
     /// callers remember the result ([`super::ids::max_token_id`]).
-    pub fn scan_max_token_id(&self) -> Option<u32> {
+    pub fn scan_max_token_id(&self, tokens: u64) -> Option<u32> {
         use rayon::prelude::*;
         // Chunks of 4 MiB: large enough that scheduling costs nothing, small enough to balance.
         const CHUNK_BYTES: usize = 4 << 20;
         let d = self.dtype as usize;
-        let end = self.data_start + self.num_tokens as usize * d;
+        let end = self.data_start + tokens as usize * d;
         let data = &self.map[self.data_start..end];
         let chunks = data.par_chunks(CHUNK_BYTES - CHUNK_BYTES % d);
         match self.dtype {
@@ -559,6 +710,216 @@ impl TokenFile {
                 .max()
                 .flatten(),
         }
+    }
+}
+
+/// The first `tokens` tokens of one token file: a part of a [`TokenFile`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TokenPrefix {
+    /// The token file.
+    pub path: PathBuf,
+    /// How many of its tokens belong to the view (from the start).
+    pub tokens: u64,
+}
+
+/// One mapped file in a [`TokenFile`], at token `base` and document `doc_base` of the view.
+struct Part {
+    file: Mapped,
+    tokens: u64,
+    docs: u64,
+    base: u64,
+    doc_base: u64,
+}
+
+/// A read-only, memory-mapped stream of tokens: one token file, or the prefixes of several
+/// read as one (a cache entry's training tokens, [`TokenFile::open_prefixes`]). Token and
+/// document indices are the stream's; every part's documents keep their starts, and a part
+/// ends where its prefix does (a document cut there simply ends).
+pub struct TokenFile {
+    parts: Vec<Part>,
+    num_tokens: u64,
+    num_docs: u64,
+}
+
+impl TokenFile {
+    /// Maps and validates a `.tok` file, an llm.c shard (detected by magic) or
+    /// a nanoGPT `.bin` (any other file ending in `.bin`).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = Mapped::open(path)?;
+        let tokens = file.num_tokens;
+        Self::from_parts(vec![(file, tokens)])
+    }
+
+    /// The prefixes as one stream, in order. They must share their dtype and tokenizer.
+    pub fn open_prefixes(prefixes: &[TokenPrefix]) -> Result<Self> {
+        let mut parts = Vec::with_capacity(prefixes.len());
+        for p in prefixes {
+            let file = Mapped::open(&p.path)?;
+            if p.tokens > file.num_tokens {
+                bail!(
+                    "{}: holds {} tokens but the cache entry's meta.json uses {}; the entry is \
+                     damaged, delete it and run `lockstep prepare` again",
+                    p.path.display(),
+                    file.num_tokens,
+                    p.tokens
+                );
+            }
+            parts.push((file, p.tokens));
+        }
+        let first = prefixes.first().map(|p| p.path.display().to_string());
+        let this = Self::from_parts(parts)?;
+        let same = this.parts.iter().all(|p| {
+            p.file.dtype == this.parts[0].file.dtype
+                && p.file.tokenizer_hash == this.parts[0].file.tokenizer_hash
+        });
+        if !same {
+            bail!(
+                "{}: the parts of this token stream differ in dtype or tokenizer; delete the \
+                 cache entry and run `lockstep prepare` again",
+                first.unwrap_or_default()
+            );
+        }
+        Ok(this)
+    }
+
+    fn from_parts(files: Vec<(Mapped, u64)>) -> Result<Self> {
+        if files.is_empty() {
+            bail!("a token stream needs at least one token file");
+        }
+        let (mut base, mut doc_base) = (0, 0);
+        let mut parts = Vec::with_capacity(files.len());
+        for (file, tokens) in files {
+            let docs = file.docs_before(tokens);
+            parts.push(Part {
+                file,
+                tokens,
+                docs,
+                base,
+                doc_base,
+            });
+            base += tokens;
+            doc_base += docs;
+        }
+        Ok(TokenFile {
+            parts,
+            num_tokens: base,
+            num_docs: doc_base,
+        })
+    }
+
+    /// The part holding stream token `i` (`i < num_tokens`).
+    fn part_of_token(&self, i: u64) -> &Part {
+        let k = self.parts.partition_point(|p| p.base + p.tokens <= i);
+        &self.parts[k]
+    }
+
+    /// Number of tokens.
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
+    }
+
+    /// Number of documents (0 for formats without document offsets).
+    pub fn num_docs(&self) -> u64 {
+        self.num_docs
+    }
+
+    /// Bytes per token (2 or 4).
+    pub fn dtype_bytes(&self) -> u32 {
+        self.parts[0].file.dtype
+    }
+
+    /// BLAKE3 of the tokenizer that wrote the file (`.tok` only).
+    pub fn tokenizer_hash(&self) -> Option<[u8; 32]> {
+        self.parts[0].file.tokenizer_hash
+    }
+
+    /// The format this stream was read as (its first file's).
+    pub fn source_kind(&self) -> SourceKind {
+        self.parts[0].file.kind
+    }
+
+    /// Token index where document `i` starts. Panics if `i >= num_docs()`.
+    pub fn doc_offset(&self, i: u64) -> u64 {
+        assert!(
+            i < self.num_docs,
+            "document {i} out of range 0..{}",
+            self.num_docs
+        );
+        let k = self.parts.partition_point(|p| p.doc_base + p.docs <= i);
+        let p = &self.parts[k];
+        p.base + p.file.doc_offset(i - p.doc_base)
+    }
+
+    /// Lengths of the pieces that document starts cut `start..start + len` into, in order
+    /// (summing to `len`): the documents a packed window holds, the first and last possibly
+    /// partial. A binary search over the offsets table, then one entry per boundary inside the
+    /// range; no token is read. A file without document offsets (nanoGPT, llm.c) is one piece.
+    pub fn document_pieces(&self, start: u64, len: usize) -> Vec<usize> {
+        let end = start + len as u64;
+        // The first document starting after `start`: offsets are increasing.
+        let (mut lo, mut hi) = (0, self.num_docs);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.doc_offset(mid) <= start {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut pieces = Vec::new();
+        let mut from = start;
+        for i in lo..self.num_docs {
+            let o = self.doc_offset(i);
+            if o >= end {
+                break;
+            }
+            pieces.push((o - from) as usize);
+            from = o;
+        }
+        pieces.push((end - from) as usize);
+        pieces
+    }
+
+    /// Token `i`. Panics if `i >= num_tokens()`.
+    pub fn get(&self, i: u64) -> u32 {
+        assert!(
+            i < self.num_tokens,
+            "token {i} out of range 0..{}",
+            self.num_tokens
+        );
+        let p = self.part_of_token(i);
+        p.file.get(i - p.base)
+    }
+
+    /// Copies tokens `start..start + len` into `out[..len]` as i64 (the index dtype the model
+    /// consumes), across parts where the window spans them. Panics if the range exceeds the
+    /// stream.
+    pub fn copy_window(&self, start: u64, len: usize, out: &mut [i64]) {
+        assert!(
+            start
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= self.num_tokens),
+            "window {start}+{len} exceeds {} tokens",
+            self.num_tokens
+        );
+        let (mut at, mut done) = (start, 0);
+        while done < len {
+            let p = self.part_of_token(at);
+            let n = ((p.base + p.tokens - at) as usize).min(len - done);
+            p.file.copy_window(at - p.base, n, &mut out[done..done + n]);
+            at += n as u64;
+            done += n;
+        }
+    }
+
+    /// The largest token id in the stream (`None` when it has no tokens), by reading every
+    /// token: a parallel scan of the mapped data (rayon's global pool). It reads everything,
+    /// so callers remember the result ([`super::ids::max_token_id`]).
+    pub fn scan_max_token_id(&self) -> Option<u32> {
+        self.parts
+            .iter()
+            .filter_map(|p| p.file.scan_max_token_id(p.tokens))
+            .max()
     }
 }
 
@@ -660,7 +1021,8 @@ mod tests {
         {
             let mut w = TokFileWriter::create(&path, 2, [0; 32]).unwrap();
             w.push_document(&[1, 2, 3]).unwrap();
-            assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+            // The token file and its side file of document offsets.
+            assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(!path.exists());

@@ -7,7 +7,8 @@
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
-//! - [`lower_thread_priority`]: a background thread that takes only idle CPU time.
+//! - [`lower_thread_priority`]: a background thread that takes only idle CPU time;
+//! - [`count`]: a count for people (12.3k, 4.56M).
 
 pub mod cuda;
 pub mod durable;
@@ -28,5 +29,16 @@ pub fn lower_thread_priority() {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         libc::setpriority(libc::PRIO_PROCESS, tid, 10);
         libc::syscall(libc::SYS_ioprio_set, 1, 0, (2 << 13) | 7);
+    }
+}
+
+/// A count for people: 950, 12.3k, 4.56M, 7.89B.
+pub fn count(n: u64) -> String {
+    let x = n as f64;
+    match n {
+        0..10_000 => n.to_string(),
+        10_000..1_000_000 => format!("{:.1}k", x / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.2}M", x / 1e6),
+        _ => format!("{:.2}B", x / 1e9),
     }
 }

@@ -354,23 +354,12 @@ fn source_line(by_source: &[(String, u64)]) -> String {
         .map(|(name, n)| {
             format!(
                 "{name} {} tokens ({:.1}%)",
-                count(*n),
+                crate::sys::count(*n),
                 100.0 * *n as f64 / total.max(1) as f64
             )
         })
         .collect();
     format!("Data: {}", parts.join(" | "))
-}
-
-/// 950, 12.3k, 4.56M, 7.89B.
-fn count(n: u64) -> String {
-    let x = n as f64;
-    match n {
-        0..10_000 => n.to_string(),
-        10_000..1_000_000 => format!("{:.1}k", x / 1e3),
-        1_000_000..1_000_000_000 => format!("{:.2}M", x / 1e6),
-        _ => format!("{:.2}B", x / 1e9),
-    }
 }
 
 /// What a logged step records beside the trainer's state.
@@ -604,6 +593,6 @@ mod tests {
             line,
             "Data: web 1.23M tokens (66.6%) | code 615.2k tokens (33.3%) | math 950 tokens (0.1%)"
         );
-        assert_eq!(count(7_890_000_000), "7.89B");
+        assert_eq!(crate::sys::count(7_890_000_000), "7.89B");
     }
 }

@@ -23,11 +23,14 @@
 //!   symbols in the vocabulary, every merge made of vocabulary tokens;
 //! - added tokens only special ones (lockstep encodes their spellings as text).
 
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use bpe_openai::byte_pair_encoding::BytePairEncoding;
+use regex_automata::hybrid::dfa::{Cache as DfaCache, DFA};
 use regex_automata::meta::Regex;
 use regex_automata::{Anchored, Input};
 use rustc_hash::FxHashMap;
@@ -64,6 +67,10 @@ const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 /// original pattern, without its backtracking: `A|\s+(?!\S)|\s+` becomes the patterns
 /// `A|\s+$`, `\s+\s` (its last character given back) and `\s+`, tried in that order.
 pub struct Splitter {
+    /// Forward lazy DFA for the anchored search at each piece start: only the end of a match
+    /// is needed, so no reverse search and none of `meta::Regex`'s per-call dispatch.
+    dfa: DFA,
+    /// For the rare text no pattern matches at the current position (found unanchored).
     regex: Regex,
     /// Per pattern: whether its last character is a look-ahead to give back.
     lookahead: Vec<bool>,
@@ -88,17 +95,45 @@ impl Splitter {
         }
         let regex = Regex::new_many(&patterns)
             .map_err(|e| anyhow!("the pre-tokenizer regex does not compile as a DFA: {e}"))?;
-        Ok(Splitter { regex, lookahead })
+        let dfa = DFA::new_many(&patterns)
+            .map_err(|e| anyhow!("the pre-tokenizer regex does not compile as a DFA: {e}"))?;
+        Ok(Splitter {
+            dfa,
+            regex,
+            lookahead,
+        })
+    }
+
+    /// Scratch space for [`Splitter::split`], one per thread.
+    pub fn cache(&self) -> DfaCache {
+        self.dfa.create_cache()
+    }
+
+    /// The end and pattern of the match anchored at `at`, if any.
+    fn anchored_match(
+        &self,
+        text: &str,
+        at: usize,
+        cache: &mut DfaCache,
+    ) -> Option<(usize, usize)> {
+        let input = Input::new(text).range(at..).anchored(Anchored::Yes);
+        match self.dfa.try_search_fwd(cache, &input) {
+            Ok(m) => m.map(|m| (m.offset(), m.pattern().as_usize())),
+            // The lazy DFA gave up (it never should without a quit byte): ask the full regex.
+            Err(_) => self
+                .regex
+                .find(input)
+                .map(|m| (m.end(), m.pattern().as_usize())),
+        }
     }
 
     /// Calls `piece` with each piece of `text` in order: every match, and (as `tokenizers`'
     /// `Isolated` split does) any text between matches.
-    pub fn split<'t>(&self, text: &'t str, mut piece: impl FnMut(&'t str)) {
+    pub fn split<'t>(&self, text: &'t str, cache: &mut DfaCache, mut piece: impl FnMut(&'t str)) {
         let mut at = 0;
         while at < text.len() {
-            let anchored = Input::new(text).range(at..).anchored(Anchored::Yes);
-            let (start, mut end, pattern) = match self.regex.find(anchored) {
-                Some(m) => (m.start(), m.end(), m.pattern().as_usize()),
+            let (start, mut end, pattern) = match self.anchored_match(text, at, cache) {
+                Some((end, pattern)) => (at, end, pattern),
                 None => match self.regex.find(Input::new(text).range(at..)) {
                     Some(m) => {
                         piece(&text[at..m.start()]);
@@ -131,13 +166,77 @@ impl Splitter {
 pub struct FastBpe {
     splitter: Splitter,
     /// Token bytes → id of every ordinary token.
-    vocab: FxHashMap<Box<[u8]>, u32>,
+    vocab: Vocab,
     /// Whether a piece that is a token is that token without merging (tiktoken always;
     /// `tokenizers` with `ignore_merges`).
     whole_pieces: bool,
     merger: Merger,
     /// Whether texts may be cut for parallel encoding (see [`CUTTABLE_PATTERNS`]).
     cuttable: bool,
+    /// Tells this encoder's entries in a thread's [`MERGED`] cache from another's.
+    id: u64,
+}
+
+/// What an encoder keeps per thread: the splitter's lazy DFA cache, and the ids of pieces
+/// merged lately, by piece (words recur, and a merge costs ~10× a lookup; emptied when full).
+/// Both are reset when another encoder uses the thread.
+struct MergedCache {
+    owner: u64,
+    dfa: Option<DfaCache>,
+    pieces: FxHashMap<Box<[u8]>, Box<[u32]>>,
+}
+
+/// Pieces kept in a thread's [`MergedCache`] before it is emptied (a few MB).
+const MERGED_CAPACITY: usize = 1 << 16;
+
+thread_local! {
+    static MERGED: RefCell<MergedCache> = RefCell::new(MergedCache {
+        owner: u64::MAX,
+        dfa: None,
+        pieces: FxHashMap::default(),
+    });
+}
+
+/// A new [`FastBpe::id`].
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Token bytes → id, split by length: a token of up to 7 bytes (most of them) is one u64
+/// (its bytes and its length), hashed and compared as a number.
+struct Vocab {
+    short: FxHashMap<u64, u32>,
+    long: FxHashMap<Box<[u8]>, u32>,
+}
+
+impl Vocab {
+    fn new(all: FxHashMap<Box<[u8]>, u32>) -> Vocab {
+        let (mut short, mut long) = (FxHashMap::default(), FxHashMap::default());
+        for (bytes, id) in all {
+            match Self::short_key(&bytes) {
+                Some(k) => short.insert(k, id),
+                None => long.insert(bytes, id),
+            };
+        }
+        Vocab { short, long }
+    }
+
+    fn short_key(bytes: &[u8]) -> Option<u64> {
+        (bytes.len() < 8).then(|| {
+            let mut k = [0u8; 8];
+            k[..bytes.len()].copy_from_slice(bytes);
+            k[7] = bytes.len() as u8;
+            u64::from_le_bytes(k)
+        })
+    }
+
+    fn get(&self, bytes: &[u8]) -> Option<u32> {
+        match Self::short_key(bytes) {
+            Some(k) => self.short.get(&k).copied(),
+            None => self.long.get(bytes).copied(),
+        }
+    }
 }
 
 /// How a piece that is not looked up whole is merged.
@@ -174,13 +273,14 @@ impl FastBpe {
         let id = |i: usize| ids.as_ref().map_or(i as u32, |ids| ids[i]);
         let vocab = (0..bpe.num_tokens())
             .map(|i| (bpe.token_bytes(i as u32).into(), id(i)))
-            .collect();
+            .collect::<FxHashMap<Box<[u8]>, u32>>();
         Ok(FastBpe {
             splitter: Splitter::new(pattern)?,
-            vocab,
+            vocab: Vocab::new(vocab),
             whole_pieces: true,
             merger: Merger::Ranks { bpe, ids },
             cuttable: CUTTABLE_PATTERNS.contains(&pattern),
+            id: next_id(),
         })
     }
 
@@ -261,8 +361,9 @@ impl FastBpe {
         Ok(FastBpe {
             cuttable: CUTTABLE_PATTERNS.contains(&pattern.as_str()),
             splitter,
-            vocab,
+            vocab: Vocab::new(vocab),
             whole_pieces: model["ignore_merges"].as_bool() == Some(true),
+            id: next_id(),
             merger: Merger::Merges {
                 byte_ids: Box::new(byte_ids),
                 merges,
@@ -279,18 +380,47 @@ impl FastBpe {
     /// Appends the ids of `text` to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let mut work = Work::default();
-        self.splitter.split(text, |piece| {
-            self.encode_piece(piece.as_bytes(), out, &mut work)
+        MERGED.with_borrow_mut(|cache| {
+            if cache.owner != self.id {
+                cache.owner = self.id;
+                cache.dfa = Some(self.splitter.cache());
+                cache.pieces.clear();
+            }
+            let mut dfa = cache.dfa.take().expect("set above");
+            self.splitter.split(text, &mut dfa, |piece| {
+                self.encode_piece(piece.as_bytes(), out, &mut work, cache)
+            });
+            cache.dfa = Some(dfa);
         });
     }
 
-    fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+    fn encode_piece(
+        &self,
+        piece: &[u8],
+        out: &mut Vec<u32>,
+        work: &mut Work,
+        cache: &mut MergedCache,
+    ) {
         if self.whole_pieces {
-            if let Some(&id) = self.vocab.get(piece) {
+            if let Some(id) = self.vocab.get(piece) {
                 out.push(id);
                 return;
             }
         }
+        if let Some(ids) = cache.pieces.get(piece) {
+            out.extend_from_slice(ids);
+            return;
+        }
+        let from = out.len();
+        self.merge_piece(piece, out, work);
+        if cache.pieces.len() >= MERGED_CAPACITY {
+            cache.pieces.clear();
+        }
+        cache.pieces.insert(piece.into(), out[from..].into());
+    }
+
+    /// Appends the merged ids of a piece that is not one token (or may not be taken whole).
+    fn merge_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
         match &self.merger {
             Merger::Ranks { bpe, ids } => {
                 let merged = bpe.encode_via_backtracking(piece);
