@@ -1014,6 +1014,117 @@ mod tests {
         assert!(err.contains("nanoGPT") && err.contains("llm.c"), "{err}");
     }
 
+    fn tokens_of(f: &TokenFile) -> Vec<u32> {
+        (0..f.num_tokens()).map(|i| f.get(i)).collect()
+    }
+
+    fn docs_of(f: &TokenFile) -> Vec<u64> {
+        (0..f.num_docs()).map(|i| f.doc_offset(i)).collect()
+    }
+
+    #[test]
+    fn split_at_a_boundary_and_inside_a_document() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs = [vec![1, 2, 3, 4, 9], vec![5, 70_000, 9], vec![6, 7, 8, 9]];
+        for (cut, train_tokens, train_docs, val_tokens, val_docs) in [
+            // At the start of the second document: nothing is added.
+            (
+                5,
+                vec![1, 2, 3, 4, 9],
+                vec![0],
+                vec![5, 70_000, 9, 6, 7, 8, 9],
+                vec![0, 3],
+            ),
+            // Inside it: its head is closed with EOS (9), its tail starts the second file.
+            (
+                6,
+                vec![1, 2, 3, 4, 9, 5, 9],
+                vec![0, 5],
+                vec![70_000, 9, 6, 7, 8, 9],
+                vec![0, 2],
+            ),
+        ] {
+            let (t, v) = (dir.path().join("t.tok"), dir.path().join("v.tok"));
+            let mut w = TokFileWriter::create(&t, 4, [3; 32]).unwrap();
+            for d in &docs {
+                w.push_document(d).unwrap();
+            }
+            let (train, val) = w
+                .finish_split(&v, 9, |starts, total| {
+                    assert_eq!((starts.len(), total), (3, 12));
+                    assert_eq!((starts.get(1), starts.first_at_or_after(6)), (5, 2));
+                    cut
+                })
+                .unwrap();
+            let (tf, vf) = (TokenFile::open(&t).unwrap(), TokenFile::open(&v).unwrap());
+            assert_eq!(
+                (tokens_of(&tf), docs_of(&tf)),
+                (train_tokens.clone(), train_docs)
+            );
+            assert_eq!(
+                (tokens_of(&vf), docs_of(&vf)),
+                (val_tokens.clone(), val_docs)
+            );
+            assert_eq!(
+                (train.num_tokens, val.num_tokens),
+                (train_tokens.len() as u64, val_tokens.len() as u64)
+            );
+            // Each file's largest id is its own.
+            assert_eq!(train.max_token_id, train_tokens.iter().copied().max());
+            assert_eq!(val.max_token_id, Some(70_000));
+            assert_eq!(tf.tokenizer_hash(), Some([3; 32]));
+            let mut left: Vec<String> = fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            left.sort();
+            assert_eq!(
+                left,
+                ["t.tok", "v.tok"],
+                "no temporary or side file is left"
+            );
+        }
+    }
+
+    #[test]
+    fn prefixes_of_several_files_read_as_one_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.tok"), dir.path().join("b.tok"));
+        write(&a, 2, &[vec![1, 2, 9], vec![3, 9]]);
+        // The last document of b lies beyond the prefix: 999 must not count.
+        write(&b, 2, &[vec![4, 5, 6, 9], vec![7, 9], vec![999, 9]]);
+        let prefix = |path: &Path, tokens| TokenPrefix {
+            path: path.to_path_buf(),
+            tokens,
+        };
+        let f = TokenFile::open_prefixes(&[prefix(&a, 5), prefix(&b, 5)]).unwrap();
+        assert_eq!(tokens_of(&f), [1, 2, 9, 3, 9, 4, 5, 6, 9, 7]);
+        // b's second document starts inside the prefix and is cut at its end.
+        assert_eq!(docs_of(&f), [0, 3, 5, 9]);
+        let mut out = vec![0i64; 6];
+        f.copy_window(2, 6, &mut out);
+        assert_eq!(out, [9, 3, 9, 4, 5, 6]);
+        assert_eq!(f.document_pieces(2, 6), [1, 2, 3]);
+        assert_eq!(f.scan_max_token_id(), Some(9));
+        assert_eq!(f.tokenizer_hash(), Some([7; 32]));
+
+        let err = TokenFile::open_prefixes(&[prefix(&a, 6)])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("holds 5 tokens") && err.contains("uses 6"),
+            "{err}"
+        );
+        let c = dir.path().join("c.tok");
+        write(&c, 4, &[vec![1, 9]]);
+        let err = TokenFile::open_prefixes(&[prefix(&a, 5), prefix(&c, 2)])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("differ in dtype or tokenizer"), "{err}");
+    }
+
     #[test]
     fn temp_file_removed_on_drop() {
         let dir = tempfile::tempdir().unwrap();
