@@ -24,7 +24,15 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Tokenize the corpus once into a memory-mapped token file in the cache.
-    Prepare(ConfigArgs),
+    Prepare {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Tokenize only part I of N of the corpus (I from 0 to N-1, like RANK; `slurm` takes
+        /// SLURM_PROCID/SLURM_NTASKS), one machine per part: the parts land in the same cache
+        /// entry, which the last one written completes.
+        #[arg(long, value_name = "I/N")]
+        shard: Option<String>,
+    },
     /// Train one rank (a single process, or one rank under torchrun/Slurm variables).
     Train {
         #[command(flatten)]
@@ -161,9 +169,17 @@ impl ConfigArgs {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Prepare(args) => {
-            let resolved = args.resolve()?;
-            train::run_data::prepare_data(&resolved.config, "[CPU0]")?;
+        Command::Prepare { config, shard } => {
+            let resolved = config.resolve()?;
+            match shard {
+                Some(shard) => {
+                    let shard = crate::data::prepare::Shard::parse(&shard)?;
+                    train::run_data::prepare_parts(&resolved.config, "[CPU0]", shard)?;
+                }
+                None => {
+                    train::run_data::prepare_data(&resolved.config, "[CPU0]")?;
+                }
+            }
             Ok(())
         }
         Command::Train {

@@ -143,9 +143,9 @@ fn parquet_documents_in_order_from_a_directory_and_a_glob() {
     let cache = dir.path().join("cache");
 
     let p = prepare(&spec(&data, &cache, "content")).unwrap();
-    assert_eq!(all_tokens(&p.train), expected);
+    assert_eq!(all_tokens(&p.train[0].path), expected);
     assert_eq!(
-        TokenFile::open(&p.train).unwrap().num_docs(),
+        TokenFile::open(&p.train[0].path).unwrap().num_docs(),
         texts.len() as u64
     );
 
@@ -153,7 +153,7 @@ fn parquet_documents_in_order_from_a_directory_and_a_glob() {
     let pattern = data.join("**/*.parquet");
     let g = prepare(&spec(&pattern, &cache, "content")).unwrap();
     assert!(!g.cache_hit);
-    assert_eq!(all_tokens(&g.train), expected);
+    assert_eq!(all_tokens(&g.train[0].path), expected);
     assert!(
         prepare(&spec(&pattern, &cache, "content"))
             .unwrap()
@@ -161,7 +161,7 @@ fn parquet_documents_in_order_from_a_directory_and_a_glob() {
     );
     let only_a = prepare(&spec(&data.join("*.parquet"), &cache, "content")).unwrap();
     assert_eq!(
-        TokenFile::open(&only_a.train).unwrap().num_docs(),
+        TokenFile::open(&only_a.train[0].path).unwrap().num_docs(),
         300,
         "a.parquet has 300 rows"
     );

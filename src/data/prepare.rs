@@ -12,11 +12,12 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::hub::resolve_tokenizer;
-use super::ids::{check_max_id, max_token_id, MaxIdRecord};
+use super::ids::{check_max_id, max_token_id, FileStamp, MaxIdRecord};
 use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
     dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
+    TokenPrefix,
 };
 
 /// Bumped whenever the cache contents for the same inputs would change.
@@ -57,12 +58,15 @@ pub struct PrepareSpec {
 pub struct Prepared {
     /// The cache entry directory (or the token file's directory).
     pub dir: PathBuf,
-    /// Training tokens.
-    pub train: PathBuf,
+    /// Training tokens: `train.tok` whole, or the prefixes of the parts of an entry prepared
+    /// in parts (read as one stream by [`TokenFile::open_prefixes`]).
+    pub train: Vec<TokenPrefix>,
     /// Validation tokens, if a split was requested.
     pub val: Option<PathBuf>,
     /// True when nothing had to be tokenized.
     pub cache_hit: bool,
+    /// What tokenized the text ([`Tokenizer::engine`]) when this call did.
+    pub engine: Option<String>,
     /// [`Tokenizer::id`] of the tokenizer used.
     pub tokenizer_id: String,
     /// Tokenizer vocabulary size, special tokens included.
@@ -85,7 +89,7 @@ impl Prepared {
     /// files were written or scanned).
     pub fn check_ids_fit(&self, vocab_size: usize) -> Result<()> {
         let files = [
-            (Some(&self.train), self.train_max_id),
+            (self.train.first().map(|p| &p.path), self.train_max_id),
             (self.val.as_ref(), self.val_max_id),
         ];
         for (path, max) in files {
@@ -97,9 +101,74 @@ impl Prepared {
     }
 }
 
-/// Returns token files for `spec`, tokenizing only when the cache has no
-/// valid entry for exactly these inputs. Prints nothing but the progress bar.
-pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
+/// Part `index` of `count` of a preparation spread over machines (`prepare --shard I/N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// From 0 to `count - 1`.
+    pub index: u64,
+    /// How many parts the corpus is cut into.
+    pub count: u64,
+}
+
+impl Shard {
+    /// `I/N` (I from 0 to N−1, like RANK), or `slurm` for SLURM_PROCID/SLURM_NTASKS (one
+    /// part per task of `srun lockstep prepare --shard slurm`).
+    pub fn parse(text: &str) -> Result<Shard> {
+        let (index, count) = if text == "slurm" {
+            let var = |name: &str| -> Result<String> {
+                std::env::var(name).map_err(|_| {
+                    anyhow!(
+                        "--shard slurm: {name} is not set; run it as `srun lockstep prepare \
+                         --shard slurm`, or give the part as --shard I/N"
+                    )
+                })
+            };
+            (var("SLURM_PROCID")?, var("SLURM_NTASKS")?)
+        } else {
+            let (i, n) = text.split_once('/').ok_or_else(|| {
+                anyhow!("--shard {text}: expected I/N (e.g. 0/8: the first of 8 parts) or slurm")
+            })?;
+            (i.to_string(), n.to_string())
+        };
+        let num = |v: &str| v.trim().parse::<u64>().ok();
+        match (num(&index), num(&count)) {
+            (Some(index), Some(count)) if index < count && count <= 99_999 => {
+                Ok(Shard { index, count })
+            }
+            _ => bail!(
+                "--shard {text}: the part must be I/N with 0 <= I < N <= 99999 (got {index}/{count})"
+            ),
+        }
+    }
+
+    /// `part-IIIII-of-NNNNN`: the name of its token file (`.tok`) and record (`.json`).
+    fn name(&self) -> String {
+        part_name(self.index, self.count)
+    }
+}
+
+fn part_name(index: u64, count: u64) -> String {
+    format!("part-{index:05}-of-{count:05}")
+}
+
+/// What `prepare --shard I/N` did.
+#[derive(Debug)]
+pub enum PartOutcome {
+    /// All parts are there: the entry is complete (by this part, or already).
+    Complete(Prepared),
+    /// This part is written; these parts are still missing.
+    Waiting {
+        /// The cache entry.
+        dir: PathBuf,
+        /// Tokens in this part.
+        tokens: u64,
+        /// The parts not written yet, by index.
+        missing: Vec<u64>,
+    },
+}
+
+/// Checks `spec`'s values, then returns its tokenizer.
+fn checked(spec: &PrepareSpec) -> Result<Tokenizer> {
     if !(0.0..1.0).contains(&spec.val_fraction) {
         bail!(
             "data.val_fraction is {} but must be at least 0 and below 1",
@@ -112,46 +181,91 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
     if spec.num_samples == Some(0) {
         bail!("data.num_samples is 0; leave it unset to use every document");
     }
-    let tok = Tokenizer::load(&resolve_tokenizer(&spec.tokenizer)?)?;
+    Tokenizer::load(&resolve_tokenizer(&spec.tokenizer)?)
+}
+
+/// A cache entry: the dataset, what identifies it (`inputs`, hashed into `key`) and where it
+/// lives (`<cache_dir>/<first 16 hex digits of key>`).
+struct Entry {
+    dataset: Dataset,
+    inputs: Value,
+    key: String,
+    dir: PathBuf,
+}
+
+impl Entry {
+    fn new(spec: &PrepareSpec, tok: &Tokenizer) -> Result<Entry> {
+        // A built-in corpus, a file, a directory, a glob pattern or a cached Hugging Face
+        // dataset.
+        let dataset = resolve_dataset(&spec.path)?;
+        let (dataset_id, files) = dataset.fingerprint()?;
+        let inputs = json!({
+            "format_version": CACHE_FORMAT_VERSION,
+            "tokenizer": tok.id(),
+            "tokenizer_hash": blake3::Hash::from(tok.definition_hash()).to_hex().as_str(),
+            "dataset": dataset_id,
+            "files": files,
+            "text_field": spec.text_field,
+            "val_fraction": spec.val_fraction,
+            "context_length": spec.context_length,
+            "num_samples": spec.num_samples,
+        });
+        let key = blake3::hash(&serde_json::to_vec(&inputs)?)
+            .to_hex()
+            .to_string();
+        fs::create_dir_all(&spec.cache_dir).with_context(|| {
+            format!(
+                "{}: cannot create the data cache directory; set data.cache_dir to a writable \
+                 place",
+                spec.cache_dir.display()
+            )
+        })?;
+        let dir = spec.cache_dir.join(&key[..16]);
+        Ok(Entry {
+            dataset,
+            inputs,
+            key,
+            dir,
+        })
+    }
+
+    fn short(&self) -> &str {
+        &self.key[..16]
+    }
+}
+
+/// Returns token files for `spec`, tokenizing only when the cache has no
+/// valid entry for exactly these inputs. Prints nothing but the progress bar.
+pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
+    let tok = checked(spec)?;
     if is_token_file(&spec.path) {
         return use_token_file(spec, &tok);
     }
-
-    // A built-in corpus, a file, a directory, a glob pattern or a cached Hugging Face dataset.
-    let dataset = resolve_dataset(&spec.path)?;
-    let (dataset_id, files) = dataset.fingerprint()?;
-    let inputs = json!({
-        "format_version": CACHE_FORMAT_VERSION,
-        "tokenizer": tok.id(),
-        "tokenizer_hash": blake3::Hash::from(tok.definition_hash()).to_hex().as_str(),
-        "dataset": dataset_id,
-        "files": files,
-        "text_field": spec.text_field,
-        "val_fraction": spec.val_fraction,
-        "context_length": spec.context_length,
-        "num_samples": spec.num_samples,
-    });
-    let key = blake3::hash(&serde_json::to_vec(&inputs)?).to_hex();
-    let short = &key.as_str()[..16];
-
-    fs::create_dir_all(&spec.cache_dir).with_context(|| {
-        format!(
-            "{}: cannot create the data cache directory; set data.cache_dir to a writable place",
-            spec.cache_dir.display()
-        )
-    })?;
-    let dir = spec.cache_dir.join(short);
-    if let Some(hit) = cached(&dir, key.as_str(), &tok, spec.val_fraction > 0.0)? {
+    let entry = Entry::new(spec, &tok)?;
+    let dir = entry.dir.clone();
+    if let Some(hit) = cached(&dir, &entry.key, &tok, spec.val_fraction > 0.0)? {
         return Ok(hit);
     }
+    if let Some((count, present)) = parts_present(&dir, &entry.key) {
+        let missing = missing_parts(count, &present);
+        bail!(
+            "{}: this data is being prepared in {count} parts (`lockstep prepare --shard I/N`) \
+             and parts {} are missing; run `lockstep prepare --shard I/{count}` for each of \
+             them (the entry completes when the last one is written), or delete the directory \
+             to prepare the data in one go",
+            dir.display(),
+            list(&missing)
+        );
+    }
 
-    remove_stale_builds(&spec.cache_dir, short);
+    let short = entry.short().to_string();
+    remove_stale_builds(&spec.cache_dir, &short);
     let tmp = spec
         .cache_dir
         .join(format!("{short}.tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
-    let built = build(spec, &tok, &dataset, &tmp, key.as_str(), inputs);
+    let built = build(spec, &tok, &entry.dataset, &tmp, &entry.key, entry.inputs);
     let built = match built {
         Ok(b) => b,
         Err(e) => {
@@ -169,10 +283,14 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
     sync_parent_dir(&dir);
     Ok(Prepared {
-        train: dir.join("train.tok"),
+        train: vec![TokenPrefix::whole(
+            dir.join("train.tok"),
+            built.train_tokens,
+        )],
         val: (spec.val_fraction > 0.0).then(|| dir.join("val.tok")),
         dir,
         cache_hit: false,
+        engine: Some(tok.engine()),
         tokenizer_id: tok.id(),
         vocab_size: tok.vocab_size(),
         eos_id: tok.eos_id(),
@@ -180,6 +298,299 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         val_tokens: built.val_tokens,
         train_max_id: built.train_max_id,
         val_max_id: built.val_max_id,
+    })
+}
+
+/// Prepares part `shard` of `spec`'s data into the shared cache entry
+/// (`part-IIIII-of-NNNNN.tok`), unless it is there already, and completes the entry when every
+/// part is: the validation tail is split off the last parts into `val.tok`, and `meta.json`
+/// makes the entry usable (training reads the parts as one stream, in the same order as a
+/// preparation in one go). Any part may finish last; two machines writing one part, or
+/// completing the entry at once, write the same bytes through temporary names.
+pub fn prepare_part(spec: &PrepareSpec, shard: Shard) -> Result<PartOutcome> {
+    let tok = checked(spec)?;
+    if is_token_file(&spec.path) {
+        bail!(
+            "{}: is a token file already; --shard prepares text (point data.path at the \
+             .txt/.jsonl/.parquet files)",
+            spec.path.display()
+        );
+    }
+    if let Some(n) = spec.num_samples {
+        bail!(
+            "data.num_samples = {n} takes the first documents of the whole corpus, which no part \
+             can know; unset it to prepare in parts, or prepare without --shard"
+        );
+    }
+    let entry = Entry::new(spec, &tok)?;
+    let dir = entry.dir.clone();
+    if let Some(hit) = cached(&dir, &entry.key, &tok, spec.val_fraction > 0.0)? {
+        return Ok(PartOutcome::Complete(hit));
+    }
+    if let Some((count, _)) = parts_present(&dir, &entry.key) {
+        if count != shard.count {
+            bail!(
+                "{}: this data is being prepared in {count} parts, not {}; use --shard I/{count} \
+                 (or delete the directory to start again with {} parts)",
+                dir.display(),
+                shard.count,
+                shard.count
+            );
+        }
+    }
+    fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let name = shard.name();
+    let tokens = match part_record(&dir, &name, &entry.key) {
+        Some(rec) => rec["tokens"].as_u64().unwrap_or(0),
+        None => write_part(spec, &tok, &entry, shard)?,
+    };
+    let present = parts_present(&dir, &entry.key).map_or(Vec::new(), |(_, p)| p);
+    let missing = missing_parts(shard.count, &present);
+    if !missing.is_empty() {
+        return Ok(PartOutcome::Waiting {
+            dir,
+            tokens,
+            missing,
+        });
+    }
+    complete(spec, &tok, &entry, shard.count).map(PartOutcome::Complete)
+}
+
+/// `0, 2, 5`.
+fn list(items: &[u64]) -> String {
+    items
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn missing_parts(count: u64, present: &[u64]) -> Vec<u64> {
+    (0..count).filter(|i| !present.contains(i)).collect()
+}
+
+/// The record `prepare --shard` left beside part `name`'s token file, if it is for `key` and
+/// the token file is still the one it describes.
+fn part_record(dir: &Path, name: &str, key: &str) -> Option<Value> {
+    let rec: Value =
+        serde_json::from_slice(&fs::read(dir.join(format!("{name}.json"))).ok()?).ok()?;
+    let stamp: FileStamp = serde_json::from_value(rec.get("stamp")?.clone()).ok()?;
+    let now = FileStamp::of(&dir.join(format!("{name}.tok"))).ok()?;
+    (rec.get("key")?.as_str()? == key && stamp == now).then_some(rec)
+}
+
+/// The part count and the parts written (with a valid record) in `dir`, if any.
+fn parts_present(dir: &Path, key: &str) -> Option<(u64, Vec<u64>)> {
+    let mut count = None;
+    let mut present = Vec::new();
+    for e in fs::read_dir(dir).ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".json") else {
+            continue;
+        };
+        let Some((i, n)) = stem
+            .strip_prefix("part-")
+            .and_then(|r| r.split_once("-of-"))
+            .and_then(|(i, n)| Some((i.parse::<u64>().ok()?, n.parse::<u64>().ok()?)))
+        else {
+            continue;
+        };
+        if part_record(dir, stem, key).is_some() {
+            count = Some(n);
+            present.push(i);
+        }
+    }
+    present.sort_unstable();
+    count.map(|c| (c, present))
+}
+
+/// Tokenizes part `shard` into `<dir>/part-….tok` and records it in `part-….json`; returns
+/// its token count.
+fn write_part(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, shard: Shard) -> Result<u64> {
+    let name = shard.name();
+    let path = entry.dir.join(format!("{name}.tok"));
+    let dtype = dtype_for_vocab(tok.vocab_size());
+    let bytes = entry.dataset.part_bytes(shard.index, shard.count);
+    let mut writer = TokFileWriter::create(&path, dtype, tok.definition_hash())?;
+    let room = |e: anyhow::Error, w: &TokFileWriter| {
+        out_of_room(spec, &entry.dir, w.num_tokens() * u64::from(dtype), e)
+    };
+    let read = match tokenize_corpus(spec, tok, &entry.dataset, bytes, &mut writer) {
+        Ok(r) => r,
+        Err(e) => return Err(room(e, &writer)),
+    };
+    let info = writer.finish()?;
+    let rec = MaxIdRecord::new(&info.path, info.max_token_id)?;
+    let record = json!({
+        "key": entry.key,
+        "part": shard.index,
+        "parts": shard.count,
+        "documents": read.documents,
+        "input_bytes": read.input_bytes,
+        "tokens": info.num_tokens,
+        "max_token_id": rec.max_token_id,
+        "stamp": rec.stamp,
+        "blake3": file_blake3(&info.path)?,
+    });
+    crate::sys::durable::write_atomic(
+        &entry.dir.join(format!("{name}.json")),
+        &serde_json::to_vec_pretty(&record)?,
+    )?;
+    Ok(info.num_tokens)
+}
+
+/// Completes an entry whose `count` parts are all written: splits the validation tail off
+/// into `val.tok` and writes `meta.json`, whose `train` names the parts' prefixes that hold
+/// the training tokens.
+fn complete(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, count: u64) -> Result<Prepared> {
+    let dir = &entry.dir;
+    let names: Vec<String> = (0..count).map(|i| part_name(i, count)).collect();
+    let records: Vec<Value> = names
+        .iter()
+        .map(|n| {
+            part_record(dir, n, &entry.key)
+                .ok_or_else(|| anyhow!("{}: part {n} vanished while completing", dir.display()))
+        })
+        .collect::<Result<_>>()?;
+    let tokens: Vec<u64> = records
+        .iter()
+        .map(|r| r["tokens"].as_u64().unwrap_or(0))
+        .collect();
+    let whole: Vec<TokenPrefix> = names
+        .iter()
+        .zip(&tokens)
+        .map(|(n, &t)| TokenPrefix::whole(dir.join(format!("{n}.tok")), t))
+        .collect();
+    let stream = TokenFile::open_prefixes(&whole)?;
+    let (total, docs) = (stream.num_tokens(), stream.num_docs());
+    if docs == 0 {
+        bail!(
+            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
+            spec.path.display()
+        );
+    }
+    let want_val = spec.val_fraction > 0.0;
+    if want_val && total < 2 {
+        bail!(
+            "{}: the dataset has only {total} token(s), too few to split off validation data; \
+             set data.val_fraction to 0 or add text",
+            spec.path.display()
+        );
+    }
+    let (cut, at_boundary) = if want_val {
+        choose_cut(
+            docs,
+            |i| stream.doc_offset(i),
+            total,
+            spec.val_fraction,
+            spec.context_length as u64,
+        )
+    } else {
+        (total, true)
+    };
+    // The training tokens: every part up to the cut, the one it falls in up to there (its cut
+    // document closed with an EOS, as a preparation in one go closes it).
+    let (mut train, mut base, mut train_max) = (Vec::new(), 0u64, None);
+    for ((prefix, rec), &t) in whole.iter().zip(&records).zip(&tokens) {
+        if base >= cut {
+            break;
+        }
+        let last = base + t >= cut;
+        let keep = if last { cut - base } else { t };
+        let eos = (last && !at_boundary).then_some(tok.eos_id());
+        train.push(TokenPrefix {
+            path: prefix.path.clone(),
+            tokens: keep,
+            eos,
+        });
+        train_max = train_max
+            .max(rec["max_token_id"].as_u64().map(|m| m as u32))
+            .max(eos);
+        base += t;
+    }
+    let val = if want_val {
+        let path = dir.join("val.tok");
+        let mut w = TokFileWriter::create(
+            &path,
+            dtype_for_vocab(tok.vocab_size()),
+            tok.definition_hash(),
+        )?;
+        // The document holding the cut: the last one starting at or before it.
+        let (mut lo, mut hi) = (0, docs);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if stream.doc_offset(mid) <= cut {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let first = lo.saturating_sub(1);
+        let mut buf: Vec<i64> = Vec::new();
+        let mut doc: Vec<u32> = Vec::new();
+        for i in first..docs {
+            let end = if i + 1 < docs {
+                stream.doc_offset(i + 1)
+            } else {
+                total
+            };
+            let start = stream.doc_offset(i).max(cut);
+            buf.resize((end - start) as usize, 0);
+            stream.copy_window(start, buf.len(), &mut buf);
+            doc.clear();
+            doc.extend(buf.iter().map(|&t| t as u32));
+            w.push_document(&doc)
+                .map_err(|e| out_of_room(spec, dir, (total - cut) * 4, e))?;
+        }
+        Some(w.finish()?)
+    } else {
+        None
+    };
+    let train_tokens: u64 = train
+        .iter()
+        .map(|p| p.tokens + u64::from(p.eos.is_some()))
+        .sum();
+    let mut meta = json!({
+        "key": entry.key,
+        "inputs": entry.inputs,
+        "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
+        "dtype_bytes": dtype_for_vocab(tok.vocab_size()),
+        "documents": records.iter().map(|r| r["documents"].as_u64().unwrap_or(0)).sum::<u64>(),
+        "input_bytes": records.iter().map(|r| r["input_bytes"].as_u64().unwrap_or(0)).sum::<u64>(),
+        "split_at_document_boundary": at_boundary,
+        "parts": names,
+        "train": {
+            "tokens": train_tokens,
+            "max_token_id": train_max,
+            "prefixes": train.iter().map(|p| json!({
+                "file": p.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                "tokens": p.tokens,
+                "eos": p.eos,
+            })).collect::<Vec<_>>(),
+        },
+        "val": match &val {
+            Some(info) => file_part(info)?,
+            None => Value::Null,
+        },
+        "created_unix_s": now_unix_s(),
+    });
+    for (n, rec) in names.iter().zip(&records) {
+        meta[n] = rec.clone();
+    }
+    crate::sys::durable::write_atomic(&dir.join("meta.json"), &serde_json::to_vec_pretty(&meta)?)?;
+    Ok(Prepared {
+        train,
+        val: val.as_ref().map(|v| v.path.clone()),
+        dir: dir.clone(),
+        cache_hit: false,
+        engine: Some(tok.engine()),
+        tokenizer_id: tok.id(),
+        vocab_size: tok.vocab_size(),
+        eos_id: tok.eos_id(),
+        train_tokens,
+        val_tokens: val.as_ref().map_or(0, |v| v.num_tokens),
+        train_max_id: train_max,
+        val_max_id: val.and_then(|v| v.max_token_id),
     })
 }
 
@@ -210,9 +621,10 @@ fn use_token_file(spec: &PrepareSpec, tok: &Tokenizer) -> Result<Prepared> {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         },
-        train: path.to_path_buf(),
+        train: vec![TokenPrefix::whole(path.to_path_buf(), tf.num_tokens())],
         val: None,
         cache_hit: true,
+        engine: None,
         tokenizer_id: tok.id(),
         vocab_size: tok.vocab_size(),
         eos_id: tok.eos_id(),
@@ -238,25 +650,43 @@ fn tokenizer_that_wrote(path: &Path, hash: [u8; 32]) -> Option<String> {
     Some(id.strip_prefix("hf:").unwrap_or(id).to_string())
 }
 
+/// The training prefixes an entry's `meta.json` names: `train.tok` whole (an entry prepared
+/// in one go), or the parts' prefixes (an entry prepared in parts).
+fn train_prefixes(dir: &Path, meta: &Value) -> Option<Vec<TokenPrefix>> {
+    let Some(prefixes) = meta["train"]["prefixes"].as_array() else {
+        let tokens = meta["train"]["tokens"].as_u64()?;
+        return Some(vec![TokenPrefix::whole(dir.join("train.tok"), tokens)]);
+    };
+    prefixes
+        .iter()
+        .map(|p| {
+            Some(TokenPrefix {
+                path: dir.join(p["file"].as_str()?),
+                tokens: p["tokens"].as_u64()?,
+                eos: p["eos"].as_u64().map(|e| e as u32),
+            })
+        })
+        .collect()
+}
+
 /// The cache entry in `dir` if it is complete, made from `key` and readable.
 fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Option<Prepared>> {
-    let valid = || -> Option<(Value, TokenFile, Option<TokenFile>)> {
+    let valid = || -> Option<(Value, Vec<TokenPrefix>, TokenFile, Option<TokenFile>)> {
         let meta: Value = serde_json::from_slice(&fs::read(dir.join("meta.json")).ok()?).ok()?;
         if meta.get("key")?.as_str()? != key {
             return None;
         }
-        let open = |name: &str| -> Option<TokenFile> {
-            let tf = TokenFile::open(&dir.join(name)).ok()?;
-            (tf.tokenizer_hash()? == tok.definition_hash()).then_some(tf)
-        };
+        let ours = |tf: TokenFile| (tf.tokenizer_hash()? == tok.definition_hash()).then_some(tf);
         let val = if want_val {
-            Some(open("val.tok")?)
+            Some(ours(TokenFile::open(&dir.join("val.tok")).ok()?)?)
         } else {
             None
         };
-        Some((meta, open("train.tok")?, val))
+        let prefixes = train_prefixes(dir, &meta)?;
+        let train = ours(TokenFile::open_prefixes(&prefixes).ok()?)?;
+        Some((meta, prefixes, train, val))
     };
-    let Some((meta, train, val)) = valid() else {
+    let Some((meta, prefixes, train, val)) = valid() else {
         return Ok(None);
     };
     if let Some(why) = damaged(dir, &meta, want_val)? {
@@ -268,7 +698,11 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
     }
     // From meta.json; entries of an older lockstep are scanned once (into the cache's max-ids/).
     let cache_dir = dir.parent();
-    let train_max_id = max_token_id(&dir.join("train.tok"), &train, cache_dir)?;
+    let train_max_id = if meta.get("parts").is_some() {
+        meta["train"]["max_token_id"].as_u64().map(|m| m as u32)
+    } else {
+        max_token_id(&dir.join("train.tok"), &train, cache_dir)?
+    };
     let val_max_id = match &val {
         Some(tf) => max_token_id(&dir.join("val.tok"), tf, cache_dir)?,
         None => None,
@@ -276,9 +710,10 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
     let (train_tokens, val_tokens) = (train.num_tokens(), val.map_or(0, |v| v.num_tokens()));
     Ok(Some(Prepared {
         dir: dir.to_path_buf(),
-        train: dir.join("train.tok"),
+        train: prefixes,
         val: want_val.then(|| dir.join("val.tok")),
         cache_hit: true,
+        engine: None,
         tokenizer_id: tok.id(),
         vocab_size: tok.vocab_size(),
         eos_id: tok.eos_id(),
@@ -304,12 +739,15 @@ fn file_blake3(path: &Path) -> Result<String> {
 /// recorded: equal, its new stamp is remembered; different, the entry is damaged. Entries
 /// written before the checksum existed are not checked.
 fn damaged(dir: &Path, meta: &Value, want_val: bool) -> Result<Option<String>> {
-    let parts: &[&str] = if want_val {
-        &["train", "val"]
-    } else {
-        &["train"]
+    // The token files and the keys of their records: `train` (one go) or each part's name.
+    let mut parts: Vec<&str> = match meta["parts"].as_array() {
+        Some(names) => names.iter().filter_map(Value::as_str).collect(),
+        None => vec!["train"],
     };
-    for part in parts {
+    if want_val {
+        parts.push("val");
+    }
+    for part in &parts {
         let path = dir.join(format!("{part}.tok"));
         if super::ids::unchanged(&path, dir.parent())? {
             continue;
@@ -373,19 +811,24 @@ fn tokenize_corpus(
     spec: &PrepareSpec,
     tok: &Tokenizer,
     dataset: &Dataset,
+    bytes: std::ops::Range<u64>,
     out: &mut TokFileWriter,
 ) -> Result<Tokenized> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(spec.num_threads)
         .build()
         .map_err(|e| anyhow!("cannot start {} tokenizer threads: {e}", spec.num_threads))?;
-    let mut progress = Progress::new(spec.progress, dataset.total_bytes());
+    let share = bytes
+        .end
+        .min(dataset.total_bytes())
+        .saturating_sub(bytes.start);
+    let mut progress = Progress::new(spec.progress, share);
     let mut done = Tokenized::default();
     let limit = spec.num_samples.unwrap_or(u64::MAX);
     let mut pending: Vec<String> = Vec::new();
     let mut pending_bytes = 0usize;
     let mut docs = 0u64;
-    let read = dataset.for_each_document(&spec.text_field, |doc| {
+    let read = dataset.for_each_document(&spec.text_field, bytes, |doc| {
         if docs == limit {
             return Err(EnoughDocuments.into());
         }
@@ -405,12 +848,6 @@ fn tokenize_corpus(
     }
     flush(&pool, tok, &mut pending, out, &mut done)?;
     progress.finish(&done, out.num_tokens());
-    if done.documents == 0 {
-        bail!(
-            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
-            spec.path.display()
-        );
-    }
     Ok(done)
 }
 
@@ -621,6 +1058,26 @@ fn out_of_room(spec: &PrepareSpec, tmp: &Path, need: u64, e: anyhow::Error) -> a
     }
 }
 
+/// A token file's record in `meta.json`: counts, the largest id, and the file's stamp and
+/// BLAKE3 so a changed file is never trusted with them.
+fn file_part(info: &TokFileInfo) -> Result<Value> {
+    let rec = MaxIdRecord::new(&info.path, info.max_token_id)?;
+    Ok(json!({
+        "tokens": info.num_tokens,
+        "documents": info.num_docs,
+        "max_token_id": rec.max_token_id,
+        "stamp": rec.stamp,
+        "blake3": file_blake3(&info.path)?,
+    }))
+}
+
+fn now_unix_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// Token counts and largest ids of a new cache entry.
 struct Built {
     train_tokens: u64,
@@ -647,13 +1104,19 @@ fn build(
     check_room(spec, tmp, need)?;
     let mut writer = TokFileWriter::create(&tmp.join("train.tok"), dtype, tok.definition_hash())?;
     let no_room = |e: anyhow::Error, written: u64| out_of_room(spec, tmp, written.max(need), e);
-    let corpus = match tokenize_corpus(spec, tok, dataset, &mut writer) {
+    let corpus = match tokenize_corpus(spec, tok, dataset, 0..u64::MAX, &mut writer) {
         Ok(c) => c,
         Err(e) => {
             let written = writer.num_tokens() * u64::from(dtype);
             return Err(no_room(e, written));
         }
     };
+    if corpus.documents == 0 {
+        bail!(
+            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
+            spec.path.display()
+        );
+    }
     let total = writer.num_tokens();
     let written = total * u64::from(dtype);
     if want_val && total < 2 {
@@ -683,21 +1146,6 @@ fn build(
     // The split document's head got an EOS of its own: one token more than the stream.
     let at_boundary = train.num_tokens + val.as_ref().map_or(0, |v| v.num_tokens) == total;
 
-    // The largest id, with the file's stamp so a changed file is never trusted with it.
-    let part = |info: &TokFileInfo| -> Result<Value> {
-        let rec = MaxIdRecord::new(&info.path, info.max_token_id)?;
-        Ok(json!({
-            "tokens": info.num_tokens,
-            "documents": info.num_docs,
-            "max_token_id": rec.max_token_id,
-            "stamp": rec.stamp,
-            "blake3": file_blake3(&info.path)?,
-        }))
-    };
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
     let meta = json!({
         "key": key,
         "inputs": inputs,
@@ -706,9 +1154,9 @@ fn build(
         "documents": corpus.documents,
         "input_bytes": corpus.input_bytes,
         "split_at_document_boundary": at_boundary,
-        "train": part(&train)?,
-        "val": val.as_ref().map(part).transpose()?,
-        "created_unix_s": created,
+        "train": file_part(&train)?,
+        "val": val.as_ref().map(file_part).transpose()?,
+        "created_unix_s": now_unix_s(),
     });
     let meta_path = tmp.join("meta.json");
     fs::write(&meta_path, serde_json::to_vec_pretty(&meta)?)
@@ -777,7 +1225,7 @@ mod tests {
         let a = prepare(&s).unwrap();
         assert!(!a.cache_hit);
         assert_eq!(a.eos_id, 50256);
-        let train = fs::read(&a.train).unwrap();
+        let train = fs::read(&a.train[0].path).unwrap();
         let val = fs::read(a.val.as_ref().unwrap()).unwrap();
         assert!(a.dir.join("meta.json").is_file());
 
@@ -788,7 +1236,7 @@ mod tests {
             (b.train_tokens, b.val_tokens),
             (a.train_tokens, a.val_tokens)
         );
-        assert_eq!(fs::read(&b.train).unwrap(), train);
+        assert_eq!(fs::read(&b.train[0].path).unwrap(), train);
         assert_eq!(fs::read(b.val.unwrap()).unwrap(), val);
         // Only the entry itself is left in the cache, no temporary builds.
         assert_eq!(fs::read_dir(dir.path().join("cache")).unwrap().count(), 1);
@@ -804,7 +1252,7 @@ mod tests {
         let b = prepare(&s).unwrap();
         assert!(!b.cache_hit);
         assert_ne!(a.dir, b.dir);
-        assert_ne!(all_tokens(&a.train), all_tokens(&b.train));
+        assert_ne!(all_tokens(&a.train[0].path), all_tokens(&b.train[0].path));
         // Same size, new mtime only.
         let f = fs::File::options()
             .write(true)
@@ -827,8 +1275,11 @@ mod tests {
         }
         let s = spec(&data, &dir.path().join("cache"));
         let p = prepare(&s).unwrap();
-        let (train, val) = (all_tokens(&p.train), all_tokens(p.val.as_ref().unwrap()));
-        docs_end_with_eos(&p.train, 50256);
+        let (train, val) = (
+            all_tokens(&p.train[0].path),
+            all_tokens(p.val.as_ref().unwrap()),
+        );
+        docs_end_with_eos(&p.train[0].path, 50256);
         docs_end_with_eos(p.val.as_ref().unwrap(), 50256);
         let total = expected.len() as u64;
         let meta: Value =
@@ -856,13 +1307,13 @@ mod tests {
         // One extra EOS closes the train half of the split document.
         assert_eq!(p.train_tokens + p.val_tokens, total + 1);
         assert_eq!(p.val_tokens, (total as f64 * 0.1).round() as u64);
-        let train = all_tokens(&p.train);
+        let train = all_tokens(&p.train[0].path);
         let val = all_tokens(p.val.as_ref().unwrap());
         assert_eq!(
             [&train[..train.len() - 1], &val[..]].concat(),
             [whole, vec![50256]].concat()
         );
-        docs_end_with_eos(&p.train, 50256);
+        docs_end_with_eos(&p.train[0].path, 50256);
     }
 
     #[test]
@@ -885,8 +1336,8 @@ mod tests {
             expected.extend(tok.encode(&format!("row {i} says hello")));
             expected.push(50256);
         }
-        assert_eq!(all_tokens(&p.train), expected);
-        assert_eq!(TokenFile::open(&p.train).unwrap().num_docs(), 3);
+        assert_eq!(all_tokens(&p.train[0].path), expected);
+        assert_eq!(TokenFile::open(&p.train[0].path).unwrap().num_docs(), 3);
 
         s.text_field = "text".into();
         s.num_samples = None;
@@ -902,7 +1353,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let data = corpus(dir.path());
         let p = prepare(&spec(&data, &dir.path().join("cache"))).unwrap();
-        let direct = prepare(&spec(&p.train, &dir.path().join("other"))).unwrap();
+        let direct = prepare(&spec(&p.train[0].path, &dir.path().join("other"))).unwrap();
         assert!(direct.cache_hit && direct.val.is_none());
         assert_eq!(
             (direct.train.clone(), direct.train_tokens),
@@ -910,7 +1361,7 @@ mod tests {
         );
         assert!(!dir.path().join("other").exists());
 
-        let mut s = spec(&p.train, &dir.path().join("other"));
+        let mut s = spec(&p.train[0].path, &dir.path().join("other"));
         s.tokenizer = "cl100k_base".into();
         let err = prepare(&s).unwrap_err().to_string();
         assert!(

@@ -16,7 +16,8 @@
 //! was searched too (it may have been meant as either).
 
 use std::fs::{self, File};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
@@ -179,25 +180,57 @@ impl Dataset {
         }
     }
 
-    /// Calls `f` with every document of the dataset, in order (see [`read_documents`]; a
-    /// built-in corpus's files are `.txt` files). An error from `f` ends the walk.
+    /// Part `index` of `count` of the dataset, as a range of its bytes (its files end to end,
+    /// in reading order): equal shares of [`Dataset::total_bytes`]. Every document starts in
+    /// exactly one part, so the parts' documents in order are the dataset's.
+    pub fn part_bytes(&self, index: u64, count: u64) -> Range<u64> {
+        let total = u128::from(self.total_bytes());
+        let at = |i: u64| (total * u128::from(i) / u128::from(count)) as u64;
+        let end = if index + 1 == count {
+            u64::MAX
+        } else {
+            at(index + 1)
+        };
+        at(index)..end
+    }
+
+    /// Calls `f` with every document of the dataset that starts inside `bytes` (a range of
+    /// the dataset's bytes, its files end to end: see [`Dataset::part_bytes`]; `0..u64::MAX`
+    /// for all), in order (see [`read_documents`]; a built-in corpus's files are `.txt`
+    /// files). An error from `f` ends the walk.
     pub fn for_each_document(
         &self,
         text_field: &str,
+        bytes: Range<u64>,
         mut f: impl FnMut(String) -> Result<()>,
     ) -> Result<()> {
+        let mut base = 0u64;
+        // This file's share of `bytes`, in its own offsets, if documents may start there.
+        let local = |base: u64, len: u64| -> Option<Range<u64>> {
+            let start = bytes.start.saturating_sub(base);
+            let end = bytes.end.saturating_sub(base).min(len.max(1));
+            (start < end).then_some(start..end)
+        };
         match self {
             Dataset::Files(d) => {
                 for file in &d.files {
-                    read_documents(file, text_field, &mut f)?;
+                    let len = fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+                    if let Some(range) = local(base, len) {
+                        read_documents_in(file, text_field, range, &mut f)?;
+                    }
+                    base += len;
                 }
             }
             Dataset::Builtin { id, files } => {
                 for file in files {
-                    f(txt_document(
-                        file.bytes.clone(),
-                        &format!("{id}/{}", file.name),
-                    )?)?;
+                    let len = file.bytes.len() as u64;
+                    if local(base, len).is_some_and(|r| r.start == 0) {
+                        f(txt_document(
+                            file.bytes.clone(),
+                            &format!("{id}/{}", file.name),
+                        )?)?;
+                    }
+                    base += len;
                 }
             }
         }
@@ -354,17 +387,30 @@ fn glob_files(pattern: &str) -> Result<DatasetFiles> {
 pub fn read_documents(
     file: &Path,
     text_field: &str,
+    f: impl FnMut(String) -> Result<()>,
+) -> Result<()> {
+    read_documents_in(file, text_field, 0..u64::MAX, f)
+}
+
+/// Like [`read_documents`], only the documents that start inside `bytes` (offsets in the
+/// file): a `.txt` file's one document starts at 0, a `.jsonl` line where it starts, a
+/// `.parquet` row group's documents where its text column chunk starts.
+pub fn read_documents_in(
+    file: &Path,
+    text_field: &str,
+    bytes: Range<u64>,
     mut f: impl FnMut(String) -> Result<()>,
 ) -> Result<()> {
     let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
     match ext {
+        "txt" if bytes.start > 0 => Ok(()),
         "txt" => {
             let bytes =
                 fs::read(file).with_context(|| format!("{}: cannot read", file.display()))?;
             f(txt_document(bytes, &file.display().to_string())?)
         }
-        "jsonl" => read_jsonl(file, text_field, f),
-        "parquet" => read_parquet(file, text_field, f),
+        "jsonl" => read_jsonl(file, text_field, bytes, f),
+        "parquet" => read_parquet(file, text_field, bytes, f),
         _ => bail!(
             "{}: unsupported extension; text sources must end in .{}",
             file.display(),
@@ -392,15 +438,32 @@ pub fn txt_document(bytes: Vec<u8>, what: &str) -> Result<String> {
 fn read_jsonl(
     file: &Path,
     text_field: &str,
+    bytes: Range<u64>,
     mut f: impl FnMut(String) -> Result<()>,
 ) -> Result<()> {
     let p = file.display();
-    let handle = File::open(file).with_context(|| format!("{p}: cannot open"))?;
+    let mut handle = File::open(file).with_context(|| format!("{p}: cannot open"))?;
+    // A line belongs to the range its first byte is in: from inside the file, skip to the
+    // start of the first line that begins at or after `bytes.start`.
+    let mut offset = bytes.start.saturating_sub(1);
+    handle
+        .seek(SeekFrom::Start(offset))
+        .with_context(|| format!("{p}: cannot seek to byte {offset}"))?;
     let mut reader = BufReader::with_capacity(1 << 20, handle);
     let mut line = Vec::new();
+    if bytes.start > 0 {
+        offset += reader
+            .read_until(b'\n', &mut line)
+            .with_context(|| format!("{p}: read error at byte {offset}"))? as u64;
+    }
+    // Line numbers are counted from the start of the file only when reading from there;
+    // otherwise errors name the byte offset of the line.
+    let from_start = bytes.start == 0;
     let mut line_no = 0u64;
-    let mut offset = 0u64;
     loop {
+        if offset >= bytes.end {
+            return Ok(());
+        }
         line.clear();
         let n = reader
             .read_until(b'\n', &mut line)
@@ -409,9 +472,18 @@ fn read_jsonl(
             return Ok(());
         }
         line_no += 1;
+        let start = offset;
+        let p = || {
+            if from_start {
+                format!("{p}:{line_no}")
+            } else {
+                format!("{p}: line at byte {start}")
+            }
+        };
         let text = std::str::from_utf8(&line).map_err(|e| {
             anyhow!(
-                "{p}:{line_no}: invalid UTF-8 at byte offset {}; convert the file to UTF-8",
+                "{}: invalid UTF-8 at byte offset {}; convert the file to UTF-8",
+                p(),
                 offset + e.valid_up_to() as u64
             )
         })?;
@@ -421,12 +493,15 @@ fn read_jsonl(
         }
         let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
             anyhow!(
-                "{p}:{line_no}: not valid JSON ({e}); each line of a .jsonl file must be one \
-                     JSON object"
+                "{}: not valid JSON ({e}); each line of a .jsonl file must be one JSON object",
+                p()
             )
         })?;
         let serde_json::Value::Object(mut obj) = value else {
-            bail!("{p}:{line_no}: expected a JSON object with a \"{text_field}\" string field");
+            bail!(
+                "{}: expected a JSON object with a \"{text_field}\" string field",
+                p()
+            );
         };
         match obj.remove(text_field) {
             Some(serde_json::Value::String(s)) => f(s)?,
@@ -437,8 +512,9 @@ fn read_jsonl(
                     Some(v) => format!("has a non-string ({})", json_type(&v)),
                 };
                 bail!(
-                    "{p}:{line_no}: line {problem} field \"{text_field}\" (its other keys: [{}]); \
+                    "{}: line {problem} field \"{text_field}\" (its other keys: [{}]); \
                      set `data.text_field` to the key holding the text",
+                    p(),
                     keys.join(", ")
                 );
             }
@@ -451,6 +527,7 @@ fn read_jsonl(
 fn read_parquet(
     file: &Path,
     text_field: &str,
+    bytes: Range<u64>,
     mut f: impl FnMut(String) -> Result<()>,
 ) -> Result<()> {
     use parquet::basic::Type as Physical;
@@ -496,6 +573,11 @@ fn read_parquet(
     let mut defs = Vec::with_capacity(PARQUET_BATCH);
     let mut row = 0u64;
     for group in 0..reader.num_row_groups() {
+        let meta = reader.metadata().row_group(group);
+        if !bytes.contains(&meta.column(column).byte_range().0) {
+            row += meta.num_rows() as u64;
+            continue;
+        }
         let rg = reader
             .get_row_group(group)
             .map_err(|e| anyhow!("{p}: row group {group}: {e}"))?;

@@ -52,10 +52,10 @@ pub struct TokFileInfo {
 }
 
 /// Streams documents into a `.tok` file, atomically: data goes to
-/// `<final>.tmp-<pid>` and is renamed into place by [`TokFileWriter::finish`];
+/// `<final>.tmp-<host>-<pid>` and is renamed into place by [`TokFileWriter::finish`];
 /// a writer dropped before that removes its temporary files. Memory stays at its two 1 MiB
 /// buffers whatever the size: the document offsets go to a side file
-/// (`<final>.tmp-<pid>.offsets`, u64 each) appended at the end.
+/// (`<final>.tmp-<host>-<pid>.offsets`, u64 each) appended at the end.
 pub struct TokFileWriter {
     out: Option<BufWriter<File>>,
     offsets: Option<BufWriter<File>>,
@@ -132,8 +132,14 @@ impl TokFileWriter {
                 final_path.display()
             );
         }
+        // Host and pid: two machines writing the same file on a shared file system (two
+        // `prepare --shard` runs of one part) never share a temporary file.
         let mut tmp_name = final_path.as_os_str().to_owned();
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        tmp_name.push(format!(
+            ".tmp-{}-{}",
+            crate::sys::hostname(),
+            std::process::id()
+        ));
         let tmp_path = PathBuf::from(tmp_name);
         // Readable too: finish_split maps it.
         let file = File::options()
@@ -713,22 +719,49 @@ impl Mapped {
     }
 }
 
-/// The first `tokens` tokens of one token file: a part of a [`TokenFile`].
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// The first `tokens` tokens of one token file, and optionally one more token after them: a
+/// part of a [`TokenFile`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenPrefix {
     /// The token file.
     pub path: PathBuf,
     /// How many of its tokens belong to the view (from the start).
     pub tokens: u64,
+    /// A token read after them: the EOS that closes a document the prefix cuts (the head of
+    /// the document split between training and validation tokens).
+    pub eos: Option<u32>,
 }
 
-/// One mapped file in a [`TokenFile`], at token `base` and document `doc_base` of the view.
+impl TokenPrefix {
+    /// All of the file at `path`, which holds `tokens` tokens.
+    pub fn whole(path: PathBuf, tokens: u64) -> TokenPrefix {
+        TokenPrefix {
+            path,
+            tokens,
+            eos: None,
+        }
+    }
+}
+
+/// One mapped file in a [`TokenFile`], at token `base` and document `doc_base` of the view:
+/// its first `file_tokens` tokens, then `eos` if there is one (`tokens` counts both).
 struct Part {
     file: Mapped,
+    file_tokens: u64,
+    eos: Option<u32>,
     tokens: u64,
     docs: u64,
     base: u64,
     doc_base: u64,
+}
+
+impl Part {
+    fn get(&self, i: u64) -> u32 {
+        match self.eos {
+            Some(eos) if i == self.file_tokens => eos,
+            _ => self.file.get(i),
+        }
+    }
 }
 
 /// A read-only, memory-mapped stream of tokens: one token file, or the prefixes of several
@@ -747,7 +780,7 @@ impl TokenFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = Mapped::open(path)?;
         let tokens = file.num_tokens;
-        Self::from_parts(vec![(file, tokens)])
+        Self::from_parts(vec![(file, tokens, None)])
     }
 
     /// The prefixes as one stream, in order. They must share their dtype and tokenizer.
@@ -764,7 +797,7 @@ impl TokenFile {
                     p.tokens
                 );
             }
-            parts.push((file, p.tokens));
+            parts.push((file, p.tokens, p.eos));
         }
         let first = prefixes.first().map(|p| p.path.display().to_string());
         let this = Self::from_parts(parts)?;
@@ -782,16 +815,19 @@ impl TokenFile {
         Ok(this)
     }
 
-    fn from_parts(files: Vec<(Mapped, u64)>) -> Result<Self> {
+    fn from_parts(files: Vec<(Mapped, u64, Option<u32>)>) -> Result<Self> {
         if files.is_empty() {
             bail!("a token stream needs at least one token file");
         }
         let (mut base, mut doc_base) = (0, 0);
         let mut parts = Vec::with_capacity(files.len());
-        for (file, tokens) in files {
-            let docs = file.docs_before(tokens);
+        for (file, file_tokens, eos) in files {
+            let docs = file.docs_before(file_tokens);
+            let tokens = file_tokens + u64::from(eos.is_some());
             parts.push(Part {
                 file,
+                file_tokens,
+                eos,
                 tokens,
                 docs,
                 base,
@@ -888,7 +924,7 @@ impl TokenFile {
             self.num_tokens
         );
         let p = self.part_of_token(i);
-        p.file.get(i - p.base)
+        p.get(i - p.base)
     }
 
     /// Copies tokens `start..start + len` into `out[..len]` as i64 (the index dtype the model
@@ -905,8 +941,15 @@ impl TokenFile {
         let (mut at, mut done) = (start, 0);
         while done < len {
             let p = self.part_of_token(at);
-            let n = ((p.base + p.tokens - at) as usize).min(len - done);
-            p.file.copy_window(at - p.base, n, &mut out[done..done + n]);
+            let local = at - p.base;
+            let n = if local < p.file_tokens {
+                let n = ((p.file_tokens - local) as usize).min(len - done);
+                p.file.copy_window(local, n, &mut out[done..done + n]);
+                n
+            } else {
+                out[done] = i64::from(p.get(local));
+                1
+            };
             at += n as u64;
             done += n;
         }
@@ -918,7 +961,7 @@ impl TokenFile {
     pub fn scan_max_token_id(&self) -> Option<u32> {
         self.parts
             .iter()
-            .filter_map(|p| p.file.scan_max_token_id(p.tokens))
+            .filter_map(|p| p.file.scan_max_token_id(p.file_tokens).max(p.eos))
             .max()
     }
 }
@@ -1093,10 +1136,7 @@ mod tests {
         write(&a, 2, &[vec![1, 2, 9], vec![3, 9]]);
         // The last document of b lies beyond the prefix: 999 must not count.
         write(&b, 2, &[vec![4, 5, 6, 9], vec![7, 9], vec![999, 9]]);
-        let prefix = |path: &Path, tokens| TokenPrefix {
-            path: path.to_path_buf(),
-            tokens,
-        };
+        let prefix = |path: &Path, tokens| TokenPrefix::whole(path.to_path_buf(), tokens);
         let f = TokenFile::open_prefixes(&[prefix(&a, 5), prefix(&b, 5)]).unwrap();
         assert_eq!(tokens_of(&f), [1, 2, 9, 3, 9, 4, 5, 6, 9, 7]);
         // b's second document starts inside the prefix and is cut at its end.
@@ -1123,6 +1163,18 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("differ in dtype or tokenizer"), "{err}");
+
+        // A document cut by a prefix closed with an EOS read after it.
+        let cut = TokenPrefix {
+            eos: Some(9),
+            ..prefix(&b, 2)
+        };
+        let f = TokenFile::open_prefixes(&[prefix(&a, 5), cut, prefix(&b, 3)]).unwrap();
+        assert_eq!(tokens_of(&f), [1, 2, 9, 3, 9, 4, 5, 9, 4, 5, 6]);
+        assert_eq!(docs_of(&f), [0, 3, 5, 8]);
+        let mut out = vec![0i64; 5];
+        f.copy_window(5, 5, &mut out);
+        assert_eq!(out, [4, 5, 9, 4, 5]);
     }
 
     #[test]

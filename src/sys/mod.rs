@@ -8,7 +8,8 @@
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
 //! - [`lower_thread_priority`]: a background thread that takes only idle CPU time;
-//! - [`count`]: a count for people (12.3k, 4.56M).
+//! - [`count`]: a count for people (12.3k, 4.56M);
+//! - [`hostname`]: this machine's name, fit for a file name.
 
 pub mod cuda;
 pub mod durable;
@@ -40,5 +41,34 @@ pub fn count(n: u64) -> String {
         10_000..1_000_000 => format!("{:.1}k", x / 1e3),
         1_000_000..1_000_000_000 => format!("{:.2}M", x / 1e6),
         _ => format!("{:.2}B", x / 1e9),
+    }
+}
+
+/// This machine's name, fit for a file name (other characters become `_`; `localhost` when
+/// it has none).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let name = if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        String::new()
+    };
+    let clean: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if clean.is_empty() {
+        "localhost".into()
+    } else {
+        clean
     }
 }

@@ -110,34 +110,6 @@ fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let name = if rc == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        String::new()
-    };
-    // The name becomes part of a file name.
-    let clean: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if clean.is_empty() {
-        "localhost".into()
-    } else {
-        clean
-    }
-}
-
 /// Appends scalar events to a new TensorBoard event file; `tensorboard --logdir <dir>` shows them.
 /// Buffered: call [`EventWriter::flush`] after each batch of scalars (dropping also flushes).
 pub struct EventWriter {
@@ -160,7 +132,7 @@ impl EventWriter {
         let base = format!(
             "events.out.tfevents.{}.{}.{}",
             wall as u64,
-            hostname(),
+            crate::sys::hostname(),
             std::process::id()
         );
         let mut n = 0;

@@ -5,10 +5,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::config::Config;
-use crate::data::prepare::{prepare, PrepareSpec, Prepared};
+use crate::data::prepare::{prepare, prepare_part, PartOutcome, PrepareSpec, Prepared, Shard};
+use crate::data::tokfile::TokenFile;
 use crate::model::{hf, LlamaShape};
 
 /// One source of the run's data: `data.path`, or an entry of `data.sources`.
@@ -30,28 +31,23 @@ pub struct DataSource {
 }
 
 /// What identifies the data a run trains on, as recorded in every checkpoint: per source its
-/// name, weight, tokenizer, token counts, and a hash of three 64 KiB samples of its training
-/// tokens (start, middle, end). Path- and time-free, so a copied or re-prepared corpus is the
-/// same data, and cheap on any corpus size.
+/// name, weight, tokenizer, token counts, and a hash of three samples of 32k of its training
+/// tokens (start, middle, end) as u32 little-endian. Path-, time- and layout-free, so a copied
+/// or re-prepared corpus (in one go or in parts) is the same data, and cheap on any corpus size.
 pub fn data_identity(sources: &[DataSource]) -> Result<serde_json::Value> {
-    use std::io::{Read, Seek, SeekFrom};
-    const SAMPLE: u64 = 64 << 10;
+    const SAMPLE: u64 = 32 << 10;
     let mut out = Vec::new();
     for s in sources {
         let p = &s.prepared;
-        let mut f = std::fs::File::open(&p.train)
-            .with_context(|| format!("{}: cannot open", p.train.display()))?;
-        let len = f.metadata()?.len();
+        let tokens = TokenFile::open_prefixes(&p.train)?;
+        let n = tokens.num_tokens();
         let mut hasher = blake3::Hasher::new();
-        let mut buf = vec![0u8; SAMPLE as usize];
-        for at in [
-            0,
-            len.saturating_sub(SAMPLE) / 2,
-            len.saturating_sub(SAMPLE),
-        ] {
-            f.seek(SeekFrom::Start(at))?;
-            let n = f.read(&mut buf)?;
-            hasher.update(&buf[..n]);
+        let mut buf = vec![0i64; SAMPLE.min(n) as usize];
+        for at in [0, n.saturating_sub(SAMPLE) / 2, n.saturating_sub(SAMPLE)] {
+            tokens.copy_window(at, buf.len(), &mut buf);
+            for &t in &buf {
+                hasher.update(&(t as u32).to_le_bytes());
+            }
         }
         out.push(serde_json::json!({
             "name": s.name,
@@ -59,7 +55,7 @@ pub fn data_identity(sources: &[DataSource]) -> Result<serde_json::Value> {
             "tokenizer": p.tokenizer_id,
             "train_tokens": p.train_tokens,
             "val_tokens": p.val_tokens,
-            "sample_blake3": hasher.finalize().to_hex().as_str(),
+            "token_blake3": hasher.finalize().to_hex().as_str(),
         }));
     }
     Ok(serde_json::Value::Array(out))
@@ -87,10 +83,12 @@ pub fn data_difference(then: &serde_json::Value, now: &serde_json::Value) -> Opt
             ("tokenizer", "tokenizer"),
             ("train_tokens", "training tokens"),
             ("val_tokens", "validation tokens"),
-            ("sample_blake3", "token content"),
+            ("token_blake3", "token content"),
         ] {
-            if x[key] != y[key] {
-                diffs.push(if key == "sample_blake3" {
+            // A checkpoint of an older lockstep hashed file bytes (`sample_blake3`), which
+            // this one does not compare: its counts still are.
+            if x.get(key).is_some() && x[key] != y[key] {
+                diffs.push(if key == "token_blake3" {
                     format!("source {name}: {what} differs")
                 } else {
                     format!("source {name}: {what} {} then, {} now", x[key], y[key])
@@ -169,7 +167,11 @@ pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Vec<DataSource>> {
                 e
             }
         })?;
-        let what = if p.cache_hit { "cache hit" } else { "prepared" };
+        let what = match (&p.engine, p.cache_hit) {
+            (_, true) => "cache hit".to_string(),
+            (Some(engine), false) => format!("prepared with {engine}"),
+            (None, false) => "prepared".to_string(),
+        };
         let which = if mixture {
             format!(" {} (weight {})", s.name, s.weight)
         } else {
@@ -190,6 +192,55 @@ pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Vec<DataSource>> {
         });
     }
     Ok(out)
+}
+
+/// `lockstep prepare --shard I/N`: part I of every source into its shared cache entry, which
+/// the last part written completes; says what was written and which parts are still missing.
+pub fn prepare_parts(cfg: &Config, tag: &str, shard: Shard) -> Result<()> {
+    let mixture = !cfg.data.sources.is_empty();
+    let (i, n) = (shard.index, shard.count);
+    for (k, s) in source_specs(cfg, true).into_iter().enumerate() {
+        let start = Instant::now();
+        let which = if mixture {
+            format!(" {}", s.name)
+        } else {
+            String::new()
+        };
+        let outcome = prepare_part(&s.prepare, shard).map_err(|e| {
+            if mixture {
+                e.context(format!("data.sources[{k}] ({})", s.name))
+            } else {
+                e
+            }
+        })?;
+        let secs = start.elapsed().as_secs_f64();
+        match outcome {
+            PartOutcome::Complete(p) => println!(
+                "{tag} Data{which}: part {i}/{n} there; the entry is complete: {} ({} train + {} \
+                 val tokens, tokenizer {}, {secs:.1}s)",
+                p.dir.display(),
+                p.train_tokens,
+                p.val_tokens,
+                p.tokenizer_id
+            ),
+            PartOutcome::Waiting {
+                dir,
+                tokens,
+                missing,
+            } => println!(
+                "{tag} Data{which}: part {i}/{n} written to {} ({tokens} tokens, {secs:.1}s); \
+                 the entry completes when parts {} of {n} are written too (`lockstep prepare \
+                 --shard J/{n}` for each)",
+                dir.display(),
+                missing
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// The model's shape, checked against the data: the vocabulary covers the tokenizer's and

@@ -63,7 +63,7 @@ impl RunDir {
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let host = hostname();
+        let host = crate::sys::hostname();
         lock.set_len(0)?;
         lock.rewind()?;
         writeln!(
@@ -161,12 +161,6 @@ fn describe_holder(contents: &str) -> String {
         ));
     }
     s
-}
-
-fn hostname() -> String {
-    fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 #[cfg(test)]

@@ -598,17 +598,16 @@ fn prepare_on_node(
 
 /// Every source's training tokens, and its validation tokens where it has a split.
 fn open_sources(data: &[DataSource]) -> Result<Vec<(SourceTokens, Option<SourceTokens>)>> {
-    let open = |s: &DataSource, path: &std::path::Path| -> Result<SourceTokens> {
-        Ok(SourceTokens {
-            name: s.name.clone(),
-            weight: s.weight,
-            tokens: TokenFile::open(path)?,
-        })
+    let named = |s: &DataSource, tokens: TokenFile| SourceTokens {
+        name: s.name.clone(),
+        weight: s.weight,
+        tokens,
     };
     data.iter()
         .map(|s| {
-            let val = s.prepared.val.as_deref().map(|p| open(s, p)).transpose()?;
-            Ok((open(s, &s.prepared.train)?, val))
+            let val = s.prepared.val.as_deref().map(TokenFile::open).transpose()?;
+            let train = TokenFile::open_prefixes(&s.prepared.train)?;
+            Ok((named(s, train), val.map(|v| named(s, v))))
         })
         .collect()
 }
@@ -843,7 +842,12 @@ fn print_next_steps(tag: &str, ckpt: &std::path::Path, prepared: &crate::data::P
         .and_then(|p| p.file_name())
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     let ckpt = ckpt.display();
-    let data = prepared.val.as_ref().unwrap_or(&prepared.train).display();
+    // The held-out tokens, else the training tokens when they are one file.
+    let data = match (&prepared.val, prepared.train.as_slice()) {
+        (Some(val), _) => val.display().to_string(),
+        (None, [one]) => one.path.display().to_string(),
+        (None, _) => prepared.dir.display().to_string(),
+    };
     println!("{tag} Next: a Hugging Face directory, the loss on held-out data, a sample:");
     println!("{tag}   {exe} export --hf exports/{name} --checkpoint {ckpt}");
     println!("{tag}   {exe} eval --model {ckpt} --data {data}");
