@@ -238,8 +238,15 @@ fn a_killed_part_leaves_nothing_and_the_rest_can_be_prepared_later() {
     // Another part count is refused while these parts are there.
     let out = run(dir, &with(&base, &["prepare", "--shard", "0/2"], &[]));
     common::fails(&out, 1, &["in 3 parts, not 2", "--shard I/3"]);
-    // The missing parts, in any order, finish the entry; part 0 is not tokenized again.
+    // The missing parts, in any order, finish the entry; part 0 is not tokenized again; the
+    // killed writer's temporary files are gone.
     let outs = prepare_parts(dir, &base, &[2, 1, 0], 3);
+    let left: Vec<String> = fs::read_dir(&part_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     assert!(outs[1].contains("the entry is complete"), "{}", outs[1]);
     assert!(outs[2].contains("part 0/3 there"), "{}", outs[2]);
     let one = dir.join("one-go");

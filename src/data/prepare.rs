@@ -411,6 +411,7 @@ fn write_part(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, shard: Shard) 
     let path = entry.dir.join(format!("{name}.tok"));
     let dtype = dtype_for_vocab(tok.vocab_size());
     let bytes = entry.dataset.part_bytes(shard.index, shard.count);
+    remove_stale_part_files(&entry.dir, &name);
     let mut writer = TokFileWriter::create(&path, dtype, tok.definition_hash())?;
     let room = |e: anyhow::Error, w: &TokFileWriter| {
         out_of_room(spec, &entry.dir, w.num_tokens() * u64::from(dtype), e)
@@ -437,6 +438,27 @@ fn write_part(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, shard: Shard) 
         &serde_json::to_vec_pretty(&record)?,
     )?;
     Ok(info.num_tokens)
+}
+
+/// Removes the temporary files a killed `prepare --shard` of part `name` left on this host
+/// (`<name>.tok.tmp-<host>-<pid>[.offsets]` of a process that is gone); other hosts' are
+/// left to them.
+fn remove_stale_part_files(dir: &Path, name: &str) {
+    let prefix = format!("{name}.tok.tmp-{}-", crate::sys::hostname());
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file.strip_prefix(&prefix) else {
+            continue;
+        };
+        let pid = pid.strip_suffix(".offsets").unwrap_or(pid);
+        let gone = Path::new("/proc/self").exists() && !Path::new("/proc").join(pid).exists();
+        if gone {
+            let _ = fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Completes an entry whose `count` parts are all written: splits the validation tail off
@@ -825,18 +847,35 @@ fn tokenize_corpus(
     let mut progress = Progress::new(spec.progress, share);
     let mut done = Tokenized::default();
     let limit = spec.num_samples.unwrap_or(u64::MAX);
-    let mut pending: Vec<String> = Vec::new();
+    // Text to encode, in order: (text, whether it ends its document).
+    let mut pending: Vec<(String, bool)> = Vec::new();
     let mut pending_bytes = 0usize;
+    // The current document's text not queued yet (a document arriving in pieces), and
+    // whether its start is in `out` already.
+    let mut carry = String::new();
+    let mut open = false;
     let mut docs = 0u64;
-    let read = dataset.for_each_document(&spec.text_field, bytes, |doc| {
+    let read = dataset.for_each_document(&spec.text_field, bytes, |text, ends| {
         if docs == limit {
             return Err(EnoughDocuments.into());
         }
-        docs += 1;
-        pending_bytes += doc.len();
-        pending.push(doc);
+        // Cut points in `carry` before the new text were searched already (cut_ok looks one
+        // byte either side).
+        let searched = carry.len().saturating_sub(2);
+        carry.push_str(&text);
+        if ends {
+            docs += 1;
+            pending_bytes += carry.len();
+            pending.push((std::mem::take(&mut carry), true));
+        } else if let Some(cut) = tok.last_cut(&carry, searched) {
+            // A piece of a large document: everything up to the last safe cut goes on; a
+            // document with no such point is held until one comes (or it ends).
+            let rest = carry.split_off(cut);
+            pending_bytes += cut;
+            pending.push((std::mem::replace(&mut carry, rest), false));
+        }
         if pending_bytes >= BATCH_BYTES {
-            flush(&pool, tok, &mut pending, out, &mut done)?;
+            flush(&pool, tok, &mut pending, &mut open, out, &mut done)?;
             progress.update(&done, out.num_tokens());
             pending_bytes = 0;
         }
@@ -846,25 +885,28 @@ fn tokenize_corpus(
         Err(e) if e.is::<EnoughDocuments>() => {}
         other => other?,
     }
-    flush(&pool, tok, &mut pending, out, &mut done)?;
+    flush(&pool, tok, &mut pending, &mut open, out, &mut done)?;
     progress.finish(&done, out.num_tokens());
     Ok(done)
 }
 
-/// Tokenizes the pending documents in parallel and appends them to `out` in order.
+/// Tokenizes the pending text in parallel and appends it to `out` in order: a document's
+/// first piece starts it (`open` says whether one is started), the piece that ends it is
+/// followed by EOS.
 fn flush(
     pool: &rayon::ThreadPool,
     tok: &Tokenizer,
-    pending: &mut Vec<String>,
+    pending: &mut Vec<(String, bool)>,
+    open: &mut bool,
     out: &mut TokFileWriter,
     done: &mut Tokenized,
 ) -> Result<()> {
-    // (document, piece): a large document is cut into pieces encoded on several threads.
+    // (item, segment): a large text is cut into segments encoded on several threads.
     let segments: Vec<(usize, &str)> = pending
         .iter()
         .enumerate()
-        .flat_map(|(i, d)| {
-            let pieces = tok.split_for_parallel(d, SEGMENT_BYTES);
+        .flat_map(|(i, (text, _))| {
+            let pieces = tok.split_for_parallel(text, SEGMENT_BYTES);
             pieces.into_iter().map(move |p| (i, p))
         })
         .collect();
@@ -874,19 +916,23 @@ fn flush(
             .map(|(_, s)| tok.try_encode(s))
             .collect()
     });
-    // Every document has at least one (possibly empty) piece, in order.
-    let mut doc: Vec<u32> = Vec::new();
     let mut segments = segments.iter().zip(encoded).peekable();
     while let Some(((i, _), ids)) = segments.next() {
-        doc.extend_from_slice(&ids?);
-        if segments.peek().is_none_or(|((next, _), _)| next != i) {
-            doc.push(tok.eos_id());
-            out.push_document(&doc)?;
-            doc.clear();
+        if !*open {
+            out.start_document()?;
+            *open = true;
+        }
+        out.push_tokens(&ids?)?;
+        // Every item has at least one (possibly empty) segment: after its last one, a
+        // document that ends there gets its EOS.
+        let item_done = segments.peek().is_none_or(|((next, _), _)| next != i);
+        if item_done && pending[*i].1 {
+            out.push_tokens(&[tok.eos_id()])?;
+            *open = false;
+            done.documents += 1;
         }
     }
-    done.documents += pending.len() as u64;
-    done.input_bytes += pending.iter().map(|d| d.len() as u64).sum::<u64>();
+    done.input_bytes += pending.iter().map(|(t, _)| t.len() as u64).sum::<u64>();
     pending.clear();
     Ok(())
 }
@@ -1314,6 +1360,35 @@ mod tests {
             [whole, vec![50256]].concat()
         );
         docs_end_with_eos(&p.train[0].path, 50256);
+    }
+
+    #[test]
+    fn a_large_text_file_streams_in_pieces_with_the_same_tokens() {
+        // Larger than the unit tests' 64 KiB .txt piece: read, cut and encoded in pieces, with
+        // characters of 2, 3 and 4 bytes across piece boundaries, long lines without a break,
+        // and a byte-order mark in front.
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = String::new();
+        for i in 0..6000 {
+            text.push_str(&format!("word{i} café 日本 🦀 and more words "));
+            if i % 500 == 0 {
+                text.push_str("end of a line.\n");
+            }
+        }
+        let file = dir.path().join("big.txt");
+        fs::write(&file, format!("\u{feff}{text}")).unwrap();
+        assert!(fs::metadata(&file).unwrap().len() > 3 * (1 << 16));
+        for tokenizer in ["gpt2", "o200k_base"] {
+            let mut s = spec(&file, &dir.path().join(format!("cache-{tokenizer}")));
+            s.val_fraction = 0.0;
+            s.tokenizer = tokenizer.into();
+            let p = prepare(&s).unwrap();
+            let tok = Tokenizer::load(tokenizer).unwrap();
+            let mut expected = tok.encode(&text);
+            expected.push(tok.eos_id());
+            assert_eq!(all_tokens(&p.train[0].path), expected, "{tokenizer}");
+            assert_eq!(TokenFile::open(&p.train[0].path).unwrap().num_docs(), 1);
+        }
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl", "parquet"];
 
 /// Documents read from a Parquet column per call into the parquet decoder.
 const PARQUET_BATCH: usize = 1024;
+/// A `.txt` file larger than this is read (and handed on) in pieces of this size, so one huge
+/// document never has to be held whole.
+const TXT_PIECE: usize = if cfg!(test) { 1 << 16 } else { 16 << 20 };
 
 fn has_text_extension(path: &Path) -> bool {
     path.extension()
@@ -194,15 +197,16 @@ impl Dataset {
         at(index)..end
     }
 
-    /// Calls `f` with every document of the dataset that starts inside `bytes` (a range of
-    /// the dataset's bytes, its files end to end: see [`Dataset::part_bytes`]; `0..u64::MAX`
-    /// for all), in order (see [`read_documents`]; a built-in corpus's files are `.txt`
-    /// files). An error from `f` ends the walk.
+    /// Calls `f(text, ends_document)` with every document of the dataset that starts inside
+    /// `bytes` (a range of the dataset's bytes, its files end to end: see
+    /// [`Dataset::part_bytes`]; `0..u64::MAX` for all), in order (see [`read_documents`]; a
+    /// built-in corpus's files are `.txt` files). A large `.txt` file's one document comes in
+    /// pieces, all but the last with `ends_document` false. An error from `f` ends the walk.
     pub fn for_each_document(
         &self,
         text_field: &str,
         bytes: Range<u64>,
-        mut f: impl FnMut(String) -> Result<()>,
+        mut f: impl FnMut(String, bool) -> Result<()>,
     ) -> Result<()> {
         let mut base = 0u64;
         // This file's share of `bytes`, in its own offsets, if documents may start there.
@@ -225,10 +229,8 @@ impl Dataset {
                 for file in files {
                     let len = file.bytes.len() as u64;
                     if local(base, len).is_some_and(|r| r.start == 0) {
-                        f(txt_document(
-                            file.bytes.clone(),
-                            &format!("{id}/{}", file.name),
-                        )?)?;
+                        let what = format!("{id}/{}", file.name);
+                        f(txt_document(file.bytes.clone(), &what)?, true)?;
                     }
                     base += len;
                 }
@@ -387,36 +389,116 @@ fn glob_files(pattern: &str) -> Result<DatasetFiles> {
 pub fn read_documents(
     file: &Path,
     text_field: &str,
-    f: impl FnMut(String) -> Result<()>,
+    mut f: impl FnMut(String) -> Result<()>,
 ) -> Result<()> {
-    read_documents_in(file, text_field, 0..u64::MAX, f)
+    let mut doc = String::new();
+    read_documents_in(file, text_field, 0..u64::MAX, |text, ends| {
+        doc.push_str(&text);
+        if ends {
+            f(std::mem::take(&mut doc))?;
+        }
+        Ok(())
+    })
 }
 
 /// Like [`read_documents`], only the documents that start inside `bytes` (offsets in the
-/// file): a `.txt` file's one document starts at 0, a `.jsonl` line where it starts, a
-/// `.parquet` row group's documents where its text column chunk starts.
+/// file: a `.txt` file's one document starts at 0, a `.jsonl` line where it starts, a
+/// `.parquet` row group's documents where its text column chunk starts), as
+/// `f(text, ends_document)`: a `.txt` file larger than [`TXT_PIECE`] comes in pieces.
 pub fn read_documents_in(
     file: &Path,
     text_field: &str,
     bytes: Range<u64>,
-    mut f: impl FnMut(String) -> Result<()>,
+    mut f: impl FnMut(String, bool) -> Result<()>,
 ) -> Result<()> {
     let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
     match ext {
         "txt" if bytes.start > 0 => Ok(()),
-        "txt" => {
-            let bytes =
-                fs::read(file).with_context(|| format!("{}: cannot read", file.display()))?;
-            f(txt_document(bytes, &file.display().to_string())?)
-        }
-        "jsonl" => read_jsonl(file, text_field, bytes, f),
-        "parquet" => read_parquet(file, text_field, bytes, f),
+        "txt" => read_txt(file, f),
+        "jsonl" => read_jsonl(file, text_field, bytes, |d| f(d, true)),
+        "parquet" => read_parquet(file, text_field, bytes, |d| f(d, true)),
         _ => bail!(
             "{}: unsupported extension; text sources must end in .{}",
             file.display(),
             TEXT_EXTENSIONS.join(" or .")
         ),
     }
+}
+
+/// A `.txt` file's one document, in pieces of about [`TXT_PIECE`] bytes cut at character
+/// boundaries (one piece for a smaller file), the last with `ends_document`.
+fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Result<()> {
+    use std::io::Read;
+    let what = file.display().to_string();
+    let mut handle = File::open(file).with_context(|| format!("{what}: cannot open"))?;
+    let len = handle.metadata().map(|m| m.len()).unwrap_or(0);
+    if len <= TXT_PIECE as u64 {
+        let mut bytes = Vec::new();
+        handle
+            .read_to_end(&mut bytes)
+            .with_context(|| format!("{what}: cannot read"))?;
+        return f(txt_document(bytes, &what)?, true);
+    }
+    let (mut carry, mut offset, mut first) = (Vec::new(), 0u64, true);
+    loop {
+        let mut buf = carry;
+        let have = buf.len();
+        buf.resize(have + TXT_PIECE, 0);
+        let n = read_full(&mut handle, &mut buf[have..])
+            .with_context(|| format!("{what}: cannot read"))?;
+        buf.truncate(have + n);
+        let last = n == 0 || buf.len() < have + TXT_PIECE;
+        // Hold back an incomplete character at the end for the next piece.
+        let mut end = buf.len();
+        if !last {
+            let start = (end.saturating_sub(4)..end)
+                .rev()
+                .find(|&i| buf[i] & 0xC0 != 0x80);
+            if let Some(i) = start {
+                let need = match buf[i] {
+                    b if b >= 0xF0 => 4,
+                    b if b >= 0xE0 => 3,
+                    b if b >= 0xC0 => 2,
+                    _ => 1,
+                };
+                if i + need > end {
+                    end = i;
+                }
+            }
+        }
+        carry = buf.split_off(end);
+        let text = String::from_utf8(buf).map_err(|e| {
+            anyhow!(
+                "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
+                 `iconv -f latin1 -t utf-8`)",
+                offset + e.utf8_error().valid_up_to() as u64
+            )
+        })?;
+        offset += text.len() as u64;
+        let text = match (first, text.strip_prefix('\u{feff}')) {
+            (true, Some(rest)) => rest.to_string(),
+            _ => text,
+        };
+        first = false;
+        f(text, last)?;
+        if last {
+            return Ok(());
+        }
+    }
+}
+
+/// Reads until `buf` is full or the file ends; the bytes read.
+fn read_full(r: &mut impl std::io::Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
 
 /// A `.txt` file's bytes (`what` names it in errors) as its one document: UTF-8, a leading

@@ -302,34 +302,29 @@ impl Tokenizer {
         }
     }
 
-    /// Splits `text` into consecutive pieces of roughly `target_bytes` whose
-    /// separate encodings concatenate to `encode(text)`, so one huge document
-    /// can be tokenized on several threads.
-    ///
-    /// Cuts are placed only right after a `\n` that follows a non-whitespace
-    /// character and precedes a non-whitespace character: none of the tiktoken
-    /// pre-tokenizer patterns lets a piece span such a newline, and none has a
-    /// look-behind. A tokenizer.json is cut only when lockstep's encoder runs it with one of
-    /// those patterns (Llama 3's is cl100k's); other pipelines (prefix spaces, normalizers)
-    /// give no such guarantee.
-    pub fn split_for_parallel<'a>(&self, text: &'a str, target_bytes: usize) -> Vec<&'a str> {
-        let cuttable = match &self.kind {
+    /// Whether texts may be cut at [`cut_ok`] points: tiktoken encodings, and tokenizer.json
+    /// files lockstep's encoder runs with one of their patterns (Llama 3's is cl100k's); other
+    /// pipelines (prefix spaces, normalizers) give no such guarantee.
+    fn cuttable(&self) -> bool {
+        match &self.kind {
             Kind::Tiktoken { .. } => true,
             Kind::HuggingFace { fast, .. } => fast.as_ref().is_ok_and(|f| f.cuttable()),
-        };
-        if !cuttable || text.len() <= target_bytes {
+        }
+    }
+
+    /// Splits `text` into consecutive pieces of roughly `target_bytes` whose
+    /// separate encodings concatenate to `encode(text)`, so one huge document
+    /// can be tokenized on several threads (cuts at [`cut_ok`] points).
+    pub fn split_for_parallel<'a>(&self, text: &'a str, target_bytes: usize) -> Vec<&'a str> {
+        if !self.cuttable() || text.len() <= target_bytes {
             return vec![text];
         }
         let bytes = text.as_bytes();
         let mut pieces = Vec::new();
         let mut start = 0;
         while text.len() - start > target_bytes {
-            // Byte-wise search: '\n' is ASCII, so every hit is a char boundary.
             let from = start + target_bytes.max(1);
-            let cut = (from..bytes.len().saturating_sub(1))
-                .find(|&nl| bytes[nl] == b'\n' && !is_ws(bytes[nl - 1]) && !is_ws(bytes[nl + 1]))
-                .map(|nl| nl + 1);
-            match cut {
+            match (from..bytes.len()).find(|&c| cut_ok(bytes, c)) {
                 Some(c) => {
                     pieces.push(&text[start..c]);
                     start = c;
@@ -339,6 +334,17 @@ impl Tokenizer {
         }
         pieces.push(&text[start..]);
         pieces
+    }
+
+    /// The last point at or after byte `from` where `text` may be cut so that its two sides
+    /// encode to `encode(text)` (see [`cut_ok`]), if any: how `prepare` streams a document
+    /// too large to hold (`from` skips what an earlier call searched in vain).
+    pub fn last_cut(&self, text: &str, from: usize) -> Option<usize> {
+        if !self.cuttable() {
+            return None;
+        }
+        let bytes = text.as_bytes();
+        (from.max(1)..bytes.len()).rev().find(|&c| cut_ok(bytes, c))
     }
 
     /// This tokenizer as a Hugging Face `tokenizer.json`, for exports: a tokenizer.json's own
@@ -408,6 +414,22 @@ fn tiktoken_encoder(spec: &TiktokenSpec) -> Result<FastBpe> {
     };
     let holes = ids.iter().enumerate().any(|(i, &id)| id != i as u32);
     FastBpe::tiktoken(spec.pattern, bpe, holes.then_some(ids))
+}
+
+/// Whether a text may be cut before byte `c` without changing its encoding, for the
+/// tiktoken-style pre-tokenizer patterns (none has a look-behind, and none lets a piece span
+/// either point):
+/// - right after a `\n` that follows a non-whitespace character and precedes one;
+/// - right before a single space between two ASCII letters (the letter run before it ends
+///   there, and the space starts the next word's piece, ` ?\p{L}+` and its kin).
+///
+/// Both points are character boundaries.
+fn cut_ok(b: &[u8], c: usize) -> bool {
+    if c < 2 || c + 1 >= b.len() {
+        return false;
+    }
+    (b[c - 1] == b'\n' && !is_ws(b[c - 2]) && !is_ws(b[c]))
+        || (b[c] == b' ' && b[c - 1].is_ascii_alphabetic() && b[c + 1].is_ascii_alphabetic())
 }
 
 /// Whether byte `b` may belong to a whitespace character. Conservative: every
@@ -557,6 +579,23 @@ mod tests {
         assert_eq!(pieces.concat(), text);
         let joined: Vec<u32> = pieces.iter().flat_map(|p| t.encode(p)).collect();
         assert_eq!(joined, t.encode(&text));
+    }
+
+    #[test]
+    fn lines_without_breaks_are_cut_between_words() {
+        let text = "It's a  long line, of WORDS and 42 numbers; café au lait x y. ".repeat(300);
+        for name in ["gpt2", "cl100k_base", "o200k_base"] {
+            let t = Tokenizer::load(name).unwrap();
+            let pieces = t.split_for_parallel(&text, 256);
+            assert!(pieces.len() > 20, "{name}: {} pieces", pieces.len());
+            let joined: Vec<u32> = pieces.iter().flat_map(|p| t.encode(p)).collect();
+            assert_eq!(joined, t.encode(&text), "{name}");
+            let c = t.last_cut(&text, 0).unwrap();
+            assert_eq!(t.last_cut(&text, c + 1), None);
+            let mut two = t.encode(&text[..c]);
+            two.extend(t.encode(&text[c..]));
+            assert_eq!(two, t.encode(&text), "{name}");
+        }
     }
 
     /// A minimal WordLevel tokenizer.json, written the way `tokenizers` saves one.

@@ -187,6 +187,20 @@ impl TokFileWriter {
 
     /// Appends one document (the caller has already appended EOS).
     pub fn push_document(&mut self, tokens: &[u32]) -> Result<()> {
+        self.start_document()?;
+        self.push_tokens(tokens)
+    }
+
+    /// Starts a document at the current end: the tokens pushed next belong to it.
+    pub fn start_document(&mut self) -> Result<()> {
+        let offsets = self.offsets.as_mut().expect("writer used after finish");
+        offsets.write_all(&self.num_tokens.to_le_bytes())?;
+        self.num_docs += 1;
+        Ok(())
+    }
+
+    /// Appends tokens to the current document (a long document arrives in pieces).
+    pub fn push_tokens(&mut self, tokens: &[u32]) -> Result<()> {
         let out = self.out.as_mut().expect("writer used after finish");
         if self.dtype_bytes == 2 {
             if let Some(&bad) = tokens.iter().find(|&&t| t > u16::MAX as u32) {
@@ -204,8 +218,6 @@ impl TokFileWriter {
                 out.write_all(&t.to_le_bytes())?;
             }
         }
-        let offsets = self.offsets.as_mut().expect("writer used after finish");
-        offsets.write_all(&self.num_tokens.to_le_bytes())?;
         let mut at = self.num_tokens;
         for &t in tokens {
             let chunk = (at / MAX_CHUNK) as usize;
@@ -215,7 +227,6 @@ impl TokFileWriter {
             self.chunk_max[chunk] = self.chunk_max[chunk].max(t);
             at += 1;
         }
-        self.num_docs += 1;
         self.num_tokens = at;
         Ok(())
     }

@@ -45,7 +45,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     }
-    let tmp = sibling(path, &format!(".tmp-{}", std::process::id()));
+    // Host and pid: writers on two machines sharing a file system never share the file.
+    let tmp = sibling(
+        path,
+        &format!(".tmp-{}-{}", super::hostname(), std::process::id()),
+    );
     fs::write(&tmp, bytes)
         .and_then(|()| fs::rename(&tmp, path))
         .inspect_err(|_| {

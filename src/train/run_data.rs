@@ -167,18 +167,19 @@ pub fn prepare_data(cfg: &Config, tag: &str) -> Result<Vec<DataSource>> {
                 e
             }
         })?;
-        let what = match (&p.engine, p.cache_hit) {
-            (_, true) => "cache hit".to_string(),
-            (Some(engine), false) => format!("prepared with {engine}"),
-            (None, false) => "prepared".to_string(),
-        };
+        let what = if p.cache_hit { "cache hit" } else { "prepared" };
+        let engine = p
+            .engine
+            .as_ref()
+            .map_or(String::new(), |e| format!(", encoded by {e}"));
         let which = if mixture {
             format!(" {} (weight {})", s.name, s.weight)
         } else {
             String::new()
         };
         println!(
-            "{tag} Data{which}: {what} {} ({} train + {} val tokens, tokenizer {}, {:.1}s)",
+            "{tag} Data{which}: {what} {} ({} train + {} val tokens, tokenizer {}{engine}, \
+             {:.1}s)",
             p.dir.display(),
             p.train_tokens,
             p.val_tokens,
