@@ -855,54 +855,83 @@ fn tokenize_corpus(
     let mut carry = String::new();
     let mut open = false;
     let mut docs = 0u64;
-    let read = dataset.for_each_document(&spec.text_field, bytes, |text, ends| {
-        if docs == limit {
-            return Err(EnoughDocuments.into());
-        }
-        // Cut points in `carry` before the new text were searched already (cut_ok looks one
-        // byte either side).
-        let searched = carry.len().saturating_sub(2);
-        carry.push_str(&text);
-        if ends {
-            docs += 1;
-            pending_bytes += carry.len();
-            pending.push((std::mem::take(&mut carry), true));
-        } else if let Some(cut) = tok.last_cut(&carry, searched) {
-            // A piece of a large document: everything up to the last safe cut goes on; a
-            // document with no such point is held until one comes (or it ends).
-            let rest = carry.split_off(cut);
-            pending_bytes += cut;
-            pending.push((std::mem::replace(&mut carry, rest), false));
-        }
-        if pending_bytes >= BATCH_BYTES {
-            flush(&pool, tok, &mut pending, &mut open, out, &mut done)?;
+    // With several threads, a batch is encoded while the next one is read (and the one before
+    // written): reading and parsing the input run beside the tokenizer threads.
+    let overlap = pool.current_num_threads() > 1;
+    std::thread::scope(|scope| -> Result<()> {
+        let mut inflight: Option<std::thread::ScopedJoinHandle<'_, Encoded>> = None;
+        let mut write = |enc: Encoded, progress: &mut Progress| -> Result<()> {
+            write_batch(enc, tok, &mut open, out, &mut done)?;
             progress.update(&done, out.num_tokens());
-            pending_bytes = 0;
+            Ok(())
+        };
+        let read = dataset.for_each_document(&spec.text_field, bytes, |text, ends| {
+            if docs == limit {
+                return Err(EnoughDocuments.into());
+            }
+            // Cut points in `carry` before the new text were searched already (cut_ok looks
+            // one byte either side).
+            let searched = carry.len().saturating_sub(2);
+            carry.push_str(&text);
+            if ends {
+                docs += 1;
+                pending_bytes += carry.len();
+                pending.push((std::mem::take(&mut carry), true));
+            } else if let Some(cut) = tok.last_cut(&carry, searched) {
+                // A piece of a large document: everything up to the last safe cut goes on; a
+                // document with no such point is held until one comes (or it ends).
+                let rest = carry.split_off(cut);
+                pending_bytes += cut;
+                pending.push((std::mem::replace(&mut carry, rest), false));
+            }
+            if pending_bytes >= BATCH_BYTES {
+                let batch = std::mem::take(&mut pending);
+                pending_bytes = 0;
+                if let Some(h) = inflight.take() {
+                    write(join(h)?, &mut progress)?;
+                }
+                if overlap {
+                    let pool = &pool;
+                    inflight = Some(scope.spawn(move || encode_batch(pool, tok, batch)));
+                } else {
+                    write(encode_batch(&pool, tok, batch), &mut progress)?;
+                }
+            }
+            Ok(())
+        });
+        if let Some(h) = inflight.take() {
+            write(join(h)?, &mut progress)?;
         }
-        Ok(())
-    });
-    match read {
-        Err(e) if e.is::<EnoughDocuments>() => {}
-        other => other?,
-    }
-    flush(&pool, tok, &mut pending, &mut open, out, &mut done)?;
+        match read {
+            Err(e) if e.is::<EnoughDocuments>() => {}
+            other => other?,
+        }
+        write(
+            encode_batch(&pool, tok, std::mem::take(&mut pending)),
+            &mut progress,
+        )
+    })?;
     progress.finish(&done, out.num_tokens());
     Ok(done)
 }
 
-/// Tokenizes the pending text in parallel and appends it to `out` in order: a document's
-/// first piece starts it (`open` says whether one is started), the piece that ends it is
-/// followed by EOS.
-fn flush(
-    pool: &rayon::ThreadPool,
-    tok: &Tokenizer,
-    pending: &mut Vec<(String, bool)>,
-    open: &mut bool,
-    out: &mut TokFileWriter,
-    done: &mut Tokenized,
-) -> Result<()> {
-    // (item, segment): a large text is cut into segments encoded on several threads.
-    let segments: Vec<(usize, &str)> = pending
+/// A batch of text (each item: text, whether it ends its document) and the ids of its
+/// segments, in order: `items[k]` is the item segment `k` belongs to.
+struct Encoded {
+    batch: Vec<(String, bool)>,
+    items: Vec<usize>,
+    ids: Vec<Result<Vec<u32>>>,
+}
+
+fn join(h: std::thread::ScopedJoinHandle<'_, Encoded>) -> Result<Encoded> {
+    h.join()
+        .map_err(|_| anyhow!("a tokenizer thread panicked; this is a bug in lockstep"))
+}
+
+/// Tokenizes a batch on the pool: a large text is cut into segments encoded on several
+/// threads.
+fn encode_batch(pool: &rayon::ThreadPool, tok: &Tokenizer, batch: Vec<(String, bool)>) -> Encoded {
+    let segments: Vec<(usize, &str)> = batch
         .iter()
         .enumerate()
         .flat_map(|(i, (text, _))| {
@@ -910,14 +939,27 @@ fn flush(
             pieces.into_iter().map(move |p| (i, p))
         })
         .collect();
-    let encoded: Vec<Result<Vec<u32>>> = pool.install(|| {
+    let ids: Vec<Result<Vec<u32>>> = pool.install(|| {
         segments
             .par_iter()
             .map(|(_, s)| tok.try_encode(s))
             .collect()
     });
-    let mut segments = segments.iter().zip(encoded).peekable();
-    while let Some(((i, _), ids)) = segments.next() {
+    let items = segments.iter().map(|(i, _)| *i).collect();
+    Encoded { batch, items, ids }
+}
+
+/// Appends an encoded batch to `out` in order: a document's first piece starts it (`open`
+/// says whether one is started), the piece that ends it is followed by EOS.
+fn write_batch(
+    enc: Encoded,
+    tok: &Tokenizer,
+    open: &mut bool,
+    out: &mut TokFileWriter,
+    done: &mut Tokenized,
+) -> Result<()> {
+    let mut segments = enc.items.iter().zip(enc.ids).peekable();
+    while let Some((i, ids)) = segments.next() {
         if !*open {
             out.start_document()?;
             *open = true;
@@ -925,15 +967,14 @@ fn flush(
         out.push_tokens(&ids?)?;
         // Every item has at least one (possibly empty) segment: after its last one, a
         // document that ends there gets its EOS.
-        let item_done = segments.peek().is_none_or(|((next, _), _)| next != i);
-        if item_done && pending[*i].1 {
+        let item_done = segments.peek().is_none_or(|(next, _)| *next != i);
+        if item_done && enc.batch[*i].1 {
             out.push_tokens(&[tok.eos_id()])?;
             *open = false;
             done.documents += 1;
         }
     }
-    done.input_bytes += pending.iter().map(|(t, _)| t.len() as u64).sum::<u64>();
-    pending.clear();
+    done.input_bytes += enc.batch.iter().map(|(t, _)| t.len() as u64).sum::<u64>();
     Ok(())
 }
 
