@@ -485,20 +485,8 @@ fn complete(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, count: u64) -> R
         .collect();
     let stream = TokenFile::open_prefixes(&whole)?;
     let (total, docs) = (stream.num_tokens(), stream.num_docs());
-    if docs == 0 {
-        bail!(
-            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
-            spec.path.display()
-        );
-    }
+    check_splittable(spec, docs, total)?;
     let want_val = spec.val_fraction > 0.0;
-    if want_val && total < 2 {
-        bail!(
-            "{}: the dataset has only {total} token(s), too few to split off validation data; \
-             set data.val_fraction to 0 or add text",
-            spec.path.display()
-        );
-    }
     let (cut, at_boundary) = if want_val {
         choose_cut(
             docs,
@@ -1145,6 +1133,24 @@ fn out_of_room(spec: &PrepareSpec, tmp: &Path, need: u64, e: anyhow::Error) -> a
     }
 }
 
+/// Fails unless the corpus has documents and, with a validation split, tokens for both sides.
+fn check_splittable(spec: &PrepareSpec, documents: u64, tokens: u64) -> Result<()> {
+    if documents == 0 {
+        bail!(
+            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
+            spec.path.display()
+        );
+    }
+    if spec.val_fraction > 0.0 && tokens < 2 {
+        bail!(
+            "{}: the dataset has only {tokens} token(s), too few to split off validation data; \
+             set data.val_fraction to 0 or add text",
+            spec.path.display()
+        );
+    }
+    Ok(())
+}
+
 /// A token file's record in `meta.json`: counts, the largest id, and the file's stamp and
 /// BLAKE3 so a changed file is never trusted with them.
 fn file_part(info: &TokFileInfo) -> Result<Value> {
@@ -1198,21 +1204,9 @@ fn build(
             return Err(no_room(e, written));
         }
     };
-    if corpus.documents == 0 {
-        bail!(
-            "{}: the dataset has no documents (all .jsonl/.parquet files are empty); add text",
-            spec.path.display()
-        );
-    }
     let total = writer.num_tokens();
     let written = total * u64::from(dtype);
-    if want_val && total < 2 {
-        bail!(
-            "{}: the dataset has only {total} token(s), too few to split off validation data; \
-             set data.val_fraction to 0 or add text",
-            spec.path.display()
-        );
-    }
+    check_splittable(spec, corpus.documents, total)?;
     let (train, val) = if want_val {
         let (train, val) = writer
             .finish_split(&tmp.join("val.tok"), tok.eos_id(), |starts, total| {

@@ -631,13 +631,10 @@ impl Mapped {
         })
     }
 
-    /// Token index where document `i` starts. Panics if `i >= num_docs()`.
-    pub fn doc_offset(&self, i: u64) -> u64 {
-        assert!(
-            i < self.num_docs,
-            "document {i} out of range 0..{}",
-            self.num_docs
-        );
+    // Ranges are checked by `TokenFile`, the only caller, against the stream's counts.
+
+    /// Token index where document `i` starts.
+    fn doc_offset(&self, i: u64) -> u64 {
         le_u64(&self.map, self.offsets_start + 8 * i as usize)
     }
 
@@ -655,13 +652,8 @@ impl Mapped {
         lo
     }
 
-    /// Token `i`. Panics if `i >= num_tokens()`.
-    pub fn get(&self, i: u64) -> u32 {
-        assert!(
-            i < self.num_tokens,
-            "token {i} out of range 0..{}",
-            self.num_tokens
-        );
+    /// Token `i`.
+    fn get(&self, i: u64) -> u32 {
         let at = self.data_start + (i * self.dtype as u64) as usize;
         match self.dtype {
             2 => u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32,
@@ -669,16 +661,8 @@ impl Mapped {
         }
     }
 
-    /// Copies tokens `start..start + out.len()` into `out` as i64 (the index
-    /// dtype the model consumes). Panics if the range exceeds the file.
-    pub fn copy_window(&self, start: u64, len: usize, out: &mut [i64]) {
-        assert!(
-            start
-                .checked_add(len as u64)
-                .is_some_and(|end| end <= self.num_tokens),
-            "window {start}+{len} exceeds {} tokens",
-            self.num_tokens
-        );
+    /// Copies tokens `start..start + len` into `out[..len]` as i64.
+    fn copy_window(&self, start: u64, len: usize, out: &mut [i64]) {
         let out = &mut out[..len];
         let d = self.dtype as usize;
         let from = self.data_start + start as usize * d;
