@@ -16,8 +16,8 @@ use super::ids::{check_max_id, max_token_id, FileStamp, MaxIdRecord};
 use super::sources::{resolve_dataset, Dataset};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{
-    dtype_for_vocab, is_token_file, sync_parent_dir, TokFileInfo, TokFileWriter, TokenFile,
-    TokenPrefix,
+    dtype_for_vocab, is_token_file, partition_point, sync_parent_dir, TokFileInfo, TokFileWriter,
+    TokenFile, TokenPrefix,
 };
 
 /// Bumped whenever the cache contents for the same inputs would change.
@@ -526,16 +526,7 @@ fn complete(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, count: u64) -> R
             tok.definition_hash(),
         )?;
         // The document holding the cut: the last one starting at or before it.
-        let (mut lo, mut hi) = (0, docs);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if stream.doc_offset(mid) <= cut {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        let first = lo.saturating_sub(1);
+        let first = partition_point(docs, |i| stream.doc_offset(i) <= cut).saturating_sub(1);
         let mut buf: Vec<i64> = Vec::new();
         let mut doc: Vec<u32> = Vec::new();
         for i in first..docs {
@@ -1064,15 +1055,7 @@ fn choose_cut(
     let tolerance = val / 2;
     let ok = |b: u64| b >= min_part && total - b >= min_part && b.abs_diff(target) <= tolerance;
     // The first document starting at or after the target.
-    let (mut lo, mut hi) = (0, count);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if start(mid) < target {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
+    let lo = partition_point(count, |i| start(i) < target);
     let below = lo.checked_sub(1).map(&start);
     let above = (lo < count).then(|| start(lo));
     let best = [below, above]

@@ -27,6 +27,22 @@ const LLMC_MAGIC_U16: i32 = 20240520;
 const LLMC_MAGIC_U32: i32 = 20240801;
 const LLMC_HEADER_BYTES: u64 = 1024;
 
+/// The first index in `0..n` where `pred` is false, `pred` being true on a prefix of the
+/// range and false after (a binary search, like `slice::partition_point` over indices): how
+/// document offsets, which increase, are searched here and in `prepare`.
+pub(crate) fn partition_point(n: u64, pred: impl Fn(u64) -> bool) -> u64 {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if pred(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// Bytes per token needed to store ids below `vocab_size`.
 pub fn dtype_for_vocab(vocab_size: usize) -> u32 {
     if vocab_size <= 1 << 16 {
@@ -99,16 +115,7 @@ impl DocStarts<'_> {
 
     /// The index of the first document starting at or after token `t` (`len()` if none).
     pub fn first_at_or_after(&self, t: u64) -> u64 {
-        let (mut lo, mut hi) = (0, self.len());
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.get(mid) < t {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo
+        partition_point(self.len(), |i| self.get(i) < t)
     }
 }
 
@@ -640,16 +647,7 @@ impl Mapped {
 
     /// How many documents start before token `t`.
     fn docs_before(&self, t: u64) -> u64 {
-        let (mut lo, mut hi) = (0, self.num_docs);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.doc_offset(mid) < t {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo
+        partition_point(self.num_docs, |i| self.doc_offset(i) < t)
     }
 
     /// Token `i`.
@@ -888,15 +886,7 @@ impl TokenFile {
     pub fn document_pieces(&self, start: u64, len: usize) -> Vec<usize> {
         let end = start + len as u64;
         // The first document starting after `start`: offsets are increasing.
-        let (mut lo, mut hi) = (0, self.num_docs);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.doc_offset(mid) <= start {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
+        let lo = partition_point(self.num_docs, |i| self.doc_offset(i) <= start);
         let mut pieces = Vec::new();
         let mut from = start;
         for i in lo..self.num_docs {
