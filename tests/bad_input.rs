@@ -653,3 +653,50 @@ fn a_shard_degree_that_does_not_fit_the_ranks_exits_2_naming_the_key() {
         );
     }
 }
+
+/// A `.jsonl` corpus with a bad line: `prepare` exits 1 naming the file, the line and the
+/// problem (a line of 17 MB, parsed as it is read, as well as a short one), and caches nothing.
+#[test]
+fn a_bad_jsonl_line_is_named_and_nothing_is_cached() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d.jsonl");
+    let long = "word ".repeat(17 << 20 >> 2);
+    let ok_line = r#"{"text": "a first document"}"#;
+    for (line, says) in [
+        (
+            r#"{"body": "x", "id": 2}"#.to_string(),
+            r#"d.jsonl:2: line has no field "text" (its other keys: [body, id]); set `data.text_field` to the key holding the text"#,
+        ),
+        (
+            format!(r#"{{"id": 2, "body": "{long}"}}"#),
+            r#"d.jsonl:2: line has no field "text" (its other keys: [id, body])"#,
+        ),
+        (
+            format!(r#"{{"text": "{long}\q"}}"#),
+            &format!(
+                "d.jsonl:2: not valid JSON (UnknownEscapeSequence at byte {} of the line); each \
+                 line of a .jsonl file must be one JSON object",
+                10 + long.len()
+            ),
+        ),
+        (
+            format!(r#"{{"text": "{long}", "text": "again"}}"#),
+            r#"d.jsonl:2: the field "text" appears twice in this line, which is parsed as it is read (longer than 16777216 bytes); keep one"#,
+        ),
+    ] {
+        fs::write(&data, format!("{ok_line}\n{line}\n{ok_line}\n")).unwrap();
+        let out = run(
+            tmp.path(),
+            &cmd(
+                "prepare",
+                &[],
+                &["--preset", "tiny", "--set", "data.path=d.jsonl"],
+            ),
+        );
+        let text = fails(&out, 1, &[says]);
+        assert!(!text.contains("panicked"), "{text}");
+        let cache = tmp.path().join(".lockstep/cache");
+        let entries = fs::read_dir(&cache).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(entries, 0, "nothing cached under {}", cache.display());
+    }
+}

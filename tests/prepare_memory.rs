@@ -84,11 +84,37 @@ fn memory_does_not_grow_with_the_corpus() {
         peak - base < 80.0,
         "peak RSS {peak:.0} MB on 96 MB of text against {base:.0} MB on 1 MB"
     );
+    // One .jsonl line of 48 MB, then of 144 MB: parsed as it is read, its text handed on in
+    // pieces, so the peak does not grow with the line (holding the line and its string whole
+    // would add 192 MB).
+    let (short, long) = (tmp.path().join("48.jsonl"), tmp.path().join("144.jsonl"));
+    one_line_jsonl(&short, 48);
+    one_line_jsonl(&long, 144);
+    let base = prepare_peak_mb(tmp.path(), &short, 2);
+    let peak = prepare_peak_mb(tmp.path(), &long, 2);
+    assert!(
+        peak - base < 64.0,
+        "peak RSS {peak:.0} MB on a 144 MB .jsonl line against {base:.0} MB on a 48 MB one"
+    );
+}
+
+/// A .jsonl file of one line of about `mb` megabytes: an object whose "text" string (words
+/// and escaped line breaks) sits between two other fields.
+fn one_line_jsonl(path: &Path, mb: usize) {
+    let words = "the quick brown fox jumps over the lazy dog\\nand ";
+    let mut out = std::io::BufWriter::new(fs::File::create(path).unwrap());
+    out.write_all(br#"{"id": 1, "meta": {"source": ["a", 2]}, "text": ""#)
+        .unwrap();
+    for _ in 0..(mb << 20) / words.len() {
+        out.write_all(words.as_bytes()).unwrap();
+    }
+    out.write_all(b"\", \"lang\": \"en\"}\n").unwrap();
+    out.flush().unwrap();
 }
 
 /// The bound stated in BENCHMARKS.md §5 on a 1 GB corpus: 1 GB + 64 MB per thread (measured
-/// far below it), for a .jsonl of 4 kB documents, one 1 GB line of text, and a Parquet file
-/// whose one row group holds ~1 GB of text. Slow (~4 min):
+/// far below it), for a .jsonl of 4 kB documents, one 1 GB line of text, one 2 GB .jsonl line,
+/// and a Parquet file whose one row group holds ~1 GB of text. Slow (~5 min):
 /// `cargo test --release --test prepare_memory -- --ignored --nocapture`.
 #[test]
 #[ignore]
@@ -113,6 +139,13 @@ fn a_1_gb_corpus_stays_under_the_bound() {
     drop(out);
     let peak = prepare_peak_mb(tmp.path(), &line, 2);
     println!("1 GB single-line .txt, 2 threads: peak RSS {peak:.0} MB");
+    assert!(peak < 1024.0 + 128.0, "{peak:.0} MB");
+    fs::remove_file(&line).unwrap();
+    // One .jsonl line of 2 GB (a document of 2 GB of text): parsed as it is read.
+    let line = tmp.path().join("line.jsonl");
+    one_line_jsonl(&line, 2048);
+    let peak = prepare_peak_mb(tmp.path(), &line, 2);
+    println!("2 GB single-line .jsonl, 2 threads: peak RSS {peak:.0} MB");
     assert!(peak < 1024.0 + 128.0, "{peak:.0} MB");
     fs::remove_file(&line).unwrap();
     // A Parquet file whose one row group holds ~1 GB of text (pyarrow, from the venv).

@@ -32,9 +32,9 @@ pub const TEXT_EXTENSIONS: &[&str] = &["txt", "jsonl", "parquet"];
 
 /// Documents read from a Parquet column per call into the parquet decoder.
 const PARQUET_BATCH: usize = 1024;
-/// A `.txt` file larger than this is read (and handed on) in pieces of this size, so one huge
-/// document never has to be held whole.
-const TXT_PIECE: usize = if cfg!(test) { 1 << 16 } else { 16 << 20 };
+/// A document larger than this (a `.txt` file, a `.jsonl` line) is read and handed on in pieces
+/// of about this size, so one huge document is never held whole.
+const PIECE: usize = if cfg!(test) { 1 << 16 } else { 16 << 20 };
 
 fn has_text_extension(path: &Path) -> bool {
     path.extension()
@@ -404,7 +404,8 @@ pub fn read_documents(
 /// Like [`read_documents`], only the documents that start inside `bytes` (offsets in the
 /// file: a `.txt` file's one document starts at 0, a `.jsonl` line where it starts, a
 /// `.parquet` row group's documents where its text column chunk starts), as
-/// `f(text, ends_document)`: a `.txt` file larger than [`TXT_PIECE`] comes in pieces.
+/// `f(text, ends_document)`: a `.txt` file or a `.jsonl` line larger than [`PIECE`] comes in
+/// pieces.
 pub fn read_documents_in(
     file: &Path,
     text_field: &str,
@@ -415,7 +416,7 @@ pub fn read_documents_in(
     match ext {
         "txt" if bytes.start > 0 => Ok(()),
         "txt" => read_txt(file, f),
-        "jsonl" => read_jsonl(file, text_field, bytes, |d| f(d, true)),
+        "jsonl" => read_jsonl(file, text_field, bytes, f),
         "parquet" => read_parquet(file, text_field, bytes, |d| f(d, true)),
         _ => bail!(
             "{}: unsupported extension; text sources must end in .{}",
@@ -425,14 +426,14 @@ pub fn read_documents_in(
     }
 }
 
-/// A `.txt` file's one document, in pieces of about [`TXT_PIECE`] bytes cut at character
+/// A `.txt` file's one document, in pieces of about [`PIECE`] bytes cut at character
 /// boundaries (one piece for a smaller file), the last with `ends_document`.
 fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Result<()> {
     use std::io::Read;
     let what = file.display().to_string();
     let mut handle = File::open(file).with_context(|| format!("{what}: cannot open"))?;
     let len = handle.metadata().map(|m| m.len()).unwrap_or(0);
-    if len <= TXT_PIECE as u64 {
+    if len <= PIECE as u64 {
         let mut bytes = Vec::new();
         handle
             .read_to_end(&mut bytes)
@@ -443,11 +444,11 @@ fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Resul
     loop {
         let mut buf = carry;
         let have = buf.len();
-        buf.resize(have + TXT_PIECE, 0);
+        buf.resize(have + PIECE, 0);
         let n = read_full(&mut handle, &mut buf[have..])
             .with_context(|| format!("{what}: cannot read"))?;
         buf.truncate(have + n);
-        let last = n == 0 || buf.len() < have + TXT_PIECE;
+        let last = n == 0 || buf.len() < have + PIECE;
         // Hold back an incomplete character at the end for the next piece.
         let mut end = buf.len();
         if !last {
@@ -521,7 +522,7 @@ fn read_jsonl(
     file: &Path,
     text_field: &str,
     bytes: Range<u64>,
-    mut f: impl FnMut(String) -> Result<()>,
+    mut f: impl FnMut(String, bool) -> Result<()>,
 ) -> Result<()> {
     let p = file.display();
     let mut handle = File::open(file).with_context(|| format!("{p}: cannot open"))?;
@@ -534,9 +535,8 @@ fn read_jsonl(
     let mut reader = BufReader::with_capacity(1 << 20, handle);
     let mut line = Vec::new();
     if bytes.start > 0 {
-        offset += reader
-            .read_until(b'\n', &mut line)
-            .with_context(|| format!("{p}: read error at byte {offset}"))? as u64;
+        offset +=
+            skip_line(&mut reader).with_context(|| format!("{p}: read error at byte {offset}"))?;
     }
     // Line numbers are counted from the start of the file only when reading from there;
     // otherwise errors name the byte offset of the line.
@@ -547,8 +547,7 @@ fn read_jsonl(
             return Ok(());
         }
         line.clear();
-        let n = reader
-            .read_until(b'\n', &mut line)
+        let (n, whole) = read_line_upto(&mut reader, &mut line, PIECE)
             .with_context(|| format!("{p}: read error after line {line_no}"))?;
         if n == 0 {
             return Ok(());
@@ -562,6 +561,10 @@ fn read_jsonl(
                 format!("{p}: line at byte {start}")
             }
         };
+        if !whole {
+            offset += read_long_line(&mut reader, &line, text_field, &p(), &mut f)?;
+            continue;
+        }
         let text = std::str::from_utf8(&line).map_err(|e| {
             anyhow!(
                 "{}: invalid UTF-8 at byte offset {}; convert the file to UTF-8",
@@ -586,7 +589,7 @@ fn read_jsonl(
             );
         };
         match obj.remove(text_field) {
-            Some(serde_json::Value::String(s)) => f(s)?,
+            Some(serde_json::Value::String(s)) => f(s, true)?,
             other => {
                 let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
                 let problem = match other {
@@ -602,6 +605,224 @@ fn read_jsonl(
             }
         }
     }
+}
+
+/// Reads `r` into `line` up to and including the next `\n`, or `limit` bytes if the line is
+/// longer: the bytes read and whether the line is whole (its `\n` or the end of the file read).
+fn read_line_upto(
+    r: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    limit: usize,
+) -> std::io::Result<(usize, bool)> {
+    let mut n = 0;
+    loop {
+        let buf = match r.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok((n, true));
+        }
+        let room = limit.saturating_sub(line.len());
+        if let Some(i) = memchr::memchr(b'\n', &buf[..buf.len().min(room)]) {
+            line.extend_from_slice(&buf[..=i]);
+            r.consume(i + 1);
+            return Ok((n + i + 1, true));
+        }
+        let k = buf.len().min(room);
+        line.extend_from_slice(&buf[..k]);
+        r.consume(k);
+        n += k;
+        if line.len() >= limit {
+            return Ok((n, false));
+        }
+    }
+}
+
+/// Skips `r` past the next `\n` (or to the end): the bytes skipped.
+fn skip_line(r: &mut impl BufRead) -> std::io::Result<u64> {
+    let mut rest = LineRest {
+        r,
+        read: 0,
+        done: false,
+    };
+    std::io::copy(&mut rest, &mut std::io::sink())?;
+    Ok(rest.read)
+}
+
+/// The rest of the line `r` is in, as a reader: its bytes up to the next `\n` (consumed with
+/// the line, not returned) or the end of the file.
+struct LineRest<'a, R> {
+    r: &'a mut R,
+    /// Bytes consumed from `r`, the `\n` included.
+    read: u64,
+    done: bool,
+}
+
+impl<R: BufRead> std::io::Read for LineRest<'_, R> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.done || out.is_empty() {
+            return Ok(0);
+        }
+        let buf = self.r.fill_buf()?;
+        let (k, used) = match memchr::memchr(b'\n', buf) {
+            Some(i) if i <= out.len() => {
+                self.done = true;
+                (i, i + 1)
+            }
+            _ => {
+                let k = buf.len().min(out.len());
+                self.done = k == 0;
+                (k, k)
+            }
+        };
+        out[..k].copy_from_slice(&buf[..k]);
+        self.r.consume(used);
+        self.read += used as u64;
+        Ok(k)
+    }
+}
+
+/// One `.jsonl` line too long to hold whole: `head`, its first bytes, then the rest of the line
+/// in `r`. The line is parsed as it is read (`struson`'s streaming reader): its `text_field`
+/// string goes to `f(text, ends_document)` in pieces of about [`PIECE`] bytes, every other
+/// value is checked and skipped. `at` names the line in errors. The bytes read from `r`.
+///
+/// Unlike a line parsed whole, where the last of repeated keys wins, a repeated `text_field`
+/// is refused: its first value has been handed on already.
+fn read_long_line(
+    r: &mut impl BufRead,
+    head: &[u8],
+    text_field: &str,
+    at: &str,
+    f: &mut impl FnMut(String, bool) -> Result<()>,
+) -> Result<u64> {
+    use std::io::Read;
+    use struson::reader::{
+        JsonReader, JsonStreamReader, JsonSyntaxError, ReaderError, ReaderSettings, ValueType,
+    };
+    // struson's errors, found inside the string reader's io::Error too, with the position in
+    // the line.
+    fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+        let at = |what: String, pos: Option<u64>| match pos {
+            Some(pos) => format!("{what} at byte {pos} of the line"),
+            None => what,
+        };
+        if let Some(e) = e.downcast_ref::<JsonSyntaxError>() {
+            return at(e.kind.to_string(), e.location.data_pos);
+        }
+        match e.downcast_ref::<ReaderError>() {
+            Some(ReaderError::SyntaxError(e)) => describe(e),
+            Some(ReaderError::IoError { error, location }) => match error.get_ref() {
+                Some(inner) => describe(inner),
+                None => at(error.to_string(), location.data_pos),
+            },
+            _ => match e.downcast_ref::<std::io::Error>().and_then(|e| e.get_ref()) {
+                Some(inner) => describe(inner),
+                None => e.to_string(),
+            },
+        }
+    }
+    let bad = |e: &(dyn std::error::Error + 'static)| {
+        let what = describe(e);
+        if what.contains("invalid UTF-8") {
+            anyhow!("{at}: {what}; convert the file to UTF-8")
+        } else {
+            anyhow!(
+                "{at}: not valid JSON ({what}); each line of a .jsonl file must be one JSON object"
+            )
+        }
+    };
+    let kind = |t: ValueType| match t {
+        ValueType::Array => "array",
+        ValueType::Object => "object",
+        ValueType::String => "string",
+        ValueType::Number => "number",
+        ValueType::Boolean => "boolean",
+        ValueType::Null => "null",
+    };
+    let mut rest = LineRest {
+        r,
+        read: 0,
+        done: false,
+    };
+    let settings = ReaderSettings {
+        track_path: false,
+        ..Default::default()
+    };
+    let mut json = JsonStreamReader::new_custom(head.chain(&mut rest), settings);
+    match json.peek().map_err(|e| bad(&e))? {
+        ValueType::Object => {}
+        other => bail!(
+            "{at}: expected a JSON object with a \"{text_field}\" string field, found {} {}",
+            if other == ValueType::Array { "an" } else { "a" },
+            kind(other)
+        ),
+    }
+    json.begin_object().map_err(|e| bad(&e))?;
+    // The other keys (for the error naming them) and the text's last piece, or the type of
+    // a text field that is not a string.
+    let mut keys: Vec<String> = Vec::new();
+    let mut text: Option<std::result::Result<String, &str>> = None;
+    while json.has_next().map_err(|e| bad(&e))? {
+        let name = json.next_name_owned().map_err(|e| bad(&e))?;
+        if name != text_field {
+            keys.push(name);
+            json.skip_value().map_err(|e| bad(&e))?;
+            continue;
+        }
+        if text.is_some() {
+            bail!(
+                "{at}: the field \"{text_field}\" appears twice in this line, which is parsed as \
+                 it is read (longer than {PIECE} bytes); keep one"
+            );
+        }
+        let t = json.peek().map_err(|e| bad(&e))?;
+        if t != ValueType::String {
+            text = Some(Err(kind(t)));
+            json.skip_value().map_err(|e| bad(&e))?;
+            continue;
+        }
+        let mut reader = json.next_string_reader().map_err(|e| bad(&e))?;
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            let have = buf.len();
+            buf.resize(PIECE, 0);
+            let n = read_full(&mut reader, &mut buf[have..]).map_err(|e| bad(&e))?;
+            buf.truncate(have + n);
+            if n == 0 {
+                break;
+            }
+            // The string reader's bytes are valid UTF-8 but may end inside a character: hand
+            // on the whole characters, keep the rest for the next piece.
+            let whole = match std::str::from_utf8(&buf) {
+                Ok(_) => buf.len(),
+                Err(e) => e.valid_up_to(),
+            };
+            let rest = buf.split_off(whole);
+            let piece = String::from_utf8(std::mem::replace(&mut buf, rest));
+            f(piece.expect("checked UTF-8"), false)?;
+        }
+        text = Some(Ok(String::from_utf8(buf).expect("struson checks UTF-8")));
+    }
+    json.end_object().map_err(|e| bad(&e))?;
+    json.consume_trailing_whitespace().map_err(|e| bad(&e))?;
+    match text {
+        Some(Ok(last)) => f(last, true)?,
+        other => {
+            let problem = match other {
+                Some(Err(t)) => format!("has a non-string ({t})"),
+                _ => "has no".to_string(),
+            };
+            bail!(
+                "{at}: line {problem} field \"{text_field}\" (its other keys: [{}]); set \
+                 `data.text_field` to the key holding the text",
+                keys.join(", ")
+            );
+        }
+    }
+    Ok(head.len() as u64 + rest.read)
 }
 
 /// Streams the `text_field` column of a Parquet file, row group by row group,
@@ -901,6 +1122,128 @@ mod tests {
         let err = collect(&path, "text").unwrap_err().to_string();
         assert!(
             err.contains("d.jsonl:2") && err.contains("not valid JSON"),
+            "{err}"
+        );
+    }
+
+    /// A `.jsonl` line longer than [`PIECE`] (64 KiB in tests) is parsed as it is read and its
+    /// text handed on in pieces: the same documents as a line parsed whole, the same errors.
+    #[test]
+    fn long_jsonl_lines_stream_in_pieces() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        // ~400 KB of text: escapes, a surrogate pair, raw 2/3/4-byte characters at every
+        // alignment against the piece edges.
+        let mut body = String::new();
+        let mut k = 0usize;
+        while body.len() < 400_000 {
+            body.push_str(
+                [
+                    "ab",
+                    "é",
+                    "中",
+                    "😀",
+                    "\\n",
+                    "\\\"",
+                    "\\\\",
+                    "\\u00e9",
+                    "\\ud83d\\ude00",
+                    " ",
+                ][k % 10],
+            );
+            if k.is_multiple_of(7) {
+                body.push('a');
+            }
+            k += 1;
+        }
+        let other = r#""meta": {"a": [1, -2.5e3, true, null, "x\"y", {"b": []}], "c": "\u00e9"}"#;
+        let lines = [
+            r#"{"text": "short one", "id": 1}"#.to_string(),
+            format!(r#"{{{other}, "text": "{body}", "n": 7}}"#),
+            format!(r#"  {{"text": "{body}{body}"}}  "#),
+            r#"{"text": "after"}"#.to_string(),
+        ];
+        fs::write(&path, lines.join("\n") + "\r\n").unwrap();
+        let expected: Vec<String> = lines
+            .iter()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["text"].as_str().unwrap().to_string()
+            })
+            .collect();
+        assert!(expected[1].len() > 3 * PIECE);
+        assert!(["é", "中", "😀", "\n", "\"", "\\"]
+            .iter()
+            .all(|c| expected[1].contains(c)));
+        assert_eq!(collect(&path, "text").unwrap(), expected);
+        // In pieces, each at most a piece and whole characters.
+        let mut pieces = Vec::new();
+        read_documents_in(&path, "text", 0..u64::MAX, |t, ends| {
+            assert!(t.len() <= PIECE, "{}", t.len());
+            pieces.push(ends);
+            Ok(())
+        })
+        .unwrap();
+        assert!(pieces.len() > 10 && pieces.iter().filter(|&&e| e).count() == 4);
+        // A part that starts inside a long line begins at the next line.
+        let second = lines[0].len() as u64 + 1;
+        let mut docs = Vec::new();
+        read_documents_in(&path, "text", second + 5..u64::MAX, |t, ends| {
+            docs.push((t, ends));
+            Ok(())
+        })
+        .unwrap();
+        let text: String = docs.iter().map(|(t, _)| t.as_str()).collect();
+        assert_eq!(text, expected[2].clone() + &expected[3]);
+        // Where a line would be a document, reading a range that starts at it takes it.
+        let mut firsts = Vec::new();
+        read_documents_in(&path, "text", second..second + 1, |t, _| {
+            firsts.push(t);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(firsts.concat(), expected[1]);
+
+        let long = "x".repeat(PIECE + 10);
+        let cases = [
+            (
+                format!(r#"{{"id": 3, "body": "{long}"}}"#),
+                "has no field \"text\" (its other keys: [id, body])",
+            ),
+            (
+                format!(r#"{{"pad": "{long}", "text": 5}}"#),
+                "non-string (number) field",
+            ),
+            (format!(r#"{{"text": "{long}"}} x"#), "not valid JSON"),
+            (format!(r#"{{"text": "{long}""#), "not valid JSON"),
+            (format!(r#"{{"text": "{long}\q"}}"#), "not valid JSON"),
+            (format!("{{\"text\": \"{long}\u{1}\"}}"), "not valid JSON"),
+            (format!(r#"{{"text": "{long}\ud800"}}"#), "not valid JSON"),
+            (
+                format!(r#"{{"text": "{long}", "text": "b"}}"#),
+                "appears twice",
+            ),
+            (format!(r#"["{long}"]"#), "expected a JSON object"),
+        ];
+        for (line, needle) in cases {
+            fs::write(
+                &path,
+                format!("{{\"text\": \"ok\"}}\n{line}\n{{\"text\": \"ok\"}}\n"),
+            )
+            .unwrap();
+            let err = collect(&path, "text").unwrap_err().to_string();
+            assert!(
+                err.contains("d.jsonl:2") && err.contains(needle),
+                "{needle}: {err}"
+            );
+        }
+        // Invalid UTF-8 inside the long string.
+        let mut bytes = format!("{{\"text\": \"{long}").into_bytes();
+        bytes.extend_from_slice(b"\xff\"}\n");
+        fs::write(&path, bytes).unwrap();
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(
+            err.contains("d.jsonl:1") && err.contains("invalid UTF-8"),
             "{err}"
         );
     }
