@@ -60,6 +60,13 @@ pub const O200K_PATTERN: &str = concat!(
 /// text cut there encodes as the concatenation of its parts (`Tokenizer::split_for_parallel`).
 const CUTTABLE_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN, O200K_PATTERN];
 
+/// Patterns under which a run of ASCII letters, after at most one space, is a whole piece when
+/// an ASCII character other than a letter (or the end of the text) follows it: their first
+/// alternative that can match there is ` ?\p{L}+` (GPT-2) or `[^\r\n\p{L}\p{N}]?\p{L}+`
+/// (cl100k, Llama 3), greedy; the contractions before it start with `'`. [`ascii_word`] finds
+/// that end without the DFA (o200k's pattern splits by letter case, so it is not here).
+const ASCII_WORD_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN];
+
 /// The only look-ahead accepted, at the end of a pattern.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 
@@ -74,6 +81,22 @@ pub struct Splitter {
     regex: Regex,
     /// Per pattern: whether its last character is a look-ahead to give back.
     lookahead: Vec<bool>,
+    /// Whether [`ascii_word`] may end a piece (the pattern is one of [`ASCII_WORD_PATTERNS`]).
+    ascii_words: bool,
+}
+
+/// The end of the piece at `at` if it is an ASCII word: at most one space, ASCII letters, then
+/// an ASCII byte that is not a letter or the end of the text (a byte >= 0x80 could start a
+/// letter that continues the word: the DFA decides). Only for [`ASCII_WORD_PATTERNS`].
+#[inline]
+fn ascii_word(bytes: &[u8], at: usize) -> Option<usize> {
+    let start = at + usize::from(bytes[at] == b' ');
+    let end = start
+        + bytes[start..]
+            .iter()
+            .position(|b| !b.is_ascii_alphabetic())
+            .unwrap_or(bytes.len() - start);
+    (end > start && bytes.get(end).is_none_or(|&b| b < 0x80)).then_some(end)
 }
 
 impl Splitter {
@@ -101,6 +124,7 @@ impl Splitter {
             dfa,
             regex,
             lookahead,
+            ascii_words: ASCII_WORD_PATTERNS.contains(&pattern),
         })
     }
 
@@ -132,6 +156,13 @@ impl Splitter {
     pub fn split<'t>(&self, text: &'t str, cache: &mut DfaCache, mut piece: impl FnMut(&'t str)) {
         let mut at = 0;
         while at < text.len() {
+            if self.ascii_words {
+                if let Some(end) = ascii_word(text.as_bytes(), at) {
+                    piece(&text[at..end]);
+                    at = end;
+                    continue;
+                }
+            }
             let (start, mut end, pattern) = match self.anchored_match(text, at, cache) {
                 Some((end, pattern)) => (at, end, pattern),
                 None => match self.regex.find(Input::new(text).range(at..)) {
@@ -537,4 +568,46 @@ fn pre_tokenizer_pattern(pre: &Value) -> Result<String> {
         }
     }
     bail!("its pre-tokenizer is not ByteLevel or Split(regex) + ByteLevel")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pieces of `text` under `splitter`.
+    fn pieces<'t>(splitter: &Splitter, text: &'t str) -> Vec<&'t str> {
+        let mut cache = splitter.cache();
+        let mut out = Vec::new();
+        splitter.split(text, &mut cache, |p| out.push(p));
+        out
+    }
+
+    /// The ASCII-word shortcut ends every piece where the DFA does, on texts built to probe
+    /// its edges: words against contractions, digits, punctuation, runs of spaces, line
+    /// breaks, and letters beyond ASCII (é, ſ, K, 中) or not letters (😀) right after a word.
+    #[test]
+    fn ascii_words_split_as_the_dfa_does() {
+        let parts = [
+            "a", "Zq", " ", "  ", "'s", "'T", "'", "é", "中", "1", "22", ".", "\n", "\r\n", "\t",
+            "x'S", "ſ", "\u{212a}", " é", "ab ", "-", "😀", " the", "don't", "\u{a0}",
+        ];
+        for pattern in ASCII_WORD_PATTERNS {
+            let fast = Splitter::new(pattern).unwrap();
+            let mut dfa = Splitter::new(pattern).unwrap();
+            assert!(fast.ascii_words);
+            dfa.ascii_words = false;
+            let mut x = 0x2545_f491_4f6c_dd1du64;
+            for _ in 0..5000 {
+                let mut text = String::new();
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                for k in 0..(x % 24) {
+                    text.push_str(parts[((x >> (k * 2 % 50)) as usize + k as usize) % parts.len()]);
+                }
+                assert_eq!(pieces(&fast, &text), pieces(&dfa, &text), "{text:?}");
+            }
+        }
+        assert!(!Splitter::new(O200K_PATTERN).unwrap().ascii_words);
+    }
 }
