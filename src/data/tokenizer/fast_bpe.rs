@@ -15,19 +15,23 @@
 //!
 //! [`FastBpe::from_hf_json`] accepts only what it reproduces exactly and says why it
 //! declines otherwise (the caller then keeps `tokenizers`):
-//! - no normalizer; pre-tokenizer `ByteLevel` (GPT-2's regex, no prefix space) or `Sequence
-//!   [Split(regex, Isolated), ByteLevel(use_regex: false, no prefix space)]`;
+//! - no normalizer, or `NFC` (Qwen2; done with the crate `tokenizers` uses); pre-tokenizer
+//!   `ByteLevel` (GPT-2's regex, no prefix space) or `Sequence [Split(regex, Isolated),
+//!   ByteLevel(use_regex: false, no prefix space)]`;
 //! - a regex with no look-around except a final `\s+(?!\S)|\s+` (every tiktoken-style
 //!   pattern ends so);
 //! - model `BPE` without dropout, subword prefix/suffix or byte fallback, all 256 byte
 //!   symbols in the vocabulary, every merge made of vocabulary tokens;
-//! - added tokens only special ones (lockstep encodes their spellings as text).
+//! - special added tokens' spellings are text (as lockstep encodes them everywhere); added
+//!   tokens that are not special (Qwen2's `<tool_call>`) are found in the raw text as
+//!   `tokenizers` finds them, unless they are normalized, single words or strip spaces.
 
 use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use anyhow::{anyhow, bail, Result};
 use bpe_openai::byte_pair_encoding::BytePairEncoding;
 use regex_automata::hybrid::dfa::{Cache as DfaCache, DFA};
@@ -35,6 +39,7 @@ use regex_automata::meta::Regex;
 use regex_automata::{Anchored, Input};
 use rustc_hash::FxHashMap;
 use serde_json::Value;
+use unicode_normalization_alignments::{is_nfc_quick, IsNormalized, UnicodeNormalization};
 
 /// GPT-2's pre-tokenizer pattern (r50k_base, p50k_base; `ByteLevel` with `use_regex`).
 pub const GPT2_PATTERN: &str =
@@ -56,16 +61,22 @@ pub const O200K_PATTERN: &str = concat!(
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 );
 
+/// Qwen2's (and Qwen2.5's) pattern: cl100k's with single digits.
+pub const QWEN2_PATTERN: &str = concat!(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
 /// Patterns under which no piece spans a `\n` between two non-whitespace characters, so a
 /// text cut there encodes as the concatenation of its parts (`Tokenizer::split_for_parallel`).
-const CUTTABLE_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN, O200K_PATTERN];
+const CUTTABLE_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN, O200K_PATTERN, QWEN2_PATTERN];
 
 /// Patterns under which a run of ASCII letters, after at most one space, is a whole piece when
 /// an ASCII character other than a letter (or the end of the text) follows it: their first
 /// alternative that can match there is ` ?\p{L}+` (GPT-2) or `[^\r\n\p{L}\p{N}]?\p{L}+`
-/// (cl100k, Llama 3), greedy; the contractions before it start with `'`. [`ascii_word`] finds
+/// (cl100k, Llama 3, Qwen2), greedy; the contractions before it start with `'`. [`ascii_word`] finds
 /// that end without the DFA (o200k's pattern splits by letter case, so it is not here).
-const ASCII_WORD_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN];
+const ASCII_WORD_PATTERNS: &[&str] = &[GPT2_PATTERN, CL100K_PATTERN, QWEN2_PATTERN];
 
 /// The only look-ahead accepted, at the end of a pattern.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
@@ -204,8 +215,23 @@ pub struct FastBpe {
     merger: Merger,
     /// Whether texts may be cut for parallel encoding (see [`CUTTABLE_PATTERNS`]).
     cuttable: bool,
+    /// Whether text is put in Unicode NFC first (a tokenizer.json's `NFC` normalizer: Qwen2).
+    nfc: bool,
+    /// A tokenizer.json's added tokens that are not special (Qwen2's `<tool_call>`…), found
+    /// in the raw text as `tokenizers` finds them; `None` where there are none.
+    added: Option<AddedWords>,
     /// Tells this encoder's entries in a thread's [`MERGED`] cache from another's.
     id: u64,
+}
+
+/// Added tokens matched in the raw text before anything else, as `tokenizers` does with
+/// special tokens encoded as text: one leftmost-longest search over every added token that is
+/// not normalized, special ones included, whose matches are skipped (text, not tokens); a
+/// match of a token that is not special is that token.
+struct AddedWords {
+    search: AhoCorasick,
+    /// Per pattern of `search`: its token id, or `None` for a special token.
+    ids: Vec<Option<u32>>,
 }
 
 /// What an encoder keeps per thread: the splitter's lazy DFA cache, and the ids of pieces
@@ -325,6 +351,8 @@ impl FastBpe {
             whole_pieces: true,
             merger: Merger::Ranks { bpe, ids },
             cuttable: CUTTABLE_PATTERNS.contains(&pattern),
+            nfc: false,
+            added: None,
             id: next_id(),
         })
     }
@@ -332,16 +360,14 @@ impl FastBpe {
     /// Builds the encoder from a parsed `tokenizer.json`, or says why it cannot reproduce
     /// `tokenizers` exactly for it.
     pub fn from_hf_json(json: &Value) -> Result<FastBpe> {
-        if !json["normalizer"].is_null() {
-            bail!("it has a normalizer");
-        }
+        let nfc = match &json["normalizer"] {
+            Value::Null => false,
+            n if n["type"].as_str() == Some("NFC") => true,
+            _ => bail!("it has a normalizer other than NFC"),
+        };
         let pattern = pre_tokenizer_pattern(&json["pre_tokenizer"])?;
         let splitter = Splitter::new(&pattern)?;
-        if let Some(added) = json["added_tokens"].as_array() {
-            if added.iter().any(|t| t["special"].as_bool() != Some(true)) {
-                bail!("it has added tokens that are not special");
-            }
-        }
+        let added = added_words(json)?;
         let model = &json["model"];
         if model["type"].as_str() != Some("BPE") {
             bail!("its model is not BPE");
@@ -403,8 +429,13 @@ impl FastBpe {
             // `tokenizers` keeps the first rank of a pair listed twice.
             merges.entry((ia, ib)).or_insert((rank as u32, id));
         }
+        // A cut must not fall inside an added token (cuts are next to whitespace).
+        let cuttable = CUTTABLE_PATTERNS.contains(&pattern.as_str())
+            && added.as_ref().is_none_or(|a| !a.has_whitespace);
         Ok(FastBpe {
-            cuttable: CUTTABLE_PATTERNS.contains(&pattern.as_str()),
+            cuttable,
+            nfc,
+            added: added.map(|a| a.words),
             splitter,
             vocab: Vocab::new(vocab),
             whole_pieces: model["ignore_merges"].as_bool() == Some(true),
@@ -424,6 +455,32 @@ impl FastBpe {
 
     /// Appends the ids of `text` to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        let Some(added) = &self.added else {
+            return self.encode_normalized(text, out);
+        };
+        let mut at = 0;
+        for m in added.search.find_iter(text) {
+            if let Some(id) = added.ids[m.pattern().as_usize()] {
+                self.encode_normalized(&text[at..m.start()], out);
+                out.push(id);
+                at = m.end();
+            }
+        }
+        self.encode_normalized(&text[at..], out);
+    }
+
+    /// Appends the ids of `text` (no added token in it) to `out`, after the normalizer.
+    fn encode_normalized(&self, text: &str, out: &mut Vec<u32>) {
+        if self.nfc && !text.is_ascii() && is_nfc_quick(text.chars()) != IsNormalized::Yes {
+            let normal: String = text.nfc().map(|(c, _)| c).collect();
+            return self.encode_text(&normal, out);
+        }
+        self.encode_text(text, out)
+    }
+
+    /// Appends the ids of a normalized `text` to `out`: split, then each piece looked up or
+    /// merged.
+    fn encode_text(&self, text: &str, out: &mut Vec<u32>) {
         let mut work = Work::default();
         MERGED.with_borrow_mut(|cache| {
             if cache.owner != self.id {
@@ -555,6 +612,46 @@ struct Sym {
 struct Work {
     syms: Vec<Sym>,
     heap: BinaryHeap<Reverse<(u32, usize, u32)>>,
+}
+
+/// A tokenizer.json's [`AddedWords`], if it has added tokens that are not special, and
+/// whether any of the tokens searched holds whitespace; an error for added tokens matched in
+/// ways not reproduced (after normalization, or with `single_word`/`lstrip`/`rstrip`).
+struct Added {
+    words: AddedWords,
+    has_whitespace: bool,
+}
+
+fn added_words(json: &Value) -> Result<Option<Added>> {
+    let tokens = json["added_tokens"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice);
+    let plain = |t: &&Value| t["special"].as_bool() != Some(true);
+    if !tokens.iter().any(|t| plain(&t)) {
+        return Ok(None);
+    }
+    let flag = |t: &Value, key: &str| t[key].as_bool() == Some(true);
+    if tokens.iter().filter(plain).any(|t| {
+        flag(t, "normalized") || flag(t, "single_word") || flag(t, "lstrip") || flag(t, "rstrip")
+    }) {
+        bail!("it has added tokens that are not special and are normalized, single words or strip spaces");
+    }
+    let (mut contents, mut ids) = (Vec::new(), Vec::new());
+    for t in tokens.iter().filter(|t| !flag(t, "normalized")) {
+        let (Some(content), Some(id)) = (t["content"].as_str(), t["id"].as_u64()) else {
+            bail!("added token {t} has no content or id");
+        };
+        contents.push(content);
+        ids.push(plain(&t).then_some(u32::try_from(id)?));
+    }
+    let search = AhoCorasick::builder()
+        .match_kind(MatchKind::LeftmostLongest)
+        .build(&contents)
+        .map_err(|e| anyhow!("its added tokens do not build a search: {e}"))?;
+    Ok(Some(Added {
+        words: AddedWords { search, ids },
+        has_whitespace: contents.iter().any(|c| c.chars().any(char::is_whitespace)),
+    }))
 }
 
 /// The regex of a byte-level pre-tokenizer this encoder reproduces.
