@@ -29,7 +29,7 @@
 use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use anyhow::{anyhow, bail, Result};
@@ -204,14 +204,23 @@ impl Splitter {
     }
 }
 
+/// Whether a piece that is a token is that token without merging: always (tiktoken's rule;
+/// `tokenizers` with `ignore_merges`), or where BPE merges the token's bytes back to it, as
+/// it does for nearly every token (`tokenizers` without `ignore_merges`: Qwen2, GPT-2's
+/// tokenizer.json). Each token is merged once, at its first use, and the answer kept.
+enum Whole {
+    Always,
+    /// Per token id: 0 not known yet, 1 whole, 2 not (it merges into other tokens).
+    Checked(Box<[AtomicU8]>),
+}
+
 /// A BPE encoder with its pre-tokenizer.
 pub struct FastBpe {
     splitter: Splitter,
     /// Token bytes → id of every ordinary token.
     vocab: Vocab,
-    /// Whether a piece that is a token is that token without merging (tiktoken always;
-    /// `tokenizers` with `ignore_merges`).
-    whole_pieces: bool,
+    /// Whether a piece that is a token is that token without merging.
+    whole: Whole,
     merger: Merger,
     /// Whether texts may be cut for parallel encoding (see [`CUTTABLE_PATTERNS`]).
     cuttable: bool,
@@ -348,7 +357,7 @@ impl FastBpe {
         Ok(FastBpe {
             splitter: Splitter::new(pattern)?,
             vocab: Vocab::new(vocab),
-            whole_pieces: true,
+            whole: Whole::Always,
             merger: Merger::Ranks { bpe, ids },
             cuttable: CUTTABLE_PATTERNS.contains(&pattern),
             nfc: false,
@@ -399,6 +408,7 @@ impl FastBpe {
                 _ => bail!("vocabulary entry {token:?} is not a byte-level token with an id"),
             }
         }
+        let max_id = vocab.values().copied().max().unwrap_or(0) as usize;
         let mut byte_ids = [0u32; 256];
         for (b, slot) in byte_ids.iter_mut().enumerate() {
             *slot = *vocab
@@ -438,7 +448,10 @@ impl FastBpe {
             added: added.map(|a| a.words),
             splitter,
             vocab: Vocab::new(vocab),
-            whole_pieces: model["ignore_merges"].as_bool() == Some(true),
+            whole: match model["ignore_merges"].as_bool() {
+                Some(true) => Whole::Always,
+                _ => Whole::Checked((0..=max_id).map(|_| AtomicU8::new(0)).collect()),
+            },
             id: next_id(),
             merger: Merger::Merges {
                 byte_ids: Box::new(byte_ids),
@@ -503,8 +516,8 @@ impl FastBpe {
         work: &mut Work,
         cache: &mut MergedCache,
     ) {
-        if self.whole_pieces {
-            if let Some(id) = self.vocab.get(piece) {
+        if let Some(id) = self.vocab.get(piece) {
+            if self.is_whole(id, piece, work) {
                 out.push(id);
                 return;
             }
@@ -519,6 +532,24 @@ impl FastBpe {
             cache.pieces.clear();
         }
         cache.pieces.insert(piece.into(), out[from..].into());
+    }
+
+    /// Whether `piece`, the bytes of token `id`, encodes as that token (see [`Whole`]).
+    fn is_whole(&self, id: u32, piece: &[u8], work: &mut Work) -> bool {
+        let Whole::Checked(known) = &self.whole else {
+            return true;
+        };
+        let known = &known[id as usize];
+        match known.load(Ordering::Relaxed) {
+            0 => {
+                let mut ids = Vec::new();
+                self.merge_piece(piece, &mut ids, work);
+                let whole = ids == [id];
+                known.store(if whole { 1 } else { 2 }, Ordering::Relaxed);
+                whole
+            }
+            state => state == 1,
+        }
     }
 
     /// Appends the merged ids of a piece that is not one token (or may not be taken whole).
@@ -691,6 +722,53 @@ mod tests {
         let mut out = Vec::new();
         splitter.split(text, &mut cache, |p| out.push(p));
         out
+    }
+
+    /// A token that BPE does not merge its bytes back to ("abc" with the merges "a b", "b c"
+    /// gives "ab" "c") is taken whole only with `ignore_merges`: the ids of `tokenizers`
+    /// itself on the same tokenizer.json, both ways.
+    #[test]
+    fn a_token_its_merges_do_not_rebuild_is_whole_only_with_ignore_merges() {
+        let chars = super::super::hf_json::byte_chars();
+        let mut vocab = serde_json::Map::new();
+        for (b, c) in chars.iter().enumerate() {
+            vocab.insert(c.to_string(), b.into());
+        }
+        for (i, t) in ["ab", "bc", "abc"].iter().enumerate() {
+            vocab.insert(t.to_string(), (256 + i).into());
+        }
+        for ignore_merges in [false, true] {
+            let json = serde_json::json!({
+                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null,
+                "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false,
+                                  "trim_offsets": true, "use_regex": true},
+                "post_processor": null, "decoder": null,
+                "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                          "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                          "fuse_unk": false, "byte_fallback": false,
+                          "ignore_merges": ignore_merges,
+                          "vocab": vocab, "merges": ["a b", "b c"]}
+            });
+            let fast = FastBpe::from_hf_json(&json).unwrap();
+            let reference: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+            for text in ["abc", "abc abc", "xabcx", "ab", "bc", "abcabc", " abc"] {
+                let mut ids = Vec::new();
+                fast.encode_into(text, &mut ids);
+                let want = reference.encode(text, false).unwrap().get_ids().to_vec();
+                assert_eq!(ids, want, "{text:?}, ignore_merges {ignore_merges}");
+            }
+            let mut ids = Vec::new();
+            fast.encode_into("abc", &mut ids);
+            assert_eq!(
+                ids,
+                if ignore_merges {
+                    vec![258]
+                } else {
+                    vec![256, 99]
+                }
+            );
+        }
     }
 
     #[test]
