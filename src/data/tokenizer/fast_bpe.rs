@@ -218,7 +218,7 @@ enum Whole {
 pub struct FastBpe {
     splitter: Splitter,
     /// Token bytes → id of every ordinary token.
-    vocab: Vocab,
+    vocab: BytesMap<u32>,
     /// Whether a piece that is a token is that token without merging.
     whole: Whole,
     merger: Merger,
@@ -249,7 +249,7 @@ struct AddedWords {
 struct MergedCache {
     owner: u64,
     dfa: Option<DfaCache>,
-    pieces: FxHashMap<Box<[u8]>, Box<[u32]>>,
+    pieces: BytesMap<Box<[u32]>>,
 }
 
 /// Pieces kept in a thread's [`MergedCache`] before it is emptied (a few MB).
@@ -259,7 +259,7 @@ thread_local! {
     static MERGED: RefCell<MergedCache> = RefCell::new(MergedCache {
         owner: u64::MAX,
         dfa: None,
-        pieces: FxHashMap::default(),
+        pieces: BytesMap::new(),
     });
 }
 
@@ -287,35 +287,76 @@ fn next_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Token bytes → id, split by length: a token of up to 7 bytes (most of them) is one u64
-/// (its bytes and its length), hashed and compared as a number.
-struct Vocab {
-    short: FxHashMap<u64, u32>,
-    long: FxHashMap<Box<[u8]>, u32>,
+/// A map keyed by byte strings, split by length so that most keys are hashed and compared
+/// as numbers (see [`Key`]): the vocabulary (token bytes → id; most tokens have up to 7 bytes,
+/// a long word and its space up to 15) and the merged pieces.
+struct BytesMap<V> {
+    short: FxHashMap<u64, V>,
+    mid: FxHashMap<(u64, u64), V>,
+    long: FxHashMap<Box<[u8]>, V>,
 }
 
-impl Vocab {
-    fn new(all: FxHashMap<Box<[u8]>, u32>) -> Vocab {
-        let (mut short, mut long) = (FxHashMap::default(), FxHashMap::default());
-        for (bytes, id) in all {
-            match Self::short_key(&bytes) {
-                Some(k) => short.insert(k, id),
-                None => long.insert(bytes, id),
-            };
+/// A token's bytes as numbers: up to 7 bytes and, in the top byte, the length; or 8 to 15
+/// bytes as the first 8 and the rest so; or the bytes themselves.
+enum Key<'a> {
+    Short(u64),
+    Mid(u64, u64),
+    Long(&'a [u8]),
+}
+
+impl Key<'_> {
+    fn of(bytes: &[u8]) -> Key<'_> {
+        let n = bytes.len();
+        let tail = |b: &[u8]| pack(b) | (n as u64) << 56;
+        match n {
+            0..8 => Key::Short(tail(bytes)),
+            8..16 => Key::Mid(pack(&bytes[..8]), tail(&bytes[8..])),
+            _ => Key::Long(bytes),
         }
-        Vocab { short, long }
+    }
+}
+
+impl<V> BytesMap<V> {
+    fn new() -> BytesMap<V> {
+        BytesMap {
+            short: FxHashMap::default(),
+            mid: FxHashMap::default(),
+            long: FxHashMap::default(),
+        }
     }
 
-    /// A token of up to 7 bytes as one number: its bytes and, in the top byte, its length.
-    fn short_key(bytes: &[u8]) -> Option<u64> {
-        (bytes.len() < 8).then(|| pack(bytes) | (bytes.len() as u64) << 56)
+    fn from_pairs(pairs: impl IntoIterator<Item = (Box<[u8]>, V)>) -> BytesMap<V> {
+        let mut map = BytesMap::new();
+        for (bytes, value) in pairs {
+            map.insert(&bytes, value);
+        }
+        map
     }
 
-    fn get(&self, bytes: &[u8]) -> Option<u32> {
-        match Self::short_key(bytes) {
-            Some(k) => self.short.get(&k).copied(),
-            None => self.long.get(bytes).copied(),
+    fn get(&self, bytes: &[u8]) -> Option<&V> {
+        match Key::of(bytes) {
+            Key::Short(k) => self.short.get(&k),
+            Key::Mid(a, b) => self.mid.get(&(a, b)),
+            Key::Long(b) => self.long.get(b),
         }
+    }
+
+    fn insert(&mut self, bytes: &[u8], value: V) {
+        match Key::of(bytes) {
+            Key::Short(k) => self.short.insert(k, value),
+            Key::Mid(a, b) => self.mid.insert((a, b), value),
+            Key::Long(b) => self.long.insert(b.into(), value),
+        };
+    }
+
+    fn len(&self) -> usize {
+        self.short.len() + self.mid.len() + self.long.len()
+    }
+
+    fn clear(&mut self) {
+        self.short.clear();
+        self.mid.clear();
+        self.long.clear();
     }
 }
 
@@ -356,7 +397,7 @@ impl FastBpe {
             .collect::<FxHashMap<Box<[u8]>, u32>>();
         Ok(FastBpe {
             splitter: Splitter::new(pattern)?,
-            vocab: Vocab::new(vocab),
+            vocab: BytesMap::from_pairs(vocab),
             whole: Whole::Always,
             merger: Merger::Ranks { bpe, ids },
             cuttable: CUTTABLE_PATTERNS.contains(&pattern),
@@ -447,7 +488,7 @@ impl FastBpe {
             nfc,
             added: added.map(|a| a.words),
             splitter,
-            vocab: Vocab::new(vocab),
+            vocab: BytesMap::from_pairs(vocab),
             whole: match model["ignore_merges"].as_bool() {
                 Some(true) => Whole::Always,
                 _ => Whole::Checked((0..=max_id).map(|_| AtomicU8::new(0)).collect()),
@@ -516,7 +557,7 @@ impl FastBpe {
         work: &mut Work,
         cache: &mut MergedCache,
     ) {
-        if let Some(id) = self.vocab.get(piece) {
+        if let Some(&id) = self.vocab.get(piece) {
             if self.is_whole(id, piece, work) {
                 out.push(id);
                 return;
@@ -531,7 +572,7 @@ impl FastBpe {
         if cache.pieces.len() >= MERGED_CAPACITY {
             cache.pieces.clear();
         }
-        cache.pieces.insert(piece.into(), out[from..].into());
+        cache.pieces.insert(piece, out[from..].into());
     }
 
     /// Whether `piece`, the bytes of token `id`, encodes as that token (see [`Whole`]).
