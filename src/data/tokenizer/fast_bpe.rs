@@ -325,10 +325,10 @@ impl<V> BytesMap<V> {
         }
     }
 
-    fn from_pairs(pairs: impl IntoIterator<Item = (Box<[u8]>, V)>) -> BytesMap<V> {
+    fn from_pairs<B: AsRef<[u8]>>(pairs: impl IntoIterator<Item = (B, V)>) -> BytesMap<V> {
         let mut map = BytesMap::new();
         for (bytes, value) in pairs {
-            map.insert(&bytes, value);
+            map.insert(bytes.as_ref(), value);
         }
         map
     }
@@ -392,9 +392,7 @@ impl FastBpe {
         ids: Option<Vec<u32>>,
     ) -> Result<FastBpe> {
         let id = |i: usize| ids.as_ref().map_or(i as u32, |ids| ids[i]);
-        let vocab = (0..bpe.num_tokens())
-            .map(|i| (bpe.token_bytes(i as u32).into(), id(i)))
-            .collect::<FxHashMap<Box<[u8]>, u32>>();
+        let vocab = (0..bpe.num_tokens()).map(|i| (bpe.token_bytes(i as u32), id(i)));
         Ok(FastBpe {
             splitter: Splitter::new(pattern)?,
             vocab: BytesMap::from_pairs(vocab),
