@@ -243,23 +243,33 @@ fn llama3_tokenizer_json_matches_python_tokenizers() {
     assert!(tok.engine().contains("byte-level BPE"), "{}", tok.engine());
     assert_eq!((tok.vocab_size(), tok.eos_id()), (128_256, 128_001));
     // Every added token's spelling (<|begin_of_text|>, <|reserved_special_token_N|>...) is text.
-    let added: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
-    let specials: Vec<String> = added["added_tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["content"].as_str().unwrap().to_string())
-        .collect();
+    let specials = added_tokens(&json);
     assert_eq!(specials.len(), 256);
     let texts = texts(&specials, true);
     let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
     assert_same(&tok, &texts, &ids.join("llama3"), "llama3");
-    // A huge document is cut for parallel tokenization only where that changes nothing.
-    let (_, line) = texts.iter().find(|(n, _)| n == "shakespeare").unwrap();
-    let pieces = tok.split_for_parallel(line, 64 << 10);
+    cuts_change_nothing(&tok, &texts, "shakespeare");
+}
+
+/// The spellings of a tokenizer.json's added tokens.
+fn added_tokens(json: &Path) -> Vec<String> {
+    let json: serde_json::Value = serde_json::from_slice(&fs::read(json).unwrap()).unwrap();
+    json["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["content"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A huge document (the text `name`) is cut for parallel tokenization only where that
+/// changes nothing.
+fn cuts_change_nothing(tok: &Tokenizer, texts: &[(String, String)], name: &str) {
+    let (_, text) = texts.iter().find(|(n, _)| n == name).unwrap();
+    let pieces = tok.split_for_parallel(text, 64 << 10);
     assert!(pieces.len() > 10, "{} pieces", pieces.len());
     let joined: Vec<u32> = pieces.iter().flat_map(|p| tok.encode(p)).collect();
-    assert_eq!(joined, tok.encode(line));
+    assert_eq!(joined, tok.encode(text));
 }
 
 /// Qwen2.5: an NFC normalizer, single-digit pieces, and added tokens that are not special
@@ -271,13 +281,7 @@ fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
     let json = tokenizer_json(QWEN2_5, dir.path(), "qwen2_5");
     let tok = Tokenizer::load(json.to_str().unwrap()).unwrap();
     assert!(tok.engine().contains("byte-level BPE"), "{}", tok.engine());
-    let added: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
-    let added: Vec<String> = added["added_tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["content"].as_str().unwrap().to_string())
-        .collect();
+    let added = added_tokens(&json);
     assert_eq!(added.len(), 22);
     let mut texts = texts(&added, true);
     // Text that NFC changes: combining marks to compose and to reorder, singletons (Ångström
@@ -292,12 +296,7 @@ fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
     let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
     assert_same(&tok, &texts, &ids.join("qwen2_5"), "qwen2_5");
     assert!(tok.encode("a<tool_call>b").contains(&151_657));
-    // A huge document is cut for parallel tokenization only where that changes nothing.
-    let (_, line) = texts.iter().find(|(n, _)| n == "line_10mb").unwrap();
-    let pieces = tok.split_for_parallel(line, 64 << 10);
-    assert!(pieces.len() > 10, "{} pieces", pieces.len());
-    let joined: Vec<u32> = pieces.iter().flat_map(|p| tok.encode(p)).collect();
-    assert_eq!(joined, tok.encode(line));
+    cuts_change_nothing(&tok, &texts, "line_10mb");
 }
 
 #[test]

@@ -701,13 +701,20 @@ fn added_words(json: &Value) -> Result<Option<Added>> {
         return Ok(None);
     }
     let flag = |t: &Value, key: &str| t[key].as_bool() == Some(true);
-    if tokens.iter().filter(plain).any(|t| {
-        flag(t, "normalized") || flag(t, "single_word") || flag(t, "lstrip") || flag(t, "rstrip")
-    }) {
-        bail!("it has added tokens that are not special and are normalized, single words or strip spaces");
+    // `tokenizers`' default: an added token is normalized unless it is special.
+    let normalized = |t: &Value| t["normalized"].as_bool().unwrap_or(plain(&t));
+    if tokens
+        .iter()
+        .filter(plain)
+        .any(|t| normalized(t) || flag(t, "single_word") || flag(t, "lstrip") || flag(t, "rstrip"))
+    {
+        bail!(
+            "it has added tokens that are not special and are normalized, single words or \
+             strip spaces"
+        );
     }
     let (mut contents, mut ids) = (Vec::new(), Vec::new());
-    for t in tokens.iter().filter(|t| !flag(t, "normalized")) {
+    for t in tokens.iter().filter(|t| !normalized(t)) {
         let (Some(content), Some(id)) = (t["content"].as_str(), t["id"].as_u64()) else {
             bail!("added token {t} has no content or id");
         };
