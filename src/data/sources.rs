@@ -450,24 +450,11 @@ fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Resul
         buf.truncate(have + n);
         let last = n == 0 || buf.len() < have + PIECE;
         // Hold back an incomplete character at the end for the next piece.
-        let mut end = buf.len();
-        if !last {
-            let start = (end.saturating_sub(4)..end)
-                .rev()
-                .find(|&i| buf[i] & 0xC0 != 0x80);
-            if let Some(i) = start {
-                let need = match buf[i] {
-                    b if b >= 0xF0 => 4,
-                    b if b >= 0xE0 => 3,
-                    b if b >= 0xC0 => 2,
-                    _ => 1,
-                };
-                if i + need > end {
-                    end = i;
-                }
-            }
-        }
-        carry = buf.split_off(end);
+        carry = if last {
+            Vec::new()
+        } else {
+            split_incomplete_char(&mut buf)
+        };
         let text = String::from_utf8(buf).map_err(|e| {
             anyhow!(
                 "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
@@ -486,6 +473,17 @@ fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Resul
             return Ok(());
         }
     }
+}
+
+/// Splits off the end of `buf` a character the next bytes may complete (its first 1 to 3
+/// bytes), returned for the next piece; invalid UTF-8 elsewhere is left for the caller's
+/// check to report.
+fn split_incomplete_char(buf: &mut Vec<u8>) -> Vec<u8> {
+    let keep = match std::str::from_utf8(buf) {
+        Err(e) if e.error_len().is_none() => e.valid_up_to(),
+        _ => buf.len(),
+    };
+    buf.split_off(keep)
 }
 
 /// Reads until `buf` is full or the file ends; the bytes read.
@@ -576,34 +574,65 @@ fn read_jsonl(
         if text.trim().is_empty() {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-            anyhow!(
-                "{}: not valid JSON ({e}); each line of a .jsonl file must be one JSON object",
-                p()
-            )
-        })?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| line_error::not_json(&p(), e))?;
         let serde_json::Value::Object(mut obj) = value else {
-            bail!(
-                "{}: expected a JSON object with a \"{text_field}\" string field",
-                p()
-            );
+            return Err(line_error::not_an_object(
+                &p(),
+                text_field,
+                json_type(&value),
+            ));
         };
         match obj.remove(text_field) {
             Some(serde_json::Value::String(s)) => f(s, true)?,
             other => {
                 let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
-                let problem = match other {
-                    None => "has no".to_string(),
-                    Some(v) => format!("has a non-string ({})", json_type(&v)),
-                };
-                bail!(
-                    "{}: line {problem} field \"{text_field}\" (its other keys: [{}]); \
-                     set `data.text_field` to the key holding the text",
-                    p(),
-                    keys.join(", ")
-                );
+                let found = other.as_ref().map(json_type);
+                return Err(line_error::no_text(&p(), text_field, found, &keys));
             }
         }
+    }
+}
+
+/// The errors of a `.jsonl` line (named `at`), parsed whole or as it is read.
+mod line_error {
+    use anyhow::anyhow;
+
+    pub fn not_json(at: &str, why: impl std::fmt::Display) -> anyhow::Error {
+        anyhow!("{at}: not valid JSON ({why}); each line of a .jsonl file must be one JSON object")
+    }
+
+    /// The line is a JSON value of type `found`, not an object.
+    pub fn not_an_object(at: &str, text_field: &str, found: &str) -> anyhow::Error {
+        let article = if found.starts_with(['a', 'o']) {
+            "an"
+        } else {
+            "a"
+        };
+        anyhow!(
+            "{at}: expected a JSON object with a \"{text_field}\" string field, found {article} \
+             {found}"
+        )
+    }
+
+    /// The object has no `text_field` (`found` None) or one of type `found`; `keys` are its
+    /// other keys.
+    pub fn no_text(
+        at: &str,
+        text_field: &str,
+        found: Option<&str>,
+        keys: &[impl AsRef<str>],
+    ) -> anyhow::Error {
+        let problem = match found {
+            None => "has no".to_string(),
+            Some(t) => format!("has a non-string ({t})"),
+        };
+        let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
+        anyhow!(
+            "{at}: line {problem} field \"{text_field}\" (its other keys: [{}]); set \
+             `data.text_field` to the key holding the text",
+            keys.join(", ")
+        )
     }
 }
 
@@ -729,9 +758,7 @@ fn read_long_line(
         if what.contains("invalid UTF-8") {
             anyhow!("{at}: {what}; convert the file to UTF-8")
         } else {
-            anyhow!(
-                "{at}: not valid JSON ({what}); each line of a .jsonl file must be one JSON object"
-            )
+            line_error::not_json(at, what)
         }
     };
     let kind = |t: ValueType| match t {
@@ -754,11 +781,7 @@ fn read_long_line(
     let mut json = JsonStreamReader::new_custom(head.chain(&mut rest), settings);
     match json.peek().map_err(|e| bad(&e))? {
         ValueType::Object => {}
-        other => bail!(
-            "{at}: expected a JSON object with a \"{text_field}\" string field, found {} {}",
-            if other == ValueType::Array { "an" } else { "a" },
-            kind(other)
-        ),
+        other => return Err(line_error::not_an_object(at, text_field, kind(other))),
     }
     json.begin_object().map_err(|e| bad(&e))?;
     // The other keys (for the error naming them) and the text's last piece, or the type of
@@ -796,11 +819,7 @@ fn read_long_line(
             }
             // The string reader's bytes are valid UTF-8 but may end inside a character: hand
             // on the whole characters, keep the rest for the next piece.
-            let whole = match std::str::from_utf8(&buf) {
-                Ok(_) => buf.len(),
-                Err(e) => e.valid_up_to(),
-            };
-            let rest = buf.split_off(whole);
+            let rest = split_incomplete_char(&mut buf);
             let piece = String::from_utf8(std::mem::replace(&mut buf, rest));
             f(piece.expect("checked UTF-8"), false)?;
         }
@@ -810,17 +829,8 @@ fn read_long_line(
     json.consume_trailing_whitespace().map_err(|e| bad(&e))?;
     match text {
         Some(Ok(last)) => f(last, true)?,
-        other => {
-            let problem = match other {
-                Some(Err(t)) => format!("has a non-string ({t})"),
-                _ => "has no".to_string(),
-            };
-            bail!(
-                "{at}: line {problem} field \"{text_field}\" (its other keys: [{}]); set \
-                 `data.text_field` to the key holding the text",
-                keys.join(", ")
-            );
-        }
+        Some(Err(t)) => return Err(line_error::no_text(at, text_field, Some(t), &keys)),
+        None => return Err(line_error::no_text(at, text_field, None, &keys)),
     }
     Ok(head.len() as u64 + rest.read)
 }
