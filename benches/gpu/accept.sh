@@ -5,55 +5,86 @@
 # and everything goes to $OUT/report.txt (the device tool returns $OUT), with $OUT/summary.txt
 # (the result lines alone) and $OUT/logs.tar.gz (every command's full output).
 #
-# usage: bash benches/gpu/accept.sh [--dry-run] [correctness|perf|scale|multi|all|c1..c8]...
-#   correctness  c1 unit tests on CUDA (NCCL group of one rank, model tests)
+# usage: bash benches/gpu/accept.sh [--dry-run] [GROUP|STEP]...   (default: lease)
+#   lease        what one 15-minute GPU session runs in one device call, most needed first:
+#                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7
+#                c6-default c5-compile (budget 420 s; c5 at micro-batches 8 and 16)
+#   rest         every step lease leaves out: c1-all c3-auto-free c6-variants c8
+#   correctness  c1 unit tests on CUDA: c1-nccl (the NCCL group of one rank), c1-model (the
+#                   model on CUDA against the CPU), c1-all (the whole unit suite)
 #                c2 parity with transformers on the GPU (fp32 and bf16)
-#                c3 `lockstep run --gpus 0`: bf16 debug preset, checkpoint, resume, --gpus auto-free
-#                c4 NaN guard on CUDA; eval and generate on CUDA against the CPU; training with
-#                   packed documents (variable-length flash attention)
-#   perf         c5 throughput of the 1B config against PyTorch eager and torch.compile
+#                c3 `lockstep run --gpus 0`: c3-run (bf16 debug preset, asynchronous
+#                   checkpoint), c3-resume, c3-auto-free (--gpus auto-free)
+#                c4 c4-nan (the NaN guard on CUDA), c4-docmask (packed documents: variable-
+#                   length flash attention), c4-eval (eval and generate on CUDA against the CPU)
+#   perf         c5 throughput of the 1B config: c5-speed (lockstep and PyTorch eager),
+#                   c5-compile (torch.compile; the goal)
 #                c7 one step profiled: per-phase times, host synchronisations per step
 #   scale        c6 the production preset (8B dims, 4 layers, context 8192): tokens/s, peak
-#                   memory for activation checkpointing / loss chunking / zero stage variants
+#                   memory: c6-default, c6-variants (activation checkpointing / loss chunking /
+#                   zero stage)
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
 #                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16
-#   all          all of them (more than one device command's 10 minutes: use the groups there)
+#   all          correctness perf scale multi (more than one device command's 10 minutes)
+#   c1..c8, or one step by its name (c3-resume): that check alone; steps run in the order named
+#                (c3-resume and c4-eval need c3-run earlier in the same call, c5-compile c5-speed)
 #   --dry-run    here, on the CPU, with tiny shapes: every check's logic runs (the device
 #                switched to the CPU; what needs a GPU is a SKIP that says so)
 #
 # Knobs (environment): OUT (report folder; default /tmp/lockstep-accept-out), ACCEPT_WORK
 # (scratch, default a fresh /tmp/lockstep-accept.XXXXXX, removed at the end unless
-# ACCEPT_KEEP=1), ACCEPT_BUDGET_S (default 540: checks that would start later are SKIPped, so
-# the device's 600 s limit never kills the report), ACCEPT_BATCHES (c5's micro-batch sizes,
-# default "4 8 16"), ACCEPT_COMPILE=0 (no torch.compile), ACCEPT_IGNORE_BUILD=1 (go on with a
-# torch that differs from the build's: expect crashes).
+# ACCEPT_KEEP=1), ACCEPT_BUDGET_S (default 420 with lease, else 540: checks that would start
+# later are SKIPped, so the device command's limit never kills the report), ACCEPT_BATCHES
+# (c5's micro-batch sizes, default "8 16" with lease, else "4 8 16"), ACCEPT_COMPILE=0 (no
+# torch.compile), ACCEPT_IGNORE_BUILD=1 (go on with a torch that differs from the build's:
+# expect crashes).
 set -uo pipefail # no -e: a failing check is reported, and the next one runs
 T0=$SECONDS
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 DRY=0
-WANT=()
+LEASE=0
+# Every step, grouped by check, in the order `all` runs them.
+C1=(c1-nccl c1-model c1-all) C2=(c2) C3=(c3-run c3-resume c3-auto-free)
+C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7) C8=(c8)
+ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
+# A GPU session's one call (15 minutes of device time, the machine's start included): every
+# figure the CUDA issue requires, cheapest first within what matters most.
+LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7 c6-default c5-compile)
+STEPS=()
+add() { # add STEP...: appended once each, in order
+  local s
+  for s in "$@"; do [[ " ${STEPS[*]} " == *" $s "* ]] || STEPS+=("$s"); done
+}
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    correctness) WANT+=(c1 c2 c3 c4) ;;
-    perf) WANT+=(c5 c7) ;;
-    scale) WANT+=(c6) ;;
-    multi) WANT+=(c8) ;;
-    all) WANT+=(c1 c2 c3 c4 c5 c6 c7 c8) ;;
-    c[1-8]) WANT+=("$arg") ;;
+    lease) LEASE=1 && add "${LEASE_STEPS[@]}" ;;
+    rest) for s in "${ALL_STEPS[@]}"; do [[ " ${LEASE_STEPS[*]} " == *" $s "* ]] || add "$s"; done ;;
+    correctness) add "${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" ;;
+    perf) add "${C5[@]}" "${C7[@]}" ;;
+    scale) add "${C6[@]}" ;;
+    multi) add "${C8[@]}" ;;
+    all) add "${ALL_STEPS[@]}" ;;
+    c[1-8]) group="${arg^^}[@]" && add "${!group}" ;;
     -h | --help)
       sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
       exit 0
       ;;
     *)
-      echo "accept.sh: unknown argument '$arg' (correctness|perf|scale|multi|all|c1..c8, --dry-run)" >&2
-      exit 2
+      if [[ " ${ALL_STEPS[*]} " == *" $arg "* ]]; then
+        add "$arg"
+      else
+        echo "accept.sh: unknown argument '$arg' (lease|rest|correctness|perf|scale|multi|all|c1..c8|a step: ${ALL_STEPS[*]}; --dry-run)" >&2
+        exit 2
+      fi
       ;;
   esac
 done
-[ ${#WANT[@]} -gt 0 ] || WANT=(c1 c2 c3 c4)
-wants() { [[ " ${WANT[*]} " == *" $1 "* ]]; }
+[ ${#STEPS[@]} -gt 0 ] || {
+  LEASE=1
+  add "${LEASE_STEPS[@]}"
+}
 
 OUT=${OUT:-/tmp/lockstep-accept-out}
 mkdir -p "$OUT"
@@ -64,7 +95,7 @@ SUMMARY=$OUT/summary.txt
 WORK=${ACCEPT_WORK:-$(mktemp -d /tmp/lockstep-accept.XXXXXX)}
 mkdir -p "$WORK/logs" "$WORK/bin"
 LOGS=$WORK/logs
-BUDGET=${ACCEPT_BUDGET_S:-540}
+BUDGET=${ACCEPT_BUDGET_S:-$([ "$LEASE" = 1 ] && echo 420 || echo 540)}
 NPASS=0 NFAIL=0 NSKIP=0
 MEMPID=
 
@@ -208,7 +239,7 @@ else
   # gradient; auto-free only picks the device).
   SMALL=(--set model.hidden_size=512 --set model.num_attention_heads=8 --set model.num_key_value_heads=4
     --set model.intermediate_size=1024)
-  BATCHES=${ACCEPT_BATCHES:-"4 8 16"}
+  BATCHES=${ACCEPT_BATCHES:-$([ "$LEASE" = 1 ] && echo "8 16" || echo "4 8 16")}
   PROFILE_BATCH=${ACCEPT_PROFILE_BATCH:-8}
 fi
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
@@ -220,7 +251,7 @@ UNIT=$WORK/bin/lockstep-unit
 CARRY=$ROOT/.carry
 cd "$WORK" || exit 2
 
-say "lockstep GPU acceptance ($MODE): checks ${WANT[*]}; $(date -u +%FT%TZ)"
+say "lockstep GPU acceptance ($MODE): ${STEPS[*]}; budget ${BUDGET} s; $(date -u +%FT%TZ)"
 say "repo $ROOT, scratch $WORK, python $PY, torch lib $TORCH_LIB"
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +265,7 @@ elif [ "$DRY" = 1 ]; then
 else
   result FAIL gpu "nvidia-smi not found on the GPU machine"
 fi
-if [ ! -f "$CARRY/build-info.json" ] || [ ! -f "$CARRY/lockstep.gz" ] || [ ! -f "$CARRY/lockstep-unit.gz" ]; then
+if [ ! -f "$CARRY/build-info.json" ] || [ ! -f "$CARRY/binaries.tar.xz" ]; then
   result FAIL carry "$CARRY is missing files: run bash benches/gpu/prepare.sh here and carry [\".carry\"]"
   exit 2
 fi
@@ -246,16 +277,13 @@ if [ "$STATUS" != PASS ] && [ "${ACCEPT_IGNORE_BUILD:-0}" != 1 ]; then
   exit 2
 fi
 ok=1
-for b in lockstep lockstep-unit; do
-  gzip -dc "$CARRY/$b.gz" >"$WORK/bin/$b" && chmod +x "$WORK/bin/$b" || ok=0
-  [ "$(sha256sum "$WORK/bin/$b" | cut -d' ' -f1)" = "$(cat "$CARRY/$b.sha256")" ] || ok=0
-done
+$PY "$HERE/accept_lib.py" unpack "$CARRY" "$WORK/bin" >>"$LOGS/preflight.log" 2>&1 || ok=0
 missing=$(ldd "$BIN" 2>&1 | grep "not found" | tr '\n' ' ')
 version=$("$BIN" --version 2>&1)
 if [ "$ok" = 1 ] && [ -z "$missing" ] && [ -n "$version" ]; then
   result PASS binaries "$version; unpacked, checksums match, every library resolves (LD_LIBRARY_PATH=$TORCH_LIB)"
 else
-  result FAIL binaries "unpack/checksum ok=$ok; unresolved: ${missing:-none}; --version: $version"
+  result FAIL binaries "unpack/checksum ok=$ok ($(tail -1 "$LOGS/preflight.log")); unresolved: ${missing:-none}; --version: $version"
   exit 2
 fi
 # The unit tests that read the source tree find it at the path the build had.
@@ -309,61 +337,67 @@ for (h, kv, s, d) in ((16, 8, 2048, 128), (32, 8, 8192, 128)):
 EOF
 
 # ---------------------------------------------------------------------------------------------
+# The checks: one function per step (check_<step>, the step's dashes as underscores), run in
+# the order of STEPS by the loop at the end. A step that would outlast the budget is a SKIP.
+
 # c1: unit tests on the device.
-if wants c1; then
-  section "c1 unit tests on $DEV"
-  if time_for 60 c1-nccl; then
-    LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-nccl 120 "$UNIT" --test-threads 1 --nocapture dist::nccl::
-    rc=$?
-    line=$(grep -ao "NCCL [0-9.]* group of one rank on cuda.*" "$LOGS/c1-nccl.log" | tail -1)
-    summary=$(grep -a "^test result" "$LOGS/c1-nccl.log" | tail -1)
-    if [ $rc -eq 0 ] && [ "$DRY" = 1 ]; then
-      result PASS c1-nccl "$summary (CPU: group_on_this_machine checks the no-GPU error path)"
-    elif [ $rc -eq 0 ] && [ -n "$line" ]; then
-      result PASS c1-nccl "$line; $summary"
-    else
-      result FAIL c1-nccl "exit $rc; $summary; $(why c1-nccl)"
-    fi
+check_c1_nccl() {
+  section "c1 the NCCL group of one rank on $DEV"
+  time_for 60 c1-nccl || return 0
+  LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-nccl 120 "$UNIT" --test-threads 1 --nocapture dist::nccl::
+  rc=$?
+  line=$(grep -ao "NCCL [0-9.]* group of one rank on cuda.*" "$LOGS/c1-nccl.log" | tail -1)
+  summary=$(grep -a "^test result" "$LOGS/c1-nccl.log" | tail -1)
+  if [ $rc -eq 0 ] && [ "$DRY" = 1 ]; then
+    result PASS c1-nccl "$summary (CPU: group_on_this_machine checks the no-GPU error path)"
+  elif [ $rc -eq 0 ] && [ -n "$line" ]; then
+    result PASS c1-nccl "$line; $summary"
+  else
+    result FAIL c1-nccl "exit $rc; $summary; $(why c1-nccl)"
   fi
-  if time_for 90 c1-model; then
-    LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-model 240 "$UNIT" --test-threads 1 --nocapture model:: sys::cuda::
-    rc=$?
-    summary=$(grep -a "^test result" "$LOGS/c1-model.log" | tail -1)
-    varlen=$(grep -ao "varlen flash vs masked SDPA.*\|the variable-length kernel does not apply.*" "$LOGS/c1-model.log" | tail -1)
-    grads=$(grep -a "^BFloat16 tied=false on" "$LOGS/c1-model.log" | sed 's/.*worst gradient/worst bf16 gradient/' | tail -1)
-    if [ $rc -eq 0 ]; then
-      result PASS c1-model "$summary; $varlen; vs CPU fp32: $grads"
-    else
-      result FAIL c1-model "exit $rc; $summary; failed: $(grep -a '^test .* FAILED$' "$LOGS/c1-model.log" | awk '{print $2}' | tr '\n' ' ') $(why c1-model)"
-    fi
+}
+check_c1_model() {
+  section "c1 the model on $DEV against the CPU"
+  time_for 90 c1-model || return 0
+  LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-model 240 "$UNIT" --test-threads 1 --nocapture model:: sys::cuda::
+  rc=$?
+  summary=$(grep -a "^test result" "$LOGS/c1-model.log" | tail -1)
+  varlen=$(grep -ao "varlen flash vs masked SDPA.*\|the variable-length kernel does not apply.*" "$LOGS/c1-model.log" | tail -1)
+  grads=$(grep -a "^BFloat16 tied=false on" "$LOGS/c1-model.log" | sed 's/.*worst gradient/worst bf16 gradient/' | tail -1)
+  if [ $rc -eq 0 ]; then
+    result PASS c1-model "$summary; $varlen; vs CPU fp32: $grads"
+  else
+    result FAIL c1-model "exit $rc; $summary; failed: $(grep -a '^test .* FAILED$' "$LOGS/c1-model.log" | awk '{print $2}' | tr '\n' ' ') $(why c1-model)"
   fi
-  # The whole unit suite on this machine: a GPU changes what some tests see.
-  if time_for 120 c1-all; then
-    # dist::nccl and the device tests ran in processes of their own above: a process that
-    # touched libtorch's device machinery before loading the CUDA backend never sees CUDA.
-    run_logged c1-all 240 "$UNIT" --test-threads "$(nproc)" --skip dist::nccl:: --skip model::device_tests::
-    rc=$?
-    summary=$(grep -a "^test result" "$LOGS/c1-all.log" | tail -1)
-    unexpected=$(grep -a '^test .* FAILED$' "$LOGS/c1-all.log" | awk '{print $2}' | sort)
-    # A test that fails beside others but passes alone races on process-wide state: reported
-    # as flaky (a defect to fix), not as a GPU failure.
-    flaky="" still=""
-    for t in $unexpected; do
-      if "$UNIT" --exact "$t" --test-threads 1 >>"$LOGS/c1-all-rerun.log" 2>&1; then flaky="$flaky $t"; else still="$still $t"; fi
-    done
-    unexpected=${still# }
-    if [ -n "$summary" ] && [ -z "$unexpected" ]; then
-      result PASS c1-all "$summary${flaky:+ (failed in parallel, pass alone — flaky:$flaky)}"
-    else
-      result FAIL c1-all "exit $rc; ${summary:-no summary}; unexpected failures: $(echo "$unexpected" | tr '\n' ' ') $(why c1-all)"
-    fi
+}
+# The whole unit suite on this machine: a GPU changes what some tests see.
+check_c1_all() {
+  section "c1 the whole unit suite on this machine"
+  time_for 120 c1-all || return 0
+  # dist::nccl and the device tests ran in processes of their own above: a process that
+  # touched libtorch's device machinery before loading the CUDA backend never sees CUDA.
+  run_logged c1-all 240 "$UNIT" --test-threads "$(nproc)" --skip dist::nccl:: --skip model::device_tests::
+  rc=$?
+  summary=$(grep -a "^test result" "$LOGS/c1-all.log" | tail -1)
+  unexpected=$(grep -a '^test .* FAILED$' "$LOGS/c1-all.log" | awk '{print $2}' | sort)
+  # A test that fails beside others but passes alone races on process-wide state: reported
+  # as flaky (a defect to fix), not as a GPU failure.
+  flaky="" still=""
+  for t in $unexpected; do
+    if "$UNIT" --exact "$t" --test-threads 1 >>"$LOGS/c1-all-rerun.log" 2>&1; then flaky="$flaky $t"; else still="$still $t"; fi
+  done
+  unexpected=${still# }
+  if [ -n "$summary" ] && [ -z "$unexpected" ]; then
+    result PASS c1-all "$summary${flaky:+ (failed in parallel, pass alone — flaky:$flaky)}"
+  else
+    result FAIL c1-all "exit $rc; ${summary:-no summary}; unexpected failures: $(echo "$unexpected" | tr '\n' ' ') $(why c1-all)"
   fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------
-# c2: parity with transformers on the device.
-if wants c2 && time_for 60 c2-parity; then
+check_c2() {
   section "c2 parity with transformers on $DEV (fp32 and bf16)"
+  time_for 60 c2-parity || return 0
   P=$WORK/parity
   rm -rf "$P" && mkdir -p "$P"
   if run_logged c2-reference 180 bash -c "'$PY' '$ROOT/tests/reference/hf_llama.py' '$P' && '$PY' '$HERE/hf_parity_device.py' '$P' --device $DEV"; then
@@ -379,19 +413,19 @@ if wants c2 && time_for 60 c2-parity; then
   else
     result FAIL c2-parity "the transformers reference failed: $(tail -2 "$LOGS/c2-reference.log" | tr '\n' ' ')"
   fi
-fi
+}
 
-# ---------------------------------------------------------------------------------------------
 # c3: `lockstep run` on the GPU: the debug preset in bf16, a checkpoint, a resume.
 RUNS=$WORK/runs
 CKPT=$RUNS/full/checkpoints/step_10
-if wants c3 && time_for 150 c3-run; then
-  section "c3 lockstep run ${RUNDEV[*]}: debug preset, bf16, checkpoint and resume"
-  TAG=$(tag_re)
-  # lr 1e-4 (the preset's 1e-7 barely moves the weights, which would hide a bad resume).
-  COMMON=(--debug "${SHRINK[@]}" --set training.dtype=bf16 --set training.learning_rate=1e-4
-    --set training.min_lr=1e-5 --set logging.interval=1 --set logging.memory_interval=5
-    --set logging.tensorboard=false --set "logging.dir=$RUNS")
+TAG=$(tag_re)
+# lr 1e-4 (the preset's 1e-7 barely moves the weights, which would hide a bad resume).
+COMMON=(--debug "${SHRINK[@]}" --set training.dtype=bf16 --set training.learning_rate=1e-4
+  --set training.min_lr=1e-5 --set logging.interval=1 --set logging.memory_interval=5
+  --set logging.tensorboard=false --set "logging.dir=$RUNS")
+check_c3_run() {
+  section "c3 lockstep run ${RUNDEV[*]}: debug preset, bf16, checkpoint"
+  time_for 150 c3-run || return 0
   run_logged c3-full 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=full --set checkpoint.interval=0
   rc=$?
   L=$LOGS/c3-full.log
@@ -415,54 +449,62 @@ if wants c3 && time_for 150 c3-run; then
   else
     result FAIL c3-async-save "staging line: '${staged:-none}', writer line: '${written:-none}'; $(why c3-full)"
   fi
-  if time_for 120 c3-resume; then
-    run_logged c3-stop 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=resumed --stop-at-step 5
-    rc1=$?
-    run_logged c3-resume 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=resumed --resume auto
-    rc2=$?
-    resumed=$(grep -a "Resumed from" "$LOGS/c3-resume.log" | head -1 | sed 's/.*Resumed from/resumed from/')
-    if [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && [ -n "$resumed" ] && [ -f "$RUNS/full/metrics.jsonl" ]; then
-      eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/full/metrics.jsonl" "$RUNS/resumed/metrics.jsonl" 1 5)"
-      fresh=$([ "$BITWISE" = 1 ] && echo bitwise || echo "max rel $MAXREL")
-      eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/full/metrics.jsonl" "$RUNS/resumed/metrics.jsonl" 6 10)"
-      again=$([ "$BITWISE" = 1 ] && echo bitwise || echo "max rel $MAXREL")
-      # Bitwise where the kernels are deterministic; otherwise within 1e-3 relative (bf16
-      # resolution is 4e-3; atomics in attention/embedding backward reorder sums).
-      if [ -z "$MISSING" ] && { [ "$BITWISE" = 1 ] || awk -v x="$MAXREL" 'BEGIN { exit !(x <= 1e-3) }'; }; then
-        result PASS c3-resume "$resumed; losses of steps 6-10 vs the uninterrupted run: $again (steps 1-5 of two fresh runs: $fresh)"
-      else
-        result FAIL c3-resume "steps missing: ${MISSING:-none}; steps 6-10: $again (tolerance 1e-3); steps 1-5: $fresh"
-      fi
-    else
-      result FAIL c3-resume "stop exit $rc1, resume exit $rc2, '${resumed:-no resume line}'; $(why c3-resume)"
-    fi
-    rm -rf "$RUNS/resumed/checkpoints"
+}
+check_c3_resume() {
+  section "c3 stop at step 5 and resume"
+  time_for 120 c3-resume || return 0
+  if [ ! -f "$RUNS/full/metrics.jsonl" ]; then
+    result SKIP c3-resume "needs c3-run's uninterrupted run in the same call"
+    return 0
   fi
-  if time_for 60 c3-auto-free; then
-    run_logged c3-auto-free 180 "$BIN" run --gpus auto-free -- --debug "${SMALL[@]}" --max-steps 2 \
-      --set "logging.dir=$RUNS" --set logging.run_name=autofree --set logging.tensorboard=false
-    rc=$?
-    if [ "$DRY" = 1 ]; then
-      msg=$(grep -a "auto-free" "$LOGS/c3-auto-free.log" | grep -v '^\$' | tail -1)
-      if [ $rc -ne 0 ] && grep -qa "no NVIDIA GPU found" "$LOGS/c3-auto-free.log"; then
-        result SKIP c3-auto-free "no GPU (dry run); the flag parses and is refused as it should be: $msg"
-      else
-        result FAIL c3-auto-free "exit $rc on a machine without GPUs: $msg"
-      fi
-    elif [ $rc -eq 0 ] && grep -qa "\[GPU0\] Step \[2/2\]" "$LOGS/c3-auto-free.log"; then
-      result PASS c3-auto-free "$(grep -a '^\[launcher\] .* workers' "$LOGS/c3-auto-free.log" | head -1); lines prefixed [GPU0]"
+  run_logged c3-stop 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=resumed --stop-at-step 5
+  rc1=$?
+  run_logged c3-resume 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=resumed --resume auto
+  rc2=$?
+  resumed=$(grep -a "Resumed from" "$LOGS/c3-resume.log" | head -1 | sed 's/.*Resumed from/resumed from/')
+  if [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && [ -n "$resumed" ] && [ -f "$RUNS/full/metrics.jsonl" ]; then
+    eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/full/metrics.jsonl" "$RUNS/resumed/metrics.jsonl" 1 5)"
+    fresh=$([ "$BITWISE" = 1 ] && echo bitwise || echo "max rel $MAXREL")
+    eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/full/metrics.jsonl" "$RUNS/resumed/metrics.jsonl" 6 10)"
+    again=$([ "$BITWISE" = 1 ] && echo bitwise || echo "max rel $MAXREL")
+    # Bitwise where the kernels are deterministic; otherwise within 1e-3 relative (bf16
+    # resolution is 4e-3; atomics in attention/embedding backward reorder sums).
+    if [ -z "$MISSING" ] && { [ "$BITWISE" = 1 ] || awk -v x="$MAXREL" 'BEGIN { exit !(x <= 1e-3) }'; }; then
+      result PASS c3-resume "$resumed; losses of steps 6-10 vs the uninterrupted run: $again (steps 1-5 of two fresh runs: $fresh)"
     else
-      result FAIL c3-auto-free "exit $rc; $(why c3-auto-free)"
+      result FAIL c3-resume "steps missing: ${MISSING:-none}; steps 6-10: $again (tolerance 1e-3); steps 1-5: $fresh"
     fi
-    rm -rf "$RUNS/autofree"
+  else
+    result FAIL c3-resume "stop exit $rc1, resume exit $rc2, '${resumed:-no resume line}'; $(why c3-resume)"
   fi
-fi
+  rm -rf "$RUNS/resumed/checkpoints"
+}
+check_c3_auto_free() {
+  section "c3 --gpus auto-free"
+  time_for 60 c3-auto-free || return 0
+  run_logged c3-auto-free 180 "$BIN" run --gpus auto-free -- --debug "${SMALL[@]}" --max-steps 2 \
+    --set "logging.dir=$RUNS" --set logging.run_name=autofree --set logging.tensorboard=false
+  rc=$?
+  if [ "$DRY" = 1 ]; then
+    msg=$(grep -a "auto-free" "$LOGS/c3-auto-free.log" | grep -v '^\$' | tail -1)
+    if [ $rc -ne 0 ] && grep -qa "no NVIDIA GPU found" "$LOGS/c3-auto-free.log"; then
+      result SKIP c3-auto-free "no GPU (dry run); the flag parses and is refused as it should be: $msg"
+    else
+      result FAIL c3-auto-free "exit $rc on a machine without GPUs: $msg"
+    fi
+  elif [ $rc -eq 0 ] && grep -qa "\[GPU0\] Step \[2/2\]" "$LOGS/c3-auto-free.log"; then
+    result PASS c3-auto-free "$(grep -a '^\[launcher\] .* workers' "$LOGS/c3-auto-free.log" | head -1); lines prefixed [GPU0]"
+  else
+    result FAIL c3-auto-free "exit $rc; $(why c3-auto-free)"
+  fi
+  rm -rf "$RUNS/autofree"
+}
 
-# ---------------------------------------------------------------------------------------------
 # c4: the NaN guard on the device; eval and generate on the device against the CPU.
-if wants c4 && time_for 60 c4-nan; then
-  section "c4 NaN guard, eval and generate on $DEV"
-  UP=model.layers.0.mlp.up_proj.weight
+UP=model.layers.0.mlp.up_proj.weight
+check_c4_nan() {
+  section "c4 the NaN guard on $DEV"
+  time_for 60 c4-nan || return 0
   run_logged c4-nan 180 "$BIN" train --debug "${SMALL[@]}" --set system.device=$DEV --set training.dtype=bf16 \
     --max-steps 5 --set debug.inject_nan_at_step=3 --set "debug.inject_nan_param=$UP" \
     --set "logging.dir=$RUNS" --set logging.run_name=nan --set logging.tensorboard=false
@@ -487,6 +529,10 @@ if wants c4 && time_for 60 c4-nan; then
     result FAIL c4-nan-loss "exit $rc (want 3); $(why c4-nan-loss)"
   fi
   rm -rf "$RUNS/nan" "$RUNS/nanloss"
+}
+check_c4_docmask() {
+  section "c4 packed documents on $DEV"
+  time_for 30 c4-docmask || return 0
   # Packed documents: on CUDA bf16 attention takes variable-length flash attention (c1 compares
   # the kernel with the masked path); a failure would print a WARNING and fall back.
   run_logged c4-docmask 180 "$BIN" train --debug "${SMALL[@]}" --set system.device=$DEV --set training.dtype=bf16 \
@@ -501,9 +547,11 @@ if wants c4 && time_for 60 c4-nan; then
     result FAIL c4-docmask "exit $rc; ${fallback:-} $(why c4-docmask)"
   fi
   rm -rf "$RUNS/docmask"
-
+}
+check_c4_eval() {
+  section "c4 eval and generate on $DEV against the CPU"
   if [ ! -d "$CKPT" ]; then
-    result SKIP c4-eval "needs c3's checkpoint ($CKPT): run correctness as a whole"
+    result SKIP c4-eval "needs c3-run's checkpoint ($CKPT) from earlier in the same call"
     result SKIP c4-generate "needs c3's checkpoint"
   elif time_for 90 c4-eval; then
     DATA=$ROOT/data/shakespeare/hamlet_gut.txt
@@ -537,8 +585,7 @@ if wants c4 && time_for 60 c4-nan; then
       result FAIL c4-generate "cpu fp32 [$cpu] | $DEV fp32 [$dev] | $DEV no cache [$nocache] | $DEV bf16 [$bf]"
     fi
   fi
-fi
-rm -rf "$RUNS/full/checkpoints" # ~10 GB on the GPU; c3 and c4 are done with it
+}
 
 # ---------------------------------------------------------------------------------------------
 # c5: throughput of the 1B config against PyTorch on the same shapes, same machine, same call.
@@ -564,8 +611,9 @@ EOF
 STEPS5=$([ "$DRY" = 1 ] && echo 5 || echo 12)
 declare -A LS_TOK LS_MFU PT_TOK PT_MFU
 BEST_LS="" BEST_PT=""
-if wants c5 && time_for 120 c5-lockstep; then
+check_c5_speed() {
   section "c5 throughput: benches/gpu/llama-1b.json, micro-batch $BATCHES"
+  time_for 120 c5-lockstep || return 0
   prepare_1b
   fig=""
   for b in $BATCHES; do
@@ -610,7 +658,9 @@ if wants c5 && time_for 120 c5-lockstep; then
     fig=${fig# }
     if [ -n "$BEST_PT" ]; then result PASS c5-eager "${fig%;}"; else result FAIL c5-eager "${fig:-no run}"; fi
   fi
-
+}
+check_c5_compile() {
+  section "c5 torch.compile at the largest micro-batch both ran; the goal"
   # torch.compile at the largest micro-batch both ran (compilation takes a minute or two).
   CB=""
   for b in $BATCHES; do [ -n "${LS_TOK[$b]:-}" ] && [ -n "${PT_TOK[$b]:-}" ] && CB=$b; done
@@ -618,7 +668,7 @@ if wants c5 && time_for 120 c5-lockstep; then
   if [ "${ACCEPT_COMPILE:-1}" = 0 ]; then
     result SKIP c5-compile "ACCEPT_COMPILE=0"
   elif [ -z "$CB" ]; then
-    result SKIP c5-compile "no micro-batch that both lockstep and eager ran"
+    result SKIP c5-compile "no micro-batch that both lockstep and eager ran (c5-speed, earlier in the same call)"
   elif time_for 200 c5-compile; then
     run_logged c5-compile 400 "$PY" "$HERE/pytorch_step.py" "$CFG1B" --batch-size "$CB" --device "$DEV" --compile --json
     status=$($PY "$HERE/accept_lib.py" json-field "$LOGS/c5-compile.log" status)
@@ -646,12 +696,12 @@ if wants c5 && time_for 120 c5-lockstep; then
   else
     result SKIP c5-goal "no micro-batch with both lockstep and eager figures"
   fi
-fi
+}
 
-# ---------------------------------------------------------------------------------------------
 # c7: one step profiled: per-phase times, host synchronisations per step.
-if wants c7 && time_for 90 c7-profile; then
+check_c7() {
   section "c7 profile: llama-1b.json at micro-batch $PROFILE_BATCH"
+  time_for 90 c7-profile || return 0
   prepare_1b
   PB=(--set training.batch_size="$PROFILE_BATCH")
   train_until c7-plain 8 240 "$BIN" train "${LS1B[@]}" "${PB[@]}" --set logging.run_name=prof
@@ -678,18 +728,15 @@ if wants c7 && time_for 90 c7-profile; then
     result FAIL c7-syncs "exit $rc; sync debug enabled: $ENABLED; $(grep -a 'LOCKSTEP_CUDA_SYNC_DEBUG' "$LOGS/c7-syncs.log" | head -1) $(why c7-syncs)"
   fi
   rm -rf "$RUNS/prof" "$RUNS/prof-blocking" "$RUNS/prof-syncs"
-fi
+}
 
-# ---------------------------------------------------------------------------------------------
 # c6: the production preset (Llama-3.1-8B dimensions, 4 layers, context 8192).
-if wants c6 && time_for 60 c6-production; then
-  section "c6 production preset: 4 layers, context 8192, bf16"
+check_c6() { # check_c6 NAME:KEY=VALUE,...  (NAME: the variant's name; an empty list: the preset)
+  section "c6 production preset: 4 layers, context 8192, bf16 (${*%%:*})"
   PROD=(--preset production --set model.num_layers=4 "${SHRINK[@]}" --set system.device=$DEV --set training.dtype=bf16
     --set logging.interval=1 --set logging.memory_interval=0 --set logging.tensorboard=false --set logging.verbose=true
     --set system.memory_check=warn --set training.max_steps=1000 --set training.eval_batches=0 --set "logging.dir=$RUNS")
-  for variant in "default:" "selective:training.activation_checkpointing=selective" \
-    "full:training.activation_checkpointing=full" "chunk0:training.loss_chunk_tokens=0" \
-    "zero1:system.zero_stage=1" "full-zero1:training.activation_checkpointing=full,system.zero_stage=1"; do
+  for variant in "$@"; do
     name=${variant%%:*} sets=${variant#*:}
     time_for 60 "c6-$name" || break
     extra=()
@@ -710,13 +757,18 @@ if wants c6 && time_for 60 c6-production; then
       result FAIL "c6-$name" "${sets:-defaults}: exit $rc (plan ${planned:-?} GB); $(why "c6-$name")"
     fi
   done
-fi
+}
+check_c6_default() { check_c6 "default:"; }
+check_c6_variants() {
+  check_c6 "selective:training.activation_checkpointing=selective" "full:training.activation_checkpointing=full" \
+    "chunk0:training.loss_chunk_tokens=0" "zero1:system.zero_stage=1" \
+    "full-zero1:training.activation_checkpointing=full,system.zero_stage=1"
+}
 
-# ---------------------------------------------------------------------------------------------
 # c8: two ranks against one: the same global batch (2 x 1 sequences vs 1 x 2) gives the same
 # losses, for each zero stage (3: the NCCL all-gathers of each unit's parameters and the
 # per-unit reduce-scatters); on GPUs through NCCL, in the dry run through the TCP ring.
-if wants c8; then
+check_c8() {
   section "c8 two ranks against one"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   if [ "$DRY" = 0 ] && [ "$ngpu" -lt 2 ]; then
@@ -751,6 +803,15 @@ if wants c8; then
       rm -rf "$RUNS/w1-$dt"
     done
   fi
-fi
+}
+
+# ---------------------------------------------------------------------------------------------
+for step in "${STEPS[@]}"; do
+  case $step in
+    c3-* | c4-*) ;;
+    *) rm -rf "$RUNS/full/checkpoints" ;; # ~10 GB on the GPU; only c3 and c4 read it
+  esac
+  "check_${step//-/_}"
+done
 
 [ "$NFAIL" -eq 0 ]

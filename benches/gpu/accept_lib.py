@@ -10,11 +10,16 @@ that the script evals (numbers and bare words only) or a one-line figure.
   json-field FILE KEY...             fields of the last JSON object line of FILE, '|'-separated
   plan-total PLAN.json               the configured layout's planned peak in GB
   peak-mib FILE                      the largest integer in a file of nvidia-smi samples
+  unpack CARRY DEST                  CARRY/binaries.tar.xz (prepare.sh) into DEST, each binary
+                                     checked against CARRY/<name>.sha256; exit 1 otherwise
 """
+import hashlib
 import json
+import os
 import re
 import statistics
 import sys
+import tarfile
 
 STEP = re.compile(r"Step \[(\d+)/\d+\] \| Loss: (\S+) .*?\| Tok/s: (\d+)(?: .*?\| MFU: ([\d.]+)%)?")
 TIMING = re.compile(
@@ -150,6 +155,27 @@ def peak_mib(path):
     print(max(vals) if vals else "")
 
 
+BINARIES = ("lockstep", "lockstep-unit")
+
+
+def unpack(carry, dest):
+    # Python's tarfile rather than `tar -xJ`: the GPU machine's python is certain, its xz is not.
+    # Only the two known members are read, so nothing in the archive writes elsewhere.
+    with tarfile.open(os.path.join(carry, "binaries.tar.xz"), "r:xz") as tar:
+        for name in BINARIES:
+            src = tar.extractfile(tar.getmember(name))
+            digest = hashlib.sha256()
+            path = os.path.join(dest, name)
+            with open(path, "wb") as out:
+                while chunk := src.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+            os.chmod(path, 0o755)
+            want = open(os.path.join(carry, name + ".sha256")).read().strip()
+            if digest.hexdigest() != want:
+                sys.exit(f"{name}: sha256 {digest.hexdigest()} but prepare.sh recorded {want}")
+
+
 def main(argv):
     cmd, rest = argv[1], argv[2:]
     skip = 0
@@ -173,6 +199,8 @@ def main(argv):
         plan_total(rest[0])
     elif cmd == "peak-mib":
         peak_mib(rest[0])
+    elif cmd == "unpack":
+        unpack(rest[0], rest[1])
     else:
         sys.exit(f"unknown subcommand {cmd}")
 

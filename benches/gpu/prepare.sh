@@ -4,8 +4,14 @@
 # carry [".carry"]. The GPU machine has torch 2.11 (CUDA) + transformers but no Rust and no
 # network; benches/gpu/accept.sh runs there from this.
 #
-#   .carry/lockstep.gz        the CLI, debug info stripped (objcopy --strip-debug), gzipped
-#   .carry/lockstep-unit.gz   the library's unit-test binary (NCCL group, model tests on CUDA)
+#   .carry/binaries.tar.xz    the CLI `lockstep` and the library's unit-test binary
+#                             `lockstep-unit` (NCCL group, model tests on CUDA), debug info
+#                             stripped (objcopy --strip-debug), in one xz archive whose window
+#                             spans both: they share ~47 MB of embedded BPE dictionaries
+#                             (bpe-openai's cl100k/o200k), stored once (two gzip files: 69 MiB,
+#                             over the limit; this: ~25 MiB). accept.sh unpacks it with Python's
+#                             tarfile (the GPU machine has no guaranteed `xz`).
+#   .carry/<name>.sha256      each stripped binary's checksum
 #   .carry/build-info.json    the torch build the binaries were compiled against (accept.sh
 #                             refuses a GPU machine whose torch differs: an NCCL/ABI mismatch
 #                             segfaults rather than erroring), the commit, checksums
@@ -36,19 +42,21 @@ unit=$(cargo test --release --lib --no-run --message-format=json 2>/dev/null |
 [ -n "$unit" ] && [ -x "$unit" ] || die "cannot find the lib unit-test binary (cargo test --release --lib --no-run)"
 [ -x target/release/lockstep ] || die "target/release/lockstep missing"
 
-pack() {  # pack SRC NAME: strip debug info, gzip to .carry/NAME.gz
-  local tmp=".carry/$2.tmp"
-  objcopy --strip-debug "$1" "$tmp" || die "objcopy $1 failed"
-  gzip -6 -c "$tmp" >".carry/$2.gz.tmp" && mv ".carry/$2.gz.tmp" ".carry/$2.gz" || die "gzip $2 failed"
-  sha256sum "$tmp" | cut -d' ' -f1 >".carry/$2.sha256"
-  awk -v n="$2" -v a="$(stat -c %s "$tmp")" -v b="$(stat -c %s ".carry/$2.gz")" -v f="$1" \
-    'BEGIN { printf "  %-14s %6.1f MiB stripped -> %5.1f MiB gzipped (%s)\n", n, a/1048576, b/1048576, f }'
-  rm -f "$tmp"
+echo "== packing into .carry/ (xz over both binaries: ~1.5 min)"
+rm -f .carry/lockstep .carry/lockstep-unit .carry/*.gz  # older layouts
+stage=$(mktemp -d)
+strip_to() {  # strip_to SRC NAME: debug info stripped into the staging folder, checksum in .carry
+  objcopy --strip-debug "$1" "$stage/$2" || die "objcopy $1 failed"
+  sha256sum "$stage/$2" | cut -d' ' -f1 >".carry/$2.sha256"
 }
-echo "== packing into .carry/"
-rm -f .carry/lockstep .carry/lockstep-unit  # plain copies from an older layout
-pack target/release/lockstep lockstep
-pack "$unit" lockstep-unit
+strip_to target/release/lockstep lockstep
+strip_to "$unit" lockstep-unit
+# dict=192MiB: the window must reach from the unit binary back into the CLI (~70 MB each).
+tar -C "$stage" -cf - lockstep lockstep-unit | xz -T1 --lzma2=preset=6,dict=192MiB >.carry/binaries.tar.xz.tmp &&
+  mv .carry/binaries.tar.xz.tmp .carry/binaries.tar.xz || die "tar | xz failed"
+awk -v a="$(du -cb "$stage"/* | tail -1 | cut -f1)" -v b="$(stat -c %s .carry/binaries.tar.xz)" \
+  'BEGIN { printf "  lockstep + lockstep-unit %.1f MiB stripped -> %.1f MiB in binaries.tar.xz\n", a/1048576, b/1048576 }'
+rm -rf "$stage"
 
 # The torch these binaries were compiled and linked against (torch-sys used the venv's).
 python - "$unit" >.carry/build-info.json <<'EOF' || die "cannot read the venv's torch build"
@@ -68,7 +76,7 @@ print(json.dumps({
 EOF
 # Check the packed binaries' own view: the lockstep binary starts and lists its keys.
 tmpbin=$(mktemp -d)
-gzip -dc .carry/lockstep.gz >"$tmpbin/lockstep" && chmod +x "$tmpbin/lockstep"
+python "$ROOT/benches/gpu/accept_lib.py" unpack .carry "$tmpbin" || die "the packed binaries do not unpack or match their checksums"
 "$tmpbin/lockstep" --version >/dev/null || die "the packed lockstep does not start"
 rm -rf "$tmpbin"
 
@@ -84,4 +92,4 @@ awk -v c="$carry" -v t="$tree" -v s="$shared" -v a="$total" 'BEGIN {
 if [ "$total" -ge "$LIMIT" ]; then
   die "FAIL: $total bytes would travel, over the device tool's 64 MiB ($LIMIT bytes)"
 fi
-echo "prepare.sh: ok; on the GPU machine: bash benches/gpu/accept.sh correctness|perf|scale (see benches/gpu/README.md)"
+echo "prepare.sh: ok; on the GPU machine, in one device call: bash benches/gpu/accept.sh lease (see benches/gpu/README.md)"
