@@ -394,7 +394,7 @@ check_c1_all() {
   fi
 }
 
-# ---------------------------------------------------------------------------------------------
+# c2: parity with transformers on the device.
 check_c2() {
   section "c2 parity with transformers on $DEV (fp32 and bf16)"
   time_for 60 c2-parity || return 0
@@ -587,7 +587,6 @@ check_c4_eval() {
   fi
 }
 
-# ---------------------------------------------------------------------------------------------
 # c5: throughput of the 1B config against PyTorch on the same shapes, same machine, same call.
 TOKJ=$WORK/byte_tokenizer.json
 CFG1B=$ROOT/benches/gpu/llama-1b.json
@@ -809,7 +808,7 @@ check_c8() {
 for step in "${STEPS[@]}"; do
   case $step in
     c3-* | c4-*) ;;
-    *) rm -rf "$RUNS/full/checkpoints" ;; # ~10 GB on the GPU; only c3 and c4 read it
+    *) rm -rf "$RUNS/full/checkpoints" ;; # ~10 GB of the GPU machine's disk; only c3 and c4 read it
   esac
   "check_${step//-/_}"
 done
