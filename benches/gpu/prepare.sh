@@ -44,7 +44,9 @@ unit=$(cargo test --release --lib --no-run --message-format=json 2>/dev/null |
 
 echo "== packing into .carry/ (xz over both binaries: ~1.5 min)"
 rm -f .carry/lockstep .carry/lockstep-unit .carry/*.gz  # older layouts
+command -v xz >/dev/null || die "xz not found: install it (apt-get install xz-utils); the binaries travel as one .tar.xz"
 stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
 strip_to() {  # strip_to SRC NAME: debug info stripped into the staging folder, checksum in .carry
   objcopy --strip-debug "$1" "$stage/$2" || die "objcopy $1 failed"
   sha256sum "$stage/$2" | cut -d' ' -f1 >".carry/$2.sha256"
