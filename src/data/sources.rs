@@ -440,35 +440,40 @@ fn read_txt(file: &Path, mut f: impl FnMut(String, bool) -> Result<()>) -> Resul
             .with_context(|| format!("{what}: cannot read"))?;
         return f(txt_document(bytes, &what)?, true);
     }
-    let (mut carry, mut offset, mut first) = (Vec::new(), 0u64, true);
+    let mut offset = 0u64;
+    let read_error = |e: std::io::Error| anyhow!(e).context(format!("{what}: cannot read"));
+    read_pieces(&mut handle, read_error, |bytes, last| {
+        let n = bytes.len() as u64;
+        let text = txt_piece(bytes, &what, offset)?;
+        offset += n;
+        f(text, last)
+    })
+}
+
+/// Reads `r` to its end in pieces of at most [`PIECE`] bytes that end on whole characters
+/// (one the next bytes may complete is held back for the next piece): `f(piece, last)`, the
+/// last piece possibly empty. A read error goes through `read_error`; invalid UTF-8 is left
+/// to `f` to report.
+fn read_pieces<R: std::io::Read>(
+    r: &mut R,
+    read_error: impl Fn(std::io::Error) -> anyhow::Error,
+    mut f: impl FnMut(Vec<u8>, bool) -> Result<()>,
+) -> Result<()> {
+    let mut carry = Vec::new();
     loop {
         let mut buf = carry;
         let have = buf.len();
-        buf.resize(have + PIECE, 0);
-        let n = read_full(&mut handle, &mut buf[have..])
-            .with_context(|| format!("{what}: cannot read"))?;
+        buf.resize(PIECE, 0);
+        let n = read_full(r, &mut buf[have..]).map_err(&read_error)?;
         buf.truncate(have + n);
-        let last = n == 0 || buf.len() < have + PIECE;
-        // Hold back an incomplete character at the end for the next piece.
+        // `read_full` stops short only at the end.
+        let last = buf.len() < PIECE;
         carry = if last {
             Vec::new()
         } else {
             split_incomplete_char(&mut buf)
         };
-        let text = String::from_utf8(buf).map_err(|e| {
-            anyhow!(
-                "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
-                 `iconv -f latin1 -t utf-8`)",
-                offset + e.utf8_error().valid_up_to() as u64
-            )
-        })?;
-        offset += text.len() as u64;
-        let text = match (first, text.strip_prefix('\u{feff}')) {
-            (true, Some(rest)) => rest.to_string(),
-            _ => text,
-        };
-        first = false;
-        f(text, last)?;
+        f(buf, last)?;
         if last {
             return Ok(());
         }
@@ -503,16 +508,22 @@ fn read_full(r: &mut impl std::io::Read, buf: &mut [u8]) -> std::io::Result<usiz
 /// A `.txt` file's bytes (`what` names it in errors) as its one document: UTF-8, a leading
 /// byte-order mark dropped.
 pub fn txt_document(bytes: Vec<u8>, what: &str) -> Result<String> {
+    txt_piece(bytes, what, 0)
+}
+
+/// The bytes of a `.txt` file (named `what`) from byte `offset` on as text, without the
+/// byte-order mark a file may start with.
+fn txt_piece(bytes: Vec<u8>, what: &str, offset: u64) -> Result<String> {
     let text = String::from_utf8(bytes).map_err(|e| {
         anyhow!(
             "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
              `iconv -f latin1 -t utf-8`)",
-            e.utf8_error().valid_up_to()
+            offset + e.utf8_error().valid_up_to() as u64
         )
     })?;
     Ok(match text.strip_prefix('\u{feff}') {
-        Some(rest) => rest.to_string(),
-        None => text,
+        Some(rest) if offset == 0 => rest.to_string(),
+        _ => text,
     })
 }
 
@@ -808,22 +819,22 @@ fn read_long_line(
             continue;
         }
         let mut reader = json.next_string_reader().map_err(|e| bad(&e))?;
-        let mut buf: Vec<u8> = Vec::new();
-        loop {
-            let have = buf.len();
-            buf.resize(PIECE, 0);
-            let n = read_full(&mut reader, &mut buf[have..]).map_err(|e| bad(&e))?;
-            buf.truncate(have + n);
-            if n == 0 {
-                break;
-            }
-            // The string reader's bytes are valid UTF-8 but may end inside a character: hand
-            // on the whole characters, keep the rest for the next piece.
-            let rest = split_incomplete_char(&mut buf);
-            let piece = String::from_utf8(std::mem::replace(&mut buf, rest));
-            f(piece.expect("checked UTF-8"), false)?;
-        }
-        text = Some(Ok(String::from_utf8(buf).expect("struson checks UTF-8")));
+        // The string reader's bytes are valid UTF-8: its pieces are whole characters. The
+        // last is handed on once the rest of the line has been checked.
+        let mut last_piece = String::new();
+        read_pieces(
+            &mut reader,
+            |e| bad(&e),
+            |piece, last| {
+                let piece = String::from_utf8(piece).expect("struson checks UTF-8");
+                if last {
+                    last_piece = piece;
+                    return Ok(());
+                }
+                f(piece, false)
+            },
+        )?;
+        text = Some(Ok(last_piece));
     }
     json.end_object().map_err(|e| bad(&e))?;
     json.consume_trailing_whitespace().map_err(|e| bad(&e))?;
@@ -1104,6 +1115,19 @@ mod tests {
             err.contains("byte offset 3") && err.contains("a.txt"),
             "{err}"
         );
+        // A file read in pieces: the mark dropped once, a bad byte found by its offset in the
+        // file, past the first piece.
+        let mut big = "\u{feff}".to_string() + &"é中😀a".repeat(PIECE / 4);
+        assert!(big.len() > 2 * PIECE);
+        fs::write(&path, &big).unwrap();
+        assert_eq!(collect(&path, "text").unwrap().concat(), big[3..]);
+        let bad_at = big.len() - 5;
+        big.truncate(bad_at);
+        let mut bytes = big.into_bytes();
+        bytes.extend_from_slice(b"\xff tail");
+        fs::write(&path, bytes).unwrap();
+        let err = collect(&path, "text").unwrap_err().to_string();
+        assert!(err.contains(&format!("byte offset {bad_at};")), "{err}");
     }
 
     #[test]
