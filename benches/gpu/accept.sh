@@ -52,15 +52,16 @@ ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C5[@]}" "${C7[@]}" "${
 # figure the CUDA issue requires, cheapest first within what matters most.
 LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7 c6-default c5-compile)
 STEPS=()
-add() { # add STEP...: appended once each, in order
+among() { [[ " ${*:2} " == *" $1 "* ]]; } # among WORD LIST...: whether WORD is in LIST
+add() {                                   # add STEP...: appended once each, in order
   local s
-  for s in "$@"; do [[ " ${STEPS[*]} " == *" $s "* ]] || STEPS+=("$s"); done
+  for s in "$@"; do among "$s" "${STEPS[@]}" || STEPS+=("$s"); done
 }
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     lease) LEASE=1 && add "${LEASE_STEPS[@]}" ;;
-    rest) for s in "${ALL_STEPS[@]}"; do [[ " ${LEASE_STEPS[*]} " == *" $s "* ]] || add "$s"; done ;;
+    rest) for s in "${ALL_STEPS[@]}"; do among "$s" "${LEASE_STEPS[@]}" || add "$s"; done ;;
     correctness) add "${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" ;;
     perf) add "${C5[@]}" "${C7[@]}" ;;
     scale) add "${C6[@]}" ;;
@@ -72,7 +73,7 @@ for arg in "$@"; do
       exit 0
       ;;
     *)
-      if [[ " ${ALL_STEPS[*]} " == *" $arg "* ]]; then
+      if among "$arg" "${ALL_STEPS[@]}"; then
         add "$arg"
       else
         echo "accept.sh: unknown argument '$arg' (lease|rest|correctness|perf|scale|multi|all|c1..c8|a step: ${ALL_STEPS[*]}; --dry-run)" >&2
