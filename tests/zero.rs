@@ -709,3 +709,42 @@ fn the_overlapped_reduction_is_bitwise_the_one_after_backward() {
         );
     }
 }
+
+/// Validation at stage 3 gathers every unit in every pass, so every rank must run the same
+/// passes whatever its share of the windows: 3 ranks with 4 batches of 2 windows (3, 3 and 2
+/// windows: 2, 2 and 1 passes of their own) and with 1 batch (rank 2 gets no window). Before,
+/// the ranks called their gathers in different orders and every rank failed; now the
+/// validation loss is stage 0's on the same ranks.
+#[test]
+fn stage_3_validates_with_uneven_windows_and_a_rank_without_any() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &[],
+        &["--max-steps", "1", "--set", "training.batch_size=2"],
+    );
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let val_loss = |stage: usize, batches: usize| -> f64 {
+        let name = format!("s{stage}-b{batches}");
+        let sets = [
+            format!("system.zero_stage={stage}"),
+            format!("training.eval_batches={batches}"),
+            format!("logging.run_name={name}"),
+        ];
+        let tail: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+        ok(dir, &with(&base, &["run", "--cpu", "--nproc", "3"], &tail));
+        let records = common::records(&dir.join("runs").join(&name).join("metrics.jsonl"));
+        records
+            .iter()
+            .find_map(|r| r["val_loss"].as_f64())
+            .unwrap_or_else(|| panic!("{name}: no val_loss in {records:?}"))
+    };
+    for batches in [4, 1] {
+        let (three, zero) = (val_loss(3, batches), val_loss(0, batches));
+        assert!(
+            (three - zero).abs() <= 1e-6 * zero,
+            "{batches} batches: stage 3 {three} vs stage 0 {zero}"
+        );
+    }
+}

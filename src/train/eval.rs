@@ -76,7 +76,11 @@ impl Validator {
     /// Mean loss over the first `eval_batches` × batch_size windows of each source's validation
     /// file, in a fixed order; each rank evaluates its share (window i → rank i mod world) and
     /// the sums meet in one all-reduce. None when there is nothing to evaluate.
-    /// The optimizer gathers the parameters unit by unit where they are sharded (zero stage 3).
+    ///
+    /// Where the parameters are sharded (zero stage 3) every pass gathers them unit by unit, a
+    /// collective: every rank then runs the same number of passes, the most any rank needs
+    /// (`ceil(ceil(n / world) / batch_size)`), and a rank whose windows ran out evaluates the
+    /// first window again without counting it.
     pub fn run(
         &self,
         model: &Llama,
@@ -102,17 +106,27 @@ impl Validator {
             let sampler = Sampler::new(tokens.num_tokens(), ctx, source_seed(self.seed, *i))?;
             let n = (self.batches * bs).min(sampler.num_windows() as usize) as u64;
             let mine: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
+            let passes = if opt.stage().shards_parameters() {
+                (n.div_ceil(world) as usize).div_ceil(bs)
+            } else {
+                mine.len().div_ceil(bs)
+            };
             let mut total = 0.0;
             let order = model.unit_order(false);
             tch::no_grad(|| -> Result<()> {
-                for idx in mine.chunks(bs) {
-                    let rows = idx.iter().map(|&i| (tokens, sampler.window_start(i)));
+                for p in 0..passes {
+                    let idx = mine.chunks(bs).nth(p).unwrap_or(&[]);
+                    // Out of windows: window 0 again, only for the pass's collectives.
+                    let rows: &[u64] = if idx.is_empty() { &[0] } else { idx };
+                    let rows = rows.iter().map(|&i| (tokens, sampler.window_start(i)));
                     let b = batch(rows, ctx, self.packing, &mut buf, self.device);
                     let (x, y, docs) = (&b.inputs, &b.targets, b.documents.as_ref());
                     let loss = opt.pass(pg, false, &order, false, |units| {
                         model.loss_units(x, y, docs, units)
                     })?;
-                    total += loss.double_value(&[]) * idx.len() as f64;
+                    if !idx.is_empty() {
+                        total += loss.double_value(&[]) * idx.len() as f64;
+                    }
                 }
                 Ok(())
             })?;
