@@ -30,6 +30,7 @@ fn options(uri: &str, run_file: &Path, resume: bool, params: &[(&str, &str)]) ->
             .collect()
     };
     MlflowOptions {
+        credentials: None,
         tracking_uri: uri.to_string(),
         experiment: "lockstep-test".into(),
         run_name: "sink-test".into(),

@@ -5,6 +5,7 @@
 mod choices;
 pub mod presets;
 pub mod schema;
+pub mod secrets;
 mod types;
 mod validate;
 
@@ -13,6 +14,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 pub use choices::*;
+pub use secrets::{Credentials, Secrets};
 pub use types::*;
 pub use validate::{check_backend_device, MIN_SOURCE_SHARE};
 
@@ -36,15 +38,23 @@ pub struct Sources {
 
 #[derive(Debug, Clone)]
 pub struct Resolved {
+    /// Without credentials: every copy of it that is written or sent is safe to keep.
     pub config: Config,
     pub preset: String,
+    /// The credentials taken out of `config` (memory only).
+    pub secrets: Secrets,
 }
 
 impl Resolved {
     /// A config that was resolved elsewhere (the launcher's worker spec), checked again.
-    pub fn new(config: Config, preset: String) -> Result<Resolved, ConfigError> {
+    pub fn new(mut config: Config, preset: String) -> Result<Resolved, ConfigError> {
+        let secrets = Secrets::take(&mut config.logging.mlflow.tracking_uri);
         validate::check(&config)?;
-        Ok(Resolved { config, preset })
+        Ok(Resolved {
+            config,
+            preset,
+            secrets,
+        })
     }
 
     pub fn to_json(&self) -> Value {
@@ -131,8 +141,7 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
             "internal: resolved config does not match its schema: {e}"
         ))
     })?;
-    validate::check(&config)?;
-    let resolved = Resolved { config, preset };
+    let resolved = Resolved::new(config, preset)?;
     if let Some(file) = &src.config_file {
         check_config_clash(file, &resolved)?;
     }

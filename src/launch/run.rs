@@ -82,6 +82,12 @@ fn node_place(la: &LaunchArgs) -> Result<(NodePlace, Option<usize>)> {
 /// Runs the launcher; returns the code to exit with (the failing worker's, once no restart
 /// is left).
 pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i32> {
+    // Credentials taken out of the config reach the workers through their environment (which
+    // they inherit), never through the spec file.
+    if let Some(c) = &resolved.secrets.mlflow {
+        std::env::set_var("MLFLOW_TRACKING_USERNAME", &c.username);
+        std::env::set_var("MLFLOW_TRACKING_PASSWORD", &c.password);
+    }
     let (node, slurm_gpus) = node_place(la)?;
     let devices = choose_devices(la, slurm_gpus)?;
     let resolved = for_workers(resolved, &devices)?;

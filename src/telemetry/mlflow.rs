@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use super::tracker::{Record, RunStatus, Sink, SinkError};
+use crate::config::secrets::{redacted, split_credentials};
+use crate::config::Credentials;
 
 /// MLflow's limits per `runs/log-batch` request and per value.
 const METRICS_PER_BATCH: usize = 1000;
@@ -39,7 +41,10 @@ const URI_HINT: &str = "check logging.mlflow.tracking_uri or MLFLOW_TRACKING_URI
 #[derive(Debug, Clone)]
 pub struct MlflowOptions {
     /// The tracking server: `http(s)://host:port[/prefix]` (a trailing `/` is tolerated).
+    /// User information in it is taken as `credentials` and never stored or shown.
     pub tracking_uri: String,
+    /// Basic auth taken out of the address (`http://user:password@host`), kept in memory.
+    pub credentials: Option<Credentials>,
     /// The experiment's name; created when the server has none of that name.
     pub experiment: String,
     /// The run's name (`mlflow.runName`) when a new run is created.
@@ -61,8 +66,6 @@ pub struct MlflowSink {
     opts: MlflowOptions,
     /// `tracking_uri` without its trailing `/`.
     base: String,
-    /// `base` without any credentials in it, for messages.
-    shown: String,
     agent: ureq::Agent,
     /// The `Authorization` header's value, from the environment.
     auth: Option<String>,
@@ -98,19 +101,13 @@ impl From<Failure> for SinkError {
 
 impl MlflowSink {
     /// A client for `opts`; talks to nothing until [`Sink::start`]. Credentials come from
-    /// MLFLOW_TRACKING_TOKEN (a bearer token), else MLFLOW_TRACKING_USERNAME and
-    /// MLFLOW_TRACKING_PASSWORD (basic auth).
+    /// MLFLOW_TRACKING_TOKEN (a bearer token), else the address's user information
+    /// (`opts.credentials`), else MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic
+    /// auth).
     pub fn new(opts: MlflowOptions) -> MlflowSink {
-        let base = opts.tracking_uri.trim_end_matches('/').to_string();
+        let (bare, in_uri) = split_credentials(&opts.tracking_uri);
+        let base = bare.trim_end_matches('/').to_string();
         let parsed = url::Url::parse(&base).ok();
-        let shown = match parsed.clone() {
-            Some(mut u) if !u.username().is_empty() || u.password().is_some() => {
-                let _ = u.set_username("");
-                let _ = u.set_password(None);
-                u.as_str().trim_end_matches('/').to_string()
-            }
-            _ => base.clone(),
-        };
         let host = parsed
             .as_ref()
             .and_then(|u| u.host_str())
@@ -128,22 +125,23 @@ impl MlflowSink {
             .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
             .build();
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let basic = |user: &str, password: &str| {
+            format!("Basic {}", base64(format!("{user}:{password}").as_bytes()))
+        };
         let auth = match (
             var("MLFLOW_TRACKING_TOKEN"),
+            opts.credentials.as_ref().or(in_uri.as_ref()),
             var("MLFLOW_TRACKING_USERNAME"),
             var("MLFLOW_TRACKING_PASSWORD"),
         ) {
-            (Some(token), _, _) => Some(format!("Bearer {token}")),
-            (None, Some(user), Some(password)) => Some(format!(
-                "Basic {}",
-                base64(format!("{user}:{password}").as_bytes())
-            )),
+            (Some(token), ..) => Some(format!("Bearer {token}")),
+            (None, Some(c), ..) => Some(basic(&c.username, &c.password)),
+            (None, None, Some(user), Some(password)) => Some(basic(&user, &password)),
             _ => None,
         };
         MlflowSink {
             opts,
             base,
-            shown,
             agent,
             auth,
             run: None,
@@ -172,7 +170,7 @@ impl MlflowSink {
                 .send_string(&body.to_string())
         };
         let fail = |code: Option<String>, error: SinkError| Failure { code, error };
-        let at = &self.shown;
+        let at = &self.base;
         match answer {
             Ok(resp) if resp.status() >= 300 => {
                 let to = resp.header("location").unwrap_or("elsewhere").to_string();
@@ -319,7 +317,7 @@ impl MlflowSink {
                 "MLflow experiment {name:?} at {} is deleted (it keeps its name until the \
                  server's `mlflow gc`); restore it (`mlflow experiments restore \
                  --experiment-id {id}`) or choose another logging.mlflow.experiment",
-                self.shown
+                self.base
             )));
         }
         Ok(id)
@@ -342,12 +340,10 @@ impl MlflowSink {
         };
         let ids: RunIds = serde_json::from_str(&contents)
             .map_err(|e| format!("{} is not a run file ({e})", path.display()))?;
-        if ids.tracking_uri.trim_end_matches('/') != self.base {
-            return Err(format!(
-                "the run in {} is at {}",
-                path.display(),
-                ids.tracking_uri
-            ));
+        // Files from before credentials were kept out of them may hold some.
+        let at = redacted(&ids.tracking_uri);
+        if at.trim_end_matches('/') != self.base {
+            return Err(format!("the run in {} is at {at}", path.display()));
         }
         Ok(ids)
     }
@@ -488,7 +484,7 @@ impl Sink for MlflowSink {
         if url::Url::parse(&self.base).is_err() {
             return Err(SinkError::lasting(format!(
                 "MLflow's address {:?} is not a URL; {URI_HINT}",
-                self.shown
+                self.base
             )));
         }
         let eid = self.experiment_id()?;
@@ -535,7 +531,7 @@ impl Sink for MlflowSink {
         self.log_params(&run_id, &existing)?;
         let mut line = format!(
             "run {run_id} in experiment {:?} at {}/#/experiments/{eid}/runs/{run_id}{note}",
-            self.opts.experiment, self.shown
+            self.opts.experiment, self.base
         );
         if let Err(e) = kept {
             line.push_str(&format!(

@@ -16,6 +16,7 @@ use super::eval::Validation;
 use super::optim::StateBytes;
 use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
+use crate::config::secrets::{redacted, split_credentials};
 use crate::config::Resolved;
 use crate::model::LlamaShape;
 use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
@@ -539,14 +540,19 @@ fn mlflow_options(
 ) -> Result<Option<MlflowOptions>, String> {
     let m = &resolved.config.logging.mlflow;
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-    let uri = match (&m.tracking_uri, env("MLFLOW_TRACKING_URI")) {
-        (Some(uri), _) => uri.clone(),
-        (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => uri,
+    // The config's address had its credentials taken out when it was resolved; the
+    // variable's are taken out here. Neither is stored or sent but as the Authorization header.
+    let (uri, credentials) = match (&m.tracking_uri, env("MLFLOW_TRACKING_URI")) {
+        (Some(uri), _) => (uri.clone(), resolved.secrets.mlflow.clone()),
+        (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => {
+            split_credentials(&uri)
+        }
         (None, Some(uri)) => {
             return Err(format!(
-                "MLFLOW_TRACKING_URI = {uri:?} is not an MLflow server's http(s) address; \
+                "MLFLOW_TRACKING_URI = {:?} is not an MLflow server's http(s) address; \
                  lockstep logs to a tracking server (start one with `mlflow server`) - set \
-                 logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI"
+                 logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI",
+                redacted(&uri)
             ))
         }
         (None, None) => return Ok(None),
@@ -562,6 +568,7 @@ fn mlflow_options(
         .collect();
     Ok(Some(MlflowOptions {
         tracking_uri: uri,
+        credentials,
         experiment: m
             .experiment
             .clone()
