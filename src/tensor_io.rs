@@ -267,6 +267,27 @@ impl SafeFile {
     }
 }
 
+/// Fails unless every element of `t` is finite, naming `what` (the file and tensor), how many
+/// NaN and infinite values it holds, and `fix`: weights that were damaged on disk, or saved
+/// after they went bad, are refused where they are read rather than trained or sampled from.
+pub fn ensure_finite(t: &Tensor, what: impl std::fmt::Display, fix: &str) -> Result<()> {
+    if !t.is_floating_point() || t.isfinite().all().int64_value(&[]) != 0 {
+        return Ok(());
+    }
+    let nan = t.isnan().sum(Kind::Int64).int64_value(&[]);
+    let inf = t.isinf().sum(Kind::Int64).int64_value(&[]);
+    let first = t
+        .reshape([-1])
+        .isfinite()
+        .logical_not()
+        .nonzero()
+        .int64_value(&[0, 0]);
+    anyhow::bail!(
+        "{what}: {nan} NaN and {inf} infinite values of {} (the first at element {first}); {fix}",
+        t.numel()
+    )
+}
+
 /// Every tensor of a file, in the file's order.
 pub fn load_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let f = SafeFile::open(path)?;

@@ -186,6 +186,7 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     ensure!(args.max_shard_mb > 0, "--max-shard-mb must be at least 1");
     check_out(&out, args.force)?;
     let source = source_checkpoint(resolved, &args.checkpoint)?;
+    checkpoint::verify_model(&source)?;
     let shape = hf::dir_shape(&source, AttentionBackend::Sdpa)?;
     let weights = hf::Weights::open(&source)?;
     weights.check(&shape, &source)?;
@@ -291,7 +292,10 @@ fn write_contents(
     let (kind, dtype_name) = dtype(&args.dtype);
     let tensors = hf::expected_tensors(shape);
     let written = hf::write_weights(dir, &tensors, kind, args.max_shard_mb * 1_000_000, |name| {
-        weights.tensor(name)
+        let t = weights.tensor(name)?;
+        let what = format_args!("{}: {name}", source.display());
+        crate::tensor_io::ensure_finite(&t, what, "these weights are damaged (or were saved after training diverged); export another checkpoint")?;
+        Ok(t)
     })?;
     let shards = written
         .files

@@ -69,13 +69,17 @@ impl TrainedWith {
 /// `--model`: an existing directory as it is, else a Hugging Face id `owner/name[@revision]`
 /// resolved through the hub cache (downloaded when missing, unless HF_HUB_OFFLINE is set).
 /// Anything else is returned unchanged, for the usual missing-directory errors.
+/// A checkpoint directory's model files are checked against their recorded checksums.
 pub fn model_dir(model: &Path) -> Result<PathBuf> {
-    match model.to_str() {
+    let dir = match model.to_str() {
         Some(id) if crate::data::hub::is_hub_model_id(id) => {
-            crate::data::hub::resolve_model_as("--model", id)
+            crate::data::hub::resolve_model_as("--model", id)?
         }
-        _ => Ok(model.to_path_buf()),
-    }
+        _ => model.to_path_buf(),
+    };
+    crate::train::checkpoint::verify_model(&dir)
+        .with_context(|| format!("--model {}", model.display()))?;
+    Ok(dir)
 }
 
 /// The tokenizer for a model directory: `--tokenizer`, else the built-in encoding its

@@ -19,6 +19,7 @@ use super::tokfile::{
     dtype_for_vocab, is_token_file, partition_point, sync_parent_dir, TokFileInfo, TokFileWriter,
     TokenFile, TokenPrefix,
 };
+use crate::sys::durable::file_blake3;
 
 /// Bumped whenever the cache contents for the same inputs would change.
 pub const CACHE_FORMAT_VERSION: u32 = 1;
@@ -723,14 +724,6 @@ fn cached(dir: &Path, key: &str, tok: &Tokenizer, want_val: bool) -> Result<Opti
         train_max_id,
         val_max_id,
     }))
-}
-
-/// BLAKE3 of a file's bytes, hex.
-fn file_blake3(path: &Path) -> Result<String> {
-    let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let mut h = blake3::Hasher::new();
-    std::io::copy(&mut f, &mut h).with_context(|| format!("{}: cannot read", path.display()))?;
-    Ok(h.finalize().to_hex().to_string())
 }
 
 /// Why the token files of the entry in `dir` (its `meta`) are not the bytes prepare wrote, if

@@ -111,7 +111,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         ),
         restart: RestartPolicy {
             max_restarts: la.max_restarts,
-            checkpoints: Some(checkpoints),
+            checkpoints: Some(checkpoints.clone()),
             resume_fallback: match &opts.resume {
                 Some(Resume::Dir(d)) => Some(d.clone()),
                 _ => None,
@@ -126,7 +126,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     if plan.node.node_rank == 0 {
         // Rank 0 takes the lock when it starts; a run already in this directory is reported
         // now, before any tokenizing or worker start.
-        RunDir::check_free(&run_dir)?;
+        RunDir::check_free(&run_dir, &checkpoints)?;
     }
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
     run_data::prepare_data(&resolved.config, "[launcher]")?;

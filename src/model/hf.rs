@@ -138,7 +138,8 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     ensure!(
         single.exists(),
-        "model.model_path: {} has neither model.safetensors nor model.safetensors.index.json",
+        "{} has neither model.safetensors nor model.safetensors.index.json; it is not a \
+         Hugging Face model directory (or its index is missing)",
         dir.display()
     );
     Ok(vec![single])
@@ -190,7 +191,7 @@ pub fn read_weights(
         .collect();
     ensure!(
         missing.is_empty(),
-        "model.model_path {}: weights are missing tensors the model needs: {}",
+        "{}: the weights lack tensors the model needs: {}",
         dir.display(),
         missing.join(", ")
     );
@@ -203,6 +204,11 @@ pub fn read_weights(
             files[i].path().display(),
             src.size(),
         );
+        crate::tensor_io::ensure_finite(
+            &src,
+            format_args!("{}: {stored}", files[i].path().display()),
+            "these weights are damaged (or were saved after training diverged); use other weights",
+        )?;
         f(name, src)?;
     }
     Ok(())

@@ -1,6 +1,6 @@
-//! Files that survive a crash: fsync a file or a directory, write a file durably, and the
-//! atomic directory that checkpoints (`train::checkpoint`) and exports (`commands::export`)
-//! are written as: everything goes into `<dest>.tmp/`, every file is fsynced, then one rename
+//! Files that survive a crash: fsync a file or a directory, write a file durably, a file's
+//! checksum, and the atomic directory that checkpoints (`train::checkpoint`) and exports
+//! (`commands::export`) are written as: everything goes into `<dest>.tmp/`, every file is fsynced, then one rename
 //! makes `<dest>` appear complete, so a directory of that name is never half-written.
 
 use std::fs;
@@ -31,6 +31,15 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .with_context(|| format!("{}: cannot fsync directory", dir.display()))
+}
+
+/// BLAKE3 of a file's bytes, hex: what a token file's record and a checkpoint's trainer.json
+/// keep to tell later whether the file is still the one written.
+pub fn file_blake3(path: &Path) -> Result<String> {
+    let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = blake3::Hasher::new();
+    std::io::copy(&mut f, &mut h).with_context(|| format!("{}: cannot read", path.display()))?;
+    Ok(h.finalize().to_hex().to_string())
 }
 
 /// Writes `bytes` to `path` and fsyncs it.

@@ -1,10 +1,13 @@
-//! The run directory (`logging.dir/<run_name>`) and the lock that gives it to one process.
+//! The run directory (`logging.dir/<run_name>`) and the checkpoint directory, and the locks
+//! that give each to one process.
 //!
 //! Two trainings writing into one run directory interleave their metrics and TensorBoard points
-//! and race on checkpoint names. Rank 0 therefore takes an exclusive `flock` on
-//! `<run dir>/run.lock` before anything else; the kernel drops it when the process ends, however
-//! it ends, so a crashed run never leaves a stale lock. The file holds the holder's pid, host and
-//! start time, which is what a refused second run prints.
+//! and race on checkpoint names; two runs of different names sharing one `checkpoint.dir` write
+//! into the same `step_N.tmp` and leave a checkpoint of mixed files. Rank 0 therefore takes an
+//! exclusive `flock` on `<run dir>/run.lock` and on `<checkpoint.dir>/checkpoints.lock` before
+//! anything else; the kernel drops them when the process ends, however it ends, so a crashed
+//! run never leaves a stale lock. The files hold the holder's pid, host, start time and run
+//! directory, which is what a refused second run prints.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, Write};
@@ -14,10 +17,49 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 pub const LOCK_FILE: &str = "run.lock";
+/// The checkpoint directory's lock file (beside the `step_N` directories).
+pub const CHECKPOINTS_LOCK_FILE: &str = "checkpoints.lock";
 
-/// Rank 0's claim on its run directory; held until the process ends.
+/// Which directory a claim is on: the file it locks and how a refusal reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Run,
+    Checkpoints,
+}
+
+impl Kind {
+    fn lock_file(self) -> &'static str {
+        match self {
+            Kind::Run => LOCK_FILE,
+            Kind::Checkpoints => CHECKPOINTS_LOCK_FILE,
+        }
+    }
+
+    /// The refusal, for `path` held by `holder`.
+    fn in_use(self, path: &Path, holder: &str) -> String {
+        match self {
+            Kind::Run => format!(
+                "{} is in use by another training process ({holder}); its metrics and \
+                 checkpoints would mix with this run's. Wait for it to finish or stop it, or give \
+                 this run its own directory with --set logging.run_name=NAME",
+                path.display()
+            ),
+            Kind::Checkpoints => format!(
+                "checkpoint.dir {} is in use by another training process ({holder}); two runs \
+                 saving into one checkpoint directory would mix their checkpoints. Give this run \
+                 its own checkpoint.dir (unset, each run saves under its own run directory), or \
+                 wait for the other run to finish",
+                path.display()
+            ),
+        }
+    }
+}
+
+/// Rank 0's claim on its run directory (or checkpoint directory); held until the process
+/// ends.
 pub struct RunDir {
     path: PathBuf,
+    kind: Kind,
     /// Holds the flock; closing it (when the process ends) releases the directory.
     _lock: File,
     /// The directories this claim created, innermost first (the run directory, then
@@ -31,18 +73,32 @@ impl RunDir {
     /// Creates `path` if needed and locks it for this process; fails at once, naming the
     /// holder, when another process holds it.
     pub fn claim(path: &Path) -> Result<RunDir> {
+        RunDir::claim_as(path, Kind::Run, path)
+    }
+
+    /// [`RunDir::claim`] for the checkpoint directory of the run in `run_dir` (recorded for a
+    /// refused second run to name).
+    pub fn claim_checkpoints(path: &Path, run_dir: &Path) -> Result<RunDir> {
+        RunDir::claim_as(path, Kind::Checkpoints, run_dir)
+    }
+
+    fn claim_as(path: &Path, kind: Kind, run_dir: &Path) -> Result<RunDir> {
         let created: Vec<PathBuf> = path
             .ancestors()
             .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
             .map(Path::to_path_buf)
             .collect();
-        fs::create_dir_all(path).with_context(|| {
-            format!(
+        fs::create_dir_all(path).with_context(|| match kind {
+            Kind::Run => format!(
                 "logging.dir: cannot create run directory {}; choose a writable logging.dir",
                 path.display()
-            )
+            ),
+            Kind::Checkpoints => format!(
+                "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
+                path.display()
+            ),
         })?;
-        let lock_path = path.join(LOCK_FILE);
+        let lock_path = path.join(kind.lock_file());
         let mut lock = File::options()
             .read(true)
             .write(true)
@@ -53,12 +109,7 @@ impl RunDir {
         if !try_lock(&lock)? {
             let mut holder = String::new();
             let _ = lock.read_to_string(&mut holder);
-            bail!(
-                "{} is in use by another training process ({}); its metrics and checkpoints would mix with this run's. \
-                 Wait for it to finish or stop it, or give this run its own directory with --set logging.run_name=NAME",
-                path.display(),
-                describe_holder(&holder)
-            );
+            bail!("{}", kind.in_use(path, &describe_holder(&holder)));
         }
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -68,33 +119,35 @@ impl RunDir {
         lock.rewind()?;
         writeln!(
             lock,
-            "pid {}\nhost {host}\nstarted {started}",
-            std::process::id()
+            "pid {}\nhost {host}\nstarted {started}\nrun {}",
+            std::process::id(),
+            run_dir.display()
         )?;
         Ok(RunDir {
             path: path.to_path_buf(),
+            kind,
             _lock: lock,
             created,
             accepted: false,
         })
     }
 
-    /// Fails like [`RunDir::claim`] when another process holds `path`, without claiming it
-    /// (the launcher's check before it starts workers).
-    pub fn check_free(path: &Path) -> Result<()> {
-        let Ok(mut file) = File::open(path.join(LOCK_FILE)) else {
-            return Ok(());
-        };
-        if try_lock(&file)? {
-            return Ok(()); // released when `file` closes
+    /// Fails like [`RunDir::claim`] when another process holds the run directory `path` (or
+    /// the checkpoint directory `checkpoints`), without claiming it (the launcher's check
+    /// before it starts workers).
+    pub fn check_free(path: &Path, checkpoints: &Path) -> Result<()> {
+        for (dir, kind) in [(path, Kind::Run), (checkpoints, Kind::Checkpoints)] {
+            let Ok(mut file) = File::open(dir.join(kind.lock_file())) else {
+                continue;
+            };
+            if try_lock(&file)? {
+                continue; // released when `file` closes
+            }
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            bail!("{}", kind.in_use(dir, &describe_holder(&holder)));
         }
-        let mut holder = String::new();
-        let _ = file.read_to_string(&mut holder);
-        bail!(
-            "{} is in use by another training process ({}); wait for it to finish or stop it, or give this run its own directory with --set logging.run_name=NAME",
-            path.display(),
-            describe_holder(&holder)
-        )
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -113,7 +166,7 @@ impl Drop for RunDir {
     /// with the process.
     fn drop(&mut self) {
         if !self.created.is_empty() && !self.accepted {
-            let _ = fs::remove_file(self.path.join(LOCK_FILE));
+            let _ = fs::remove_file(self.path.join(self.kind.lock_file()));
             for dir in &self.created {
                 if fs::remove_dir(dir).is_err() {
                     break; // not empty: something else lives there now
@@ -160,6 +213,9 @@ fn describe_holder(contents: &str) -> String {
             crate::telemetry::hms(now.saturating_sub(started) as f64)
         ));
     }
+    if let Some(run) = field("run") {
+        s.push_str(&format!(", run {run}"));
+    }
     s
 }
 
@@ -182,9 +238,25 @@ mod tests {
         let pid = std::process::id();
         assert!(err.contains(&format!("pid {pid} on host")), "{err}");
         assert!(err.contains("--set logging.run_name=NAME"), "{err}");
-        assert!(RunDir::check_free(&dir).is_err());
+        let ckpts = tmp.path().join("shared-ckpts");
+        assert!(RunDir::check_free(&dir, &ckpts).is_err());
         drop(first);
-        assert!(RunDir::check_free(&dir).is_ok(), "released with the holder");
+        assert!(
+            RunDir::check_free(&dir, &ckpts).is_ok(),
+            "released with the holder"
+        );
+        // The checkpoint directory: a second run of another name is refused, naming the run.
+        let mut held = RunDir::claim_checkpoints(&ckpts, &tmp.path().join("runs/a")).unwrap();
+        held.accept();
+        let err = RunDir::claim_checkpoints(&ckpts, &dir)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("checkpoint.dir") && err.contains("runs/a"),
+            "{err}"
+        );
+        assert!(RunDir::check_free(&dir, &ckpts).is_err());
         let again = RunDir::claim(&dir).unwrap();
         assert_eq!(again.path(), dir);
     }

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint;
+use super::checkpoint::{self, Share};
 use crate::config::Resolved;
+use crate::dist::ProcessGroup;
 
 /// Where to resume from (`--resume`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,14 +46,23 @@ pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
     }
 }
 
-/// The checkpoint to resume from. Without `--resume`, an existing checkpoint is an error rather
-/// than something silently overwritten or ignored.
-pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<Option<PathBuf>> {
-    for partial in checkpoint::incomplete(root) {
-        println!(
-            "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
-            partial.display()
-        );
+/// The checkpoint to resume from (every rank calls it: the ranks share the reading of the
+/// checksums, `checkpoint::verify`, and agree on the result). Without `--resume`, an existing
+/// checkpoint is an error rather than something silently overwritten or ignored.
+pub fn resume_target(
+    root: &Path,
+    resume: Option<&Resume>,
+    tag: &str,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Option<PathBuf>> {
+    let lead = pg.rank() == 0;
+    if lead {
+        for partial in checkpoint::incomplete(root) {
+            println!(
+                "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
+                partial.display()
+            );
+        }
     }
     match resume {
         None => match checkpoint::latest(root) {
@@ -66,16 +76,22 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
         Some(Resume::Auto) => {
             let all = checkpoint::list(root);
             if all.is_empty() {
-                println!("{tag} --resume auto: no complete checkpoint in {}; starting from scratch", root.display());
+                if lead {
+                    println!(
+                        "{tag} --resume auto: no complete checkpoint in {}; starting from scratch",
+                        root.display()
+                    );
+                }
                 return Ok(None);
             }
             // The newest that loads: a checkpoint damaged after it was committed (a truncated
-            // file, a disk error) costs the steps since the one before it, not the run.
+            // or overwritten file, a disk error, a file missing) costs the steps since the one
+            // before it, not the run.
             let mut skipped: Vec<usize> = Vec::new();
             for (step, dir) in all.iter().rev() {
-                match checkpoint::verify(dir) {
-                    Ok(()) => {
-                        if let Some(&newest) = skipped.first() {
+                match verified(dir, tag, pg)? {
+                    None => {
+                        if let (Some(&newest), true) = (skipped.first(), lead) {
                             println!(
                                 "{tag} --resume auto: resuming from {} instead; steps {}..={newest} \
                                  will be trained again",
@@ -85,12 +101,14 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
                         }
                         return Ok(Some(dir.clone()));
                     }
-                    Err(e) => {
-                        println!(
-                            "{tag} --resume auto: skipping damaged checkpoint {} ({e:#}); \
-                             delete it once you have looked at it",
-                            dir.display()
-                        );
+                    Some(why) => {
+                        if lead {
+                            println!(
+                                "{tag} --resume auto: skipping damaged checkpoint {} ({why}); \
+                                 delete it once you have looked at it",
+                                dir.display()
+                            );
+                        }
                         skipped.push(*step);
                     }
                 }
@@ -114,7 +132,40 @@ pub fn resume_target(root: &Path, resume: Option<&Resume>, tag: &str) -> Result<
                 .into());
             }
             anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
+            if let Some(why) = verified(dir, tag, pg)? {
+                bail!(
+                    "--resume {}: the checkpoint is damaged ({why}); resume from an earlier \
+                     one, or with --resume auto, which skips damaged checkpoints",
+                    dir.display()
+                );
+            }
             Ok(Some(dir.clone()))
         }
     }
+}
+
+/// None when `dir` passes `checkpoint::verify` on every rank (each reading its share of the
+/// files), else why not: this rank's finding, or which rank found one.
+fn verified(dir: &Path, tag: &str, pg: &mut dyn ProcessGroup) -> Result<Option<String>> {
+    let share = Share {
+        index: pg.rank(),
+        of: pg.world_size(),
+    };
+    let mine = checkpoint::verify(dir, share).err();
+    // The highest rank that found damage, plus one (0: none did).
+    let found = pg.all_reduce_max_f64(mine.as_ref().map_or(0.0, |_| pg.rank() as f64 + 1.0))?;
+    Ok(match (mine, found as usize) {
+        (_, 0) => None,
+        (Some(e), _) => {
+            if pg.rank() != 0 {
+                // Rank 0 says it is skipped; the reason is here.
+                println!("{tag} Warning: {} is damaged: {e:#}", dir.display());
+            }
+            Some(format!("{e:#}"))
+        }
+        (None, r) => Some(format!(
+            "rank {} found a damaged file; its warning names it",
+            r - 1
+        )),
+    })
 }

@@ -73,8 +73,10 @@ pub struct Trainer<'a> {
     stragglers: Stragglers,
     state: TrainerState,
     run_dir: PathBuf,
-    /// Rank 0's lock on the run directory, held for the whole run.
+    /// Rank 0's locks on the run directory and the checkpoint directory, held for the whole
+    /// run.
     _claim: Option<RunDir>,
+    _claim_checkpoints: Option<RunDir>,
     /// The run's sources (one without `data.sources`).
     data: Vec<DataSource>,
     /// The loop stops after this step (`--stop-at-step`, else `training.max_steps`).
@@ -96,14 +98,14 @@ impl<'a> Trainer<'a> {
         // Before anything else, so a second process on this run directory stops at once.
         let run_dir = resolved.run_dir();
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
-        let checkpointer = Checkpointer::new(
-            setup::checkpoint_dir(resolved),
-            &cfg.checkpoint,
-            &rank.tag,
-            &*pg,
-        )?;
+        let checkpoints = setup::checkpoint_dir(resolved);
+        let mut claim_checkpoints = rank
+            .lead()
+            .then(|| RunDir::claim_checkpoints(&checkpoints, &run_dir))
+            .transpose()?;
+        let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?;
         let resume_dir =
-            setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag)?;
+            setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag, pg)?;
         place::shard_degree(cfg, rank.place.world)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
@@ -136,8 +138,9 @@ impl<'a> Trainer<'a> {
 
         // The start is accepted (data found, checkpoint compatible): only now write into the
         // run directory, so a refused start leaves an earlier run's files as they were.
-        if let Some(claim) = claim.as_mut() {
+        if let (Some(claim), Some(checkpoints)) = (claim.as_mut(), claim_checkpoints.as_mut()) {
             claim.accept();
+            checkpoints.accept();
             write_config(&run_dir, resolved)?;
             // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
             checkpoint::check_writable(checkpointer.root())?;
@@ -189,6 +192,7 @@ impl<'a> Trainer<'a> {
             state,
             run_dir,
             _claim: claim,
+            _claim_checkpoints: claim_checkpoints,
             data,
             last_step,
             rank,
@@ -499,7 +503,7 @@ fn build_whole(
     let model = Llama::new(&vs.root(), shape, cfg.training.context_length, compute);
     if let Some(dir) = &cfg.model.model_path {
         let path = crate::data::hub::resolve_model(dir)?;
-        hf::load_weights(&path, vs)?;
+        hf::load_weights(&path, vs).with_context(|| format!("model.model_path = {dir}"))?;
         loaded(rank, dir, &path, shape);
     }
     let params = Llama::named_parameters(vs);
@@ -561,7 +565,8 @@ fn build_sharded(
             let path = crate::data::hub::resolve_model(dir)?;
             let wanted: Vec<(String, Vec<i64>)> =
                 made.into_iter().map(|(n, dims, _)| (n, dims)).collect();
-            hf::read_weights(&path, &wanted, |name, value| opt.set_initial(name, &value))?;
+            hf::read_weights(&path, &wanted, |name, value| opt.set_initial(name, &value))
+                .with_context(|| format!("model.model_path = {dir}"))?;
             loaded(rank, dir, &path, shape);
         }
     }

@@ -45,6 +45,7 @@
 //! writer is noticed at the next step (`Checkpointer::poll`, agreed in the step's all-reduce)
 //! and fails the run with the writer's error.
 
+mod integrity;
 mod writer;
 
 use std::collections::HashMap;
@@ -68,6 +69,7 @@ use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
 use crate::sys::durable::{write_synced, AtomicDir};
 use crate::tensor_io::SafeFile;
+pub use integrity::{FileSum, FileSums, Layout, Scope, Share};
 use writer::{Commit, FileJob, GiveUp, Reports, SaveJob, Staging};
 
 pub const FORMAT_VERSION: u32 = 1;
@@ -347,7 +349,8 @@ impl Checkpointer {
         let commit = (self.rank == 0)
             .then(|| -> Result<Commit> {
                 Ok(Commit {
-                    lead: files.lead(state)?,
+                    lead: files.lead(&state.model_shape)?,
+                    state: state.clone(),
                     keep,
                 })
             })
@@ -517,19 +520,24 @@ pub fn incomplete(root: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Checks, without reading any tensor, that `dir` can be loaded: trainer.json parses and is of
-/// this format, and every safetensors file is whole (its header's extent is the file's length),
-/// which catches a truncated or half-copied checkpoint before any state is touched.
-pub fn verify(dir: &Path) -> Result<()> {
+/// Checks, before any state is touched, that `dir` can be loaded: trainer.json parses and is
+/// of this format, every file the checkpoint's layout needs and trainer.json lists is there
+/// with the recorded size, every safetensors file is whole (its header's extent is the file's
+/// length), and the files of `share` have the recorded BLAKE3 (`integrity`). The error names
+/// the file.
+pub fn verify(dir: &Path, share: Share) -> Result<()> {
     read_state(dir)?;
-    let entries = fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))?;
-    for e in entries {
-        let path = e?.path();
-        if path.extension().is_some_and(|x| x == "safetensors") {
-            SafeFile::open(&path)?;
-        }
+    integrity::verify_files(dir, share, Scope::All)
+}
+
+/// For the commands that read a model directory (`eval`, `generate`, `export`): when it is a
+/// checkpoint (it has a trainer.json), [`verify`] of its model files alone, so a damaged one is
+/// named rather than sampled from. Other directories pass.
+pub fn verify_model(dir: &Path) -> Result<()> {
+    if !dir.join("trainer.json").is_file() {
+        return Ok(());
     }
-    Ok(())
+    integrity::verify_files(dir, Share::ALL, Scope::Model)
 }
 
 pub fn latest(root: &Path) -> Option<PathBuf> {
@@ -568,23 +576,38 @@ fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
     ))
 }
 
-/// Rank 0, once every rank's files are durable: its own files (`lead`, in order), the rename
-/// into place, then pruning.
+/// Rank 0, once every rank's files are durable (`sums`: what each wrote): its own files, then
+/// trainer.json listing every file with its checksum, the rename into place, then pruning.
 fn finish_save(
     staging: AtomicDir,
-    lead: &[(&str, Vec<u8>)],
+    commit: Commit,
+    mut sums: FileSums,
     root: &Path,
-    keep: Keep,
 ) -> Result<PathBuf> {
-    let written = lead
-        .iter()
-        .try_for_each(|(name, bytes)| write_synced(&staging.path().join(name), bytes));
+    let written = commit.lead.iter().try_for_each(|(name, bytes)| {
+        sums.insert(name.to_string(), FileSum::of_bytes(bytes));
+        write_synced(&staging.path().join(name), bytes)
+    });
+    let written = written.and_then(|()| {
+        let trainer = trainer_json(&commit.state, &sums)?;
+        write_synced(&staging.path().join("trainer.json"), &trainer)
+    });
     if let Err(e) = written {
         return Err(abandon(staging, e));
     }
     let dir = staging.commit()?;
-    prune(root, keep)?;
+    prune(root, commit.keep)?;
     Ok(dir)
+}
+
+/// trainer.json: the state, and every other file of the checkpoint with its size and BLAKE3
+/// (`integrity`).
+fn trainer_json(state: &TrainerState, files: &FileSums) -> Result<Vec<u8>> {
+    let mut v = serde_json::to_value(state)?;
+    if let Value::Object(map) = &mut v {
+        map.insert(integrity::FILES_KEY.into(), serde_json::to_value(files)?);
+    }
+    Ok(serde_json::to_vec_pretty(&v)?)
 }
 
 /// Every rank learns whether every rank succeeded; a failure elsewhere is an error here too,
@@ -622,18 +645,14 @@ impl Files {
         }
         let writers = self.model_writers();
         let i = writers.iter().position(|&w| w == writer).unwrap_or(0);
-        format!("model-{:05}-of-{:05}.safetensors", i + 1, writers.len())
+        integrity::numbered_name("model", i + 1, writers.len())
     }
 
     fn optimizer_file(&self, rank: usize) -> String {
         if !self.writers.sharded {
             return "optimizer.safetensors".into();
         }
-        format!(
-            "optimizer-{:05}-of-{:05}.safetensors",
-            rank + 1,
-            self.writers.world
-        )
+        integrity::numbered_name("optimizer", rank + 1, self.writers.world)
     }
 
     /// This rank's model file (if it writes any parameter) and its optimizer file, if it
@@ -683,9 +702,9 @@ impl Files {
         files
     }
 
-    /// Rank 0's files, written once every rank's are durable: the index (several writers),
-    /// config.json and trainer.json (last).
-    fn lead(&self, state: &TrainerState) -> Result<Vec<(&'static str, Vec<u8>)>> {
+    /// Rank 0's files besides trainer.json, written once every rank's are durable: the index
+    /// (several writers) and config.json.
+    fn lead(&self, shape: &LlamaShape) -> Result<Vec<(&'static str, Vec<u8>)>> {
         let mut files = Vec::with_capacity(3);
         if self.writers.sharded {
             let mut map = serde_json::Map::new();
@@ -696,14 +715,10 @@ impl Files {
             }
             let index =
                 serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
-            files.push((
-                "model.safetensors.index.json",
-                serde_json::to_vec_pretty(&index)?,
-            ));
+            files.push((integrity::INDEX, serde_json::to_vec_pretty(&index)?));
         }
-        let config = hf::config_json(&state.model_shape, "float32");
+        let config = hf::config_json(shape, "float32");
         files.push(("config.json", serde_json::to_vec_pretty(&config)?));
-        files.push(("trainer.json", serde_json::to_vec_pretty(state)?));
         Ok(files)
     }
 }
@@ -867,9 +882,15 @@ impl Checkpoint {
             self.dir.display(),
             src.kind()
         );
+        let what = format_args!("{}: {name}", self.dir.display());
+        crate::tensor_io::ensure_finite(&src, what, RESUME_ELSEWHERE)?;
         Ok(src)
     }
 }
+
+/// What to do about a checkpoint whose weights or moments are not finite.
+const RESUME_ELSEWHERE: &str = "the checkpoint is damaged; resume from an earlier one with \
+     --resume DIR, or move this one aside and use --resume auto";
 
 impl StateSource for Checkpoint {
     fn weight(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
@@ -897,23 +918,13 @@ pub struct MomentFiles {
 }
 
 impl MomentFiles {
+    /// The optimizer files of the checkpoint's layout (every one of them).
     pub fn open(dir: &Path) -> Result<MomentFiles> {
-        let mut paths: Vec<PathBuf> = fs::read_dir(dir)
-            .with_context(|| format!("{}: cannot list", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                    n == "optimizer.safetensors"
-                        || (n.starts_with("optimizer-") && n.ends_with(".safetensors"))
-                })
-            })
+        let paths: Vec<PathBuf> = Layout::of(dir)?
+            .optimizer
+            .iter()
+            .map(|name| dir.join(name))
             .collect();
-        paths.sort();
-        ensure!(
-            !paths.is_empty(),
-            "{}: no optimizer state (optimizer.safetensors or optimizer-*-of-*.safetensors); not a complete checkpoint",
-            dir.display()
-        );
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<_>> = Default::default();
         for (i, path) in paths.iter().enumerate() {
@@ -974,11 +985,12 @@ impl MomentFiles {
                 }
                 // Only the bytes of the elements asked for are read from the map.
                 let within = both.start - piece.start..both.end - piece.start;
-                let part = self.files[*file].elements(&format!("{param}{suffix}"), &within)?;
-                ensure!(
-                    part.kind() == Kind::Float,
-                    "{param}{suffix}: moments must be fp32"
-                );
+                let tensor = format!("{param}{suffix}");
+                let part = self.files[*file].elements(&tensor, &within)?;
+                ensure!(part.kind() == Kind::Float, "{tensor}: moments must be fp32");
+                let path = self.files[*file].path();
+                let what = format_args!("{}: {tensor}", path.display());
+                crate::tensor_io::ensure_finite(&part, what, RESUME_ELSEWHERE)?;
                 t.narrow(0, (both.start - range.start) as i64, both.len() as i64)
                     .copy_(&part);
                 covered += both.len();

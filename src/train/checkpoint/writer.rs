@@ -9,18 +9,24 @@
 //!
 //! ```text
 //!   <ns>ckpt/<seq>/start   rank 0: "ok" once step_N.tmp/ exists, else "error:<why>"
-//!   <ns>ckpt/<seq>/rank<r>  rank r ≥ 1: "ok" once its files are fsynced, else "error:<why>"
+//!   <ns>ckpt/<seq>/rank<r>  rank r ≥ 1: "ok:<its files' sizes and BLAKE3, JSON>" once its
+//!                           files are fsynced, else "error:<why>"
 //! ```
+//!
+//! Each rank hashes a file right after writing it, while its pages are still cached (on the
+//! writer thread for a background save), and rank 0 records every file's checksum in
+//! trainer.json (`integrity`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
-use super::{abandon, begin_save, finish_save, Keep};
+use super::integrity::{FileSum, FileSums};
+use super::{abandon, begin_save, finish_save, Keep, TrainerState};
 use crate::dist::store::Store;
 use crate::sys::durable::{sync_and_release, AtomicDir};
 use crate::tensor_io;
@@ -34,17 +40,22 @@ pub(super) struct FileJob {
 }
 
 impl FileJob {
-    fn write(&self, dir: &Path) -> Result<()> {
+    /// Writes, hashes (while the pages are cached) and fsyncs the file.
+    fn write(&self, dir: &Path) -> Result<(String, FileSum)> {
         let path = dir.join(&self.name);
         tensor_io::save(&path, &self.tensors, self.meta.clone())?;
-        sync_and_release(&path)
+        let sum = FileSum::of_file(&path)?;
+        sync_and_release(&path)?;
+        Ok((self.name.clone(), sum))
     }
 }
 
-/// Rank 0's files that complete a checkpoint once every rank's are durable (trainer.json
-/// last: it marks the directory complete), and which old checkpoints to keep afterwards.
+/// Rank 0's files that complete a checkpoint once every rank's are durable: `lead` (the index,
+/// config.json), then trainer.json from `state` with every file's checksum (last: it marks
+/// the directory complete); and which old checkpoints to keep afterwards.
 pub(super) struct Commit {
     pub lead: Vec<(&'static str, Vec<u8>)>,
+    pub state: TrainerState,
     pub keep: Keep,
 }
 
@@ -69,7 +80,7 @@ impl SaveJob {
             Some(_) => {
                 let begun = begin_save(&self.root, &self.dest);
                 if let Some(r) = &self.reports {
-                    r.set("start", begun.as_ref().map(drop))?;
+                    r.set("start", begun.as_ref().map(|_| String::new()))?;
                 }
                 Some(begun?)
             }
@@ -85,24 +96,34 @@ impl SaveJob {
             }
         };
         let dir = AtomicDir::staging_of(&self.dest);
-        let written = self.files.iter().try_for_each(|f| f.write(&dir));
+        let written = self
+            .files
+            .iter()
+            .map(|f| f.write(&dir))
+            .collect::<Result<FileSums>>();
         let (Some(staging), Some(commit)) = (staging, self.commit) else {
             let r = self.reports.as_ref().expect("ranks beyond 0 report");
-            r.set(&format!("rank{}", r.rank), written.as_ref().map(drop))?;
-            return written.map(|()| None);
+            let report = written
+                .as_ref()
+                .map(|sums| serde_json::to_string(sums).expect("checksums serialize"));
+            r.set(&format!("rank{}", r.rank), report)?;
+            return written.map(|_| None);
         };
         // The other ranks' reports are awaited even when this rank's own write failed: they
         // may still be writing into the staging directory, which must not be removed under
         // them (their files would outlive it as a stray `step_N.tmp`).
         let others = match &self.reports {
             Some(r) => r.wait_ranks(),
-            None => Ok(()),
+            None => Ok(FileSums::new()),
         };
-        let everyone = written.and(others);
-        if let Err(e) = everyone {
-            return Err(abandon(staging, e));
-        }
-        finish_save(staging, &commit.lead, &self.root, commit.keep).map(Some)
+        let sums = match (written, others) {
+            (Ok(mut mine), Ok(others)) => {
+                mine.extend(others);
+                mine
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(abandon(staging, e)),
+        };
+        finish_save(staging, commit, sums, &self.root).map(Some)
     }
 }
 
@@ -142,17 +163,20 @@ impl Reports {
     /// take minutes; a rank that died is noticed by the launcher long before this.
     const PATIENCE: Duration = Duration::from_secs(3600);
 
-    fn set(&self, what: &str, outcome: std::result::Result<(), &anyhow::Error>) -> Result<()> {
+    /// Reports `what`: done (with what to tell rank 0), or failed.
+    fn set(&self, what: &str, outcome: std::result::Result<String, &anyhow::Error>) -> Result<()> {
         let value = match outcome {
-            Ok(()) => "ok".to_string(),
+            Ok(told) if told.is_empty() => "ok".to_string(),
+            Ok(told) => format!("ok:{told}"),
             Err(e) => format!("error:{e:#}"),
         };
         self.store
             .set(&format!("{}{what}", self.prefix), value.as_bytes())
     }
 
-    /// Waits for `what` to be reported and returns its error, if it reports one.
-    fn wait(&self, what: &str) -> Result<()> {
+    /// Waits for `what` to be reported and returns what it told (empty for none), or its
+    /// error.
+    fn wait(&self, what: &str) -> Result<String> {
         let key = format!("{}{what}", self.prefix);
         let started = Instant::now();
         while !self.store.check(&[&key])? {
@@ -171,16 +195,23 @@ impl Reports {
         let value = String::from_utf8_lossy(&value);
         match value.strip_prefix("error:") {
             Some(why) => bail!("{why}"),
-            None => Ok(()),
+            None => Ok(value.strip_prefix("ok:").unwrap_or("").to_string()),
         }
     }
 
-    /// Rank 0: every other rank's report; an error names each rank that failed.
-    fn wait_ranks(&self) -> Result<()> {
+    /// Rank 0: every other rank's report, with the checksums of the files it wrote; an error
+    /// names each rank that failed.
+    fn wait_ranks(&self) -> Result<FileSums> {
         let mut failed = Vec::new();
+        let mut sums = FileSums::new();
         for r in 1..self.world {
-            if let Err(e) = self.wait(&format!("rank{r}")) {
-                failed.push(format!("rank {r}: {e:#}"));
+            let told = self.wait(&format!("rank{r}")).and_then(|told| {
+                serde_json::from_str::<FileSums>(&told)
+                    .with_context(|| format!("internal: rank {r}'s checksums {told:?}"))
+            });
+            match told {
+                Ok(theirs) => sums.extend(theirs),
+                Err(e) => failed.push(format!("rank {r}: {e:#}")),
             }
         }
         // Every rank has read `start` before reporting: nothing of this save is read again.
@@ -195,7 +226,7 @@ impl Reports {
                 failed.join("; ")
             );
         }
-        Ok(())
+        Ok(sums)
     }
 }
 
