@@ -157,6 +157,8 @@ fn scan(root: &Path) -> Scan {
                 Some(why) => s.corrupt.push((name, why)),
             },
             None if name.starts_with("step_") && name.ends_with(".tmp") => s.partial.push(name),
+            // The run's lock on its checkpoint directory.
+            None if name == "checkpoints.lock" => {}
             None => s.other.push(name),
         }
     }

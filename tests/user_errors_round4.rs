@@ -244,3 +244,189 @@ fn a_checkpoint_dir_in_use_by_another_run_is_refused() {
     unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
     let _ = a.finish(Duration::from_secs(30));
 }
+
+/// Finding 4: the README's first command trained and then failed ("--model
+/// runs/demo-…/checkpoints/step_100 (written in the background in 0.66 s): no such directory":
+/// it parsed the "Checkpoint saved:" line, which had changed). Scripts no longer parse logs:
+/// `generate`, `eval` and `export` take a run directory (or its checkpoints/) for its newest
+/// complete checkpoint, and demo.sh passes the run directory. It runs here as a user runs it,
+/// from another directory.
+#[test]
+fn the_readme_demo_trains_and_prints_a_sample() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let out = std::process::Command::new("bash")
+        .arg(common::root().join("scripts/demo.sh"))
+        .args(["--max-steps", "2", "--set", "training.batch_size=2"])
+        .args(["--set", "training.context_length=64"])
+        .env("LOCKSTEP_BIN", env!("CARGO_BIN_EXE_lockstep"))
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text = common::output_text(&out);
+    assert!(out.status.success(), "{text}");
+    let sample = text
+        .lines()
+        .find(|l| l.starts_with("ROMEO:"))
+        .unwrap_or_else(|| panic!("no sample in:\n{text}"));
+    assert!(sample.len() > "ROMEO:".len() + 10, "{sample}");
+    assert!(text.contains("64 new tokens"), "{text}");
+    assert!(!text.to_lowercase().contains("error"), "{text}");
+
+    // The run directory, its checkpoints/ and a step directory all name the same checkpoint.
+    let run_dir = std::fs::read_dir(dir.join("runs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("demo-"))
+        .unwrap();
+    let run_dir = run_dir.strip_prefix(dir).unwrap().display().to_string();
+    let val = std::fs::read_dir(dir.join(".lockstep/cache"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("val.tok"))
+        .find(|p| p.is_file())
+        .unwrap();
+    let mut losses = Vec::new();
+    for model in [
+        run_dir.clone(),
+        format!("{run_dir}/checkpoints"),
+        format!("{run_dir}/checkpoints/step_2"),
+    ] {
+        let val = val.display().to_string();
+        let eval = [
+            "eval", "--model", &model, "--data", &val, "--max-batches", "2", "--json",
+        ];
+        let text = ok(dir, &eval.map(String::from));
+        let json = text.lines().find(|l| l.starts_with('{')).unwrap();
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        losses.push(v["loss"].as_f64().unwrap());
+        if !model.ends_with("step_2") {
+            assert!(
+                text.contains(&format!("its newest complete checkpoint, {run_dir}/checkpoints/step_2")),
+                "{text}"
+            );
+        }
+    }
+    assert!(losses.windows(2).all(|w| w[0] == w[1]), "{losses:?}");
+    let export = ["export", "--hf", "out", "--checkpoint", &run_dir, "--preset", "tiny"];
+    ok(dir, &export.map(String::from));
+    assert!(dir.join("out/model.safetensors").is_file());
+    // A directory that holds no checkpoint says so.
+    std::fs::create_dir_all(dir.join("runs/empty/checkpoints")).unwrap();
+    std::fs::write(dir.join("runs/empty/config.json"), std::fs::read(dir.join(&run_dir).join("config.json")).unwrap()).unwrap();
+    fails(
+        &run(dir, &["generate", "--model", "runs/empty", "--prompt", "x"].map(String::from)),
+        1,
+        &["--model runs/empty: no complete checkpoint in runs/empty/checkpoints; train the run first"],
+    );
+}
+
+/// Finding 7: with W&B unreachable, the run waited silently at its end (~47 s), and Ctrl-C
+/// there said "saving a checkpoint after step 2", then "no checkpoint was completed, so every
+/// step is lost" and exited 130, all false. The wait is said (what for, how long); a first
+/// signal says training has ended and what is waited for, a second exits 0.
+#[test]
+fn stopping_while_the_run_waits_for_a_tracker_says_so_and_exits_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
+    let args = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &[
+            "--max-steps",
+            "2",
+            "--set",
+            "logging.wandb.project=p",
+            "--set",
+            "logging.wandb.mode=online",
+        ],
+    );
+    let mut cmd = common::lockstep(dir);
+    cmd.args(&args)
+        .env("WANDB_BASE_URL", &closed)
+        .env("WANDB_API_KEY", "x".repeat(40))
+        .env("WANDB_INIT_TIMEOUT", "3");
+    let l = Launcher::spawn(cmd);
+    l.wait_for("Waiting up to ", Duration::from_secs(120));
+    unsafe { libc::kill(l.pid() as i32, libc::SIGINT) };
+    l.wait_for("training has ended and its last checkpoint is complete; waiting up to ", Duration::from_secs(10));
+    unsafe { libc::kill(l.pid() as i32, libc::SIGINT) };
+    let (code, text) = l.finish(Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("Waiting up to ")
+            && text.contains("for W&B to take the last records and end its run (training has ended and is saved")
+            && text.contains("SIGINT again: exiting now; training has ended and is saved"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("saving a checkpoint after") && !text.contains("every step is lost"),
+        "{text}"
+    );
+    assert!(dir.join("runs/tiny/checkpoints/step_2/trainer.json").is_file());
+}
+
+/// Findings 8, 9, 14 and 15: a dangling symlink in a corpus directory was skipped without a
+/// word (part of the data missing, exit 0); a tokenizer.json whose vocabulary is only
+/// `<|endoftext|>` turned 590 KB into 4 tokens; a UTF-16 file was "invalid UTF-8 at byte 0"
+/// with `iconv -f latin1` as the fix; a FIFO as data.path was "cannot list directory: Not a
+/// directory". Each is named with its fix, and nothing is cached.
+#[test]
+fn bad_corpus_inputs_are_named_with_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let prepare = |path: &str, extra: &[&str]| {
+        let data = format!("data.path={path}");
+        let args = with(&small(&corpus), &["prepare"], &[&["--set", &data][..], extra].concat());
+        run(dir, &args)
+    };
+    let cache_entries = || {
+        fs::read_dir(dir.join(".lockstep/cache"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+
+    std::os::unix::fs::symlink("/nonexistent/lost.txt", corpus.join("lost.txt")).unwrap();
+    fails(
+        &prepare("corpus", &[]),
+        1,
+        &["corpus/lost.txt: a symbolic link to /nonexistent/lost.txt, which does not exist; part of the corpus would be missing"],
+    );
+    fs::remove_file(corpus.join("lost.txt")).unwrap();
+
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain("To be, or not to be\n".encode_utf16().flat_map(u16::to_le_bytes))
+        .collect();
+    fs::create_dir(dir.join("u16")).unwrap();
+    fs::write(dir.join("u16/play.txt"), &utf16).unwrap();
+    fs::write(dir.join("lines.jsonl"), &utf16).unwrap();
+    for (path, name) in [("u16", "u16/play.txt"), ("lines.jsonl", "lines.jsonl:1")] {
+        fails(
+            &prepare(path, &[]),
+            1,
+            &[&format!("{name}: UTF-16 text (little-endian: it starts with that byte-order mark), not UTF-8; convert it with `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8`")],
+        );
+    }
+
+    let fifo = dir.join("pipe.txt");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    fails(
+        &prepare("pipe.txt", &[]),
+        1,
+        &["pipe.txt: a FIFO (named pipe), not a file or a directory; lockstep reads data files more than once"],
+    );
+
+    let tokenizer = r#"{"version": "1.0", "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}], "normalizer": null, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}, "post_processor": null, "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}, "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": false, "vocab": {"<|endoftext|>": 0}, "merges": []}}"#;
+    fs::write(dir.join("eos-only.json"), tokenizer).unwrap();
+    fails(
+        &prepare("corpus", &["--set", "data.tokenizer=eos-only.json"]),
+        1,
+        &["eos-only.json: a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary (1 tokens) lacks 256 of them"],
+    );
+    assert_eq!(cache_entries(), 0, "nothing is cached");
+}

@@ -20,8 +20,9 @@ use crate::model::{hf, AttentionBackend, Llama};
 
 #[derive(Args, Debug, Clone)]
 pub struct EvalArgs {
-    /// A Hugging Face Llama directory: an export (`lockstep export --hf`) or a checkpoint's
-    /// step_N directory.
+    /// A Hugging Face Llama directory: an export (`lockstep export --hf`), a checkpoint's
+    /// step_N directory, or a run directory (or its checkpoints/), which stands for its newest
+    /// complete checkpoint; or a Hub id.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// A .txt/.jsonl file (or a directory of them), or a token file (.tok, nanoGPT .bin,

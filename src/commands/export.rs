@@ -34,7 +34,8 @@ pub struct ExportArgs {
     /// Output directory (a Hugging Face model directory).
     #[arg(long = "hf", value_name = "OUT")]
     pub out: PathBuf,
-    /// `latest` = the run's latest complete checkpoint, or a checkpoint (step_N) directory.
+    /// `latest` = the run's latest complete checkpoint; a checkpoint (step_N) directory; or a
+    /// run directory (or its checkpoints/), which stands for its newest complete checkpoint.
     #[arg(long, value_name = "DIR|latest", default_value = "latest")]
     pub checkpoint: String,
     /// Dtype of the exported weights (fp32 = the checkpoint's master weights, bit for bit;
@@ -72,10 +73,11 @@ fn dtype(name: &str) -> (Kind, &'static str) {
 
 fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
     if which != "latest" {
-        let dir = PathBuf::from(which);
+        let dir = super::newest_checkpoint(Path::new(which), "--checkpoint")?;
         ensure!(
             dir.is_dir(),
-            "--checkpoint {}: no such directory; pass a checkpoint's step_N directory or `latest`",
+            "--checkpoint {}: no such directory; pass a checkpoint's step_N directory, a run \
+             directory (its newest checkpoint) or `latest`",
             dir.display()
         );
         ensure!(
@@ -88,7 +90,7 @@ fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
     }
     let root = setup::checkpoint_dir(resolved);
     match checkpoint::latest(&root) {
-        Some(dir) => Ok(dir),
+        Some(_) => super::newest_checkpoint(&root, "--checkpoint latest"),
         None => {
             let partial = checkpoint::incomplete(&root);
             let note = if partial.is_empty() {

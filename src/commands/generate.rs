@@ -16,8 +16,9 @@ use crate::model::{hf, AttentionBackend};
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// A Hugging Face Llama directory: an export (`lockstep export --hf`) or a checkpoint's
-    /// step_N directory.
+    /// A Hugging Face Llama directory: an export (`lockstep export --hf`), a checkpoint's
+    /// step_N directory, or a run directory (or its checkpoints/), which stands for its newest
+    /// complete checkpoint; or a Hub id.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Text to continue (tokenized with the model's tokenizer, no BOS added).

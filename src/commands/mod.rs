@@ -18,6 +18,7 @@ use tch::{Device, Kind};
 
 use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use crate::sys::cuda::{cuda_available, load_cuda_backend};
+use crate::train::checkpoint;
 
 /// Written by `export` next to the weights: where they came from and what a later `eval` or
 /// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
@@ -66,20 +67,92 @@ impl TrainedWith {
     }
 }
 
-/// `--model`: an existing directory as it is, else a Hugging Face id `owner/name[@revision]`
-/// resolved through the hub cache (downloaded when missing, unless HF_HUB_OFFLINE is set).
-/// Anything else is returned unchanged, for the usual missing-directory errors.
-/// A checkpoint directory's model files are checked against their recorded checksums.
+/// `--model`: an existing directory (a run directory or a checkpoint directory standing for
+/// its newest complete checkpoint, [`newest_checkpoint`]), else a Hugging Face id
+/// `owner/name[@revision]` resolved through the hub cache (downloaded when missing, unless
+/// HF_HUB_OFFLINE is set). Anything else is returned unchanged, for the usual
+/// missing-directory errors. A checkpoint's model files are checked against their recorded
+/// checksums.
 pub fn model_dir(model: &Path) -> Result<PathBuf> {
     let dir = match model.to_str() {
         Some(id) if crate::data::hub::is_hub_model_id(id) => {
             crate::data::hub::resolve_model_as("--model", id)?
         }
-        _ => model.to_path_buf(),
+        _ => newest_checkpoint(model, "--model")?,
     };
-    crate::train::checkpoint::verify_model(&dir)
-        .with_context(|| format!("--model {}", model.display()))?;
+    checkpoint::verify_model(&dir).with_context(|| format!("--model {}", model.display()))?;
     Ok(dir)
+}
+
+/// The model directory `dir` stands for: a run directory (`runs/<name>`, where lockstep wrote
+/// the resolved config.json) or a checkpoint directory (one holding `step_N` directories)
+/// stands for its newest complete checkpoint whose model files verify (said on stderr, with
+/// any damaged one skipped); any other directory, a model directory included, is itself.
+/// `flag` names the option in messages.
+pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
+    let is_model = ["trainer.json", "model.safetensors", "model.safetensors.index.json"]
+        .iter()
+        .any(|f| dir.join(f).is_file());
+    if is_model || !dir.is_dir() {
+        return Ok(dir.to_path_buf());
+    }
+    let root = match run_checkpoints(dir) {
+        Some(root) => root,
+        None if !checkpoint::list(dir).is_empty() || !checkpoint::incomplete(dir).is_empty() => {
+            dir.to_path_buf()
+        }
+        None => return Ok(dir.to_path_buf()),
+    };
+    for (_, ckpt) in checkpoint::list(&root).into_iter().rev() {
+        match checkpoint::verify_model(&ckpt) {
+            Ok(()) => {
+                eprintln!(
+                    "{flag} {}: its newest complete checkpoint, {}",
+                    dir.display(),
+                    ckpt.display()
+                );
+                return Ok(ckpt);
+            }
+            Err(e) => eprintln!(
+                "{flag} {}: skipping damaged checkpoint {} ({e:#})",
+                dir.display(),
+                ckpt.display()
+            ),
+        }
+    }
+    bail!(
+        "{flag} {}: no complete checkpoint in {}{}; train the run first (a checkpoint is saved \
+         every checkpoint.interval steps and at the end), or pass a checkpoint's step_N \
+         directory",
+        dir.display(),
+        root.display(),
+        match checkpoint::incomplete(&root).as_slice() {
+            [] => String::new(),
+            partial => format!(
+                " (only incomplete saves: {})",
+                partial
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    )
+}
+
+/// The checkpoint directory of the run in `dir`, when `dir` is a run directory: its
+/// config.json is a lockstep config (`checkpoint.dir`, else `<dir>/checkpoints`).
+fn run_checkpoints(dir: &Path) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let cfg: Value = serde_json::from_str(&text).ok()?;
+    let (training, ckpt) = (cfg.get("training")?, cfg.get("checkpoint")?);
+    if !training.is_object() {
+        return None;
+    }
+    Some(match ckpt.get("dir").and_then(Value::as_str) {
+        Some(d) => PathBuf::from(d),
+        None => dir.join("checkpoints"),
+    })
 }
 
 /// The tokenizer for a model directory: `--tokenizer`, else the built-in encoding its

@@ -58,6 +58,15 @@ pub fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
             path.display()
         )
     })?;
+    if !meta.is_file() && !meta.is_dir() {
+        bail!(
+            "{}: {}, not a file or a directory; lockstep reads data files more than once (to \
+             split off the validation data, to tokenize in parallel), so copy the data into a \
+             file and point data.path at it",
+            path.display(),
+            special_kind(&meta)
+        );
+    }
     if meta.is_file() {
         if !has_text_extension(path) {
             bail!(
@@ -93,17 +102,58 @@ fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
         if is_hidden(&path) {
             continue;
         }
-        // fs::metadata follows symlinks, so linked-in corpora are included.
-        let Ok(meta) = fs::metadata(&path) else {
-            continue;
+        // fs::metadata follows symlinks, so linked-in corpora are included; an entry that
+        // cannot be read is an error, never a part of the corpus skipped without a word.
+        let meta = match fs::metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) => match fs::read_link(&path) {
+                Ok(target) => bail!(
+                    "{}: a symbolic link to {}, which {}; part of the corpus would be missing. \
+                     Fix or remove the link (or point data.path elsewhere)",
+                    path.display(),
+                    target.display(),
+                    match e.kind() {
+                        std::io::ErrorKind::NotFound => "does not exist".to_string(),
+                        _ => format!("cannot be read ({e})"),
+                    }
+                ),
+                Err(_) => bail!(
+                    "{}: cannot read it ({e}); part of the corpus would be missing. Fix its \
+                     permissions or remove it",
+                    path.display()
+                ),
+            },
         };
         if meta.is_dir() {
             walk(&path, files)?;
-        } else if meta.is_file() && has_text_extension(&path) {
+        } else if has_text_extension(&path) {
+            if !meta.is_file() {
+                bail!(
+                    "{}: {}, not a data file; lockstep reads data files more than once, so \
+                     replace it with a regular file or remove it",
+                    path.display(),
+                    special_kind(&meta)
+                );
+            }
             files.push(path);
         }
     }
     Ok(())
+}
+
+/// What a path that is neither a regular file nor a directory is, for messages.
+fn special_kind(meta: &fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
 }
 
 /// The files of a dataset and what identifies it in the cache key.
@@ -515,16 +565,40 @@ pub fn txt_document(bytes: Vec<u8>, what: &str) -> Result<String> {
 /// byte-order mark a file may start with.
 fn txt_piece(bytes: Vec<u8>, what: &str, offset: u64) -> Result<String> {
     let text = String::from_utf8(bytes).map_err(|e| {
-        anyhow!(
-            "{what}: invalid UTF-8 at byte offset {}; convert the file to UTF-8 (e.g. \
-             `iconv -f latin1 -t utf-8`)",
-            offset + e.utf8_error().valid_up_to() as u64
-        )
+        let head = (offset == 0).then(|| e.as_bytes());
+        not_utf8(what, offset + e.utf8_error().valid_up_to() as u64, head)
     })?;
     Ok(match text.strip_prefix('\u{feff}') {
         Some(rest) if offset == 0 => rest.to_string(),
         _ => text,
     })
+}
+
+/// Text that is not UTF-8 at byte `at` of `what`; `head` is the file's first bytes when they
+/// are at hand, so a UTF-16 or UTF-32 file (named by its byte-order mark) gets the conversion
+/// that fits it rather than a guess.
+fn not_utf8(what: &str, at: u64, head: Option<&[u8]>) -> anyhow::Error {
+    let marked = head.and_then(|h| {
+        [
+            (&[0xFF, 0xFE, 0, 0][..], "UTF-32", "little"),
+            (&[0, 0, 0xFE, 0xFF][..], "UTF-32", "big"),
+            (&[0xFF, 0xFE][..], "UTF-16", "little"),
+            (&[0xFE, 0xFF][..], "UTF-16", "big"),
+        ]
+        .into_iter()
+        .find(|(mark, ..)| h.starts_with(mark))
+    });
+    match marked {
+        Some((_, enc, endian)) => anyhow!(
+            "{what}: {enc} text ({endian}-endian: it starts with that byte-order mark), not \
+             UTF-8; convert it with `iconv -f {enc} -t UTF-8 FILE > FILE.utf8` and use the new \
+             file"
+        ),
+        None => anyhow!(
+            "{what}: invalid UTF-8 at byte offset {at}; convert the file to UTF-8 (e.g. \
+             `iconv -f latin1 -t utf-8` if it is Latin-1; `file FILE` tells its encoding)"
+        ),
+    }
 }
 
 fn read_jsonl(
@@ -575,11 +649,8 @@ fn read_jsonl(
             continue;
         }
         let text = std::str::from_utf8(&line).map_err(|e| {
-            anyhow!(
-                "{}: invalid UTF-8 at byte offset {}; convert the file to UTF-8",
-                p(),
-                offset + e.valid_up_to() as u64
-            )
+            let head = (start == 0).then_some(line.as_slice());
+            not_utf8(&p(), offset + e.valid_up_to() as u64, head)
         })?;
         offset += n as u64;
         if text.trim().is_empty() {

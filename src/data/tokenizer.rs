@@ -177,9 +177,18 @@ impl Tokenizer {
         // Training text that happens to contain "</s>" must stay ordinary text,
         // as with tiktoken's encode_ordinary.
         inner.set_encode_special_tokens(true);
-        let fast = serde_json::from_slice(&std::fs::read(&path)?)
-            .map_err(|e| e.to_string())
-            .and_then(|json| FastBpe::from_hf_json(&json).map_err(|e| format!("{e:#}")))
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        can_encode_text(&json).map_err(|why| {
+            anyhow!(
+                "{}: {why}; it cannot encode text, so the corpus would become a few tokens. Use \
+                 the tokenizer.json the model was published with, or one of {}",
+                path.display(),
+                BUILTIN_NAMES.join(", ")
+            )
+        })?;
+        let fast = FastBpe::from_hf_json(&json)
+            .map_err(|e| format!("{e:#}"))
             .map(Box::new);
         let eos_id = HF_EOS_CANDIDATES
             .iter()
@@ -441,6 +450,60 @@ fn is_ws(b: u8) -> bool {
 
 /// Why `tokenizers` refused `path`: not JSON at all (where), JSON that is not a tokenizer
 /// (what it lacks and what it looks like instead), or the library's own reason.
+/// Why a tokenizer.json cannot represent ordinary text, if it cannot: its model's vocabulary is
+/// empty (added tokens aside), or it is a byte-level BPE without a token for each of the 256
+/// bytes (text it cannot encode would be dropped without a word).
+fn can_encode_text(json: &serde_json::Value) -> Result<(), String> {
+    let model = &json["model"];
+    let vocab = match &model["vocab"] {
+        serde_json::Value::Object(v) => v.len(),
+        // Unigram: a list of [piece, score].
+        serde_json::Value::Array(v) => v.len(),
+        _ => usize::MAX,
+    };
+    let added: Vec<&str> = json["added_tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["content"].as_str())
+        .collect();
+    if vocab == 0 {
+        return Err(format!(
+            "its vocabulary is empty (model.vocab has no entries{})",
+            match added.as_slice() {
+                [] => String::new(),
+                a => format!("; its only tokens are the added ones: {}", a.join(" ")),
+            }
+        ));
+    }
+    let is_type = |v: &serde_json::Value, t: &str| {
+        v["type"].as_str() == Some(t)
+            || v["pretokenizers"]
+                .as_array()
+                .is_some_and(|list| list.iter().any(|p| p["type"].as_str() == Some(t)))
+    };
+    let byte_level = is_type(&json["pre_tokenizer"], "ByteLevel") || is_type(&json["decoder"], "ByteLevel");
+    if model["type"].as_str() == Some("BPE") && byte_level {
+        let tokens = model["vocab"].as_object().map_or(0, |v| v.len());
+        let missing: Vec<String> = hf_json::byte_chars()
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !model["vocab"].get(c.to_string()).is_some())
+            .map(|(b, _)| format!("0x{b:02x}"))
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary \
+                 ({tokens} tokens) lacks {} of them ({}{})",
+                missing.len(),
+                missing.iter().take(8).cloned().collect::<Vec<_>>().join(", "),
+                if missing.len() > 8 { ", …" } else { "" }
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn why_not_a_tokenizer(path: &Path, library: &str) -> String {
     let Ok(text) = std::fs::read_to_string(path) else {
         return format!("not a valid Hugging Face tokenizer.json ({library})");
@@ -638,6 +701,42 @@ mod tests {
         assert!(!t.encode("hello </s> world").contains(&1));
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(t.definition_hash(), *blake3::hash(&bytes).as_bytes());
+    }
+
+    #[test]
+    fn a_tokenizer_that_cannot_encode_text_is_refused_naming_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |vocab: &str| {
+            let json = format!(
+                r#"{{"version": "1.0", "added_tokens": [{{"id": 0, "content": "<|endoftext|>",
+                "single_word": false, "lstrip": false, "rstrip": false, "normalized": false,
+                "special": true}}], "normalizer": null,
+                "pre_tokenizer": {{"type": "ByteLevel", "add_prefix_space": false,
+                "trim_offsets": true, "use_regex": true}}, "post_processor": null,
+                "decoder": {{"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                "use_regex": true}}, "model": {{"type": "BPE", "dropout": null,
+                "unk_token": null, "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                "fuse_unk": false, "vocab": {vocab}, "merges": []}}}}"#
+            );
+            let p = dir.path().join("tokenizer.json");
+            std::fs::write(&p, json).unwrap();
+            format!("{:#}", Tokenizer::load(p.to_str().unwrap()).err().unwrap())
+        };
+        let only_eos = load(r#"{"<|endoftext|>": 0}"#);
+        assert!(
+            only_eos.contains(
+                "a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary \
+                 (1 tokens) lacks 256 of them (0x00, 0x01,"
+            ) && only_eos.contains("it cannot encode text"),
+            "{only_eos}"
+        );
+        let empty = load("{}");
+        assert!(
+            empty.contains("its vocabulary is empty (model.vocab has no entries; its only \
+                 tokens are the added ones: <|endoftext|>)")
+                && !empty.contains("EOS"),
+            "{empty}"
+        );
     }
 
     #[test]

@@ -195,10 +195,26 @@ impl Tracker {
             }
         }
         drop(tx);
-        match self
-            .done
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        {
+        // A tracker still busy after a moment is said to be waited for, and for how long.
+        let patience = Duration::from_secs(2);
+        let mut waited = self.done.recv_timeout(patience.min(wait));
+        if matches!(waited, Err(RecvTimeoutError::Timeout)) && Instant::now() < deadline {
+            let run = match status {
+                RunStatus::Failed => "the run has failed",
+                _ => "training has ended and is saved",
+            };
+            eprintln!(
+                "{} Waiting up to {:.0} s for {} to take the last records and end its run ({run}; \
+                 Ctrl-C stops the wait)",
+                self.tag,
+                deadline.saturating_duration_since(Instant::now()).as_secs_f64(),
+                self.name
+            );
+            waited = self
+                .done
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        match waited {
             Ok(()) | Err(RecvTimeoutError::Disconnected) => {
                 if let Some(t) = self.thread.take() {
                     let _ = t.join();

@@ -1,9 +1,12 @@
 //! SIGTERM/SIGINT during training: the first signal asks the loop to checkpoint and exit 0 at
 //! the end of the current step (all ranks agree on the step through the loss all-reduce); a
 //! second signal exits at once with 128 + signal. Each says so on stderr (from the lead rank),
-//! with the step it saves at or the steps a second signal loses.
+//! with the step it saves at or the steps a second signal loses. Once training has ended and
+//! its last checkpoint is complete ([`finishing`]), only the experiment trackers are waited
+//! for: a signal then says so, with the time left, and a second one exits 0 at once.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 static SIGNALS: AtomicUsize = AtomicUsize::new(0);
 /// The step being trained (the one a first signal saves after).
@@ -12,6 +15,20 @@ static STEP: AtomicUsize = AtomicUsize::new(0);
 static SAVED: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// This process speaks for the run (rank 0); the others stay silent.
 static LEAD: AtomicBool = AtomicBool::new(false);
+/// Training has ended: the monotonic second until which the trackers are waited for (0 while
+/// training).
+static FINISHING_UNTIL: AtomicU64 = AtomicU64::new(0);
+
+/// Seconds on the monotonic clock (clock_gettime is async-signal-safe).
+fn monotonic_secs() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64
+}
 
 extern "C" fn on_signal(sig: libc::c_int) {
     let name: &[u8] = if sig == libc::SIGINT {
@@ -20,6 +37,27 @@ extern "C" fn on_signal(sig: libc::c_int) {
         b"SIGTERM"
     };
     let first = SIGNALS.fetch_add(1, Ordering::SeqCst) == 0;
+    let until = FINISHING_UNTIL.load(Ordering::SeqCst);
+    if until > 0 {
+        if LEAD.load(Ordering::SeqCst) {
+            let mut msg = Line::default();
+            msg.push(b"lockstep: ");
+            msg.push(name);
+            if first {
+                msg.push(b": training has ended and its last checkpoint is complete; waiting up to ");
+                msg.number(until.saturating_sub(monotonic_secs()) as usize);
+                msg.push(b" s more for the experiment trackers to take the last records; send it again to exit now\n");
+            } else {
+                msg.push(b" again: exiting now; training has ended and is saved (the trackers may miss their last records; metrics.jsonl has them)\n");
+            }
+            msg.write();
+        }
+        if !first {
+            // SAFETY: _exit is async-signal-safe.
+            unsafe { libc::_exit(0) };
+        }
+        return;
+    }
     if LEAD.load(Ordering::SeqCst) {
         let mut msg = Line::default();
         msg.push(b"lockstep: ");
@@ -109,6 +147,13 @@ pub fn install(lead: bool) {
 pub fn progress(step: usize, saved: Option<usize>) {
     STEP.store(step, Ordering::SeqCst);
     SAVED.store(saved.unwrap_or(usize::MAX), Ordering::SeqCst);
+}
+
+/// Training has ended and its last checkpoint is complete; what is left is waiting up to
+/// `wait` for the experiment trackers. From here a signal says so, and a second exits 0.
+pub fn finishing(wait: Duration) {
+    SIGNALS.store(0, Ordering::SeqCst);
+    FINISHING_UNTIL.store(monotonic_secs() + wait.as_secs().max(1), Ordering::SeqCst);
 }
 
 /// Whether a stop was requested on this process.

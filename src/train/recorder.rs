@@ -299,8 +299,10 @@ impl Recorder {
     pub fn finish(&mut self, status: RunStatus) {
         if let Some(records) = self.records.as_mut() {
             records.flush_guard();
+            // One wait for all the trackers together.
+            let deadline = Instant::now() + tracker::FINISH_WAIT;
             for t in records.trackers.drain(..) {
-                t.finish(status, tracker::FINISH_WAIT);
+                t.finish(status, deadline.saturating_duration_since(Instant::now()));
             }
         }
     }

@@ -305,6 +305,7 @@ impl<'a> Trainer<'a> {
             println!("{tag} {}", self.nothing_to_do());
         }
         println!("{tag} Peak memory: RSS {:.2} GB", gb(peak_rss_bytes()));
+        preempt::finishing(crate::telemetry::tracker::FINISH_WAIT);
         self.recorder.finish(if summary.preempted {
             RunStatus::Killed
         } else {
