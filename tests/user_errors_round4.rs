@@ -430,3 +430,48 @@ fn bad_corpus_inputs_are_named_with_the_fix() {
     );
     assert_eq!(cache_entries(), 0, "nothing is cached");
 }
+
+/// Finding 10: `plan --gpus 3 --set system.zero_stage=3 --set system.shard_degree=2` answered
+/// (exit 0, "replicated across 1") what `train` refuses; and finding 21: accepted without a
+/// note were bf16 reductions on CPU ranks, a sharding stage on one rank, and a prefetch of a
+/// million units ("1000001 unit gathers in flight" for a 7-unit model). `plan` and `train` run
+/// the same rules; each setting that buys nothing gets one warning line; the prefetch is
+/// clamped to the model's units.
+#[test]
+fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let plan = |sets: &[&str]| -> Vec<String> {
+        let mut args = vec!["plan", "--preset", "tiny", "--device", "cpu"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        args.iter().map(|s| s.to_string()).collect()
+    };
+    let mut bad = plan(&["system.zero_stage=3", "system.shard_degree=2"]);
+    bad.extend(["--gpus".into(), "3".into()]);
+    fails(
+        &run(dir, &bad),
+        2,
+        &["system.shard_degree = 2: must divide the number of ranks, 3"],
+    );
+    let mut odd = plan(&[
+        "system.zero_stage=3",
+        "system.prefetch_units=1000000",
+        "system.reduce_dtype=bf16",
+    ]);
+    odd.extend(["--gpus".into(), "2".into()]);
+    let text = ok(dir, &odd);
+    assert!(
+        text.contains("(1 + 6 prefetched = 7 unit gathers in flight)")
+            && text.contains("Warning: system.prefetch_units = 1000000 is more than the 6 units this model has besides the one in use; 6 are gathered ahead")
+            && text.contains("Warning: system.reduce_dtype = bf16 on CPU ranks rounds every gradient to bf16"),
+        "{text}"
+    );
+    let base = with(&small(&write_corpus(dir)), &["train"], &["--max-steps", "1"]);
+    let text = ok(dir, &with(&base, &[], &["--set", "system.zero_stage=3"]));
+    assert!(
+        text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank to shard the state over, so it saves no memory and gathers every unit for nothing"),
+        "{text}"
+    );
+}

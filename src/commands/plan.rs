@@ -66,6 +66,8 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         },
     };
     let world = args.gpus;
+    // The same rules `train` checks at start-up.
+    crate::config::check_world(cfg, world)?;
     let budget = match (args.gpu_memory_gb, device) {
         (Some(g), _) => (g * 1e9, "--gpu-memory-gb".to_string()),
         (None, plan::Device::Cuda) => match budget::gpu_memory(0) {
@@ -108,10 +110,19 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     );
     let layout = Layout::from_config(cfg);
     let r = report::build(&setting, &layout);
+    let notes = crate::config::world_notes(
+        cfg,
+        world,
+        device == plan::Device::Cuda,
+        setting.shape.num_layers,
+    );
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print!("{}", report::text(&r, &setting));
+    }
+    for note in notes {
+        eprintln!("Warning: {note}");
     }
     Ok(())
 }

@@ -16,7 +16,9 @@ use serde_json::{Map, Value};
 pub use choices::*;
 pub use secrets::{Credentials, Secrets};
 pub use types::*;
-pub use validate::{check_backend_device, MIN_SOURCE_SHARE};
+pub use validate::{
+    check_backend_device, check_world, prefetch_units, world_notes, MIN_SOURCE_SHARE,
+};
 
 /// A config problem the user must fix; `main` maps it to exit code 2.
 #[derive(Debug, thiserror::Error)]

@@ -299,6 +299,76 @@ fn nearest_divisor(n: usize, want: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// The rules that need the number of ranks, checked alike by `train` (every rank, at start),
+/// `lockstep run` (before any worker starts) and `plan`: `system.shard_degree` divides the
+/// ranks, and sharding below all of them needs a stage that shards. Returns the shard degree
+/// (the ranks that shard one copy of the state; 0 = all).
+pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
+    let degree = match c.system.shard_degree {
+        0 => world,
+        d => d,
+    };
+    if degree > world || !world.is_multiple_of(degree) {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
+             ranks of one node), or be 0 for all ranks"
+        )));
+    }
+    if degree < world && !c.system.zero_stage.shards_optimizer() {
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
+             system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
+             system.shard_degree = 0"
+        )));
+    }
+    Ok(degree)
+}
+
+/// `system.prefetch_units` as it runs for a model of `layers` decoder layers: at most the
+/// units stage 3 gathers besides the one in use (the embedding, the layers, the final norm and
+/// an untied LM head).
+pub fn prefetch_units(c: &Config, layers: usize) -> usize {
+    let units = layers + if c.model.tie_word_embeddings { 2 } else { 3 };
+    c.system.prefetch_units.min(units - 1)
+}
+
+/// Settings accepted on `world` ranks (`cuda`: GPU ranks) for a model of `layers` decoder
+/// layers that buy nothing there: one warning line each, printed by `train` (rank 0) and
+/// `plan`.
+pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<String> {
+    let s = &c.system;
+    let mut notes = Vec::new();
+    if s.reduce_dtype == super::ReduceDtype::Bf16 && !cuda && world > 1 {
+        notes.push(
+            "system.reduce_dtype = bf16 on CPU ranks rounds every gradient to bf16 on its way \
+             through the TCP ring, and CPU ranks rarely wait on the ring's bytes: it costs \
+             precision and saves little; fp32 (the default) keeps it"
+                .to_string(),
+        );
+    }
+    if s.zero_stage.shards_optimizer() && world == 1 {
+        notes.push(format!(
+            "system.zero_stage = {} on a single rank: there is no other rank to shard the state \
+             over, so it saves no memory{}; zero_stage = 0 trains the same",
+            s.zero_stage,
+            if s.zero_stage.shards_parameters() {
+                " and gathers every unit for nothing"
+            } else {
+                ""
+            }
+        ));
+    }
+    let prefetch = prefetch_units(c, layers);
+    if s.zero_stage.shards_parameters() && prefetch < s.prefetch_units {
+        notes.push(format!(
+            "system.prefetch_units = {} is more than the {prefetch} units this model has \
+             besides the one in use; {prefetch} are gathered ahead",
+            s.prefetch_units
+        ));
+    }
+    notes
+}
+
 /// The one rule tying `system.dist_backend` to the device: NCCL reduces on CUDA devices only.
 /// Checked wherever the device becomes known: statically for `system.device = cpu`, by the
 /// launcher for CPU workers, and by a rank whose `auto` device came up as CPU. `runs_on` says

@@ -121,6 +121,11 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         grace: std::time::Duration::from_secs(la.grace_s),
         log_ranks: la.log_ranks,
     };
+    // The rules that need the number of ranks, before anything is prepared or started.
+    crate::config::check_world(
+        &resolved.config,
+        plan.devices.local_world() * plan.node.nnodes,
+    )?;
     let rendezvous = super::preflight(&plan)?;
     let master_port = rendezvous.port();
     if plan.node.node_rank == 0 {

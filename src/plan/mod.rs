@@ -117,6 +117,7 @@ impl Setting {
 
     pub fn new(cfg: &Config, shape: LlamaShape, t: Target) -> Setting {
         let bf16 = bf16_compute(cfg, t.device);
+        let prefetch_units = crate::config::prefetch_units(cfg, shape.num_layers);
         let (peak_flops, peak_source) = budget::peak_flops(t.device, bf16, t.cpu_threads);
         let (intra_bw, inter_bw, node_size) = budget::links(t.device, t.world);
         Setting {
@@ -126,7 +127,7 @@ impl Setting {
             device: t.device,
             world: t.world.max(1),
             bucket_bytes: cfg.system.bucket_mb * 1e6,
-            prefetch_units: cfg.system.prefetch_units,
+            prefetch_units,
             shard_degree: cfg.system.shard_degree,
             reduce_bytes: match cfg.system.reduce_dtype {
                 crate::config::ReduceDtype::Fp32 => 4.0,

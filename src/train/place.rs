@@ -36,26 +36,10 @@ impl Rank {
 }
 
 /// The ranks that shard one copy of the state among `world` (`system.shard_degree`, 0 = all),
-/// checked against the world and the stage: a config error (exit 2), found at start-up.
+/// checked against the world and the stage (`config::check_world`): a config error (exit 2),
+/// found at start-up.
 pub fn shard_degree(cfg: &Config, world: usize) -> Result<usize, ConfigError> {
-    let degree = match cfg.system.shard_degree {
-        0 => world,
-        d => d,
-    };
-    if degree > world || !world.is_multiple_of(degree) {
-        return Err(ConfigError(format!(
-            "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
-             ranks of one node), or be 0 for all ranks"
-        )));
-    }
-    if degree < world && !cfg.system.zero_stage.shards_optimizer() {
-        return Err(ConfigError(format!(
-            "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
-             system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
-             system.shard_degree = 0"
-        )));
-    }
-    Ok(degree)
+    crate::config::check_world(cfg, world)
 }
 
 /// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank

@@ -105,7 +105,17 @@ impl RunDir {
             .create(true)
             .truncate(false)
             .open(&lock_path)
-            .with_context(|| format!("{}: cannot open the run's lock file", lock_path.display()))?;
+            .with_context(|| match kind {
+                Kind::Run => format!(
+                    "logging.dir: cannot create {}; choose a writable logging.dir",
+                    lock_path.display()
+                ),
+                Kind::Checkpoints => format!(
+                    "checkpoint.dir {}: cannot create {}; choose a writable checkpoint.dir",
+                    path.display(),
+                    lock_path.display()
+                ),
+            })?;
         if !try_lock(&lock)? {
             let mut holder = String::new();
             let _ = lock.read_to_string(&mut holder);

@@ -118,6 +118,13 @@ impl<'a> Trainer<'a> {
         if cfg.model.model_path.is_some() {
             fit::check(cfg, &shape, &rank)?;
         }
+        if rank.lead() {
+            let cuda = rank.device.is_cuda();
+            for note in crate::config::world_notes(cfg, rank.place.world, cuda, shape.num_layers)
+            {
+                println!("{} Warning: {note}", rank.tag);
+            }
+        }
         let (train, val) = open_sources(&data)?.into_iter().unzip();
         let loader = Loader::new(train, cfg, &rank)?;
         let validator = Validator::new(val, cfg, rank.device)?;
@@ -664,7 +671,7 @@ fn build(
     Ok(Built {
         model,
         params,
-        opt: opt.with_prefetch(cfg.system.prefetch_units),
+        opt: opt.with_prefetch(crate::config::prefetch_units(cfg, shape.num_layers)),
     })
 }
 
