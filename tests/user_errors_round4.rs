@@ -475,3 +475,52 @@ fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
         "{text}"
     );
 }
+
+/// Finding 11: Tok/s, MFU and the ETA counted validation time (48 tok/s instead of ~380 on the
+/// steps that validate), and the same numbers went to metrics.jsonl and the trackers. Training
+/// throughput now leaves validation out; validation's own time is reported with its loss.
+#[test]
+fn throughput_leaves_validation_out_and_validation_says_its_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let args = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &[
+            "--max-steps",
+            "8",
+            "--set",
+            "logging.interval=1",
+            "--set",
+            "training.eval_interval=2",
+            "--set",
+            "training.eval_batches=50",
+        ],
+    );
+    let text = ok(dir, &args);
+    let records = common::records(&dir.join("runs/tiny/metrics.jsonl"));
+    let (mut validating, mut plain) = (Vec::new(), Vec::new());
+    for r in &records {
+        let tok_s = r["tokens_per_s"].as_f64().unwrap();
+        match r["val_time_s"].as_f64() {
+            Some(t) => {
+                assert!(t > 0.0, "{r}");
+                validating.push(tok_s);
+            }
+            None => plain.push(tok_s),
+        }
+    }
+    assert_eq!(validating.len(), 4, "{records:?}");
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (v, p) = (median(&mut validating), median(&mut plain));
+    // Validation takes several steps' time here: counted, it cut Tok/s by ~5x.
+    assert!(v > 0.6 * p, "tok/s on validating steps {v} vs others {p}\n{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("Validation | Step [2/8] | Val Loss: ") && l.ends_with(" s")),
+        "{text}"
+    );
+}

@@ -75,7 +75,7 @@ impl std::fmt::Display for StepLine<'_> {
 
 /// The named series of one `metrics.jsonl` record, as TensorBoard, W&B and MLflow show them
 /// (one list, so the three agree): `train/loss`, `train/lr`, `train/grad_norm`,
-/// `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/ppl`, `val/loss/<source>`,
+/// `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/ppl`, `val/time_s`, `val/loss/<source>`,
 /// `data/tokens/<source>`, `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`,
 /// `guard/events`, `guard/<kind>`. Absent (null) values give no point.
 pub fn series(record: &Value) -> Vec<(String, f64)> {
@@ -93,6 +93,7 @@ pub fn series(record: &Value) -> Vec<(String, f64)> {
         ("tokens_per_s", "perf/tokens_per_s"),
         ("mfu", "perf/mfu"),
         ("val_loss", "val/loss"),
+        ("val_time_s", "val/time_s"),
     ] {
         put(name.to_string(), num(key));
     }

@@ -35,6 +35,8 @@ pub struct Validation {
     pub loss: f64,
     /// Each evaluated source's mean loss, by name, in source order.
     pub by_source: Vec<(String, f64)>,
+    /// Seconds it took (not counted in training's tokens/s).
+    pub seconds: f64,
 }
 
 impl Validator {
@@ -87,6 +89,7 @@ impl Validator {
         opt: &Optimizer,
         pg: &mut dyn ProcessGroup,
     ) -> Result<Option<Validation>> {
+        let started = std::time::Instant::now();
         let (ctx, bs) = (self.context_length, self.batch_size);
         let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
         if self.batches == 0 {
@@ -153,6 +156,10 @@ impl Validator {
             [(_, only)] => *only,
             _ => weighted / weights,
         };
-        Ok(Some(Validation { loss, by_source }))
+        Ok(Some(Validation {
+            loss,
+            by_source,
+            seconds: started.elapsed().as_secs_f64(),
+        }))
     }
 }

@@ -5,7 +5,7 @@
 //! ([`telemetry::series`]) of each metrics.jsonl record.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use serde_json::json;
@@ -45,6 +45,8 @@ struct Records {
 /// Step timings summed since the last logged step, for Tok/s, the ETA and the timing line.
 struct Window {
     start: Instant,
+    /// Time in the window that was not training (validation, a synchronous save).
+    paused: Duration,
     steps: usize,
     timing: StepTiming,
 }
@@ -53,9 +55,15 @@ impl Window {
     fn new() -> Window {
         Window {
             start: Instant::now(),
+            paused: Duration::ZERO,
             steps: 0,
             timing: StepTiming::default(),
         }
+    }
+
+    /// Seconds of training in the window.
+    fn training_s(&self) -> f64 {
+        self.start.elapsed().saturating_sub(self.paused).as_secs_f64()
     }
 }
 
@@ -190,7 +198,7 @@ impl Recorder {
     ) -> Result<()> {
         let w = &self.window;
         let n = w.steps.max(1) as f64;
-        let step_time = w.start.elapsed().as_secs_f64() / n;
+        let step_time = w.training_s() / n;
         let tok_s = self.tokens_per_step / step_time.max(1e-9);
         let mfu = self
             .mfu_basis
@@ -219,11 +227,12 @@ impl Recorder {
                         .collect(),
                 };
                 println!(
-                    "{tag} Validation | Step [{}/{}] | Val Loss: {:.4} | Val PPL: {:.2}{per_source}",
+                    "{tag} Validation | Step [{}/{}] | Val Loss: {:.4} | Val PPL: {:.2}{per_source} | {:.2} s",
                     state.step,
                     self.max_steps,
                     v.loss,
-                    v.loss.exp()
+                    v.loss.exp(),
+                    v.seconds
                 );
             }
             if self.verbose {
@@ -260,10 +269,15 @@ impl Recorder {
         Ok(())
     }
 
-    /// Starts a new timing window: after a log line, and after pauses that are not training
-    /// (a checkpoint save) so they do not count against Tok/s.
-    pub fn restart_window(&mut self) {
+    /// Starts a new timing window, after a log line.
+    fn restart_window(&mut self) {
         self.window = Window::new();
+    }
+
+    /// Time that was not training (validation, a synchronous save): Tok/s, MFU and the ETA
+    /// leave it out.
+    pub fn pause(&mut self, d: Duration) {
+        self.window.paused += d;
     }
 
     /// After a rollback to `step`: the steps trained again replace the later records in
@@ -414,6 +428,9 @@ impl Records {
             "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
             "guard_events": state.guard_events, "mfu": mfu,
         });
+        if let Some(v) = val {
+            record["val_time_s"] = json!(v.seconds);
+        }
         if let Some(g) = gpu_used_gb {
             record["gpu_used_gb"] = json!(g);
         }

@@ -258,7 +258,10 @@ impl<'a> Trainer<'a> {
             let val = match &self.validator {
                 Some(v) if v.due(step, last) => {
                     phase::enter(Phase::Eval);
-                    v.run(&self.model, &self.opt, &mut *self.pg)?
+                    let started = std::time::Instant::now();
+                    let val = v.run(&self.model, &self.opt, &mut *self.pg)?;
+                    self.recorder.pause(started.elapsed());
+                    val
                 }
                 _ => None,
             };
@@ -274,12 +277,13 @@ impl<'a> Trainer<'a> {
             self.stragglers.check(step, &mut *self.pg)?;
             if self.checkpointer.due(step, last) {
                 phase::enter(Phase::Checkpoint);
+                let started = std::time::Instant::now();
                 let paused = self
                     .checkpointer
                     .save(&self.opt, &self.state, &mut *self.pg)?;
                 if paused {
                     // The step line's tokens/s is about steps, not about a synchronous save.
-                    self.recorder.restart_window();
+                    self.recorder.pause(started.elapsed());
                 }
             }
             if out.stop_requested {
