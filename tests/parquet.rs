@@ -63,7 +63,6 @@ fn spec(path: &Path, cache: &Path, field: &str) -> PrepareSpec {
         path: path.to_path_buf(),
         text_field: field.into(),
         val_fraction: 0.0,
-        context_length: 8,
         num_samples: None,
         cache_dir: cache.to_path_buf(),
         num_threads: 2,

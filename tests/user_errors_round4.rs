@@ -524,3 +524,90 @@ fn throughput_leaves_validation_out_and_validation_says_its_time() {
         "{text}"
     );
 }
+
+/// Findings 12, 12b, 12c, 18 and 19: changing `training.context_length` tokenized the whole
+/// corpus again (it was part of the cache key, though it only sized the validation split); a
+/// resume with another context length was accepted silently; `checkpoint.keep_every` that is
+/// not a multiple of `checkpoint.interval` kept nothing; a resume with another tokenizer was
+/// "another model shape" and pointed at the HF config.json for the data; `keep_last=-1` said
+/// ">= 0" though 0 is refused too. The token cache is keyed on what changes tokens, each
+/// split is checked against the windows when training starts, and the rest are named.
+#[test]
+fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--set", "checkpoint.interval=2"],
+    );
+    let first = ok(dir, &with(&base, &[], &["--max-steps", "2"]));
+    assert!(first.contains("Data: prepared"), "{first}");
+    // Another context length: the same tokens from the cache, and a resume says what moves.
+    let ctx32 = with(&base, &[], &["--set", "training.context_length=32"]);
+    let text = fails(
+        &run(dir, &with(&ctx32, &[], &["--max-steps", "3", "--resume", "auto"])),
+        1,
+        &[
+            "the checkpoint was trained on other data (training.context_length 64 then, 32 now: every sample's window and the data order move)",
+            "its config is in runs/tiny/checkpoints/step_2/trainer.json",
+            "data.allow_new_data_on_resume=true",
+        ],
+    );
+    assert!(text.contains("Data: cache hit"), "not tokenized again: {text}");
+    let text = ok(
+        dir,
+        &with(
+            &ctx32,
+            &[],
+            &["--max-steps", "3", "--resume", "auto", "--set", "data.allow_new_data_on_resume=true"],
+        ),
+    );
+    assert!(text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"), "{text}");
+    // Another tokenizer is named as such, not as another model shape.
+    let text = fails(
+        &run(
+            dir,
+            &with(&base, &[], &["--max-steps", "4", "--resume", "auto", "--set", "data.tokenizer=p50k_base"]),
+        ),
+        1,
+        &["tokenizer \"tiktoken:r50k_base\" then, \"tiktoken:p50k_base\" now: its ids stand for other text; set data.tokenizer back"],
+    );
+    assert!(!text.contains("model shape"), "{text}");
+    // A validation split shorter than a window is named when training starts.
+    fails(
+        &run(
+            dir,
+            &with(
+                &base,
+                &[],
+                &["--max-steps", "2", "--set", "data.val_fraction=0.001", "--set", "logging.run_name=short"],
+            ),
+        ),
+        1,
+        &["the validation split of corpus holds 36 tokens, fewer than one window of training.context_length + 1 = 65; raise data.val_fraction (now 0.001)"],
+    );
+    // Checkpoint settings that would keep nothing, or a count of 0.
+    for (sets, says) in [
+        (
+            ["checkpoint.keep_every=3", "checkpoint.interval=2"],
+            "checkpoint.keep_every = 3 is not a multiple of checkpoint.interval = 2: saves happen every 2 steps, so only multiples of 6 would be kept",
+        ),
+        (
+            ["checkpoint.keep_every=3", "checkpoint.interval=0"],
+            "checkpoint.interval = 0 saves only at the end, so it keeps nothing",
+        ),
+        (
+            ["checkpoint.keep_last=-1", "checkpoint.interval=2"],
+            "--set checkpoint.keep_last=-1: expected integer >= 1",
+        ),
+    ] {
+        let text = fails(
+            &run(dir, &with(&base, &[], &["--set", sets[0], "--set", sets[1]])),
+            2,
+            &[says],
+        );
+        assert_eq!(text.matches("error").count(), 1, "said once: {text}");
+        assert!(text.matches("checkpoint.keep_last").count() <= 1, "named once: {text}");
+    }
+}

@@ -261,6 +261,10 @@ fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(),
             spec.key,
             spec.kind.problem(value).unwrap_or_default()
         )),
+        // `--set key=value` already names the key and the value.
+        _ if origin.starts_with("--set ") => {
+            err(format!("{origin}: expected {}", spec.kind.describe()))
+        }
         _ => err(format!(
             "{origin}: {} = {value} is not allowed; expected {}",
             spec.key,

@@ -14,6 +14,8 @@ use super::choices::{
 pub enum Kind {
     /// A whole number >= 0.
     UInt,
+    /// A whole number >= 1 (a count that cannot be zero).
+    Count,
     /// Any finite number.
     Float,
     Bool,
@@ -69,6 +71,7 @@ impl Kind {
     pub fn describe(self) -> String {
         match self {
             Kind::UInt => "integer >= 0".into(),
+            Kind::Count => "integer >= 1".into(),
             Kind::Float => "number".into(),
             Kind::Bool => "true or false".into(),
             Kind::Str => "string".into(),
@@ -148,6 +151,7 @@ impl Kind {
         };
         match self {
             Kind::UInt => uint(v),
+            Kind::Count => uint(v) && v.as_f64().is_some_and(|f| f >= 1.0),
             Kind::Float => v.as_f64().is_some_and(f64::is_finite),
             Kind::Bool => v.is_boolean(),
             Kind::Str => v.is_string(),
@@ -198,11 +202,11 @@ macro_rules! keys {
 
 keys! {
     "model.model_path", Kind::OptStr, "null", "Hugging Face Llama directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
-    "model.num_layers", Kind::UInt, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
-    "model.hidden_size", Kind::UInt, "4096", "Residual stream width.";
-    "model.num_attention_heads", Kind::UInt, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";
-    "model.num_key_value_heads", Kind::UInt, "8", "Key/value heads (grouped-query attention); must divide num_attention_heads.";
-    "model.intermediate_size", Kind::UInt, "14336", "SwiGLU MLP width.";
+    "model.num_layers", Kind::Count, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
+    "model.hidden_size", Kind::Count, "4096", "Residual stream width.";
+    "model.num_attention_heads", Kind::Count, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";
+    "model.num_key_value_heads", Kind::Count, "8", "Key/value heads (grouped-query attention); must divide num_attention_heads.";
+    "model.intermediate_size", Kind::Count, "14336", "SwiGLU MLP width.";
     "model.vocab_size", Kind::OptUInt, "null", "Embedding rows; null = the tokenizer's vocabulary size. Must be >= the tokenizer's.";
     "model.max_position_embeddings", Kind::UInt, "131072", "Longest context the model supports; training.context_length may not exceed it.";
     "model.rope_theta", Kind::Float, "500000.0", "RoPE base frequency.";
@@ -220,13 +224,13 @@ keys! {
     "data.reset_position_ids", Kind::Bool, "false", "RoPE positions restart at 0 at each document start inside a window, as if each document were its own sequence. Beside data.document_masking it changes results only by rounding (RoPE sees the distance between tokens, and masked attention never crosses a document); alone, it changes the distances at which documents see each other.";
     "data.cache_dir", Kind::Str, "\".lockstep/cache\"", "Where prepared token files are cached, keyed by tokenizer, dataset files, context length and sample count.";
     "data.allow_new_data_on_resume", Kind::Bool, "false", "A resume whose data differ from the checkpoint's (sources, weights, tokenizer or token content, as recorded in its trainer.json) is refused, since the data order would change without a word. true: continue the model and optimizer on the new data, with the data order starting anew at its first sample (said in the log).";
-    "training.batch_size", Kind::UInt, "1", "Sequences per micro-batch per rank.";
+    "training.batch_size", Kind::Count, "1", "Sequences per micro-batch per rank.";
     "training.learning_rate", Kind::Float, "1e-5", "Peak learning rate (after warmup).";
     "training.min_lr", Kind::Float, "1e-6", "Floor of the cosine decay; must be <= learning_rate.";
     "training.warmup_steps", Kind::UInt, "10", "Linear warmup steps from 0 to learning_rate.";
-    "training.max_steps", Kind::UInt, "100", "Optimizer steps to train for.";
-    "training.context_length", Kind::UInt, "8192", "Tokens per sequence; <= model.max_position_embeddings.";
-    "training.grad_accum_nums", Kind::UInt, "1", "Micro-batches per optimizer step. Alias: grad_accum_steps.";
+    "training.max_steps", Kind::Count, "100", "Optimizer steps to train for.";
+    "training.context_length", Kind::Count, "8192", "Tokens per sequence; <= model.max_position_embeddings.";
+    "training.grad_accum_nums", Kind::Count, "1", "Micro-batches per optimizer step. Alias: grad_accum_steps.";
     "training.num_workers", Kind::UInt, "0", "Threads that tokenize in `prepare` (0 = all cores). Batches come straight from the memory-mapped token file and need no workers.";
     "training.dtype", Kind::Choice(DtypeChoice::NAMES), "\"auto\"", "Compute precision; bf16 keeps fp32 master weights and AdamW moments. auto = bf16 on CUDA, fp32 on CPU.";
     "training.weight_decay", Kind::Float, "0.1", "Decoupled AdamW weight decay, applied to matrices and embeddings only (not norms or biases).";
@@ -260,14 +264,14 @@ keys! {
     "system.memory_check", Kind::Choice(MemoryCheck::NAMES), "\"refuse\"", "Before building the model, `train` estimates each rank's peak memory as `lockstep plan` does and compares it with system.memory_budget_gb: refuse = exit with code 2 and the cheapest change that fits when it does not; warn = print that and start anyway; off = no estimate.";
     "system.memory_budget_gb", Kind::Float, "0.0", "Memory one rank may use, in GB, for system.memory_check: 0 = what the device has free at start (CPU: MemAvailable of /proc/meminfo divided among the node's ranks; CUDA: the GPU's free memory from NVML).";
     "system.dist_backend", Kind::Choice(DistBackendChoice::NAMES), "\"auto\"", "Collectives of a multi-rank run. auto = NCCL on CUDA ranks (gradients and parameters on the GPU; scalars and barriers on the CPU ring, which names a missing rank), the Rust TCP ring on CPU ranks. ring = the TCP ring everywhere (CUDA tensors go through host memory: slow, a fallback when NCCL is broken).";
-    "logging.interval", Kind::UInt, "1", "Print the step line every N steps.";
+    "logging.interval", Kind::Count, "1", "Print the step line every N steps.";
     "logging.dir", Kind::Str, "\"runs\"", "Parent directory of run directories.";
     "logging.verbose", Kind::Bool, "false", "Also print a per-phase timing line (data, forward+backward, optimizer) at each log step.";
     "logging.tensorboard", Kind::Bool, "true", "Rank 0 writes TensorBoard event files (loss, lr, grad norm, tokens/s, MFU, validation, RSS) to <run dir>/tensorboard/ at every logged step.";
     "logging.memory_interval", Kind::UInt, "100", "Log resident memory (and the peak) every N steps (0 = only the peak at the end).";
     "logging.run_name", Kind::OptStr, "null", "Run directory name under logging.dir; null = the preset's name.";
     "logging.straggler_pct", Kind::Float, "20.0", "Every logging.interval steps, rank 0 names the slowest rank when its time per step on its own work (data, forward, backward, optimizer; not waiting for others) exceeds the median of all ranks by more than this many percent (0 = off; one small all-reduce per check).";
-    "logging.wandb.project", Kind::OptStr, "null", "Weights & Biases project; setting it turns W&B on. Rank 0 runs the official `wandb` client in a sidecar process (Python, fed over a pipe, never waited for by training) and logs every step line's values, validation, guard events and the resolved config. The W&B run id is kept in <run dir>/wandb/lockstep-run.json, so --resume and restarts continue one W&B run; a fresh start begins a new one.";
+    "logging.wandb.project", Kind::OptStr, "null", "Weights & Biases project; setting it turns W&B on. Rank 0 runs the official `wandb` client in a sidecar process (Python, fed over a pipe, never waited for by training) and logs every step line's values, validation, guard events and the resolved config. The W&B run id is kept in <run dir>/wandb.json, so --resume and restarts continue one W&B run; a fresh start begins a new one.";
     "logging.wandb.entity", Kind::OptStr, "null", "W&B entity (user or team); null = the API key's default entity (or WANDB_ENTITY).";
     "logging.wandb.name", Kind::OptStr, "null", "W&B run display name; null = the run directory's name.";
     "logging.wandb.group", Kind::OptStr, "null", "W&B run group (e.g. one sweep or ablation).";
@@ -279,8 +283,8 @@ keys! {
     "logging.mlflow.experiment", Kind::OptStr, "null", "MLflow experiment name (created when missing); null = MLFLOW_EXPERIMENT_NAME, else lockstep.";
     "logging.mlflow.run_name", Kind::OptStr, "null", "MLflow run name; null = the run directory's name.";
     "checkpoint.interval", Kind::UInt, "0", "Save every N steps (0 = only at the end); always saves at the end.";
-    "checkpoint.keep_last", Kind::UInt, "3", "Complete checkpoints to keep; older ones are deleted.";
-    "checkpoint.keep_every", Kind::UInt, "0", "Also keep every checkpoint whose step is a multiple of N forever, besides the last checkpoint.keep_last (0 = off; e.g. 1000 keeps step_1000, step_2000, ...).";
+    "checkpoint.keep_last", Kind::Count, "3", "Complete checkpoints to keep; older ones are deleted.";
+    "checkpoint.keep_every", Kind::UInt, "0", "Also keep every checkpoint whose step is a multiple of N forever, besides the last checkpoint.keep_last (0 = off; e.g. 1000 keeps step_1000, step_2000, ...). A multiple of checkpoint.interval (saves happen only there).";
     "checkpoint.async", Kind::Bool, "true", "Save in the background: at a checkpoint step each rank copies what it owns into a host staging buffer (pinned on CUDA, reused between saves) and training goes on while a writer thread writes, fsyncs and commits the same files as a synchronous save. One save in flight at a time; the end of training, SIGTERM/SIGINT, the NaN guard and rollbacks wait for it; a failed background write fails the run at the next step. Falls back to a synchronous save, saying so, when the staging copy would not fit in the host's available memory. false = every rank waits until the checkpoint is written.";
     "debug.fault", Kind::Choice(FaultChoice::NAMES), "\"none\"", "Testing aid (fault injection): at the start of step debug.fault_step, rank debug.fault_rank exits with debug.fault_exit_code (exit) or stops itself with SIGSTOP (stop, a hung rank); slow makes it sleep debug.fault_delay_ms at the start of that step and every later one (a straggler). Used by the launcher, timeout, restart and straggler tests.";
     "debug.fault_rank", Kind::UInt, "0", "Testing aid: the rank that debug.fault hits.";

@@ -22,27 +22,11 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     }
 }
 
-/// Counts that must be at least 1, and the model's shape: heads that divide, an even head
-/// dimension, a context within the positions.
+/// The model's shape: heads that divide, an even head dimension, a context within the
+/// positions.
 fn check_shape(c: &Config, bad: &mut impl FnMut(String)) {
+    // Counts that cannot be zero are `Kind::Count` in the schema, refused where they are set.
     let (m, t) = (&c.model, &c.training);
-    for (key, v) in [
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_key_value_heads", m.num_key_value_heads),
-        ("model.intermediate_size", m.intermediate_size),
-        ("training.batch_size", t.batch_size),
-        ("training.max_steps", t.max_steps),
-        ("training.context_length", t.context_length),
-        ("training.grad_accum_nums", t.grad_accum_nums),
-        ("logging.interval", c.logging.interval),
-        ("checkpoint.keep_last", c.checkpoint.keep_last),
-    ] {
-        if v == 0 {
-            bad(format!("{key} = 0: must be at least 1"));
-        }
-    }
     if m.vocab_size == Some(0) {
         bad(
             "model.vocab_size = 0: must be at least the tokenizer's vocabulary size (null = \
@@ -139,6 +123,27 @@ fn check_ranges(c: &Config, bad: &mut impl FnMut(String)) {
 
 /// The device, buckets, memory budget, timeouts and fault injection.
 fn check_system(c: &Config, bad: &mut impl FnMut(String)) {
+    let k = &c.checkpoint;
+    if k.keep_every > 0 && k.interval == 0 {
+        bad(format!(
+            "checkpoint.keep_every = {} keeps the checkpoints of steps that are multiples of \
+             {}, but checkpoint.interval = 0 saves only at the end, so it keeps nothing; set \
+             checkpoint.interval (e.g. {}), or checkpoint.keep_every = 0",
+            k.keep_every, k.keep_every, k.keep_every
+        ));
+    } else if k.keep_every > 0 && !k.keep_every.is_multiple_of(k.interval) {
+        bad(format!(
+            "checkpoint.keep_every = {} is not a multiple of checkpoint.interval = {}: saves \
+             happen every {} steps, so only multiples of {} would be kept; use a multiple of {} \
+             (e.g. {})",
+            k.keep_every,
+            k.interval,
+            k.interval,
+            lcm(k.keep_every, k.interval),
+            k.interval,
+            k.keep_every.div_ceil(k.interval) * k.interval
+        ));
+    }
     if c.system.device == DeviceChoice::Cpu {
         if let Err(e) = check_backend_device(c.system.dist_backend, false, "system.device = cpu") {
             bad(e.0);
@@ -289,6 +294,17 @@ fn check_sources(c: &Config, bad: &mut impl FnMut(String)) {
             }
         }
     }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    a / gcd(a, b) * b
 }
 
 /// The divisor of `n` closest to `want`, for a concrete suggestion in an error.

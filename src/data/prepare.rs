@@ -21,8 +21,9 @@ use super::tokfile::{
 };
 use crate::sys::durable::file_blake3;
 
-/// Bumped whenever the cache contents for the same inputs would change.
-pub const CACHE_FORMAT_VERSION: u32 = 1;
+/// Bumped whenever the cache contents for the same inputs would change (2: the validation
+/// split no longer depends on training.context_length, which left the key).
+pub const CACHE_FORMAT_VERSION: u32 = 2;
 
 /// Text accumulated before a parallel tokenization pass.
 const BATCH_BYTES: usize = 16 << 20;
@@ -41,9 +42,6 @@ pub struct PrepareSpec {
     pub text_field: String,
     /// Share of tokens (taken from the end) used for validation, in `[0, 1)`.
     pub val_fraction: f64,
-    /// Training context length; both splits get at least one full window
-    /// when the corpus is large enough.
-    pub context_length: usize,
     /// Only the first N documents; `None` = all.
     pub num_samples: Option<u64>,
     /// Root of the tokenized-data cache.
@@ -176,9 +174,6 @@ fn checked(spec: &PrepareSpec) -> Result<Tokenizer> {
             spec.val_fraction
         );
     }
-    if spec.context_length == 0 {
-        bail!("training.context_length must be at least 1");
-    }
     if spec.num_samples == Some(0) {
         bail!("data.num_samples is 0; leave it unset to use every document");
     }
@@ -208,7 +203,6 @@ impl Entry {
             "files": files,
             "text_field": spec.text_field,
             "val_fraction": spec.val_fraction,
-            "context_length": spec.context_length,
             "num_samples": spec.num_samples,
         });
         let key = blake3::hash(&serde_json::to_vec(&inputs)?)
@@ -494,7 +488,6 @@ fn complete(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, count: u64) -> R
             |i| stream.doc_offset(i),
             total,
             spec.val_fraction,
-            spec.context_length as u64,
         )
     } else {
         (total, true)
@@ -1025,28 +1018,22 @@ impl Progress {
 /// Where the validation part starts in a stream of `total` tokens whose `count` documents
 /// start at `start(i)`, and whether that is a document boundary.
 ///
-/// The target is the last `val_fraction` of tokens, at least `context + 1`
-/// tokens on each side when the corpus allows it (so both splits can form a
-/// sample). The nearest document start is used if it leaves both sides that
-/// large and moves the validation size by at most half; otherwise the cut
-/// falls inside a document, so a corpus of one big file still gets a split.
+/// The target is the last `val_fraction` of tokens, at least one token on each side. The
+/// nearest document start is used if it moves the validation size by at most half; otherwise
+/// the cut falls inside a document, so a corpus of one big file still gets a split. It depends
+/// on the tokens alone, not on the context length: a change of `training.context_length`
+/// finds the same cache entry, and training checks each split against its windows.
 fn choose_cut(
     count: u64,
     start: impl Fn(u64) -> u64,
     total: u64,
     val_fraction: f64,
-    context: u64,
 ) -> (u64, bool) {
-    let min_part = if total >= 2 * (context + 1) {
-        context + 1
-    } else {
-        1
-    };
     let wanted = (total as f64 * val_fraction).round() as u64;
-    let val = wanted.clamp(min_part, total - min_part);
+    let val = wanted.clamp(1, total - 1);
     let target = total - val;
     let tolerance = val / 2;
-    let ok = |b: u64| b >= min_part && total - b >= min_part && b.abs_diff(target) <= tolerance;
+    let ok = |b: u64| b >= 1 && total - b >= 1 && b.abs_diff(target) <= tolerance;
     // The first document starting at or after the target.
     let lo = partition_point(count, |i| start(i) < target);
     let below = lo.checked_sub(1).map(&start);
@@ -1191,7 +1178,6 @@ fn build(
                     |i| starts.get(i),
                     total,
                     spec.val_fraction,
-                    spec.context_length as u64,
                 )
                 .0
             })
@@ -1237,7 +1223,6 @@ mod tests {
             path: path.to_path_buf(),
             text_field: "text".into(),
             val_fraction: 0.1,
-            context_length: 8,
             num_samples: None,
             cache_dir: cache.to_path_buf(),
             num_threads: 2,
@@ -1473,22 +1458,16 @@ mod tests {
 
     #[test]
     fn cut_rules() {
-        let cut = |starts: &[u64], total, fraction, context| {
-            choose_cut(
-                starts.len() as u64,
-                |i| starts[i as usize],
-                total,
-                fraction,
-                context,
-            )
+        let cut = |starts: &[u64], total, fraction| {
+            choose_cut(starts.len() as u64, |i| starts[i as usize], total, fraction)
         };
         // Boundary close to the 10% target is taken.
-        assert_eq!(cut(&[0, 50, 88, 95], 100, 0.1, 3), (88, true));
+        assert_eq!(cut(&[0, 50, 88, 95], 100, 0.1), (88, true));
         // Far boundaries are not: the cut falls inside the document.
-        assert_eq!(cut(&[0, 50], 100, 0.1, 3), (90, false));
-        // Both sides keep a full window when possible.
-        assert_eq!(cut(&[0], 100, 0.01, 9), (90, false));
+        assert_eq!(cut(&[0, 50], 100, 0.1), (90, false));
+        // A small fraction still leaves a token on each side.
+        assert_eq!(cut(&[0], 100, 0.001), (99, false));
         // Tiny corpora still split.
-        assert_eq!(cut(&[0], 2, 0.5, 100), (1, false));
+        assert_eq!(cut(&[0], 2, 0.5), (1, false));
     }
 }

@@ -28,7 +28,8 @@ pub(super) struct RankOutput {
     show_all: bool,
     console: SharedWriter,
     log: Mutex<File>,
-    tail: Mutex<VecDeque<String>>,
+    /// The last lines, each with whether it went to the console too.
+    tail: Mutex<VecDeque<(String, bool)>>,
     /// Reader threads not yet at end-of-file, with a condvar to wait for 0.
     open: Mutex<usize>,
     closed: Condvar,
@@ -88,14 +89,15 @@ impl RankOutput {
         let tagged = tag_line(&self.tag, text);
         // Log errors (disk full) must not take training down; the console still has the line.
         let _ = writeln!(lock(&self.log), "{tagged}");
-        if self.show_all || looks_important(text) {
+        let shown = self.show_all || looks_important(text);
+        if shown {
             write_line(&self.console, &tagged);
         }
         let mut tail = lock(&self.tail);
         if tail.len() == TAIL_LINES {
             tail.pop_front();
         }
-        tail.push_back(tagged);
+        tail.push_back((tagged, shown));
     }
 
     /// Waits until the output pipe reached end-of-file, at most `limit`.
@@ -115,8 +117,9 @@ impl RankOutput {
         }
     }
 
-    /// The last [`TAIL_LINES`] lines this rank printed.
-    pub(super) fn tail(&self) -> Vec<String> {
+    /// The last [`TAIL_LINES`] lines this rank printed, each with whether the console
+    /// showed it.
+    pub(super) fn tail(&self) -> Vec<(String, bool)> {
         lock(&self.tail).iter().cloned().collect()
     }
 }

@@ -309,13 +309,19 @@ fn report_failure(w: &Worker, exit: ExitKind, sinks: &Sinks) {
             w.rank,
             w.log_path.display()
         );
+    } else if tail.iter().all(|(_, shown)| *shown) {
+        // Every line is on the console already: not again.
+        msg += &format!(
+            "lockstep run: its last lines are above (log: {})",
+            w.log_path.display()
+        );
     } else {
         msg += &format!(
             "lockstep run: last {} line(s) of {}:",
             tail.len(),
             w.log_path.display()
         );
-        for line in &tail {
+        for (line, _) in &tail {
             msg += "\n    ";
             msg += line;
         }

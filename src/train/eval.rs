@@ -47,17 +47,30 @@ impl Validator {
         device: Device,
     ) -> Result<Option<Validator>> {
         let packing = Packing::from_config(cfg);
+        let t = &cfg.training;
         let mut sources = Vec::new();
         for (i, v) in val.into_iter().enumerate() {
             if let Some(v) = v {
                 packing.check(&v.tokens, &format!("the validation split of {}", v.name))?;
+                // The split does not depend on the context (a context change finds the same
+                // prepared data), so it is checked against the windows here.
+                let n = v.tokens.num_tokens();
+                anyhow::ensure!(
+                    t.eval_batches == 0 || n > t.context_length as u64,
+                    "the validation split of {} holds {n} tokens, fewer than one window of \
+                     training.context_length + 1 = {}; raise data.val_fraction (now {}), lower \
+                     training.context_length, or set training.eval_batches=0 to train without \
+                     validation",
+                    v.name,
+                    t.context_length + 1,
+                    cfg.data.val_fraction
+                );
                 sources.push((i, v));
             }
         }
         if sources.is_empty() {
             return Ok(None);
         }
-        let t = &cfg.training;
         Ok(Some(Validator {
             sources,
             interval: t.eval_interval,

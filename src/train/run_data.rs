@@ -32,9 +32,11 @@ pub struct DataSource {
 
 /// What identifies the data a run trains on, as recorded in every checkpoint: per source its
 /// name, weight, tokenizer, token counts, and a hash of three samples of 32k of its training
-/// tokens (start, middle, end) as u32 little-endian. Path-, time- and layout-free, so a copied
-/// or re-prepared corpus (in one go or in parts) is the same data, and cheap on any corpus size.
-pub fn data_identity(sources: &[DataSource]) -> Result<serde_json::Value> {
+/// tokens (start, middle, end) as u32 little-endian; and the context length, which cuts the
+/// tokens into samples (another one moves every sample's window and the data order).
+/// Path-, time- and layout-free, so a copied or re-prepared corpus (in one go or in parts) is
+/// the same data, and cheap on any corpus size.
+pub fn data_identity(sources: &[DataSource], context_length: usize) -> Result<serde_json::Value> {
     const SAMPLE: u64 = 32 << 10;
     let mut out = Vec::new();
     for s in sources {
@@ -56,6 +58,7 @@ pub fn data_identity(sources: &[DataSource]) -> Result<serde_json::Value> {
             "train_tokens": p.train_tokens,
             "val_tokens": p.val_tokens,
             "token_blake3": hasher.finalize().to_hex().as_str(),
+            "context_length": context_length,
         }));
     }
     Ok(serde_json::Value::Array(out))
@@ -75,8 +78,27 @@ pub fn data_difference(then: &serde_json::Value, now: &serde_json::Value) -> Opt
         return Some(format!("{} source(s) then, {} now", a.len(), b.len()));
     }
     let mut diffs = Vec::new();
+    // Checkpoints from before the context length was recorded do not compare it.
+    let context = |v: &[serde_json::Value]| v.first().map(|s| s["context_length"].clone());
+    if let (Some(x), Some(y)) = (context(&a), context(&b)) {
+        if !x.is_null() && x != y {
+            diffs.push(format!(
+                "training.context_length {x} then, {y} now: every sample's window and the data \
+                 order move"
+            ));
+        }
+    }
     for (x, y) in a.iter().zip(&b) {
         let name = y["name"].as_str().unwrap_or("?");
+        if x.get("tokenizer").is_some() && x["tokenizer"] != y["tokenizer"] {
+            // The counts and the content differ with it; the tokenizer is the difference.
+            diffs.push(format!(
+                "source {name}: tokenizer {} then, {} now: its ids stand for other text; set \
+                 data.tokenizer back",
+                x["tokenizer"], y["tokenizer"]
+            ));
+            continue;
+        }
         for (key, what) in [
             ("name", "name"),
             ("weight", "weight"),
@@ -108,7 +130,6 @@ pub fn source_specs(cfg: &Config, progress: bool) -> Vec<SourceSpec> {
         path: PathBuf::from(path),
         text_field: text_field.unwrap_or(&d.text_field).to_string(),
         val_fraction: d.val_fraction,
-        context_length: cfg.training.context_length,
         num_samples: d.num_samples,
         cache_dir: PathBuf::from(&d.cache_dir),
         num_threads: cfg.training.num_workers,

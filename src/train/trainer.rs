@@ -137,7 +137,7 @@ impl<'a> Trainer<'a> {
             mut opt,
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
-        let identity = run_data::data_identity(&data)?;
+        let identity = run_data::data_identity(&data, t.context_length)?;
         let mut state = fresh_state(resolved, &shape, rank.place.world, identity.clone());
         if let Some(dir) = &resume_dir {
             state = resume(dir, &shape, &mut opt, resolved, &rank, identity)?;
@@ -718,7 +718,8 @@ fn resume(
     let cfg = &resolved.config;
     let seed = cfg.system.seed;
     let started = std::time::Instant::now();
-    let saved = checkpoint::load(dir, shape, opt)?;
+    // The data first: another tokenizer would otherwise show as another model shape.
+    let saved = checkpoint::read_state(dir)?;
     anyhow::ensure!(
         saved.seed == seed,
         "{}: checkpoint was trained with system.seed = {}, config has {seed}; the data order would change. Set system.seed={}",
@@ -732,13 +733,14 @@ fn resume(
         anyhow::ensure!(
             cfg.data.allow_new_data_on_resume,
             "{}: the checkpoint was trained on other data ({diff}); resuming would change what \
-             the model sees next without a word. Resume with the data it was trained on (see \
-             data in {}), or set data.allow_new_data_on_resume=true to continue the model on \
-             the new data, its order starting anew",
+             the model sees next without a word. Resume with the data it was trained on (its \
+             config is in {}), or set data.allow_new_data_on_resume=true to continue the model \
+             on the new data, its order starting anew",
             dir.display(),
-            dir.join("config.json").display()
+            dir.join("trainer.json").display()
         );
     }
+    checkpoint::load(dir, shape, opt)?;
     println!(
         "{} Resumed from {} at step {} ({} samples consumed; loaded in {:.2} s)",
         rank.tag,
