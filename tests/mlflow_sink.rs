@@ -305,6 +305,14 @@ fn dead_hanging_and_odd_servers_give_bounded_waits_and_clear_errors() {
         took >= Duration::from_secs(3) && took < Duration::from_secs(6),
         "{took:?}"
     );
+    // Finding 12d: each request is bounded (10 s, said in the one warning); a tracker failing
+    // when the run ends waits FAILING_WAIT, not the minute (tracker::tests).
+    let e = sink_at(&hanging).start().unwrap_err();
+    assert!(
+        e.message.contains("did not answer") && e.message.contains("no answer within 10 s"),
+        "{}",
+        e.message
+    );
 
     // Refused credentials: lasting, naming the variables.
     let port = canned_http(

@@ -118,8 +118,10 @@ impl MlflowSink {
             .unwrap_or_default();
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(5))
-            .timeout_read(Duration::from_secs(30))
-            .timeout_write(Duration::from_secs(30))
+            // Bounded: a server that accepts connections and never answers costs a request
+            // this long (on the tracker's thread, never training's).
+            .timeout_read(Duration::from_secs(10))
+            .timeout_write(Duration::from_secs(10))
             .redirects(0)
             .try_proxy_from_env(proxied(&host, &no_proxy))
             .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
@@ -260,7 +262,7 @@ impl MlflowSink {
                          overloaded or the network down? {URI_HINT}",
                         match kind {
                             K::ConnectionFailed => "no connection within 5 s",
-                            _ => "no answer within 30 s",
+                            _ => "no answer within 10 s",
                         }
                     )),
                     (K::Dns, _) => unreachable("its host name does not resolve"),

@@ -26,6 +26,9 @@ pub const QUEUE_RECORDS: usize = 4096;
 
 /// How long the end of a run waits for a tracker to deliver what it holds and end its run.
 pub const FINISH_WAIT: Duration = Duration::from_secs(60);
+/// The wait for a tracker whose service is failing when the run ends (unreachable, or
+/// accepting connections and never answering): a last try or two, not a minute.
+pub const FAILING_WAIT: Duration = Duration::from_secs(12);
 
 /// One logged point: a step and its named values (`train/loss`, `val/loss`, ...).
 #[derive(Debug, Clone, PartialEq)]
@@ -110,6 +113,8 @@ pub struct Tracker {
     /// Signals the end of the thread's work (it sends once, when it returns).
     done: Receiver<()>,
     thread: Option<JoinHandle<()>>,
+    /// The service's last call failed (set by the tracker's thread).
+    failing: Arc<AtomicBool>,
 }
 
 impl Tracker {
@@ -123,7 +128,9 @@ impl Tracker {
         let (tx, rx) = sync_channel(QUEUE_RECORDS);
         let (done_tx, done) = sync_channel(1);
         let dropped = Arc::new(AtomicU64::new(0));
+        let failing = Arc::new(AtomicBool::new(false));
         let worker = Worker {
+            failing: failing.clone(),
             name,
             tag: tag.to_string(),
             catch_up_note: catch_up_note.clone(),
@@ -151,6 +158,7 @@ impl Tracker {
             told_full: AtomicBool::new(false),
             done,
             thread: Some(thread),
+            failing,
         }
     }
 
@@ -181,6 +189,12 @@ impl Tracker {
 
     fn end(&mut self, status: RunStatus, wait: Duration) {
         let Some(tx) = self.tx.take() else { return };
+        // A service failing now gets a last try or two, not the whole wait.
+        let wait = if self.failing.load(Ordering::Relaxed) {
+            wait.min(FAILING_WAIT)
+        } else {
+            wait
+        };
         // Blocks only while the queue is full, and then at most `wait`.
         let deadline = Instant::now() + wait;
         let mut msg = Msg::Finish(status);
@@ -252,6 +266,8 @@ enum State {
 
 struct Worker {
     name: &'static str,
+    /// Whether the last call to the service failed, for the handle's end.
+    failing: Arc<AtomicBool>,
     tag: String,
     /// `; <how to deliver the records it missed afterwards>`, or empty.
     catch_up_note: String,
@@ -334,6 +350,7 @@ impl Worker {
                 };
                 match sent {
                     Ok(()) => {
+                        self.failing.store(false, Ordering::Relaxed);
                         if let Some(r) = batch.last() {
                             self.last_step = Some(r.step);
                         }
@@ -411,12 +428,14 @@ impl Worker {
                 };
                 println!("{} {}: {line}{note}", self.tag, self.name);
                 self.state = State::Running;
+                self.failing.store(false, Ordering::Relaxed);
             }
             Err(e) => self.failed(e),
         }
     }
 
     fn failed(&mut self, e: SinkError) {
+        self.failing.store(true, Ordering::Relaxed);
         if !self.warned {
             self.warned = true;
             let then = if e.lasting {
@@ -539,6 +558,48 @@ mod tests {
         let ending = Instant::now();
         t.finish(RunStatus::Finished, Duration::from_millis(300));
         assert!(ending.elapsed() < Duration::from_secs(2));
+    }
+
+    /// Fails its start at once (a passing failure), then hangs in every call: a server that
+    /// went quiet.
+    struct Quiet {
+        calls: usize,
+    }
+
+    impl Sink for Quiet {
+        fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
+            self.calls += 1;
+            if self.calls > 1 {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+            Err(SinkError::passing("no answer within 10 s"))
+        }
+        fn send(&mut self, _: &[Record]) -> Result<(), SinkError> {
+            unreachable!("never started")
+        }
+        fn finish(&mut self, _: RunStatus) -> Result<(), SinkError> {
+            unreachable!("never started")
+        }
+    }
+
+    /// Finding 12d: a service failing when the run ends cost the run's whole wait (a 3-step run
+    /// took 64 s against an MLflow that accepts and never answers): it gets FAILING_WAIT.
+    #[test]
+    fn a_failing_service_is_waited_for_briefly_at_the_end() {
+        let t = Tracker::start("Quiet", "[CPU0]", "", Box::new(Quiet { calls: 0 }));
+        t.send(record(1));
+        let began = Instant::now();
+        while !t.failing.load(Ordering::Relaxed) {
+            assert!(began.elapsed() < Duration::from_secs(5));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let ending = Instant::now();
+        t.finish(RunStatus::Finished, FINISH_WAIT);
+        let took = ending.elapsed();
+        assert!(
+            took >= FAILING_WAIT && took < FAILING_WAIT + Duration::from_secs(2),
+            "{took:?}"
+        );
     }
 
     #[test]
