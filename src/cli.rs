@@ -30,7 +30,7 @@ pub enum Command {
         /// Tokenize only part I of N of the corpus (I from 0 to N-1, like RANK; `slurm` takes
         /// SLURM_PROCID/SLURM_NTASKS), one machine per part: the parts land in the same cache
         /// entry, which the last one written completes.
-        #[arg(long, value_name = "I/N")]
+        #[arg(long, value_name = "I/N", allow_hyphen_values = true)]
         shard: Option<String>,
     },
     /// Train one rank (a single process, or one rank under torchrun/Slurm variables).

@@ -429,6 +429,13 @@ fn bad_corpus_inputs_are_named_with_the_fix() {
         &["eos-only.json: a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary (1 tokens) lacks 256 of them"],
     );
     assert_eq!(cache_entries(), 0, "nothing is cached");
+
+    // Finding 13: a negative part was clap's "unexpected argument '-1'".
+    fails(
+        &run(dir, &with(&small(&corpus), &["prepare", "--shard", "-1/2"], &[])),
+        1,
+        &["--shard -1/2: the part must be I/N with 0 <= I < N <= 99999 (got -1/2)"],
+    );
 }
 
 /// Finding 10: `plan --gpus 3 --set system.zero_stage=3 --set system.shard_degree=2` answered
@@ -610,4 +617,81 @@ fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
         assert_eq!(text.matches("error").count(), 1, "said once: {text}");
         assert!(text.matches("checkpoint.keep_last").count() <= 1, "named once: {text}");
     }
+}
+
+/// The `tmp*wandb-*` directories W&B leaves in /tmp, by name.
+fn wandb_tmp_dirs() -> std::collections::BTreeSet<String> {
+    fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("tmp") && n.contains("wandb"))
+        .collect()
+}
+
+/// Findings 16, 17 and 23: `logging.wandb.python=notpython.txt` (a file in the working
+/// directory) was looked up on PATH; `/bin/false` said "see sidecar.log", which was empty, and
+/// was retried forever; WANDB_DIR was ignored; each failed online start left two empty
+/// `/tmp/tmp*wandb-*` directories. The interpreter is a path like every path setting, one that
+/// is not a Python running the sidecar is named once with what it printed (and not retried),
+/// WANDB_DIR is honoured when logging.wandb.dir is unset, and W&B's temporary files stay under
+/// the run's W&B directory.
+#[test]
+fn wandb_settings_are_resolved_and_a_bad_interpreter_is_named_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let tmp_before = wandb_tmp_dirs();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--max-steps", "3", "--set", "logging.wandb.project=p"],
+    );
+    fs::write(dir.join("notpython.txt"), "not a program").unwrap();
+    for (i, (python, says)) in [
+        (
+            "notpython.txt",
+            format!("cannot run the W&B sidecar with {}", dir.join("notpython.txt").display()),
+        ),
+        (
+            "/bin/false",
+            "/bin/false exited (exit status: 1) before the sidecar started and printed nothing; it is not a Python that runs the sidecar".to_string(),
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("logging.run_name=py{i}");
+        let py = format!("logging.wandb.python={python}");
+        let started = std::time::Instant::now();
+        let text = ok(dir, &with(&base, &[], &["--set", &py, "--set", &name]));
+        let warnings: Vec<&str> = text.lines().filter(|l| l.contains("Warning")).collect();
+        assert_eq!(warnings.len(), 1, "{text}");
+        assert!(warnings[0].contains(&says) && warnings[0].contains("it is off for the rest of this run"), "{text}");
+        assert!(started.elapsed() < Duration::from_secs(30), "no retries: {text}");
+    }
+    // WANDB_DIR, when logging.wandb.dir is unset; and an online start that fails (nothing
+    // listening) leaves nothing in /tmp.
+    let out = common::lockstep(dir)
+        .args(with(&base, &[], &["--set", "logging.wandb.mode=offline", "--set", "logging.run_name=wd"]))
+        .env("WANDB_DIR", dir.join("wdir"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::output_text(&out));
+    let offline: Vec<_> = fs::read_dir(dir.join("wdir/wandb"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("offline-run-"))
+        .collect();
+    assert_eq!(offline.len(), 1);
+    let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
+    let out = common::lockstep(dir)
+        .args(with(&base, &[], &["--set", "logging.wandb.mode=online", "--set", "logging.run_name=on"]))
+        .env("WANDB_BASE_URL", &closed)
+        .env("WANDB_API_KEY", "x".repeat(40))
+        .env("WANDB_INIT_TIMEOUT", "3")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::output_text(&out));
+    let new: Vec<String> = wandb_tmp_dirs().difference(&tmp_before).cloned().collect();
+    assert!(new.is_empty(), "W&B left {new:?} in /tmp");
 }

@@ -70,7 +70,9 @@ impl WandbOptions {
             return Ok(None);
         }
         let run_dir = std::path::absolute(run_dir)?;
-        let dir = match &w.dir {
+        // logging.wandb.dir, else WANDB_DIR (as W&B itself reads it), else the run directory.
+        let env_dir = std::env::var("WANDB_DIR").ok().filter(|d| !d.is_empty());
+        let dir = match w.dir.as_ref().or(env_dir.as_ref()) {
             Some(d) => std::path::absolute(d)?,
             None => run_dir.clone(),
         };
@@ -101,9 +103,15 @@ impl WandbOptions {
 }
 
 /// The interpreter for the sidecar: `logging.wandb.python`, else the venv lockstep was built
-/// against (when it is still there), else `python3` on PATH.
+/// against (when it is still there), else `python3` on PATH. A configured value with a `/`, or
+/// naming a file in the working directory, is a path (made absolute, as every path setting is
+/// taken from the working directory); a bare name is looked up on PATH.
 fn python(configured: Option<&str>) -> PathBuf {
     if let Some(p) = configured {
+        let path = Path::new(p);
+        if p.contains('/') || path.is_file() {
+            return std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        }
         return PathBuf::from(p);
     }
     let venv = Path::new(env!("LOCKSTEP_VENV_PYTHON"));
@@ -149,6 +157,10 @@ struct Sidecar {
     child: Child,
     stdin: Option<ChildStdin>,
     reports: Receiver<Value>,
+    /// The length of sidecar.log when it started (what it printed follows).
+    logged: u64,
+    /// It reported `started` (it is a Python that runs the sidecar, with wandb).
+    started: bool,
 }
 
 /// The W&B client of a [`super::tracker::Tracker`].
@@ -172,8 +184,17 @@ impl WandbSink {
         self.opts.files.join("sidecar.log")
     }
 
+    /// W&B's temporary files (it makes `tmp*wandb-*` directories at every start): under the
+    /// run's W&B directory rather than /tmp, and removed once its sidecar has exited.
+    fn tmp_dir(&self) -> PathBuf {
+        self.opts.files.join("tmp")
+    }
+
     fn spawn(&self) -> Result<Sidecar, SinkError> {
         let log_path = self.log_path();
+        let tmp = self.tmp_dir();
+        let _ = std::fs::create_dir_all(&tmp);
+        let logged = std::fs::metadata(&log_path).map_or(0, |m| m.len());
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -184,6 +205,7 @@ impl WandbSink {
         let python = &self.opts.python;
         let mut child = Command::new(python)
             .args(["-u", "-c", SIDECAR])
+            .env("TMPDIR", &tmp)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log)
@@ -217,7 +239,23 @@ impl WandbSink {
             child,
             stdin,
             reports,
+            logged,
+            started: false,
         })
+    }
+
+    /// What this sidecar wrote to its log (from `from` on), its last lines, for a message.
+    fn printed(&self, from: u64) -> String {
+        let text = std::fs::read(self.log_path()).unwrap_or_default();
+        let text = String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        match lines.as_slice() {
+            [] => "printed nothing".to_string(),
+            all => format!(
+                "printed: {}",
+                all[all.len().saturating_sub(3)..].join(" | ")
+            ),
+        }
     }
 
     /// Writes one message line; a broken pipe means the sidecar is gone.
@@ -254,6 +292,9 @@ impl WandbSink {
                 _ => std::thread::sleep(Duration::from_millis(20)),
             }
         };
+        if status.is_some() {
+            let _ = std::fs::remove_dir_all(self.tmp_dir());
+        }
         if let Some(e) = s.reports.try_iter().find_map(|r| reported_error(&r)) {
             return e;
         }
@@ -261,6 +302,17 @@ impl WandbSink {
             || "stopped responding".into(),
             |st| format!("exited ({st})"),
         );
+        if !s.started && status.is_some() {
+            // Gone before it ever reported: not a Python that runs the sidecar (`/bin/false`,
+            // a text file); trying again cannot help.
+            return SinkError::lasting(format!(
+                "{} {how} before the sidecar started and {}; it is not a Python that runs the \
+                 sidecar: set logging.wandb.python to a Python with the wandb package (log: {})",
+                self.opts.python.display(),
+                self.printed(s.logged),
+                log.display()
+            ));
+        }
         let why = self
             .last_error
             .take()
@@ -281,6 +333,7 @@ impl Sink for WandbSink {
         let s = self.sidecar.as_mut().expect("just started");
         match s.reports.recv_timeout(START_WAIT) {
             Ok(r) if r.get("started").is_some() => {
+                s.started = true;
                 let started = &r["started"];
                 let line = started["line"].as_str().unwrap_or_default().to_string();
                 Ok((line, started["last_step"].as_u64()))
@@ -323,7 +376,10 @@ impl Sink for WandbSink {
         let deadline = Instant::now() + FINISH_WAIT;
         loop {
             match s.child.try_wait() {
-                Ok(Some(_)) => return Ok(()),
+                Ok(Some(_)) => {
+                    let _ = std::fs::remove_dir_all(self.tmp_dir());
+                    return Ok(());
+                }
                 Ok(None) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50))
                 }
