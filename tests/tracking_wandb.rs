@@ -393,6 +393,56 @@ fn wandb_sync_uploads_a_run_trained_without_wandb() {
     assert!(text.contains("sent 7 steps"), "{text}");
     let l = logged(&run_dir, &run_id(&run_dir));
     assert_matches_the_record(&run_dir, &l);
+
+    // Finding 20: a garbage line and one that is not UTF-8 are skipped and counted (the second
+    // stopped the upload, blaming RUN_DIR); an empty metrics.jsonl is refused rather than
+    // uploaded as an empty run; with nothing listening the advice is this command's flag.
+    let copy = |name: &str, metrics: &[u8]| {
+        let to = dir.join("runs").join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        std::fs::copy(run_dir.join("config.json"), to.join("config.json")).unwrap();
+        std::fs::write(to.join("metrics.jsonl"), metrics).unwrap();
+    };
+    let good = std::fs::read(run_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<&[u8]> = good.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    let mut mixed = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if i == 2 {
+            mixed.extend_from_slice(b"{not json\n");
+        }
+        if i == 4 {
+            mixed.extend_from_slice(b"\xff\xfe latin-1 \xe9\n");
+        }
+        mixed.extend_from_slice(line);
+        mixed.push(b'\n');
+    }
+    copy("mixed", &mixed);
+    let text = ok(
+        dir,
+        &common::cmd("wandb-sync", &[], &["runs/mixed", "--project", "p", "--mode", "offline"]),
+    );
+    assert!(
+        text.contains("skipped 2 line(s) that are not step records (line 3, 6); the other 7 are uploaded")
+            && text.contains("sent 7 steps"),
+        "{text}"
+    );
+    copy("empty", b"");
+    let out = common::run(
+        dir,
+        &common::cmd("wandb-sync", &[], &["runs/empty", "--project", "p", "--mode", "offline"]),
+    );
+    common::fails(&out, 1, &["runs/empty/metrics.jsonl: holds no step records; nothing to upload"]);
+    assert!(!dir.join("runs/empty/wandb.json").exists(), "no W&B run was made");
+    let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
+    let out = common::lockstep(dir)
+        .args(common::cmd("wandb-sync", &[], &["runs/later", "--project", "p"]))
+        .env("WANDB_BASE_URL", &closed)
+        .env("WANDB_API_KEY", "x".repeat(40))
+        .env("WANDB_INIT_TIMEOUT", "3")
+        .output()
+        .unwrap();
+    let text = common::fails(&out, 1, &["pass --mode offline for a local copy"]);
+    assert!(!text.contains("logging.wandb.mode"), "{text}");
 }
 
 /// A rollback trains steps again: metrics.jsonl rewinds to the checkpoint and holds the steps

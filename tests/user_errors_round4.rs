@@ -695,3 +695,35 @@ fn wandb_settings_are_resolved_and_a_bad_interpreter_is_named_once() {
     let new: Vec<String> = wandb_tmp_dirs().difference(&tmp_before).cloned().collect();
     assert!(new.is_empty(), "W&B left {new:?} in /tmp");
 }
+
+/// Finding 20b: a 9000-character MLflow run name reached the server, which answered with a
+/// confusing "Both 'run_name' argument and 'mlflow.runName' tag" error. MLflow's limits are
+/// checked with the config (exit 2, before anything starts).
+#[test]
+fn mlflow_limits_are_checked_before_a_server_sees_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let long = format!("logging.mlflow.run_name={}", "r".repeat(9000));
+    let long_experiment = format!("logging.mlflow.experiment={}", "e".repeat(300));
+    let args = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &[
+            "--set",
+            "logging.mlflow.tracking_uri=http://127.0.0.1:9",
+            "--set",
+            &long,
+            "--set",
+            &long_experiment,
+        ],
+    );
+    fails(
+        &run(dir, &args),
+        2,
+        &[
+            "logging.mlflow.run_name is 9000 characters long; MLflow keeps at most 250: shorten it",
+            "logging.mlflow.experiment is 300 characters long; MLflow keeps at most 256",
+        ],
+    );
+    assert!(!dir.join("runs").exists());
+}

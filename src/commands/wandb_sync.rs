@@ -59,16 +59,7 @@ pub fn run(args: &WandbSyncArgs) -> Result<()> {
         ))
         .into());
     }
-    let records: Vec<Record> = read("metrics.jsonl")?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|r| {
-            Some(Record {
-                step: r.get("step")?.as_u64()?,
-                values: crate::telemetry::series(&r),
-            })
-        })
-        .collect();
+    let records = metrics_records(&dir.join("metrics.jsonl"))?;
     config["lockstep"] = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "run_dir": std::path::absolute(dir)?,
@@ -78,6 +69,8 @@ pub fn run(args: &WandbSyncArgs) -> Result<()> {
     let mut opts = WandbOptions::new(&w, dir, true, config)?
         .ok_or_else(|| anyhow::anyhow!("internal: W&B options for {} are off", dir.display()))?;
     opts.init["local_steps"] = Value::Bool(false);
+    // This command's way to a local copy (training's is logging.wandb.mode).
+    opts.init["offline_fix"] = Value::from("pass --mode offline for a local copy");
     let id = opts.id().to_string();
     let mut sink = WandbSink::new(opts);
     let fail = |e: crate::telemetry::tracker::SinkError| anyhow::anyhow!("W&B: {}", e.message);
@@ -100,4 +93,56 @@ pub fn run(args: &WandbSyncArgs) -> Result<()> {
         dir.join("metrics.jsonl").display()
     );
     Ok(())
+}
+
+/// The step records of a metrics.jsonl: every line that is a JSON object with a step. Lines
+/// that are not (a torn or edited line, bytes that are not UTF-8) are skipped and counted with
+/// their numbers; a file without any record is refused rather than uploaded as an empty run.
+fn metrics_records(path: &std::path::Path) -> Result<Vec<Record>> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        ConfigError(format!(
+            "{}: cannot read ({e}); RUN_DIR must be a run directory that lockstep trained in \
+             (logging.dir/<run name>, e.g. runs/tiny)",
+            path.display()
+        ))
+    })?;
+    let mut records = Vec::new();
+    let mut bad = Vec::new();
+    for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let record = std::str::from_utf8(line)
+            .ok()
+            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+            .and_then(|r| {
+                Some(Record {
+                    step: r.get("step")?.as_u64()?,
+                    values: crate::telemetry::series(&r),
+                })
+            });
+        match record {
+            Some(r) => records.push(r),
+            None => bad.push(i + 1),
+        }
+    }
+    if !bad.is_empty() {
+        let shown: Vec<String> = bad.iter().take(10).map(usize::to_string).collect();
+        eprintln!(
+            "Warning: {}: skipped {} line(s) that are not step records (line {}{}); the other \
+             {} are uploaded",
+            path.display(),
+            bad.len(),
+            shown.join(", "),
+            if bad.len() > 10 { ", …" } else { "" },
+            records.len()
+        );
+    }
+    anyhow::ensure!(
+        !records.is_empty(),
+        "{}: holds no step records{}; nothing to upload (a run writes one per logged step)",
+        path.display(),
+        if bad.is_empty() { "" } else { " (see the warning above)" }
+    );
+    Ok(records)
 }

@@ -218,6 +218,19 @@ fn check_trackers(c: &Config, bad: &mut impl FnMut(String)) {
             ));
         }
     }
+    // MLflow's own limits (its database columns), so the server never answers with a
+    // confusing error about them.
+    for (key, value, most) in [
+        ("logging.mlflow.run_name", &m.run_name, MLFLOW_RUN_NAME_MAX),
+        ("logging.mlflow.experiment", &m.experiment, MLFLOW_EXPERIMENT_MAX),
+    ] {
+        if let Some(v) = value.as_deref().filter(|v| v.chars().count() > most) {
+            bad(format!(
+                "{key} is {} characters long; MLflow keeps at most {most}: shorten it",
+                v.chars().count()
+            ));
+        }
+    }
     if let Some(uri) = m.tracking_uri.as_deref().filter(|u| !u.trim().is_empty()) {
         if !(uri.starts_with("http://") || uri.starts_with("https://")) {
             bad(format!(
@@ -228,6 +241,11 @@ fn check_trackers(c: &Config, bad: &mut impl FnMut(String)) {
         }
     }
 }
+
+/// MLflow's longest run name (its runs.name column).
+pub const MLFLOW_RUN_NAME_MAX: usize = 250;
+/// MLflow's longest experiment name (its experiments.name column).
+pub const MLFLOW_EXPERIMENT_MAX: usize = 256;
 
 /// `Ok` when `name` is one plain path component: not empty, not `.` or `..`, no `/`, no NUL.
 /// Names the problem otherwise.

@@ -4,7 +4,7 @@
 #
 # In (stdin, one JSON object per line):
 #   {"init": {"id", "project", "entity", "name", "group", "tags", "mode", "dir", "config",
-#             "local_steps"}}                             first line, once
+#             "local_steps", "offline_fix"}}              first line, once
 #   {"log": {"step": N, "values": {"train/loss": 2.3, ...}}}   steps increasing
 #   {"finish": "FINISHED" | "FAILED" | "KILLED"}
 # Out (the original stdout, one JSON object per line):
@@ -113,7 +113,8 @@ except Exception as e:  # noqa: BLE001
     fix = (
         "check WANDB_API_KEY (or `wandb login`) and logging.wandb.entity / project"
         if lasting
-        else "check the network, or set logging.wandb.mode=offline and upload later with `wandb sync`"
+        else "check the network, or %s and upload later with `wandb sync`"
+        % init.get("offline_fix", "set logging.wandb.mode=offline")
     )
     fail("wandb.init failed (%s); %s" % (text.splitlines()[0] if text else "no detail", fix), lasting)
 

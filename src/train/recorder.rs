@@ -585,14 +585,23 @@ fn mlflow_options(
             (format!("lockstep.{k}"), text)
         })
         .collect();
+    let experiment = m
+        .experiment
+        .clone()
+        .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
+        .unwrap_or_else(|| "lockstep".into());
+    let most = crate::config::MLFLOW_EXPERIMENT_MAX;
+    if experiment.chars().count() > most {
+        return Err(format!(
+            "MLFLOW_EXPERIMENT_NAME is {} characters long; MLflow keeps at most {most}: shorten \
+             it, or set logging.mlflow.experiment",
+            experiment.chars().count()
+        ));
+    }
     Ok(Some(MlflowOptions {
         tracking_uri: uri,
         credentials,
-        experiment: m
-            .experiment
-            .clone()
-            .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
-            .unwrap_or_else(|| "lockstep".into()),
+        experiment,
         run_name: m
             .run_name
             .clone()
