@@ -320,8 +320,8 @@ fn sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resume_is_lossless()
     let text = output_text(&out);
     assert_eq!(
         out.status.code(),
-        Some(143),
-        "the launcher reports the SIGTERM: {text}"
+        Some(0),
+        "every worker saved and exited 0, and so does the launcher: {text}"
     );
     assert!(text.contains("Stopped by signal at step"), "{text}");
     let ckpts: Vec<String> = std::fs::read_dir(dir.join("runs/preempted/checkpoints"))

@@ -113,7 +113,8 @@ impl Sinks {
 #[derive(Debug, Clone)]
 pub struct Outcome {
     /// The code the launcher should exit with: 0, the failing worker's code (128 + signal for
-    /// a signal) once no restart is left, or 130/143 after SIGINT/SIGTERM.
+    /// a signal) once no restart is left; after SIGINT/SIGTERM 0 when every worker saved and
+    /// exited 0, else 130/143.
     pub exit_code: i32,
     /// The port exported as `MASTER_PORT` (the picked one when the plan said 0).
     pub master_port: u16,
@@ -200,6 +201,7 @@ pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) 
                 supervise::Supervision {
                     failure: None,
                     interrupted_by: Some(sig),
+                    clean: false,
                 }
             }
             _ => {
@@ -223,6 +225,7 @@ pub fn launch_in(rdzv: Rendezvous, plan: &LaunchPlan, job: &Job, sinks: &Sinks) 
                 .as_ref()
                 .map(|f| FailureReport::of(f, plan.node.node_rank)),
             interrupted_by: sup.interrupted_by,
+            clean: sup.clean,
         };
         match rdzv.agree(attempt, &report, &plan.restart, prev_before_first_step)? {
             Decision::Finish { exit_code, message } => {

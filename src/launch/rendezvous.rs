@@ -103,6 +103,9 @@ pub struct NodeReport {
     pub failure: Option<FailureReport>,
     /// SIGINT/SIGTERM the launcher of this node got.
     pub interrupted_by: Option<i32>,
+    /// Every worker of this node exited 0 (after a signal: each saved its checkpoint).
+    #[serde(default)]
+    pub clean: bool,
 }
 
 /// The other nodes during attempt `attempt`, for the supervision loop.
@@ -182,8 +185,11 @@ pub fn decide(
                 super::exit::signal_name(sig)
             )
         });
+        // A stop every worker saved and exited 0 from is a success, as for `lockstep train`;
+        // a worker killed (a second signal) or failing gives the shell's 128 + signal.
+        let saved = reports.iter().all(|r| r.clean) && missing.is_empty();
         return Decision::Finish {
-            exit_code: 128 + sig,
+            exit_code: if saved { 0 } else { 128 + sig },
             message,
         };
     }
@@ -503,6 +509,7 @@ mod tests {
     fn node(n: usize, failure: Option<FailureReport>) -> NodeReport {
         NodeReport {
             node: n,
+            clean: failure.is_none(),
             failure,
             interrupted_by: None,
         }

@@ -71,6 +71,8 @@ pub(super) trait Peers {
 pub(super) struct Supervision {
     pub(super) failure: Option<RankFailure>,
     pub(super) interrupted_by: Option<i32>,
+    /// Every worker exited 0.
+    pub(super) clean: bool,
 }
 
 /// A stop in progress: SIGTERM has been sent.
@@ -132,6 +134,7 @@ pub(super) fn supervise(
         std::thread::sleep(POLL);
     }
     Supervision {
+        clean: s.exits.iter().all(|e| e.is_some_and(|e| e.success())),
         failure: s.failure,
         interrupted_by: s.interrupted_by,
     }
