@@ -623,12 +623,16 @@ mod tests {
         }
         let mut r = node(1, None);
         r.interrupted_by = Some(libc::SIGINT);
-        match decide(&policy(5), 2, 0, &[node(0, None), r], &[], false) {
-            Decision::Finish { exit_code, message } => {
-                assert_eq!(exit_code, 130);
-                assert!(message.unwrap().contains("node 1's launcher got SIGINT"));
+        // Every worker saved and exited 0: a stop that saved exits 0; else 128 + SIGINT.
+        for (clean, code) in [(true, 0), (false, 130)] {
+            r.clean = clean;
+            match decide(&policy(5), 2, 0, &[node(0, None), r.clone()], &[], false) {
+                Decision::Finish { exit_code, message } => {
+                    assert_eq!(exit_code, code);
+                    assert!(message.unwrap().contains("node 1's launcher got SIGINT"));
+                }
+                d => panic!("{d:?}"),
             }
-            d => panic!("{d:?}"),
         }
     }
 

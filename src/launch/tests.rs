@@ -405,7 +405,9 @@ fn gpu_workers_see_exactly_their_device() {
 #[test]
 fn killed_rank_stops_the_others_and_returns_128_plus_signal() {
     let dir = tempfile::tempdir().unwrap();
-    let p = plan(Devices::Cpu(2), dir.path());
+    let mut p = plan(Devices::Cpu(2), dir.path());
+    // Rank 1's lines are not on the console, so the failure report recalls them.
+    p.log_ranks = LogRanks::Rank0;
     let d = dir.path().display();
     let started = Instant::now();
     let (out, cap) = run(
@@ -435,12 +437,22 @@ fn killed_rank_stops_the_others_and_returns_128_plus_signal() {
 #[test]
 fn failing_rank_code_is_returned_and_reported() {
     let dir = tempfile::tempdir().unwrap();
-    let p = plan(Devices::Cpu(2), dir.path());
-    let (out, cap) = run(
-        &p,
-        "if [ $RANK = 1 ]; then for i in $(seq 1 30); do echo line $i; done; \
-         echo 'Error: bad batch' >&2; exit 3; fi; exec sleep 60",
+    let mut p = plan(Devices::Cpu(2), dir.path());
+    let script = "if [ $RANK = 1 ]; then for i in $(seq 1 30); do echo line $i; done; \
+         echo 'Error: bad batch' >&2; exit 3; fi; exec sleep 60";
+    // Every line on the console already: the report points there instead of repeating them.
+    let (out, cap) = run(&p, script);
+    assert_eq!(out.exit_code, 3);
+    let diag = cap.diag();
+    assert!(
+        diag.contains("rank 1 (CPU) failed: exit code 3")
+            && diag.contains("lockstep run: its last lines are above (log: ")
+            && !diag.contains("    [CPU1] line 30"),
+        "{diag}"
     );
+    // Rank 1's lines hidden (the default): the report recalls its last ones.
+    p.log_ranks = LogRanks::Rank0;
+    let (out, cap) = run(&p, script);
     assert_eq!(out.exit_code, 3);
     assert_eq!(out.failure.as_ref().unwrap().rank, 1);
     let diag = cap.diag();
