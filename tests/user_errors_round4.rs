@@ -502,9 +502,16 @@ fn throughput_leaves_validation_out_and_validation_says_its_time() {
             "training.eval_interval=2",
             "--set",
             "training.eval_batches=50",
+            "--set",
+            "logging.verbose=true",
         ],
     );
     let text = ok(dir, &args);
+    // Finding 23: one rank's timing line said "all-reduce 25.7 ms" (the global norm's time).
+    assert!(
+        text.contains("| grad norm ") && !text.contains("all-reduce"),
+        "{text}"
+    );
     let records = common::records(&dir.join("runs/tiny/metrics.jsonl"));
     let (mut validating, mut plain) = (Vec::new(), Vec::new());
     for r in &records {

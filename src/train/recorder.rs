@@ -84,6 +84,8 @@ pub struct Recorder {
     /// `system.max_memory_gb`: warn above it (0 = never).
     memory_limit_gb: f64,
     verbose: bool,
+    /// Ranks of the run.
+    world: usize,
     max_steps: usize,
     /// Tokens of one optimizer step over all ranks.
     tokens_per_step: f64,
@@ -164,6 +166,7 @@ impl Recorder {
             memory_interval: cfg.logging.memory_interval,
             memory_limit_gb: cfg.system.max_memory_gb,
             verbose: cfg.logging.verbose,
+            world,
             max_steps: t.max_steps,
             tokens_per_step: (t.batch_size * t.grad_accum_nums * world * t.context_length) as f64,
             mfu_basis: mfu_basis.map(|(flops, peak)| (flops, peak * world as f64)),
@@ -237,8 +240,10 @@ impl Recorder {
             }
             if self.verbose {
                 let t = &w.timing;
+                // One rank reduces nothing: its share is the global norm alone.
+                let reduce = if self.world > 1 { "all-reduce + norm" } else { "grad norm" };
                 println!(
-                    "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | all-reduce {:.1} ms | optimizer {:.1} ms{}",
+                    "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | {reduce} {:.1} ms | optimizer {:.1} ms{}",
                     1e3 * t.data_s / n, 1e3 * t.compute_s / n, 1e3 * t.comm_s / n, 1e3 * t.optimizer_s / n,
                     // The ring counts what it sends (a sharded optimizer's all-gather is in the
                     // optimizer's time); NCCL does not report it.
