@@ -220,9 +220,9 @@ fn stage_3_trains_like_stage_0_with_accumulation_bf16_and_every_checkpointing_mo
         compare(&format!("stage 3, {mode}"), &three, &zero);
     }
     // bf16 with tied embeddings: the head's unit is then the embedding, gathered three times.
-    // One micro-batch: with several, stage 2 adds them in the bf16 gradients of the working
-    // parameters, stage 3 in its fp32 slice (more exactly), so the two would differ at bf16
-    // resolution.
+    // One micro-batch: with several, stage 3 averages each micro-batch across the ranks and
+    // stage 2 their fp32 sum (train/optim/reduce.rs), a last-bit difference in the masters that
+    // can flip a bf16 working weight's rounding, so the losses would differ at bf16 resolution.
     let bf16 = [
         "training.dtype=bf16",
         "training.activation_checkpointing=full",

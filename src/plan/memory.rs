@@ -332,9 +332,23 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
         grad_bytes * m.vocab * m.d
     };
     let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
+    // Gradient accumulation (train/optim/reduce.rs): with several micro-batches a step's
+    // earlier ones outlive their backward: in the full fp32 gradients at stages 0 and 1 (and 2
+    // with fp32 parameters), which add each micro-batch in place, or in fp32 sums of bf16
+    // gradients (stages 1 and 2, whose bf16 gradients leave a unit at a time); stage 3
+    // reduce-scatters every micro-batch into its slice.
+    let carried = match stage {
+        _ if l.grad_accum <= 1 => 0.0,
+        ZeroStage::Parameters => 0.0,
+        _ => 4.0 * m.params,
+    };
     let all_gradients = if stage.shards_gradients() {
-        4.0 * m.params / world + 2.0 * 4.0 * largest_unit
+        4.0 * m.params / world + 2.0 * 4.0 * largest_unit + carried
+    } else if grad_bytes < 4.0 {
+        // bf16 gradients beside the fp32 sums of the earlier micro-batches.
+        grad_bytes * m.params + carried
     } else {
+        // The sums are these gradients.
         grad_bytes * m.params
     };
 
@@ -409,7 +423,7 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
             gathered.layer
         };
     let gradients = if head_peak && !stage.shards_gradients() {
-        head_gradient
+        head_gradient + carried
     } else {
         all_gradients
     };
@@ -553,6 +567,45 @@ mod tests {
         assert_eq!(two.gathered_units, 0.0);
         assert!(close(two.weights - m.gathered_units, 2.0 * p - expected));
         assert!(m.total() < two.total());
+    }
+
+    /// Finding 25: gradient accumulation's memory at stages 0-2 was not counted: the earlier
+    /// micro-batches' gradients (full fp32 ones, or fp32 sums of bf16 ones) live through the
+    /// next micro-batch's backward. At the LM-head peak of stages 0 and 1 they are all there
+    /// is besides the head's own; at the end of a backward stage 0 (and 1 with fp32) holds the
+    /// same full gradients either way, stage 1 with bf16 its bf16 gradients beside the sums,
+    /// stage 2 the sums or full gradients beside its slice; stage 3 adds nothing.
+    #[test]
+    fn gradient_accumulation_is_counted_where_it_keeps_memory() {
+        for (stage, bf16) in [
+            (0, true),
+            (1, false),
+            (1, true),
+            (2, false),
+            (2, true),
+            (3, true),
+        ] {
+            let estimate_with = |accum: usize| {
+                let stage = format!("system.zero_stage={stage}");
+                let dtype = format!("training.dtype={}", if bf16 { "bf16" } else { "fp32" });
+                let accum = format!("training.grad_accum_nums={accum}");
+                let (s, l) = test_setting(&[&stage, &dtype, &accum], 8);
+                (estimate(&s, &l), s.shape.num_parameters() as f64)
+            };
+            let ((one, p), (four, _)) = (estimate_with(1), estimate_with(4));
+            let head_peak = four.peak_during == PeakPhase::LmHead;
+            let extra = match (stage, bf16) {
+                (3, _) => 0.0,
+                (0, _) | (1, false) if !head_peak => 0.0,
+                _ => 4.0 * p,
+            };
+            assert!(
+                close(four.gradients - one.gradients, extra),
+                "stage {stage} bf16 {bf16} ({:?}): {} bytes per parameter",
+                four.peak_during,
+                (four.gradients - one.gradients) / p
+            );
+        }
     }
 
     #[test]

@@ -549,6 +549,8 @@ impl UnitEvents for Events<'_, '_, '_> {
     fn grads_final(&mut self, unit: GradUnit) -> Result<()> {
         if self.reduce {
             self.opt.reducer.unit_final(unit, self.queue);
+        } else {
+            self.opt.reducer.unit_accumulate(unit);
         }
         Ok(())
     }

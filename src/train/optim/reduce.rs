@@ -14,12 +14,18 @@
 //!   `system.bucket_mb` (`dist::buckets`), packed in backward order: a bucket goes once the unit
 //!   of its last parameter is final. Only on a step's last micro-batch: the earlier ones
 //!   accumulate into the full gradients.
+//! - Gradient accumulation with non-fp32 working parameters (bf16 at stages 1 and 2): each
+//!   non-final micro-batch's gradients join an fp32 sum as backward finishes their unit, and
+//!   are dropped; the last micro-batch's reduction sends the fp32 sums. Added in bf16 instead,
+//!   every micro-batch would round away the low bits of the sum ([`GradReducer::accum`]).
 //! - Sharded gradients (stages 2 and 3) are reduce-scattered a unit at a time: the unit's
 //!   gradients are copied into one buffer laid out rank by rank (its [`Span`]), the full
 //!   gradients are dropped at once, and each rank adds its part, averaged, into its fp32
 //!   gradient slice (zeroed after every update). Stage 2 does this on the last micro-batch (the
 //!   full gradients accumulate until then); stage 3 on every micro-batch, so no full gradient
 //!   outlives its unit.
+
+use std::sync::Mutex;
 
 use tch::{Kind, Tensor};
 
@@ -40,6 +46,10 @@ pub struct GradReducer {
     /// The parameters (shallow clones), in the caller's order.
     params: Vec<Tensor>,
     plan: Plan,
+    /// The fp32 sums [param's shape] of the earlier micro-batches' gradients of non-fp32
+    /// parameters, indexed like `params` (made at the first accumulation, kept and zeroed once
+    /// consumed, so a step allocates nothing).
+    accum: Mutex<Vec<Option<Tensor>>>,
 }
 
 enum Plan {
@@ -84,6 +94,7 @@ impl GradReducer {
                 kind,
                 params,
                 plan: Plan::Nothing,
+                accum: Mutex::default(),
             };
         }
         // Every parameter in backward order, with the position of its unit.
@@ -108,6 +119,7 @@ impl GradReducer {
             kind,
             params,
             plan: Plan::AllReduce(buckets),
+            accum: Mutex::default(),
         }
     }
 
@@ -137,7 +149,52 @@ impl GradReducer {
                     .expect("stages 2 and 3 keep a gradient slice"),
                 shard: sharded.shard_group(),
             },
+            accum: Mutex::default(),
         }
+    }
+
+    /// A micro-batch before the step's last has finished `unit`: the gradients of its non-fp32
+    /// parameters join their fp32 sums and are dropped (the next micro-batch's backward makes
+    /// them anew). fp32 gradients accumulate in place, exactly as they are.
+    pub fn unit_accumulate(&self, unit: GradUnit) {
+        let Some(u) = self.units.iter().position(|(x, _)| *x == unit) else {
+            return;
+        };
+        let members: Vec<usize> = self.units[u]
+            .1
+            .iter()
+            .copied()
+            .filter(|&i| self.params[i].kind() != Kind::Float && self.params[i].grad().defined())
+            .collect();
+        if members.is_empty() {
+            return;
+        }
+        let mut accum = self.accum.lock().unwrap_or_else(|e| e.into_inner());
+        if accum.is_empty() {
+            accum.resize_with(self.params.len(), || None);
+        }
+        tch::no_grad(|| {
+            for &i in &members {
+                let g = self.params[i].grad().to_kind(Kind::Float);
+                match &mut accum[i] {
+                    Some(sum) => *sum += g,
+                    slot => *slot = Some(g),
+                }
+            }
+        });
+        drop_grads(members.iter().map(|&i| &self.params[i]));
+    }
+
+    /// The step's gradient of parameter `i` in fp32, its own `g` plus the sum of the earlier
+    /// micro-batches' (zeroed for the next step), when there is such a sum.
+    fn with_earlier(&self, i: usize, g: &Tensor) -> Option<Tensor> {
+        let accum = self.accum.lock().unwrap_or_else(|e| e.into_inner());
+        let sum = accum.get(i)?.as_ref()?;
+        Some(tch::no_grad(|| {
+            let total = sum + g.to_kind(Kind::Float);
+            let _ = sum.shallow_clone().zero_();
+            total
+        }))
     }
 
     /// Backward has finished `unit`: submit what became ready.
@@ -146,7 +203,16 @@ impl GradReducer {
             return;
         };
         match &self.plan {
-            Plan::Nothing => {}
+            // Nothing to average; the earlier micro-batches' sums join the gradients (one cast
+            // to the parameter's dtype).
+            Plan::Nothing => tch::no_grad(|| {
+                for &i in &self.units[u].1 {
+                    let g = self.params[i].grad();
+                    if let Some(total) = g.defined().then(|| self.with_earlier(i, &g)).flatten() {
+                        let _ = g.shallow_clone().copy_(&total);
+                    }
+                }
+            }),
             Plan::AllReduce(buckets) => {
                 for (members, _) in buckets.iter().filter(|(_, ready)| *ready == u) {
                     self.submit_all_reduce(members, queue);
@@ -156,17 +222,22 @@ impl GradReducer {
         }
     }
 
-    /// One bucket: its gradients packed flat, averaged, and copied back.
+    /// One bucket: its gradients (with the earlier micro-batches' fp32 sums) packed flat,
+    /// averaged, and copied back.
     fn submit_all_reduce(&self, members: &[usize], queue: &mut CommQueue<'_>) {
-        let grads: Vec<Tensor> = members
+        let (grads, totals): (Vec<Tensor>, Vec<Tensor>) = members
             .iter()
-            .map(|&i| self.params[i].grad())
-            .filter(Tensor::defined)
-            .collect();
+            .map(|&i| (i, self.params[i].grad()))
+            .filter(|(_, g)| g.defined())
+            .map(|(i, g)| {
+                let total = self.with_earlier(i, &g).unwrap_or_else(|| g.shallow_clone());
+                (g, total)
+            })
+            .unzip();
         if grads.is_empty() {
             return;
         }
-        let flat = flatten(&grads).to_kind(self.kind);
+        let flat = flatten(&totals).to_kind(self.kind);
         queue.submit(Box::new(move |pg| {
             pg.all_reduce_avg_tensor(&flat)?;
             unflatten(&flat, &grads);
@@ -192,10 +263,12 @@ impl GradReducer {
         let buffer = Tensor::zeros([span.len() as i64], (self.kind, slice.device()));
         tch::no_grad(|| {
             for piece in &span.pieces {
-                let g = self.params[index_of[piece.param]].grad();
+                let i = index_of[piece.param];
+                let g = self.params[i].grad();
                 if !g.defined() {
                     continue;
                 }
+                let g = self.with_earlier(i, &g).unwrap_or(g);
                 let src = g
                     .view(-1)
                     .narrow(0, piece.local.start as i64, piece.local.len() as i64);
@@ -229,6 +302,44 @@ impl GradReducer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Finding 24: stages 1 and 2 with bf16 working parameters added micro-batch gradients up
+    /// in bf16. 1 + 3 × 2^-8 summed in bf16 stays 1 (each 2^-8 is half of bf16's spacing at
+    /// 1.0 and rounds away); summed in fp32 it is exact: stage 2's fp32 gradient slice holds
+    /// it, stage 1's bf16 gradient its one final cast (1 + 2^-6, the even neighbour).
+    #[test]
+    fn micro_batch_gradients_of_bf16_parameters_accumulate_in_fp32() -> anyhow::Result<()> {
+        use super::super::{AdamWParams, Optimizer};
+        use crate::config::ZeroStage;
+        use crate::dist::SingleProcess;
+        let hp = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        for (stage, want) in [
+            (ZeroStage::Gradients, 1.0 + 3.0 / 256.0),
+            (ZeroStage::Optimizer, 1.0 + 1.0 / 64.0),
+        ] {
+            let w = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+            let params = vec![("model.norm.weight".to_string(), w.shallow_clone())];
+            let mut pg = SingleProcess;
+            let opt = Optimizer::new(&params, hp, stage, &pg, 25.0, Kind::BFloat16)?;
+            assert_eq!(w.kind(), Kind::BFloat16, "bf16 working parameters");
+            for (micro, c) in [1.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0].into_iter().enumerate() {
+                let last = micro == 3;
+                opt.pass(&mut pg, false, &[GradUnit::FinalNorm], last, |units| {
+                    (w.to_kind(Kind::Float) * c).sum(Kind::Float).backward();
+                    units.grads_final(GradUnit::FinalNorm)
+                })?;
+            }
+            let g = &opt.full_gradients(&params, &mut pg)?[0];
+            let got: Vec<f64> = Vec::try_from(g.to_kind(Kind::Double))?;
+            assert_eq!(got, vec![want; 4], "{stage:?}");
+        }
+        Ok(())
+    }
 
     #[test]
     fn units_come_in_the_order_backward_finishes_them() {
