@@ -9,11 +9,13 @@
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
 //! - [`lower_thread_priority`]: a background thread that takes only idle CPU time;
 //! - [`count`]: a count for people (12.3k, 4.56M);
-//! - [`hostname`]: this machine's name, fit for a file name.
+//! - [`hostname`]: this machine's name, fit for a file name;
+//! - [`net`]: the one proxy rule of lockstep's HTTP clients (NO_PROXY, loopback).
 
 pub mod cuda;
 pub mod durable;
 pub mod ffi;
+pub mod net;
 pub mod nvml;
 pub mod oom;
 pub mod phase;

@@ -113,9 +113,6 @@ impl MlflowSink {
             .and_then(|u| u.host_str())
             .unwrap_or("")
             .to_string();
-        let no_proxy = std::env::var("NO_PROXY")
-            .or_else(|_| std::env::var("no_proxy"))
-            .unwrap_or_default();
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(5))
             // Bounded: a server that accepts connections and never answers costs a request
@@ -123,7 +120,7 @@ impl MlflowSink {
             .timeout_read(Duration::from_secs(10))
             .timeout_write(Duration::from_secs(10))
             .redirects(0)
-            .try_proxy_from_env(proxied(&host, &no_proxy))
+            .try_proxy_from_env(crate::sys::net::proxied(&host, &crate::sys::net::no_proxy()))
             .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
             .build();
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
@@ -637,25 +634,6 @@ fn first_line(m: &str) -> String {
     }
 }
 
-/// Whether requests to `host` go through HTTP(S)_PROXY / ALL_PROXY: not for loopback hosts or
-/// those `no_proxy` (NO_PROXY's value) names: `*`, a host, or a domain suffix.
-fn proxied(host: &str, no_proxy: &str) -> bool {
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty()
-        || host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-    {
-        return false;
-    }
-    !no_proxy.split(',').map(str::trim).any(|entry| {
-        let entry = entry.trim_start_matches('.');
-        entry == "*"
-            || (!entry.is_empty() && (host == entry || host.ends_with(&format!(".{entry}"))))
-    })
-}
-
 /// Standard base64 with padding (for basic auth).
 fn base64(bytes: &[u8]) -> String {
     use base64::Engine;
@@ -682,18 +660,5 @@ mod tests {
         assert_eq!(number(f64::NAN), json!("NaN"));
         assert_eq!(number(f64::NEG_INFINITY), json!("-Infinity"));
         assert_eq!(number(0.5), json!(0.5));
-    }
-
-    #[test]
-    fn loopback_and_no_proxy_hosts_go_direct() {
-        assert!(!proxied("127.0.0.1", ""));
-        assert!(!proxied("[::1]", ""));
-        assert!(!proxied("localhost", ""));
-        assert!(proxied("mlflow.example.com", ""));
-        assert!(proxied("mlflow.example.com", "other.org, 10.0.0.1"));
-        assert!(!proxied("mlflow.example.com", "other.org, .example.com"));
-        assert!(!proxied("mlflow.example.com", "mlflow.example.com"));
-        assert!(!proxied("mlflow.example.com", "*"));
-        assert!(proxied("notexample.com", "example.com"));
     }
 }

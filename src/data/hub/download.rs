@@ -169,12 +169,39 @@ const MAX_REDIRECTS: usize = 10;
 /// stopped).
 const BODY_ATTEMPTS: usize = 4;
 
+/// The two kinds of request a download makes, each with its own read limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Leg {
+    /// Metadata: answers within `HF_HUB_ETAG_TIMEOUT`.
+    Meta,
+    /// File bodies: data at least every `HF_HUB_DOWNLOAD_TIMEOUT`.
+    Body,
+}
+
+/// The variable whose limit a timed-out request hit: connecting is bounded by
+/// HF_HUB_ETAG_TIMEOUT for both legs (as in `huggingface_hub`), reading by the leg's own.
+fn timeout_var(leg: Leg, connecting: bool) -> &'static str {
+    match (leg, connecting) {
+        (Leg::Body, false) => "HF_HUB_DOWNLOAD_TIMEOUT",
+        _ => "HF_HUB_ETAG_TIMEOUT",
+    }
+}
+
+/// A leg's agents: through the environment's proxy, and direct (for hosts the proxy rule,
+/// `sys::net`, exempts; a redirect may lead to another host).
+struct Agents {
+    proxied: ureq::Agent,
+    direct: ureq::Agent,
+}
+
 /// Downloads of one model repo into the hub cache.
 pub(super) struct Download {
     /// Metadata requests: no automatic redirects, answers within `HF_HUB_ETAG_TIMEOUT`.
-    meta: ureq::Agent,
+    meta: Agents,
     /// Body requests: no automatic redirects, data at least every `HF_HUB_DOWNLOAD_TIMEOUT`.
-    body: ureq::Agent,
+    body: Agents,
+    /// NO_PROXY's value.
+    no_proxy: String,
     repo: String,
     revision: String,
     pub(super) endpoint: String,
@@ -206,19 +233,24 @@ impl Download {
             .origin();
         let etag_timeout = timeout_from("HF_HUB_ETAG_TIMEOUT");
         let download_timeout = timeout_from("HF_HUB_DOWNLOAD_TIMEOUT");
-        let agent = |read: Duration| {
+        let agent = |read: Duration, proxy: bool| {
             ureq::AgentBuilder::new()
-                .try_proxy_from_env(true)
+                .try_proxy_from_env(proxy)
                 .redirects(0)
                 .timeout_connect(etag_timeout)
                 .timeout_read(read)
                 .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
                 .build()
         };
+        let agents = |read: Duration| Agents {
+            proxied: agent(read, true),
+            direct: agent(read, false),
+        };
         let (owner, name) = repo.split_once('/').unwrap_or(("", repo));
         Ok(Download {
-            meta: agent(etag_timeout),
-            body: agent(download_timeout),
+            meta: agents(etag_timeout),
+            body: agents(download_timeout),
+            no_proxy: crate::sys::net::no_proxy(),
             repo: repo.to_string(),
             revision: revision.unwrap_or("main").to_string(),
             endpoint,
@@ -375,7 +407,7 @@ impl Download {
     /// from the Hub's own answer (`x-repo-commit`, `x-linked-etag` or `etag`), the size from the
     /// final answer's `Content-Range`.
     fn metadata(&self, url: &str) -> std::result::Result<Meta, Fetch> {
-        let hop = self.follow(&self.meta, url, "bytes=0-0", self.etag_timeout)?;
+        let hop = self.follow(Leg::Meta, url, "bytes=0-0")?;
         let missing = |h: &str| {
             Fetch::Failed(format!(
                 "{url}: the answer has no {h} header; is {} a Hugging Face Hub endpoint?",
@@ -440,12 +472,7 @@ impl Download {
         while have < meta.size {
             attempt += 1;
             let range = format!("bytes={have}-");
-            let hop = self.follow(
-                &self.body,
-                meta.location.as_str(),
-                &range,
-                self.download_timeout,
-            )?;
+            let hop = self.follow(Leg::Body, meta.location.as_str(), &range)?;
             let mut reader = hop.response.into_reader();
             let stalled = loop {
                 match reader.read(&mut buf) {
@@ -504,24 +531,18 @@ impl Download {
     /// token goes only where [`Download::may_authorize`] allows. The Hub's commit and etag are
     /// read from every answer on the endpoint's origin (they ride on the Hub's 302 when the
     /// bytes live elsewhere).
-    fn follow(
-        &self,
-        agent: &ureq::Agent,
-        url: &str,
-        range: &str,
-        limit: Duration,
-    ) -> std::result::Result<Hop, Fetch> {
+    fn follow(&self, leg: Leg, url: &str, range: &str) -> std::result::Result<Hop, Fetch> {
         let mut at =
             Url::parse(url).map_err(|e| Fetch::Failed(format!("{url}: not a valid URL ({e})")))?;
         let (mut commit, mut etag) = (None, None);
         for _ in 0..=MAX_REDIRECTS {
-            let mut req = agent.get(at.as_str()).set("Range", range);
+            let mut req = self.agent(leg, &at).get(at.as_str()).set("Range", range);
             if let Some(t) = self.token.as_deref().filter(|_| self.may_authorize(&at)) {
                 req = req.set("Authorization", &format!("Bearer {t}"));
             }
             let response = req
                 .call()
-                .map_err(|e| self.explain(at.as_str(), e, limit))?;
+                .map_err(|e| self.explain(at.as_str(), e, leg))?;
             if self.may_authorize(&at) {
                 if let Some(c) = response.header("x-repo-commit") {
                     commit = Some(c.trim().to_string());
@@ -554,8 +575,20 @@ impl Download {
         )))
     }
 
+    /// The agent of `leg` for a request to `url`: direct where the proxy rule exempts its host.
+    fn agent(&self, leg: Leg, url: &Url) -> &ureq::Agent {
+        let agents = match leg {
+            Leg::Meta => &self.meta,
+            Leg::Body => &self.body,
+        };
+        match crate::sys::net::proxied(url.host_str().unwrap_or(""), &self.no_proxy) {
+            true => &agents.proxied,
+            false => &agents.direct,
+        }
+    }
+
     /// A token-free description of a failed request.
-    fn explain(&self, url: &str, e: ureq::Error, limit: Duration) -> Fetch {
+    fn explain(&self, url: &str, e: ureq::Error, leg: Leg) -> Fetch {
         let text = match &e {
             ureq::Error::Status(code, resp) => {
                 let code_name = resp.header("x-error-code").unwrap_or("");
@@ -590,10 +623,10 @@ impl Download {
                     .and_then(|s| s.downcast_ref::<std::io::Error>())
                     .is_some_and(is_timeout);
                 if timed_out {
-                    let var = if limit == self.etag_timeout {
-                        "HF_HUB_ETAG_TIMEOUT"
-                    } else {
-                        "HF_HUB_DOWNLOAD_TIMEOUT"
+                    let var = timeout_var(leg, t.kind() == ureq::ErrorKind::ConnectionFailed);
+                    let limit = match var {
+                        "HF_HUB_DOWNLOAD_TIMEOUT" => self.download_timeout,
+                        _ => self.etag_timeout,
                     };
                     format!(
                         "{url}: no answer within {:.0}s (set {var} to wait longer)",
@@ -630,5 +663,19 @@ fn human_bytes(n: u64) -> String {
         n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
         n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
         n => format!("{n} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Finding 26: with both limits equal, a body that stalled was said to need
+    /// HF_HUB_ETAG_TIMEOUT (the limit was told apart by its value).
+    #[test]
+    fn a_timeout_names_the_variable_of_its_request_and_phase() {
+        assert_eq!(timeout_var(Leg::Body, false), "HF_HUB_DOWNLOAD_TIMEOUT");
+        assert_eq!(timeout_var(Leg::Body, true), "HF_HUB_ETAG_TIMEOUT");
+        assert_eq!(timeout_var(Leg::Meta, false), "HF_HUB_ETAG_TIMEOUT");
     }
 }
