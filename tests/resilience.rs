@@ -486,6 +486,55 @@ fn a_stopped_rank_is_named_with_its_phase_at_the_collective_timeout() {
     );
 }
 
+/// Finding 27: a subgroup's errors named ranks by their position in it, and its collectives
+/// were missing from the hang history. Hybrid sharding on 4 ranks (shard groups [0, 1] and
+/// [2, 3]) with rank 3 stopped: the rank waiting for it in its shard group names the subgroup
+/// and rank 3 (not "rank 1", its position), and its history lists the subgroup's collectives.
+#[test]
+fn a_subgroup_names_global_ranks_and_its_collectives_are_in_the_history() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let launcher = Launcher::start(
+        dir,
+        &with(
+            &base,
+            &["run", "--nproc", "4", "--cpu", "--grace-s", "2"],
+            &[
+                "--max-steps",
+                "50",
+                "--set",
+                "system.zero_stage=2",
+                "--set",
+                "system.shard_degree=2",
+                "--set",
+                "debug.fault=stop",
+                "--set",
+                "debug.fault_rank=3",
+                "--set",
+                "debug.fault_step=3",
+                "--set",
+                "system.collective_timeout_s=3",
+            ],
+        ),
+    );
+    let (code, text) = launcher.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(1), "{text}");
+    let logs = log_dir(dir, "tiny").unwrap();
+    let rank2 = std::fs::read_to_string(logs.join("rank_2.log")).unwrap();
+    assert!(
+        rank2.contains(" in subgroup shard1 (ranks [2, 3]) timed out after 3 s: rank 3 has not reached it")
+            && !rank2.contains("rank 1 has not reached it"),
+        "{rank2}"
+    );
+    assert!(
+        rank2.contains("[CPU2] Hang forensics: reduce-scatter@shard1 #")
+            && rank2.contains(" reduce-scatter@shard1 "),
+        "{rank2}"
+    );
+}
+
 /// SIGUSR1 to the launcher: every rank prints its phase and collectives, the launcher its hang
 /// report, and training goes on.
 #[test]

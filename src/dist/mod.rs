@@ -18,8 +18,9 @@
 //!
 //! - **Subgroups** ([`ProcessGroup::subgroup`]: hybrid sharding's shard and replica groups) are
 //!   rings of their own through the same store under their own keys, with an NCCL
-//!   communicator over them on CUDA ranks. Their errors name ranks by their position in the
-//!   subgroup, and their collectives are not in the hang history yet.
+//!   communicator over them on CUDA ranks. Their errors name the subgroup and the ranks'
+//!   global numbers, and their collectives are in the hang history as `op@tag`, numbered in
+//!   their group.
 //!
 //! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
 //! `train::optim::reduce` as backward finishes them, through [`overlap::with_queue`].
@@ -102,6 +103,7 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
         } else {
             format!("rank 0 on {addr}")
         },
+        subgroup: None,
     };
     if env.place.rank == 0 && matches!(backend, Backend::Nccl { .. }) {
         // ProcessGroupNCCL's monitor polls this key at the store's root (below any prefix): a

@@ -46,9 +46,14 @@ pub enum Outcome {
 /// One collective.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    /// 1-based number of the collective in this process (every rank numbers alike).
+    /// Its place among every collective this process recorded, the world's and its
+    /// subgroups' (orders them; picks its slot in the trace file).
+    pub id: u64,
+    /// 1-based number of the collective in its group (every rank numbers alike, and as the
+    /// group's own error messages do).
     pub seq: u64,
-    /// "all-reduce", "broadcast", "barrier", ... (at most 16 bytes are kept in the trace file).
+    /// "all-reduce", "broadcast", "barrier", ...; a subgroup's carry its tag,
+    /// `reduce-scatter@shard0` (at most 32 bytes are kept in the trace file).
     pub op: String,
     pub bytes: u64,
     /// Wall-clock start, microseconds since the Unix epoch.
@@ -76,6 +81,13 @@ pub struct Snapshot {
     pub records: Vec<Record>,
 }
 
+impl Record {
+    /// The world's collectives: those the ranks' numbers can be compared on.
+    pub fn in_world(&self) -> bool {
+        !self.op.contains('@')
+    }
+}
+
 impl Snapshot {
     fn new(rank: usize) -> Snapshot {
         Snapshot {
@@ -90,27 +102,32 @@ impl Snapshot {
         }
     }
 
-    /// The last collective this rank finished.
+    /// The world group's collectives (the ranks' numbers compare there), oldest first.
+    fn world(&self) -> impl DoubleEndedIterator<Item = &Record> {
+        self.records.iter().filter(|r| r.in_world())
+    }
+
+    /// The last collective of the world group this rank finished.
     pub fn last_completed(&self) -> Option<&Record> {
-        self.records
-            .iter()
-            .rev()
-            .find(|r| r.outcome == Outcome::Done)
+        self.world().rev().find(|r| r.outcome == Outcome::Done)
     }
 
-    /// The collective this rank is in or gave up on, if its last one did not finish.
+    /// The world group's collective this rank is in or gave up on, if its last one did not
+    /// finish.
     pub fn unfinished(&self) -> Option<&Record> {
-        self.records.last().filter(|r| r.outcome != Outcome::Done)
+        self.world().last().filter(|r| r.outcome != Outcome::Done)
     }
 
-    /// The number of the last collective this rank entered (0 = none).
+    /// The number of the last collective of the world group this rank entered (0 = none).
     pub fn entered(&self) -> u64 {
-        self.records.last().map_or(0, |r| r.seq)
+        self.world().last().map_or(0, |r| r.seq)
     }
 
-    /// Whether this rank gave up on a collective, and whether by timing out.
+    /// Whether this rank gave up on a collective (of the world group or a subgroup), and
+    /// whether by timing out.
     pub fn gave_up(&self) -> Option<Outcome> {
-        self.unfinished()
+        self.records
+            .last()
             .map(|r| r.outcome)
             .filter(|o| matches!(o, Outcome::Failed | Outcome::TimedOut))
     }
@@ -125,8 +142,12 @@ struct State {
     tag: String,
     snap: Snapshot,
     records: VecDeque<Record>,
-    /// Number the next collective gets.
+    /// Number the world group's next collective gets.
     next_seq: u64,
+    /// Each subgroup's next number.
+    group_seq: std::collections::HashMap<String, u64>,
+    /// The next record's [`Record::id`].
+    next_id: u64,
     phase_started: Instant,
     /// Seconds spent in each phase (indexed by `Phase::code`), current phase excluded.
     phase_time: [f64; Phase::ALL.len()],
@@ -165,6 +186,8 @@ impl Forensics {
                 snap: Snapshot::new(rank),
                 records: VecDeque::with_capacity(HISTORY),
                 next_seq: 1,
+                group_seq: Default::default(),
+                next_id: 1,
                 phase_started: Instant::now(),
                 phase_time: [0.0; Phase::ALL.len()],
                 file,
@@ -222,14 +245,33 @@ impl Forensics {
         s.next_seq = s.next_seq.max(seq);
     }
 
-    /// Records the start of a collective; returns its number for [`Forensics::end`].
+    /// Records the start of a collective of the world group; returns its id for
+    /// [`Forensics::end`].
     pub fn begin(&self, op: &str, bytes: u64) -> u64 {
+        self.begin_in(None, op, bytes)
+    }
+
+    /// Records the start of a collective of subgroup `group` (None: the world group), numbered
+    /// in its group; returns its id for [`Forensics::end`].
+    pub fn begin_in(&self, group: Option<&str>, op: &str, bytes: u64) -> u64 {
         let mut s = self.lock();
-        let seq = s.next_seq;
-        s.next_seq += 1;
+        let (seq, op) = match group {
+            None => {
+                s.next_seq += 1;
+                (s.next_seq - 1, op.to_owned())
+            }
+            Some(g) => {
+                let next = s.group_seq.entry(g.to_owned()).or_insert(1);
+                *next += 1;
+                (*next - 1, format!("{op}@{g}"))
+            }
+        };
+        let id = s.next_id;
+        s.next_id += 1;
         let r = Record {
+            id,
             seq,
-            op: op.to_owned(),
+            op,
             bytes,
             start_us: now_us(),
             dur_us: 0,
@@ -240,14 +282,15 @@ impl Forensics {
         }
         s.write_record(&r);
         s.records.push_back(r);
-        seq
+        id
     }
 
-    /// Records how collective `seq` ended. On the first timeout, returns the history to print
-    /// (a peer that died is explained by the launcher; a hang needs every rank's side).
-    pub fn end(&self, seq: u64, outcome: Outcome) -> Option<String> {
+    /// Records how the collective `id` ([`Forensics::begin`]) ended. On the first timeout,
+    /// returns the history to print (a peer that died is explained by the launcher; a hang
+    /// needs every rank's side).
+    pub fn end(&self, id: u64, outcome: Outcome) -> Option<String> {
         let mut s = self.lock();
-        let idx = s.records.iter().rposition(|r| r.seq == seq)?;
+        let idx = s.records.iter().rposition(|r| r.id == id)?;
         let mut r = s.records[idx].clone();
         r.outcome = outcome;
         r.dur_us = now_us().saturating_sub(r.start_us);
@@ -257,8 +300,8 @@ impl Forensics {
             return None;
         }
         let headline = format!(
-            "Hang forensics: {} #{seq} timed out; this rank's phase and its last collectives:",
-            r.op
+            "Hang forensics: {} #{} timed out; this rank's phase and its last collectives:",
+            r.op, r.seq
         );
         Some(render(&s.snapshot(), &s.tag, &headline, now_ms()))
     }
@@ -435,7 +478,7 @@ pub fn render(snap: &Snapshot, tag: &str, headline: &str, now_ms: u64) -> String
     );
     for r in &snap.records {
         out += &format!(
-            "{tag}     #{:<6} {:<16} {:>10}  started {}  {}\n",
+            "{tag}     #{:<6} {:<24} {:>10}  started {}  {}\n",
             r.seq,
             r.op,
             human_bytes(r.bytes),

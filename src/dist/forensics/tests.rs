@@ -19,37 +19,45 @@ fn trace_file_mirrors_the_snapshot_and_keeps_the_last_collectives() -> Result<()
     f.continue_numbering_at(5);
     f.set_phase(Phase::Forward);
     for i in 0..(HISTORY as u64 + 7) {
-        let seq = f.begin(
+        let id = f.begin(
             if i % 2 == 0 {
                 "all-reduce"
             } else {
-                "a-very-long-operation-name"
+                "a-very-long-operation-name-cut-on-disk"
             },
             i * 1000,
         );
-        assert_eq!(seq, 5 + i);
-        f.end(seq, Outcome::Done);
+        assert_eq!(f.snapshot().records.last().unwrap().seq, 5 + i);
+        f.end(id, Outcome::Done);
     }
+    // A subgroup's collective: numbered in its group, named with its tag, in the history but
+    // not among the world group's numbers the ranks are compared on.
+    let sub = f.begin_in(Some("shard0"), "reduce-scatter", 64);
+    f.end(sub, Outcome::Done);
     f.step_done(12);
-    let running = f.begin("barrier", 0);
+    f.begin("barrier", 0);
+    let running = 5 + HISTORY as u64 + 7;
     f.set_phase(Phase::Reduce);
 
     let mem = f.snapshot();
     let disk = trace::read(&path)?;
-    // The op name is cut to 16 bytes on disk; everything else is the same.
+    // The op name is cut to 32 bytes on disk; everything else is the same.
     let cut = |s: &Snapshot| {
         let mut s = s.clone();
         for r in &mut s.records {
-            r.op.truncate(16);
+            r.op.truncate(32);
         }
         s
     };
     assert_eq!(cut(&disk), cut(&mem));
     assert_eq!(disk.records.len(), HISTORY);
     assert_eq!(disk.records.last().unwrap().seq, running);
+    let shard = &disk.records[disk.records.len() - 2];
+    assert_eq!((shard.op.as_str(), shard.seq), ("reduce-scatter@shard0", 1));
+    assert_eq!(disk.entered(), running);
     assert_eq!(
         disk.records.first().unwrap().seq,
-        running + 1 - HISTORY as u64
+        running + 2 - HISTORY as u64
     );
     assert_eq!(
         (disk.rank, disk.pid, disk.step, disk.steps_here),
@@ -167,7 +175,7 @@ fn the_report_names_phase_and_collectives() {
     );
     assert!(text.contains("phase backward for"), "{text}");
     assert!(
-        text.contains("#1      broadcast           2.50 MB"),
+        text.contains("#1      broadcast ") && text.contains(" 2.50 MB"),
         "{text}"
     );
     assert!(text.contains("timed out after"), "{text}");

@@ -7,10 +7,10 @@
 //! ```text
 //! 0   magic "LSTRACE1"        8   pid u32        12  rank u32
 //! 16  ready u32               20  phase u32      24  phase_since_ms u64
-//! 32  step u64                40  steps_here u64 48  last seq written u64   56  reserved
-//! 64  HISTORY records of 56 bytes, record #seq in slot seq % HISTORY:
-//!     0 seq u64, 8 bytes u64, 16 start_us u64, 24 dur_us u64, 32 outcome u32,
-//!     36 op length u32, 40 op (16 bytes, UTF-8, cut)
+//! 32  step u64                40  steps_here u64 48  last id written u64   56  reserved
+//! 64  HISTORY records of 80 bytes, record of id i in slot i % HISTORY:
+//!     0 id u64, 8 seq u64, 16 bytes u64, 24 start_us u64, 32 dur_us u64, 40 outcome u32,
+//!     44 op length u32, 48 op (32 bytes, UTF-8, cut)
 //! ```
 //! A reader may catch a record half-written; it shows one odd line in a report, nothing worse.
 
@@ -25,10 +25,10 @@ use super::{Outcome, Phase, Record, Snapshot, HISTORY};
 /// The variable through which `lockstep run` tells a worker where its trace file goes.
 pub const TRACE_ENV: &str = "LOCKSTEP_TRACE";
 
-const MAGIC: &[u8; 8] = b"LSTRACE1";
+const MAGIC: &[u8; 8] = b"LSTRACE2";
 const HEADER: usize = 64;
-const RECORD: usize = 56;
-const OP_LEN: usize = 16;
+const RECORD: usize = 80;
+const OP_LEN: usize = 32;
 /// Size of a trace file.
 pub const SIZE: usize = HEADER + HISTORY * RECORD;
 
@@ -79,19 +79,20 @@ impl TraceFile {
 
     /// Writes `r` into its slot, then makes it the newest.
     pub fn write_record(&mut self, r: &Record) {
-        let at = HEADER + (r.seq as usize % HISTORY) * RECORD;
-        self.put_u64(at, r.seq);
-        self.put_u64(at + 8, r.bytes);
-        self.put_u64(at + 16, r.start_us);
-        self.put_u64(at + 24, r.dur_us);
-        self.put_u32(at + 32, outcome_code(r.outcome));
+        let at = HEADER + (r.id as usize % HISTORY) * RECORD;
+        self.put_u64(at, r.id);
+        self.put_u64(at + 8, r.seq);
+        self.put_u64(at + 16, r.bytes);
+        self.put_u64(at + 24, r.start_us);
+        self.put_u64(at + 32, r.dur_us);
+        self.put_u32(at + 40, outcome_code(r.outcome));
         let op = r.op.as_bytes();
         let n = op.len().min(OP_LEN);
-        self.put_u32(at + 36, n as u32);
-        self.map[at + 40..at + 40 + n].copy_from_slice(&op[..n]);
+        self.put_u32(at + 44, n as u32);
+        self.map[at + 48..at + 48 + n].copy_from_slice(&op[..n]);
         let newest = u64::from_le_bytes(self.map[48..56].try_into().unwrap());
-        if r.seq > newest {
-            self.put_u64(48, r.seq);
+        if r.id > newest {
+            self.put_u64(48, r.id);
         }
     }
 }
@@ -126,18 +127,19 @@ pub fn read(path: &Path) -> Result<Snapshot> {
     let newest = u64_at(48);
     let first = newest.saturating_sub(HISTORY as u64 - 1).max(1);
     let mut records = Vec::new();
-    for seq in first..=newest {
-        let at = HEADER + (seq as usize % HISTORY) * RECORD;
-        let (Some(outcome), true) = (outcome_of(u32_at(at + 32)), u64_at(at) == seq) else {
+    for id in first..=newest {
+        let at = HEADER + (id as usize % HISTORY) * RECORD;
+        let (Some(outcome), true) = (outcome_of(u32_at(at + 40)), u64_at(at) == id) else {
             continue; // before this process's first collective, or caught mid-write
         };
-        let n = (u32_at(at + 36) as usize).min(OP_LEN);
+        let n = (u32_at(at + 44) as usize).min(OP_LEN);
         records.push(Record {
-            seq,
-            op: String::from_utf8_lossy(&b[at + 40..at + 40 + n]).into_owned(),
-            bytes: u64_at(at + 8),
-            start_us: u64_at(at + 16),
-            dur_us: u64_at(at + 24),
+            id,
+            seq: u64_at(at + 8),
+            op: String::from_utf8_lossy(&b[at + 48..at + 48 + n]).into_owned(),
+            bytes: u64_at(at + 16),
+            start_us: u64_at(at + 24),
+            dur_us: u64_at(at + 32),
             outcome,
         });
     }

@@ -17,11 +17,17 @@ use crate::dist::group::ProcessGroup;
 pub struct Traced {
     inner: Box<dyn ProcessGroup>,
     log: &'static Forensics,
+    /// The subgroup's tag (its records read `op@tag`); None for the world group.
+    group: Option<String>,
 }
 
 impl Traced {
     pub fn new(inner: Box<dyn ProcessGroup>, log: &'static Forensics) -> Traced {
-        Traced { inner, log }
+        Traced {
+            inner,
+            log,
+            group: None,
+        }
     }
 
     fn run<T>(
@@ -30,7 +36,7 @@ impl Traced {
         bytes: usize,
         f: impl FnOnce(&mut dyn ProcessGroup) -> Result<T>,
     ) -> Result<T> {
-        let seq = self.log.begin(op, bytes as u64);
+        let id = self.log.begin_in(self.group.as_deref(), op, bytes as u64);
         let result = f(&mut *self.inner);
         let outcome = match &result {
             Ok(_) => Outcome::Done,
@@ -38,7 +44,7 @@ impl Traced {
             Err(e) if format!("{e:#}").contains(" timed out after ") => Outcome::TimedOut,
             Err(_) => Outcome::Failed,
         };
-        if let Some(history) = self.log.end(seq, outcome) {
+        if let Some(history) = self.log.end(id, outcome) {
             eprint!("{history}");
         }
         result
@@ -110,10 +116,20 @@ impl ProcessGroup for Traced {
         })
     }
 
-    /// Forming a subgroup is no collective of this group (its numbering stays the ring's), and
-    /// the subgroup's own collectives are not in this rank's history.
+    /// Forming a subgroup is no collective of this group (its numbering stays the ring's); the
+    /// subgroup's own collectives go into this rank's history too, numbered in the subgroup and
+    /// named `op@tag`.
     fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
-        self.inner.subgroup(members, tag)
+        let inner = self.inner.subgroup(members, tag)?;
+        let group = match &self.group {
+            Some(parent) => format!("{parent}/{tag}"),
+            None => tag.to_string(),
+        };
+        Ok(Box::new(Traced {
+            inner,
+            log: self.log,
+            group: Some(group),
+        }))
     }
 
     fn all_gather_f64(&mut self, x: f64) -> Result<Vec<f64>> {

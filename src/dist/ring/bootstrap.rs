@@ -68,6 +68,9 @@ impl RingGroup {
         let (rank, world) = (self.rank, self.world);
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
+        // Messages name global ranks (and the subgroup); the protocol uses positions.
+        let (next_name, prev_name, within) =
+            (self.global(next_rank), self.global(prev_rank), self.where_());
 
         // Listen before publishing so a peer that reads our address can connect at once (the
         // kernel completes the TCP handshake from the backlog before we call accept).
@@ -88,7 +91,8 @@ impl RingGroup {
         } else {
             let b = self.await_key(&nonce_key, deadline, || {
                 format!(
-                    "rank 0 did not publish the run nonce within {}: it did not start or crashed",
+                    "rank {}{within} did not publish the run nonce within {}: it did not start or crashed",
+                    self.global(0),
                     fmt_secs(self.timeout)
                 )
             })?;
@@ -107,16 +111,16 @@ impl RingGroup {
         // 1. Dial the successor and introduce ourselves (a small write: never blocks).
         let addr_b = self.await_key(&self.key(&format!("addr/{next_rank}")), deadline, || {
             format!(
-                "rank {next_rank} did not publish its ring address within {}: it did not start \
+                "rank {next_name}{within} did not publish its ring address within {}: it did not start \
                  or crashed during startup",
                 fmt_secs(self.timeout)
             )
         })?;
         let next_addr: SocketAddr = String::from_utf8_lossy(&addr_b)
             .parse()
-            .with_context(|| format!("malformed ring address of rank {next_rank}"))?;
+            .with_context(|| format!("malformed ring address of rank {next_name}{within}"))?;
         let mut next = connect_until(next_addr, deadline).with_context(|| {
-            format!("cannot connect to rank {next_rank} at {next_addr} (firewall, or it died?)")
+            format!("cannot connect to rank {next_name}{within} at {next_addr} (firewall, or it died?)")
         })?;
         next.set_nodelay(true)?;
         next.write_all(&me.encode())?;
@@ -127,7 +131,7 @@ impl RingGroup {
         })
         .with_context(|| {
             format!(
-                "rank {prev_rank} did not connect to this rank ({my_addr}) within {}: it did not \
+                "rank {prev_name}{within} did not connect to this rank ({my_addr}) within {}: it did not \
                  start, crashed, or cannot reach this host",
                 fmt_secs(self.timeout)
             )
@@ -143,7 +147,7 @@ impl RingGroup {
                 .max(Duration::from_millis(1)),
         ))?;
         let ack = Hello::read(&mut next)
-            .with_context(|| format!("rank {next_rank} did not acknowledge the ring handshake"))?;
+            .with_context(|| format!("rank {next_name}{within} did not acknowledge the ring handshake"))?;
         let want = Hello {
             nonce,
             rank: next_rank as u32,
@@ -151,7 +155,7 @@ impl RingGroup {
         };
         ensure!(
             ack == Some(want),
-            "the process at {next_addr} is not rank {next_rank} of this run (got {ack:?})"
+            "the process at {next_addr} is not rank {next_name}{within} of this run (got {ack:?})"
         );
 
         for s in [&next, &prev] {

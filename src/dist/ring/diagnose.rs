@@ -108,7 +108,7 @@ impl RingGroup {
                 (n.parse::<u64>().ok()? == seq).then(|| msg.to_owned())
             });
             out.push(PeerState {
-                rank: q,
+                rank: self.global(q),
                 last,
                 failure,
             });
@@ -119,13 +119,19 @@ impl RingGroup {
     /// Turns a failed step into an error naming the responsible rank(s), and poisons the group.
     pub(super) fn fail(&mut self, what: &str, started: Instant, f: Fail) -> anyhow::Error {
         let seq = self.seq;
-        let next_rank = (self.rank + 1) % self.world;
-        let prev_rank = (self.rank + self.world - 1) % self.world;
+        // Global rank numbers, as every message names ranks.
+        let next_rank = self.global((self.rank + 1) % self.world);
+        let prev_rank = self.global((self.rank + self.world - 1) % self.world);
+        let me = self.global(self.rank);
+        let within = self.where_();
         let head = match f.kind {
             FailKind::Timeout => {
-                format!("{what} #{seq} timed out after {}", fmt_secs(self.timeout))
+                format!("{what} #{seq}{within} timed out after {}", fmt_secs(self.timeout))
             }
-            _ => format!("{what} #{seq} failed after {}", fmt_secs(started.elapsed())),
+            _ => format!(
+                "{what} #{seq}{within} failed after {}",
+                fmt_secs(started.elapsed())
+            ),
         };
         let lagging = |p: &PeerState| p.last.is_none_or(|s| s < seq);
         let mut states = self.peer_states(seq);
@@ -203,10 +209,7 @@ impl RingGroup {
             Side::Recv => format!("receiving from rank {prev_rank}"),
             Side::Send => format!("sending to rank {next_rank}"),
         };
-        let msg = format!(
-            "{head}: {culprit} [rank {}, {side}: {}]",
-            self.rank, f.detail
-        );
+        let msg = format!("{head}: {culprit} [rank {me}, {side}: {}]", f.detail);
         // Record why we give up before closing the sockets, so the neighbours that see the
         // connection drop can report the cause. `check` after the fire-and-forget `set` is a
         // round trip on the same connection: the record is stored before we hang up.

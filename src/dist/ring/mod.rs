@@ -32,6 +32,9 @@ pub struct RingConfig {
     pub key_prefix: String,
     /// Who hosts the store, for error messages ("rank 0", "the torchrun agent on node0").
     pub store_owner: String,
+    /// A subgroup's tag and the global rank of each of its positions, so its messages name
+    /// ranks as every other message does; None for the world's ring.
+    pub subgroup: Option<(String, Vec<usize>)>,
 }
 
 impl Default for RingConfig {
@@ -39,6 +42,7 @@ impl Default for RingConfig {
         RingConfig {
             key_prefix: "ring/".to_owned(),
             store_owner: "rank 0".to_owned(),
+            subgroup: None,
         }
     }
 }
@@ -124,15 +128,33 @@ impl RingGroup {
     }
 
     /// The ring of `members` (see `ProcessGroup::subgroup`), formed through the same store under
-    /// keys of its own. Its errors name ranks by their position in it.
+    /// keys of its own. Its errors name the subgroup and the ranks' global numbers.
     pub fn split(&self, members: &[usize], tag: &str) -> Result<RingGroup> {
         let rank = super::group::position_in(members, self.rank, tag)?;
+        let global: Vec<usize> = members.iter().map(|&m| self.global(m)).collect();
         let cfg = RingConfig {
             key_prefix: format!("{}{tag}/", self.cfg.key_prefix),
             store_owner: self.cfg.store_owner.clone(),
+            subgroup: Some((tag.to_string(), global.clone())),
         };
         RingGroup::with_config(self.store.clone(), rank, members.len(), self.timeout, cfg)
-            .with_context(|| format!("subgroup {tag} of ranks {members:?}"))
+            .with_context(|| format!("subgroup {tag} of ranks {global:?}"))
+    }
+
+    /// The global rank of position `pos` of this ring (the same number in the world's ring).
+    pub(super) fn global(&self, pos: usize) -> usize {
+        match &self.cfg.subgroup {
+            Some((_, ranks)) => ranks.get(pos).copied().unwrap_or(pos),
+            None => pos,
+        }
+    }
+
+    /// " in subgroup shard0 (ranks [0, 1])" for a subgroup's messages; empty for the world's.
+    pub(super) fn where_(&self) -> String {
+        match &self.cfg.subgroup {
+            Some((tag, ranks)) => format!(" in subgroup {tag} (ranks {ranks:?})"),
+            None => String::new(),
+        }
     }
 
     /// The store and a key prefix of this ring's own, for `ProcessGroup::side_store`.

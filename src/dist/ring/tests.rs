@@ -298,6 +298,7 @@ fn dead_store_is_named() {
                     let cfg = RingConfig {
                         key_prefix: "t/".into(),
                         store_owner: "the test host".into(),
+                        subgroup: None,
                     };
                     let mut g = RingGroup::with_config(st, r, 2, timeout, cfg).unwrap();
                     g.barrier().unwrap();
