@@ -6,6 +6,7 @@
 #    every setting alike; medians over rounds of the per-run medians (wall and CPU seconds).
 # 2. Peak RSS of a 3-step `lockstep train --preset tiny` run of each setting.
 # usage: benches/activation_memory.sh [rounds=5] [steps=6] [threads=2]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 rounds=${1:-5}; steps=${2:-6}; threads=${3:-2}

@@ -15,6 +15,7 @@
 #  3. load time of the same checkpoint at 1 and 2 ranks (the trainer's "loaded in" figure).
 # usage: benches/checkpoint_cpu.sh [reps=3] [steps=31]   (BENCH_ONLY_LOOP=1: part 1 only;
 # BENCH_SKIP_LOOP=1: parts 2 and 3 only)
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-3}

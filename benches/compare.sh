@@ -2,6 +2,7 @@
 # lockstep vs PyTorch on the tiny shape, interleaved A/B rounds on the same threads, so machine
 # noise hits both alike. Prints each round and the ratio of the medians.
 # usage: benches/compare.sh [rounds=3] [threads=2] [steps=10]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 rounds=${1:-3}; threads=${2:-2}; steps=${3:-10}

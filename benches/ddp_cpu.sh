@@ -2,6 +2,7 @@
 # Step time and all-reduce time for 1 vs 2 CPU ranks on the tiny preset (batch 8 per rank,
 # context 256), from the verbose timing line, plus the bytes all-reduced per step.
 # usage: benches/ddp_cpu.sh [steps=12]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 steps=${1:-12}

@@ -4,6 +4,7 @@
 # run's per-step time (data + forward/backward + reduction + optimizer, from the verbose
 # timing line, steps after the first logged window) and the medians.
 # usage: benches/overlap_cpu.sh [reps=3] [steps=10]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-3}

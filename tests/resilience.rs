@@ -653,10 +653,16 @@ fn srun_style_tasks_train_like_lockstep_run() {
         ),
     );
     let (job, port) = free_slurm_job_id();
+    // The threads from SLURM_CPUS_PER_TASK (finding 29: each task took every core), 1 as the
+    // run's workers have.
     let args = with(
         &base,
         &["train"],
-        &[&tail[..], &["--set", "logging.run_name=viaslurm"]].concat(),
+        &[
+            &tail[..],
+            &["--set", "logging.run_name=viaslurm", "--set", "system.num_threads=0"],
+        ]
+        .concat(),
     );
     let tasks: Vec<Child> = (0..2)
         .map(|r| {
@@ -668,10 +674,12 @@ fn srun_style_tasks_train_like_lockstep_run() {
                 "LOCAL_WORLD_SIZE",
                 "MASTER_ADDR",
                 "MASTER_PORT",
+                "OMP_NUM_THREADS",
             ] {
                 c.env_remove(k);
             }
             c.args(&args)
+                .env("SLURM_CPUS_PER_TASK", "1")
                 .env("SLURM_PROCID", r.to_string())
                 .env("SLURM_LOCALID", r.to_string())
                 .env("SLURM_NTASKS", "2")
@@ -701,7 +709,10 @@ fn srun_style_tasks_train_like_lockstep_run() {
         )),
         "{rank0}"
     );
-    assert!(rank0.contains("| 2 ranks |"), "{rank0}");
+    assert!(rank0.contains("| 2 ranks | CPU, 1 thread |"), "{rank0}");
+    // Finding 28: each task budgeted the whole node's memory; it shares it with the node's
+    // other task (SLURM_TASKS_PER_NODE), as under lockstep run.
+    assert!(rank0.contains(" / 2 ranks on this node)"), "{rank0}");
     let runs = dir.join("runs");
     assert_eq!(
         losses(&runs.join("viaslurm/metrics.jsonl")),

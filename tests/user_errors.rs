@@ -428,6 +428,13 @@ fn two_interrupts_say_what_each_does() {
         return;
     }
     assert_eq!(out.status.code(), Some(130), "{text}{err}");
+    // Round 4, finding 31: the notice says which rank it is from (srun tasks have no launcher
+    // to prefix it).
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("[CPU0] lockstep: SIGINT: saving a checkpoint after step")),
+        "{err}"
+    );
     assert!(
         err.contains("lockstep: SIGINT: saving a checkpoint after step")
             && err.contains("send it again (Ctrl-C) to exit at once without saving")

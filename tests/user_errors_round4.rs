@@ -734,3 +734,51 @@ fn mlflow_limits_are_checked_before_a_server_sees_them() {
     );
     assert!(!dir.join("runs").exists());
 }
+
+/// Finding 30: sourcing scripts/env.sh turned on `set -euo pipefail` in the caller's shell, so
+/// a job script that sources it died at its first failing command. The caller's options stay
+/// as they were.
+#[test]
+fn sourcing_env_sh_leaves_the_callers_shell_options() {
+    let script = format!(
+        "set +euo pipefail; source {}; false; echo \"survived $-\"; set -o | grep pipefail",
+        common::root().join("scripts/env.sh").display()
+    );
+    let out = std::process::Command::new("bash")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let text = common::output_text(&out);
+    let flags = text
+        .lines()
+        .find_map(|l| l.strip_prefix("survived "))
+        .unwrap_or_else(|| panic!("the shell died after a failing command:\n{text}"));
+    assert!(!flags.contains('e') && !flags.contains('u'), "{text}");
+    assert!(text.contains("pipefail") && text.contains("off"), "{text}");
+}
+
+/// Finding 31: under srun, start-up errors carried no rank tag, so two tasks printed the same
+/// error twice with nothing to tell them apart. Each rank of a job of several tags its error.
+#[test]
+fn the_errors_of_srun_tasks_say_which_task_they_come_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for r in 0..2 {
+        let mut c = common::lockstep(dir);
+        for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCKSTEP_TAG"] {
+            c.env_remove(k);
+        }
+        let out = c
+            .args(["train", "--set", "training.lerning_rate=1"])
+            .env("SLURM_PROCID", r.to_string())
+            .env("SLURM_NTASKS", "2")
+            .output()
+            .unwrap();
+        let text = common::output_text(&out);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(
+            text.starts_with(&format!("[rank {r}] error: --set training.lerning_rate=1: unknown config key")),
+            "{text}"
+        );
+    }
+}

@@ -27,8 +27,8 @@ LIMIT=$((64 * 1024 * 1024))
 die() { echo "prepare.sh: $*" >&2; exit 1; }
 
 # shellcheck disable=SC1091
-source scripts/env.sh
-set +e  # env.sh sets -e; every step below checks its own status
+source scripts/env.sh || die "scripts/env.sh failed"
+set +e  # every step below checks its own status
 
 git check-ignore -q .carry || die ".carry is not git-ignored: add /.carry to .gitignore (it must not be committed)"
 mkdir -p .carry

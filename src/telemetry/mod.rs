@@ -22,6 +22,33 @@ pub fn rank_tag(cuda: bool, rank: usize) -> String {
         .unwrap_or_else(|_| format!("[{}{rank}]", if cuda { "GPU" } else { "CPU" }))
 }
 
+static PROCESS_TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// This process is a rank of a job of several, tagged `tag` (for [`error_tag`]).
+pub fn set_process_tag(tag: &str) {
+    let _ = PROCESS_TAG.set(tag.to_string());
+}
+
+/// The tag for a line this process prints outside the trainer's own (its final error), when it
+/// is a rank of a job of several: the rank's tag once it is known, before that `LOCKSTEP_TAG`
+/// (`lockstep run`'s workers), else `[rank R]` (torchrun's RANK, srun's SLURM_PROCID), so that
+/// tasks printing the same error can be told apart; None for a single process.
+pub fn error_tag() -> Option<String> {
+    if let Some(t) = PROCESS_TAG.get() {
+        return Some(t.clone());
+    }
+    if let Ok(t) = std::env::var("LOCKSTEP_TAG") {
+        return Some(t);
+    }
+    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    [("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")]
+        .into_iter()
+        .find_map(|(rank, world)| match (var(rank), var(world)) {
+            (Some(r), Some(w)) if w > 1 => Some(format!("[rank {r}]")),
+            _ => None,
+        })
+}
+
 /// `2.95e-04`: C-style exponent (two digits, explicit sign), which Rust's `{:e}` does not do.
 pub fn sci(x: f64) -> String {
     let s = format!("{x:.2e}");

@@ -31,18 +31,11 @@ static PLAN: Mutex<Option<(Setting, Layout, Device)>> = Mutex::new(None);
 /// decides whether a save can be staged).
 const STAGING_HEADROOM: f64 = 1e9;
 
-/// Ranks on this node (`LOCAL_WORLD_SIZE`, 1 when unset).
-fn local_ranks() -> usize {
-    std::env::var("LOCAL_WORLD_SIZE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(1)
-}
-
 /// The memory one rank may use: `system.memory_budget_gb`, else the CPU's available memory
-/// shared by the ranks of this node, else the GPU's free memory. None when it cannot be read.
-fn rank_budget(cfg: &Config, device: Device) -> Option<(f64, String)> {
+/// shared by the `local` ranks of this node (its place: torchrun's LOCAL_WORLD_SIZE, Slurm's
+/// tasks on this node, `lockstep run`'s workers), else the GPU's free memory. None when it
+/// cannot be read.
+fn rank_budget(cfg: &Config, device: Device, local: usize) -> Option<(f64, String)> {
     let set = cfg.system.memory_budget_gb;
     if set > 0.0 {
         return Some((set * 1e9, "system.memory_budget_gb".into()));
@@ -55,7 +48,7 @@ fn rank_budget(cfg: &Config, device: Device) -> Option<(f64, String)> {
             )
         }),
         _ => {
-            let local = local_ranks();
+            let local = local.max(1);
             budget::mem_available().map(|avail| {
                 let shared = if local > 1 {
                     format!(" / {local} ranks on this node")
@@ -79,7 +72,8 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
         return Ok(());
     }
     let tag = &rank.tag;
-    let Some(budget) = rank_budget(cfg, rank.device) else {
+    let local = rank.place.local_world;
+    let Some(budget) = rank_budget(cfg, rank.device, local) else {
         if rank.lead() {
             println!("{tag} Memory check skipped: this device's free memory cannot be read (set system.memory_budget_gb)");
         }
@@ -103,7 +97,7 @@ pub fn check(cfg: &Config, shape: &LlamaShape, rank: &Rank) -> Result<()> {
     *PLAN.lock().unwrap_or_else(|p| p.into_inner()) = Some((setting, layout, rank.device));
     let host_staging = match rank
         .lead()
-        .then(|| host_staging(&r, local_ranks(), budget::mem_available()?))
+        .then(|| host_staging(&r, local, budget::mem_available()?))
         .flatten()
     {
         Some(HostStaging::Fits(note)) => format!("; {note}"),

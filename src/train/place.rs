@@ -22,11 +22,11 @@ impl Rank {
     /// Resolves this rank's device (`system.device`) once; everything after uses `device`.
     pub fn new(cfg: &Config, place: Place) -> Result<Rank> {
         let device = resolve_device(cfg, place.world, place.local_rank)?;
-        Ok(Rank {
-            place,
-            device,
-            tag: crate::telemetry::rank_tag(device.is_cuda(), place.rank),
-        })
+        let tag = crate::telemetry::rank_tag(device.is_cuda(), place.rank);
+        if place.world > 1 {
+            crate::telemetry::set_process_tag(&tag);
+        }
+        Ok(Rank { place, device, tag })
     }
 
     /// Rank 0: the one that prints the run's summary and writes its records and checkpoints.

@@ -15,6 +15,9 @@ static STEP: AtomicUsize = AtomicUsize::new(0);
 static SAVED: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// This process speaks for the run (rank 0); the others stay silent.
 static LEAD: AtomicBool = AtomicBool::new(false);
+/// The rank's tag (`[CPU0]`), set before the handlers: the notice says which rank it is from
+/// (srun tasks have no launcher to prefix their lines).
+static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// Training has ended: the monotonic second until which the trackers are waited for (0 while
 /// training).
 static FINISHING_UNTIL: AtomicU64 = AtomicU64::new(0);
@@ -40,7 +43,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
     let until = FINISHING_UNTIL.load(Ordering::SeqCst);
     if until > 0 {
         if LEAD.load(Ordering::SeqCst) {
-            let mut msg = Line::default();
+            let mut msg = Line::tagged();
             msg.push(b"lockstep: ");
             msg.push(name);
             if first {
@@ -59,7 +62,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
         return;
     }
     if LEAD.load(Ordering::SeqCst) {
-        let mut msg = Line::default();
+        let mut msg = Line::tagged();
         msg.push(b"lockstep: ");
         msg.push(name);
         if first {
@@ -102,6 +105,16 @@ impl Default for Line {
 }
 
 impl Line {
+    /// A line that starts with the rank's tag (a plain OnceLock read: no allocation).
+    fn tagged() -> Line {
+        let mut line = Line::default();
+        if let Some(tag) = TAG.get() {
+            line.push(tag.as_bytes());
+            line.push(b" ");
+        }
+        line
+    }
+
     fn push(&mut self, bytes: &[u8]) {
         let n = bytes.len().min(self.buf.len() - self.len);
         self.buf[self.len..self.len + n].copy_from_slice(&bytes[..n]);
@@ -128,9 +141,11 @@ impl Line {
     }
 }
 
-/// Installs the handlers for SIGTERM and SIGINT; `lead` = this rank prints what a signal does.
-pub fn install(lead: bool) {
+/// Installs the handlers for SIGTERM and SIGINT; `lead` = this rank prints what a signal does,
+/// its lines tagged `tag`.
+pub fn install(lead: bool, tag: &str) {
     LEAD.store(lead, Ordering::SeqCst);
+    let _ = TAG.set(tag.to_string());
     for sig in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler touches atomics, a stack buffer, write(2) and _exit, all
         // async-signal-safe.

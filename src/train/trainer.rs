@@ -216,7 +216,7 @@ impl<'a> Trainer<'a> {
             val_loss: None,
             preempted: false,
         };
-        preempt::install(self.rank.lead());
+        preempt::install(self.rank.lead(), &self.rank.tag);
         // A resumed run's last complete checkpoint, until this run saves one.
         let resumed = (self.state.step > 0).then_some(self.state.step);
         while self.state.step < self.last_step {
@@ -630,13 +630,19 @@ fn open_sources(data: &[DataSource]) -> Result<Vec<(SourceTokens, Option<SourceT
 }
 
 /// `system.num_threads` for libtorch, with a warning when it exceeds the CPUs this process may
-/// use.
+/// use. Unset (0), and without OMP_NUM_THREADS (which `lockstep run` and torchrun set for their
+/// workers), a Slurm task takes SLURM_CPUS_PER_TASK (`srun --cpus-per-task`), and a CPU rank
+/// the cores of this node divided among its ranks, as `lockstep run` divides them: libtorch
+/// would otherwise give every rank every core.
 fn set_threads(cfg: &Config, rank: &Rank) {
-    let n = cfg.system.num_threads;
-    if n == 0 {
-        return;
-    }
     let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let n = match cfg.system.num_threads {
+        0 => match default_threads(rank, cpus, &|k| std::env::var(k).ok()) {
+            Some(n) => n,
+            None => return,
+        },
+        n => n,
+    };
     if n > cpus && rank.lead() {
         println!(
             "{} Warning: system.num_threads = {n} is more than the {cpus} CPUs this process may \
@@ -646,6 +652,23 @@ fn set_threads(cfg: &Config, rank: &Rank) {
         );
     }
     tch::set_num_threads(n as i32);
+}
+
+/// The threads of a rank that sets none (`system.num_threads = 0`; `cpus` usable here, `var`
+/// reads the environment); None: libtorch's own choice (OMP_NUM_THREADS, else every core).
+fn default_threads(rank: &Rank, cpus: usize, var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+    if var("OMP_NUM_THREADS").is_some_and(|v| !v.trim().is_empty()) {
+        return None;
+    }
+    let slurm = var("SLURM_PROCID")
+        .and_then(|_| var("SLURM_CPUS_PER_TASK"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0);
+    match (slurm, rank.device.is_cuda(), rank.place.local_world) {
+        (Some(n), _, _) => Some(n.min(cpus)),
+        (None, false, local @ 2..) => Some((cpus / local).max(1)),
+        _ => None,
+    }
 }
 
 /// The model, its parameters and the optimizer for `shape`, in `vs` (seeded, in the model-build
@@ -871,4 +894,44 @@ fn print_next_steps(tag: &str, ckpt: &std::path::Path, prepared: &crate::data::P
     println!("{tag}   {exe} export --hf exports/{name} --checkpoint {ckpt}");
     println!("{tag}   {exe} eval --model {ckpt} --data {data}");
     println!("{tag}   {exe} generate --model {ckpt} --prompt \"The\" --max-new-tokens 64");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::Place;
+
+    fn rank(local_world: usize, cuda: bool) -> Rank {
+        Rank {
+            place: Place {
+                rank: 0,
+                world: local_world,
+                local_rank: 0,
+                local_world,
+            },
+            device: if cuda {
+                tch::Device::Cuda(0)
+            } else {
+                tch::Device::Cpu
+            },
+            tag: "[CPU0]".into(),
+        }
+    }
+
+    /// Finding 29: each of 2 srun tasks on 2 cores ran 2 threads.
+    #[test]
+    fn an_unset_thread_count_shares_the_node_among_its_ranks() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let slurm = env(&[("SLURM_PROCID", "1"), ("SLURM_CPUS_PER_TASK", "3")]);
+        assert_eq!(default_threads(&rank(2, false), 16, &slurm), Some(3));
+        assert_eq!(default_threads(&rank(2, true), 16, &slurm), Some(3));
+        assert_eq!(default_threads(&rank(4, false), 16, &env(&[])), Some(4));
+        assert_eq!(default_threads(&rank(4, false), 2, &env(&[])), Some(1));
+        assert_eq!(default_threads(&rank(1, false), 16, &env(&[])), None);
+        assert_eq!(default_threads(&rank(8, true), 16, &env(&[])), None);
+        let omp = env(&[("OMP_NUM_THREADS", "2"), ("SLURM_PROCID", "0"), ("SLURM_CPUS_PER_TASK", "3")]);
+        assert_eq!(default_threads(&rank(2, false), 16, &omp), None);
+    }
 }
