@@ -460,7 +460,9 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
     let why =
         defect(&done, latest + 1).expect("a checkpoint without rank 2's moments is not complete");
     assert!(
-        why.contains("optimizer-00002-of-00002.safetensors: missing (the checkpoint was written by 2 ranks"),
+        why.contains(
+            "optimizer-00002-of-00002.safetensors: missing (the checkpoint was written by 2 ranks"
+        ),
         "{why}"
     );
 }

@@ -524,8 +524,9 @@ fn a_subgroup_names_global_ranks_and_its_collectives_are_in_the_history() {
     let logs = log_dir(dir, "tiny").unwrap();
     let rank2 = std::fs::read_to_string(logs.join("rank_2.log")).unwrap();
     assert!(
-        rank2.contains(" in subgroup shard1 (ranks [2, 3]) timed out after 3 s: rank 3 has not reached it")
-            && !rank2.contains("rank 1 has not reached it"),
+        rank2.contains(
+            " in subgroup shard1 (ranks [2, 3]) timed out after 3 s: rank 3 has not reached it"
+        ) && !rank2.contains("rank 1 has not reached it"),
         "{rank2}"
     );
     assert!(
@@ -660,7 +661,12 @@ fn srun_style_tasks_train_like_lockstep_run() {
         &["train"],
         &[
             &tail[..],
-            &["--set", "logging.run_name=viaslurm", "--set", "system.num_threads=0"],
+            &[
+                "--set",
+                "logging.run_name=viaslurm",
+                "--set",
+                "system.num_threads=0",
+            ],
         ]
         .concat(),
     );

@@ -404,7 +404,10 @@ fn wandb_sync_uploads_a_run_trained_without_wandb() {
         std::fs::write(to.join("metrics.jsonl"), metrics).unwrap();
     };
     let good = std::fs::read(run_dir.join("metrics.jsonl")).unwrap();
-    let lines: Vec<&[u8]> = good.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    let lines: Vec<&[u8]> = good
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .collect();
     let mut mixed = Vec::new();
     for (i, line) in lines.iter().enumerate() {
         if i == 2 {
@@ -419,23 +422,43 @@ fn wandb_sync_uploads_a_run_trained_without_wandb() {
     copy("mixed", &mixed);
     let text = ok(
         dir,
-        &common::cmd("wandb-sync", &[], &["runs/mixed", "--project", "p", "--mode", "offline"]),
+        &common::cmd(
+            "wandb-sync",
+            &[],
+            &["runs/mixed", "--project", "p", "--mode", "offline"],
+        ),
     );
     assert!(
-        text.contains("skipped 2 line(s) that are not step records (line 3, 6); the other 7 are uploaded")
-            && text.contains("sent 7 steps"),
+        text.contains(
+            "skipped 2 line(s) that are not step records (line 3, 6); the other 7 are uploaded"
+        ) && text.contains("sent 7 steps"),
         "{text}"
     );
     copy("empty", b"");
     let out = common::run(
         dir,
-        &common::cmd("wandb-sync", &[], &["runs/empty", "--project", "p", "--mode", "offline"]),
+        &common::cmd(
+            "wandb-sync",
+            &[],
+            &["runs/empty", "--project", "p", "--mode", "offline"],
+        ),
     );
-    common::fails(&out, 1, &["runs/empty/metrics.jsonl: holds no step records; nothing to upload"]);
-    assert!(!dir.join("runs/empty/wandb.json").exists(), "no W&B run was made");
+    common::fails(
+        &out,
+        1,
+        &["runs/empty/metrics.jsonl: holds no step records; nothing to upload"],
+    );
+    assert!(
+        !dir.join("runs/empty/wandb.json").exists(),
+        "no W&B run was made"
+    );
     let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
     let out = common::lockstep(dir)
-        .args(common::cmd("wandb-sync", &[], &["runs/later", "--project", "p"]))
+        .args(common::cmd(
+            "wandb-sync",
+            &[],
+            &["runs/later", "--project", "p"],
+        ))
         .env("WANDB_BASE_URL", &closed)
         .env("WANDB_API_KEY", "x".repeat(40))
         .env("WANDB_INIT_TIMEOUT", "3")

@@ -278,7 +278,12 @@ fn the_readme_demo_trains_and_prints_a_sample() {
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("demo-"))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("demo-")
+        })
         .unwrap();
     let run_dir = run_dir.strip_prefix(dir).unwrap().display().to_string();
     let val = std::fs::read_dir(dir.join(".lockstep/cache"))
@@ -295,7 +300,14 @@ fn the_readme_demo_trains_and_prints_a_sample() {
     ] {
         let val = val.display().to_string();
         let eval = [
-            "eval", "--model", &model, "--data", &val, "--max-batches", "2", "--json",
+            "eval",
+            "--model",
+            &model,
+            "--data",
+            &val,
+            "--max-batches",
+            "2",
+            "--json",
         ];
         let text = ok(dir, &eval.map(String::from));
         let json = text.lines().find(|l| l.starts_with('{')).unwrap();
@@ -303,18 +315,32 @@ fn the_readme_demo_trains_and_prints_a_sample() {
         losses.push(v["loss"].as_f64().unwrap());
         if !model.ends_with("step_2") {
             assert!(
-                text.contains(&format!("its newest complete checkpoint, {run_dir}/checkpoints/step_2")),
+                text.contains(&format!(
+                    "its newest complete checkpoint, {run_dir}/checkpoints/step_2"
+                )),
                 "{text}"
             );
         }
     }
     assert!(losses.windows(2).all(|w| w[0] == w[1]), "{losses:?}");
-    let export = ["export", "--hf", "out", "--checkpoint", &run_dir, "--preset", "tiny"];
+    let export = [
+        "export",
+        "--hf",
+        "out",
+        "--checkpoint",
+        &run_dir,
+        "--preset",
+        "tiny",
+    ];
     ok(dir, &export.map(String::from));
     assert!(dir.join("out/model.safetensors").is_file());
     // A directory that holds no checkpoint says so.
     std::fs::create_dir_all(dir.join("runs/empty/checkpoints")).unwrap();
-    std::fs::write(dir.join("runs/empty/config.json"), std::fs::read(dir.join(&run_dir).join("config.json")).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("runs/empty/config.json"),
+        std::fs::read(dir.join(&run_dir).join("config.json")).unwrap(),
+    )
+    .unwrap();
     fails(
         &run(dir, &["generate", "--model", "runs/empty", "--prompt", "x"].map(String::from)),
         1,
@@ -351,13 +377,18 @@ fn stopping_while_the_run_waits_for_a_tracker_says_so_and_exits_0() {
     let l = Launcher::spawn(cmd);
     l.wait_for("Waiting up to ", Duration::from_secs(120));
     unsafe { libc::kill(l.pid() as i32, libc::SIGINT) };
-    l.wait_for("training has ended and its last checkpoint is complete; waiting up to ", Duration::from_secs(10));
+    l.wait_for(
+        "training has ended and its last checkpoint is complete; waiting up to ",
+        Duration::from_secs(10),
+    );
     unsafe { libc::kill(l.pid() as i32, libc::SIGINT) };
     let (code, text) = l.finish(Duration::from_secs(30));
     assert_eq!(code, Some(0), "{text}");
     assert!(
         text.contains("Waiting up to ")
-            && text.contains("for W&B to take the last records and end its run (training has ended and is saved")
+            && text.contains(
+                "for W&B to take the last records and end its run (training has ended and is saved"
+            )
             && text.contains("SIGINT again: exiting now; training has ended and is saved"),
         "{text}"
     );
@@ -365,7 +396,9 @@ fn stopping_while_the_run_waits_for_a_tracker_says_so_and_exits_0() {
         !text.contains("saving a checkpoint after") && !text.contains("every step is lost"),
         "{text}"
     );
-    assert!(dir.join("runs/tiny/checkpoints/step_2/trainer.json").is_file());
+    assert!(dir
+        .join("runs/tiny/checkpoints/step_2/trainer.json")
+        .is_file());
 }
 
 /// Findings 8, 9, 14 and 15: a dangling symlink in a corpus directory was skipped without a
@@ -380,7 +413,11 @@ fn bad_corpus_inputs_are_named_with_the_fix() {
     let corpus = write_corpus(dir);
     let prepare = |path: &str, extra: &[&str]| {
         let data = format!("data.path={path}");
-        let args = with(&small(&corpus), &["prepare"], &[&["--set", &data][..], extra].concat());
+        let args = with(
+            &small(&corpus),
+            &["prepare"],
+            &[&["--set", &data][..], extra].concat(),
+        );
         run(dir, &args)
     };
     let cache_entries = || {
@@ -399,7 +436,11 @@ fn bad_corpus_inputs_are_named_with_the_fix() {
 
     let utf16: Vec<u8> = [0xFF, 0xFE]
         .into_iter()
-        .chain("To be, or not to be\n".encode_utf16().flat_map(u16::to_le_bytes))
+        .chain(
+            "To be, or not to be\n"
+                .encode_utf16()
+                .flat_map(u16::to_le_bytes),
+        )
         .collect();
     fs::create_dir(dir.join("u16")).unwrap();
     fs::write(dir.join("u16/play.txt"), &utf16).unwrap();
@@ -432,7 +473,10 @@ fn bad_corpus_inputs_are_named_with_the_fix() {
 
     // Finding 13: a negative part was clap's "unexpected argument '-1'".
     fails(
-        &run(dir, &with(&small(&corpus), &["prepare", "--shard", "-1/2"], &[])),
+        &run(
+            dir,
+            &with(&small(&corpus), &["prepare", "--shard", "-1/2"], &[]),
+        ),
         1,
         &["--shard -1/2: the part must be I/N with 0 <= I < N <= 99999 (got -1/2)"],
     );
@@ -475,7 +519,11 @@ fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
             && text.contains("Warning: system.reduce_dtype = bf16 on CPU ranks rounds every gradient to bf16"),
         "{text}"
     );
-    let base = with(&small(&write_corpus(dir)), &["train"], &["--max-steps", "1"]);
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--max-steps", "1"],
+    );
     let text = ok(dir, &with(&base, &[], &["--set", "system.zero_stage=3"]));
     assert!(
         text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank to shard the state over, so it saves no memory and gathers every unit for nothing"),
@@ -531,7 +579,10 @@ fn throughput_leaves_validation_out_and_validation_says_its_time() {
     };
     let (v, p) = (median(&mut validating), median(&mut plain));
     // Validation takes several steps' time here: counted, it cut Tok/s by ~5x.
-    assert!(v > 0.6 * p, "tok/s on validating steps {v} vs others {p}\n{text}");
+    assert!(
+        v > 0.6 * p,
+        "tok/s on validating steps {v} vs others {p}\n{text}"
+    );
     assert!(
         text.lines()
             .any(|l| l.contains("Validation | Step [2/8] | Val Loss: ") && l.ends_with(" s")),
@@ -568,16 +619,29 @@ fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
             "data.allow_new_data_on_resume=true",
         ],
     );
-    assert!(text.contains("Data: cache hit"), "not tokenized again: {text}");
+    assert!(
+        text.contains("Data: cache hit"),
+        "not tokenized again: {text}"
+    );
     let text = ok(
         dir,
         &with(
             &ctx32,
             &[],
-            &["--max-steps", "3", "--resume", "auto", "--set", "data.allow_new_data_on_resume=true"],
+            &[
+                "--max-steps",
+                "3",
+                "--resume",
+                "auto",
+                "--set",
+                "data.allow_new_data_on_resume=true",
+            ],
         ),
     );
-    assert!(text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"), "{text}");
+    assert!(
+        text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"),
+        "{text}"
+    );
     // Another tokenizer is named as such, not as another model shape.
     let text = fails(
         &run(
@@ -679,7 +743,16 @@ fn wandb_settings_are_resolved_and_a_bad_interpreter_is_named_once() {
     // WANDB_DIR, when logging.wandb.dir is unset; and an online start that fails (nothing
     // listening) leaves nothing in /tmp.
     let out = common::lockstep(dir)
-        .args(with(&base, &[], &["--set", "logging.wandb.mode=offline", "--set", "logging.run_name=wd"]))
+        .args(with(
+            &base,
+            &[],
+            &[
+                "--set",
+                "logging.wandb.mode=offline",
+                "--set",
+                "logging.run_name=wd",
+            ],
+        ))
         .env("WANDB_DIR", dir.join("wdir"))
         .output()
         .unwrap();
@@ -692,7 +765,16 @@ fn wandb_settings_are_resolved_and_a_bad_interpreter_is_named_once() {
     assert_eq!(offline.len(), 1);
     let closed = format!("http://127.0.0.1:{}", lockstep::dist::free_port());
     let out = common::lockstep(dir)
-        .args(with(&base, &[], &["--set", "logging.wandb.mode=online", "--set", "logging.run_name=on"]))
+        .args(with(
+            &base,
+            &[],
+            &[
+                "--set",
+                "logging.wandb.mode=online",
+                "--set",
+                "logging.run_name=on",
+            ],
+        ))
         .env("WANDB_BASE_URL", &closed)
         .env("WANDB_API_KEY", "x".repeat(40))
         .env("WANDB_INIT_TIMEOUT", "3")
@@ -765,7 +847,13 @@ fn the_errors_of_srun_tasks_say_which_task_they_come_from() {
     let dir = tmp.path();
     for r in 0..2 {
         let mut c = common::lockstep(dir);
-        for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCKSTEP_TAG"] {
+        for k in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "LOCKSTEP_TAG",
+        ] {
             c.env_remove(k);
         }
         let out = c
@@ -777,7 +865,9 @@ fn the_errors_of_srun_tasks_say_which_task_they_come_from() {
         let text = common::output_text(&out);
         assert_eq!(out.status.code(), Some(2), "{text}");
         assert!(
-            text.starts_with(&format!("[rank {r}] error: --set training.lerning_rate=1: unknown config key")),
+            text.starts_with(&format!(
+                "[rank {r}] error: --set training.lerning_rate=1: unknown config key"
+            )),
             "{text}"
         );
     }

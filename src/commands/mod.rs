@@ -90,9 +90,13 @@ pub fn model_dir(model: &Path) -> Result<PathBuf> {
 /// any damaged one skipped); any other directory, a model directory included, is itself.
 /// `flag` names the option in messages.
 pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
-    let is_model = ["trainer.json", "model.safetensors", "model.safetensors.index.json"]
-        .iter()
-        .any(|f| dir.join(f).is_file());
+    let is_model = [
+        "trainer.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+    ]
+    .iter()
+    .any(|f| dir.join(f).is_file());
     if is_model || !dir.is_dir() {
         return Ok(dir.to_path_buf());
     }

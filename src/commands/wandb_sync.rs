@@ -142,7 +142,11 @@ fn metrics_records(path: &std::path::Path) -> Result<Vec<Record>> {
         !records.is_empty(),
         "{}: holds no step records{}; nothing to upload (a run writes one per logged step)",
         path.display(),
-        if bad.is_empty() { "" } else { " (see the warning above)" }
+        if bad.is_empty() {
+            ""
+        } else {
+            " (see the warning above)"
+        }
     );
     Ok(records)
 }

@@ -222,7 +222,11 @@ fn check_trackers(c: &Config, bad: &mut impl FnMut(String)) {
     // confusing error about them.
     for (key, value, most) in [
         ("logging.mlflow.run_name", &m.run_name, MLFLOW_RUN_NAME_MAX),
-        ("logging.mlflow.experiment", &m.experiment, MLFLOW_EXPERIMENT_MAX),
+        (
+            "logging.mlflow.experiment",
+            &m.experiment,
+            MLFLOW_EXPERIMENT_MAX,
+        ),
     ] {
         if let Some(v) = value.as_deref().filter(|v| v.chars().count() > most) {
             bad(format!(

@@ -483,12 +483,7 @@ fn complete(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, count: u64) -> R
     check_splittable(spec, docs, total)?;
     let want_val = spec.val_fraction > 0.0;
     let (cut, at_boundary) = if want_val {
-        choose_cut(
-            docs,
-            |i| stream.doc_offset(i),
-            total,
-            spec.val_fraction,
-        )
+        choose_cut(docs, |i| stream.doc_offset(i), total, spec.val_fraction)
     } else {
         (total, true)
     };
@@ -1173,13 +1168,7 @@ fn build(
     let (train, val) = if want_val {
         let (train, val) = writer
             .finish_split(&tmp.join("val.tok"), tok.eos_id(), |starts, total| {
-                choose_cut(
-                    starts.len(),
-                    |i| starts.get(i),
-                    total,
-                    spec.val_fraction,
-                )
-                .0
+                choose_cut(starts.len(), |i| starts.get(i), total, spec.val_fraction).0
             })
             .map_err(|e| no_room(e, written))?;
         (train, Some(val))

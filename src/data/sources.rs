@@ -565,7 +565,7 @@ pub fn txt_document(bytes: Vec<u8>, what: &str) -> Result<String> {
 /// byte-order mark a file may start with.
 fn txt_piece(bytes: Vec<u8>, what: &str, offset: u64) -> Result<String> {
     let text = String::from_utf8(bytes).map_err(|e| {
-        let head = (offset == 0).then(|| e.as_bytes());
+        let head = (offset == 0).then_some(e.as_bytes());
         not_utf8(what, offset + e.utf8_error().valid_up_to() as u64, head)
     })?;
     Ok(match text.strip_prefix('\u{feff}') {

@@ -482,13 +482,14 @@ fn can_encode_text(json: &serde_json::Value) -> Result<(), String> {
                 .as_array()
                 .is_some_and(|list| list.iter().any(|p| p["type"].as_str() == Some(t)))
     };
-    let byte_level = is_type(&json["pre_tokenizer"], "ByteLevel") || is_type(&json["decoder"], "ByteLevel");
+    let byte_level =
+        is_type(&json["pre_tokenizer"], "ByteLevel") || is_type(&json["decoder"], "ByteLevel");
     if model["type"].as_str() == Some("BPE") && byte_level {
         let tokens = model["vocab"].as_object().map_or(0, |v| v.len());
         let missing: Vec<String> = hf_json::byte_chars()
             .iter()
             .enumerate()
-            .filter(|(_, c)| !model["vocab"].get(c.to_string()).is_some())
+            .filter(|(_, c)| model["vocab"].get(c.to_string()).is_none())
             .map(|(b, _)| format!("0x{b:02x}"))
             .collect();
         if !missing.is_empty() {
@@ -496,7 +497,12 @@ fn can_encode_text(json: &serde_json::Value) -> Result<(), String> {
                 "a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary \
                  ({tokens} tokens) lacks {} of them ({}{})",
                 missing.len(),
-                missing.iter().take(8).cloned().collect::<Vec<_>>().join(", "),
+                missing
+                    .iter()
+                    .take(8)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 if missing.len() > 8 { ", …" } else { "" }
             ));
         }
@@ -732,9 +738,10 @@ mod tests {
         );
         let empty = load("{}");
         assert!(
-            empty.contains("its vocabulary is empty (model.vocab has no entries; its only \
-                 tokens are the added ones: <|endoftext|>)")
-                && !empty.contains("EOS"),
+            empty.contains(
+                "its vocabulary is empty (model.vocab has no entries; its only \
+                 tokens are the added ones: <|endoftext|>)"
+            ) && !empty.contains("EOS"),
             "{empty}"
         );
     }

@@ -120,7 +120,10 @@ impl MlflowSink {
             .timeout_read(Duration::from_secs(10))
             .timeout_write(Duration::from_secs(10))
             .redirects(0)
-            .try_proxy_from_env(crate::sys::net::proxied(&host, &crate::sys::net::no_proxy()))
+            .try_proxy_from_env(crate::sys::net::proxied(
+                &host,
+                &crate::sys::net::no_proxy(),
+            ))
             .user_agent(&format!("lockstep/{}", env!("CARGO_PKG_VERSION")))
             .build();
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());

@@ -40,7 +40,11 @@ pub fn error_tag() -> Option<String> {
     if let Ok(t) = std::env::var("LOCKSTEP_TAG") {
         return Some(t);
     }
-    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    let var = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+    };
     [("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")]
         .into_iter()
         .find_map(|(rank, world)| match (var(rank), var(world)) {

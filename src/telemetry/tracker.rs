@@ -221,7 +221,9 @@ impl Tracker {
                 "{} Waiting up to {:.0} s for {} to take the last records and end its run ({run}; \
                  Ctrl-C stops the wait)",
                 self.tag,
-                deadline.saturating_duration_since(Instant::now()).as_secs_f64(),
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .as_secs_f64(),
                 self.name
             );
             waited = self

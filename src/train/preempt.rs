@@ -47,7 +47,9 @@ extern "C" fn on_signal(sig: libc::c_int) {
             msg.push(b"lockstep: ");
             msg.push(name);
             if first {
-                msg.push(b": training has ended and its last checkpoint is complete; waiting up to ");
+                msg.push(
+                    b": training has ended and its last checkpoint is complete; waiting up to ",
+                );
                 msg.number(until.saturating_sub(monotonic_secs()) as usize);
                 msg.push(b" s more for the experiment trackers to take the last records; send it again to exit now\n");
             } else {

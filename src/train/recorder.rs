@@ -63,7 +63,10 @@ impl Window {
 
     /// Seconds of training in the window.
     fn training_s(&self) -> f64 {
-        self.start.elapsed().saturating_sub(self.paused).as_secs_f64()
+        self.start
+            .elapsed()
+            .saturating_sub(self.paused)
+            .as_secs_f64()
     }
 }
 
@@ -241,7 +244,11 @@ impl Recorder {
             if self.verbose {
                 let t = &w.timing;
                 // One rank reduces nothing: its share is the global norm alone.
-                let reduce = if self.world > 1 { "all-reduce + norm" } else { "grad norm" };
+                let reduce = if self.world > 1 {
+                    "all-reduce + norm"
+                } else {
+                    "grad norm"
+                };
                 println!(
                     "{tag} Timing per step: data {:.1} ms | forward+backward {:.1} ms | {reduce} {:.1} ms | optimizer {:.1} ms{}",
                     1e3 * t.data_s / n, 1e3 * t.compute_s / n, 1e3 * t.comm_s / n, 1e3 * t.optimizer_s / n,

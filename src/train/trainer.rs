@@ -120,8 +120,7 @@ impl<'a> Trainer<'a> {
         }
         if rank.lead() {
             let cuda = rank.device.is_cuda();
-            for note in crate::config::world_notes(cfg, rank.place.world, cuda, shape.num_layers)
-            {
+            for note in crate::config::world_notes(cfg, rank.place.world, cuda, shape.num_layers) {
                 println!("{} Warning: {note}", rank.tag);
             }
         }
@@ -656,7 +655,11 @@ fn set_threads(cfg: &Config, rank: &Rank) {
 
 /// The threads of a rank that sets none (`system.num_threads = 0`; `cpus` usable here, `var`
 /// reads the environment); None: libtorch's own choice (OMP_NUM_THREADS, else every core).
-fn default_threads(rank: &Rank, cpus: usize, var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+fn default_threads(
+    rank: &Rank,
+    cpus: usize,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Option<usize> {
     if var("OMP_NUM_THREADS").is_some_and(|v| !v.trim().is_empty()) {
         return None;
     }
@@ -922,7 +925,12 @@ mod tests {
     #[test]
     fn an_unset_thread_count_shares_the_node_among_its_ranks() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
         };
         let slurm = env(&[("SLURM_PROCID", "1"), ("SLURM_CPUS_PER_TASK", "3")]);
         assert_eq!(default_threads(&rank(2, false), 16, &slurm), Some(3));
@@ -931,7 +939,11 @@ mod tests {
         assert_eq!(default_threads(&rank(4, false), 2, &env(&[])), Some(1));
         assert_eq!(default_threads(&rank(1, false), 16, &env(&[])), None);
         assert_eq!(default_threads(&rank(8, true), 16, &env(&[])), None);
-        let omp = env(&[("OMP_NUM_THREADS", "2"), ("SLURM_PROCID", "0"), ("SLURM_CPUS_PER_TASK", "3")]);
+        let omp = env(&[
+            ("OMP_NUM_THREADS", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_CPUS_PER_TASK", "3"),
+        ]);
         assert_eq!(default_threads(&rank(2, false), 16, &omp), None);
     }
 }

@@ -540,9 +540,7 @@ impl Download {
             if let Some(t) = self.token.as_deref().filter(|_| self.may_authorize(&at)) {
                 req = req.set("Authorization", &format!("Bearer {t}"));
             }
-            let response = req
-                .call()
-                .map_err(|e| self.explain(at.as_str(), e, leg))?;
+            let response = req.call().map_err(|e| self.explain(at.as_str(), e, leg))?;
             if self.may_authorize(&at) {
                 if let Some(c) = response.header("x-repo-commit") {
                     commit = Some(c.trim().to_string());

@@ -69,8 +69,11 @@ impl RingGroup {
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
         // Messages name global ranks (and the subgroup); the protocol uses positions.
-        let (next_name, prev_name, within) =
-            (self.global(next_rank), self.global(prev_rank), self.where_());
+        let (next_name, prev_name, within) = (
+            self.global(next_rank),
+            self.global(prev_rank),
+            self.where_(),
+        );
 
         // Listen before publishing so a peer that reads our address can connect at once (the
         // kernel completes the TCP handshake from the backlog before we call accept).
@@ -120,7 +123,9 @@ impl RingGroup {
             .parse()
             .with_context(|| format!("malformed ring address of rank {next_name}{within}"))?;
         let mut next = connect_until(next_addr, deadline).with_context(|| {
-            format!("cannot connect to rank {next_name}{within} at {next_addr} (firewall, or it died?)")
+            format!(
+                "cannot connect to rank {next_name}{within} at {next_addr} (firewall, or it died?)"
+            )
         })?;
         next.set_nodelay(true)?;
         next.write_all(&me.encode())?;
@@ -146,8 +151,9 @@ impl RingGroup {
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1)),
         ))?;
-        let ack = Hello::read(&mut next)
-            .with_context(|| format!("rank {next_name}{within} did not acknowledge the ring handshake"))?;
+        let ack = Hello::read(&mut next).with_context(|| {
+            format!("rank {next_name}{within} did not acknowledge the ring handshake")
+        })?;
         let want = Hello {
             nonce,
             rank: next_rank as u32,

@@ -126,7 +126,10 @@ impl RingGroup {
         let within = self.where_();
         let head = match f.kind {
             FailKind::Timeout => {
-                format!("{what} #{seq}{within} timed out after {}", fmt_secs(self.timeout))
+                format!(
+                    "{what} #{seq}{within} timed out after {}",
+                    fmt_secs(self.timeout)
+                )
             }
             _ => format!(
                 "{what} #{seq}{within} failed after {}",

@@ -209,7 +209,7 @@ impl GradReducer {
                 for &i in &self.units[u].1 {
                     let g = self.params[i].grad();
                     if let Some(total) = g.defined().then(|| self.with_earlier(i, &g)).flatten() {
-                        let _ = g.shallow_clone().copy_(&total);
+                        g.shallow_clone().copy_(&total);
                     }
                 }
             }),
@@ -230,7 +230,9 @@ impl GradReducer {
             .map(|&i| (i, self.params[i].grad()))
             .filter(|(_, g)| g.defined())
             .map(|(i, g)| {
-                let total = self.with_earlier(i, &g).unwrap_or_else(|| g.shallow_clone());
+                let total = self
+                    .with_earlier(i, &g)
+                    .unwrap_or_else(|| g.shallow_clone());
                 (g, total)
             })
             .unzip();
@@ -327,7 +329,10 @@ mod tests {
             let mut pg = SingleProcess;
             let opt = Optimizer::new(&params, hp, stage, &pg, 25.0, Kind::BFloat16)?;
             assert_eq!(w.kind(), Kind::BFloat16, "bf16 working parameters");
-            for (micro, c) in [1.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0].into_iter().enumerate() {
+            for (micro, c) in [1.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0]
+                .into_iter()
+                .enumerate()
+            {
                 let last = micro == 3;
                 opt.pass(&mut pg, false, &[GradUnit::FinalNorm], last, |units| {
                     (w.to_kind(Kind::Float) * c).sum(Kind::Float).backward();
