@@ -11,10 +11,15 @@ use std::path::{Path, PathBuf};
 use common::{cmd, fails, ok, output_text, run, small, write_corpus};
 
 /// Every file under `dir` with its bytes, by relative path (directories as empty entries).
+/// Every path under `dir` with its bytes, but the lock a run holds on its checkpoint directory
+/// (which names the latest holder).
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Option<Vec<u8>>>) {
         for e in fs::read_dir(dir).unwrap() {
             let path = e.unwrap().path();
+            if path.file_name().is_some_and(|n| n == "checkpoints.lock") {
+                continue;
+            }
             let rel = path.strip_prefix(root).unwrap().to_path_buf();
             if path.is_dir() {
                 out.insert(rel, None);

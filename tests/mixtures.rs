@@ -104,6 +104,9 @@ fn a_masked_mixture_reports_per_source_and_resumes_exactly() {
             "data.reset_position_ids=true",
             "--set",
             "training.eval_interval=4",
+            // king's 359 tokens: a fifth (72) holds a validation window of 65.
+            "--set",
+            "data.val_fraction=0.2",
             "--set",
             "logging.verbose=true",
             "--max-steps",

@@ -145,14 +145,17 @@ fn wrong_types_name_key_value_and_expectation() {
     let (_f, src) = with_file(r#"{"training": {"batch_size": "eight"}}"#);
     let e = error_of(&src);
     assert!(
-        e.contains("training.batch_size = \"eight\"") && e.contains("integer >= 0"),
+        e.contains("training.batch_size = \"eight\"") && e.contains("integer >= 1"),
         "{e}"
     );
     let e = error_of(&Sources {
         sets: vec!["training.batch_size=-1".into()],
         ..Default::default()
     });
-    assert!(e.contains("training.batch_size = -1"), "{e}");
+    assert!(
+        e.contains("--set training.batch_size=-1: expected integer >= 1"),
+        "{e}"
+    );
     let e = error_of(&Sources {
         sets: vec!["system.device=tpu".into()],
         ..Default::default()
