@@ -92,19 +92,7 @@ fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
     match checkpoint::latest(&root) {
         Some(_) => super::newest_checkpoint(&root, "--checkpoint latest"),
         None => {
-            let partial = checkpoint::incomplete(&root);
-            let note = if partial.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    " (only incomplete saves: {})",
-                    partial
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            };
+            let note = super::incomplete_note(&root);
             bail!(
                 "no complete checkpoint to export in {}{note}; train the run first, pass the same \
                  --preset/--config/--set flags as the training run so that its checkpoints are \

@@ -130,18 +130,24 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
          directory",
         dir.display(),
         root.display(),
-        match checkpoint::incomplete(&root).as_slice() {
-            [] => String::new(),
-            partial => format!(
-                " (only incomplete saves: {})",
-                partial
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }
+        incomplete_note(&root)
     )
+}
+
+/// ` (only incomplete saves: …/step_4.tmp)` when `root` holds interrupted saves, else empty:
+/// what a "no complete checkpoint" message adds.
+fn incomplete_note(root: &Path) -> String {
+    match checkpoint::incomplete(root).as_slice() {
+        [] => String::new(),
+        partial => format!(
+            " (only incomplete saves: {})",
+            partial
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 /// The checkpoint directory of the run in `dir`, when `dir` is a run directory: its
