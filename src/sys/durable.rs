@@ -35,10 +35,23 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 
 /// BLAKE3 of a file's bytes, hex: what a token file's record and a checkpoint's trainer.json
 /// keep to tell later whether the file is still the one written.
+/// Read in 1 MiB pieces: 4.8 GB/s on one core of the build VM from the page cache, against
+/// 3.1 GB/s through `io::copy`'s 8 KiB buffer (BLAKE3's SIMD wants long inputs).
 pub fn file_blake3(path: &Path) -> Result<String> {
+    use std::io::Read;
     let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut h = blake3::Hasher::new();
-    std::io::copy(&mut f, &mut h).with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                h.update(&buf[..n]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
+        }
+    }
     Ok(h.finalize().to_hex().to_string())
 }
 
@@ -171,6 +184,27 @@ mod tests {
         fs::write(dir.path().join("partial"), b"x")?;
         dir.abandon();
         assert!(dest.join("new").is_file() && !root.path().join("out.tmp").exists());
+        Ok(())
+    }
+
+    /// BENCHMARKS.md §11: `file_blake3` on a 512 MB file from the page cache (what a writer
+    /// hashes right after writing), three times.
+    #[test]
+    #[ignore]
+    fn file_blake3_speed() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("f");
+        fs::write(&path, vec![7u8; 512 << 20])?;
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            file_blake3(&path)?;
+            let s = t.elapsed().as_secs_f64();
+            eprintln!(
+                "file_blake3: 512 MiB in {:.3} s, {:.2} GB/s",
+                s,
+                (512 << 20) as f64 / s / 1e9
+            );
+        }
         Ok(())
     }
 }
