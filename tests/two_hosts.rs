@@ -184,15 +184,17 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     let one = dir.join("runs/onenode/checkpoints/step_6");
     assert_bitwise_equal_checkpoints(&one, &dir.join("runs/twohosts/checkpoints/step_6"));
 
-    // 2. Node 1's launcher killed: node 0 stops within the collective timeout, naming it.
+    // 2. Node 1's launcher killed while step_2 is written in the background: node 0 stops
+    //    within the collective timeout, naming it. (Its rank 0 does not wait out the 30 s
+    //    grace for a report rank 1 will never send: rank 1's beat stopped.)
     let (n0, n1) = (
         node("0", "lost", "100000", "0"),
         node("1", "lost", "100000", "0"),
     );
-    n0.wait_for("Step [3/", limit);
+    n0.wait_for("Checkpoint step_2: staged", limit);
     let killed = Instant::now();
     kill(n1.pid(), libc::SIGKILL);
-    let (code, text) = n0.finish(limit);
+    let (code, text) = n0.finish_timed(limit, killed);
     let took = killed.elapsed();
     assert_ne!(code, Some(0), "{text}");
     assert!(
@@ -207,6 +209,13 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     );
     eprintln!("node 0 stopped {took:?} after node 1's launcher was killed");
     drop(n1);
+    // The save in flight was committed or abandoned, never left half-written.
+    let left: Vec<String> = std::fs::read_dir(dir.join("runs/lost/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 
     // 3. A worker killed on node 1 under --max-restarts: both nodes restart from the latest
     //    checkpoint and end as the uninterrupted run did.

@@ -379,7 +379,17 @@ impl Launcher {
     }
 
     /// Waits for the exit (at most `limit`) and returns the code and everything printed.
-    pub fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
+    pub fn finish(self, limit: Duration) -> (Option<i32>, String) {
+        self.finish_since(limit, None)
+    }
+
+    /// As [`Launcher::finish`], each line after `t0` prefixed with its arrival (`+1.23s`), for
+    /// a test that asserts how long something took.
+    pub fn finish_timed(self, limit: Duration, t0: Instant) -> (Option<i32>, String) {
+        self.finish_since(limit, Some(t0))
+    }
+
+    fn finish_since(mut self, limit: Duration, t0: Option<Instant>) -> (Option<i32>, String) {
         let deadline = Instant::now() + limit;
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -395,7 +405,20 @@ impl Launcher {
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
-        (status.code(), self.text())
+        let text = match t0 {
+            None => self.text(),
+            Some(t0) => {
+                let lines = self.lines.lock().unwrap();
+                lines
+                    .iter()
+                    .map(|(t, l)| match t.checked_duration_since(t0) {
+                        Some(d) => format!("+{:.2}s {l}\n", d.as_secs_f64()),
+                        None => format!("{l}\n"),
+                    })
+                    .collect()
+            }
+        };
+        (status.code(), text)
     }
 }
 

@@ -356,12 +356,14 @@ impl Checkpointer {
             })
             .transpose()?;
         self.seq += 1;
-        let reports = self.store.as_ref().map(|(store, ns)| Reports {
-            store: store.clone(),
-            prefix: format!("{ns}{}/", self.seq),
-            rank: self.rank,
-            world: self.world,
-            give_up: self.give_up.clone(),
+        let reports = self.store.as_ref().map(|(store, ns)| {
+            Reports::new(
+                store.clone(),
+                format!("{ns}{}/", self.seq),
+                self.rank,
+                self.world,
+                self.give_up.clone(),
+            )
         });
         Ok(SaveJob {
             root: self.root.clone(),
@@ -420,8 +422,9 @@ impl Checkpointer {
 /// A run that ends with an error (a failed step, an out-of-memory, a lost rank) while a save
 /// is written in the background lets the save finish, or fail cleanly, before the process
 /// exits: this rank's files are completed, and rank 0 commits if every rank reports within a
-/// grace period, else removes `step_N.tmp`. (Without the wait the writer would still run while
-/// the process tears libtorch down.)
+/// grace period, else removes `step_N.tmp`. A rank that died without reporting (its beat
+/// stopped, `writer::Reports`) ends the wait within seconds. (Without the wait the writer
+/// would still run while the process tears libtorch down.)
 impl Drop for Checkpointer {
     fn drop(&mut self) {
         if let Some(f) = self.in_flight.take() {

@@ -11,7 +11,12 @@
 //!   <ns>ckpt/<seq>/start   rank 0: "ok" once step_N.tmp/ exists, else "error:<why>"
 //!   <ns>ckpt/<seq>/rank<r>  rank r ≥ 1: "ok:<its files' sizes and BLAKE3, JSON>" once its
 //!                           files are fsynced, else "error:<why>"
+//!   <ns>ckpt/<seq>/beat<r>  rank r: a counter moved every 0.5 s while its part is outstanding
 //! ```
+//!
+//! The beats matter only once the run is ending with an error ([`GiveUp`]): a rank that was
+//! killed (SIGKILL, the OOM killer, its node lost) never reports, and its stopped beat lets the
+//! others abandon the save within seconds instead of holding the exit for the whole grace.
 //!
 //! Each rank hashes a file right after writing it, while its pages are still cached (on the
 //! writer thread for a background save), and rank 0 records every file's checksum in
@@ -19,7 +24,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -75,7 +82,7 @@ impl SaveJob {
     /// once every rank has reported success, writes its own files and renames the directory
     /// into place (returning it). Any failure leaves no `dest` and the earlier checkpoints
     /// as they were.
-    pub fn run(self) -> Result<Option<PathBuf>> {
+    pub fn run(mut self) -> Result<Option<PathBuf>> {
         let staging = match &self.commit {
             Some(_) => {
                 let begun = begin_save(&self.root, &self.dest);
@@ -86,7 +93,7 @@ impl SaveJob {
             }
             None => {
                 let r = self.reports.as_ref().expect("ranks beyond 0 report");
-                r.wait("start").map_err(|e| {
+                r.wait("start", 0).map_err(|e| {
                     e.context(format!(
                         "rank 0 could not start checkpoint {}",
                         self.dest.display()
@@ -102,17 +109,19 @@ impl SaveJob {
             .map(|f| f.write(&dir))
             .collect::<Result<FileSums>>();
         let (Some(staging), Some(commit)) = (staging, self.commit) else {
-            let r = self.reports.as_ref().expect("ranks beyond 0 report");
+            let mut r = self.reports.expect("ranks beyond 0 report");
             let report = written
                 .as_ref()
                 .map(|sums| serde_json::to_string(sums).expect("checksums serialize"));
+            // The last beat before the report, so rank 0 can delete the key after reading it.
+            r.beat = None;
             r.set(&format!("rank{}", r.rank), report)?;
             return written.map(|_| None);
         };
         // The other ranks' reports are awaited even when this rank's own write failed: they
         // may still be writing into the staging directory, which must not be removed under
         // them (their files would outlive it as a stray `step_N.tmp`).
-        let others = match &self.reports {
+        let others = match &mut self.reports {
             Some(r) => r.wait_ranks(),
             None => Ok(FileSums::new()),
         };
@@ -127,16 +136,65 @@ impl SaveJob {
     }
 }
 
+/// How often a rank moves its beat while its part of a save is outstanding.
+const BEAT: Duration = Duration::from_millis(500);
+/// Once the run is ending with an error, a rank whose beat has not moved for this long (or that
+/// never beat) is taken as dead: it will never report.
+const BEAT_LOST: Duration = Duration::from_secs(3);
+
 /// A rank's channel to rank 0 for one save: keys under `prefix` in the rendezvous store,
 /// through a connection of the checkpointer's own.
 pub(super) struct Reports {
-    pub store: Arc<Store>,
-    pub prefix: String,
-    pub rank: usize,
-    pub world: usize,
+    store: Arc<Store>,
+    prefix: String,
+    rank: usize,
+    world: usize,
     /// Set when the run ends with an error while this save is in flight: waits for other
     /// ranks give up then (a rank that failed may never report).
-    pub give_up: Arc<GiveUp>,
+    give_up: Arc<GiveUp>,
+    /// This rank's `beat<r>`, from the moment the save is decided until its report (rank 0:
+    /// until every report is in).
+    beat: Option<Beat>,
+}
+
+/// A thread that moves a counter under `key` every [`BEAT`] (on a thread of its own: a write
+/// can block in fsync for long); stopped and joined on drop.
+struct Beat {
+    stop: Option<mpsc::Sender<()>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Beat {
+    /// None when no thread can be started: the rank then only loses its early abandon.
+    fn start(store: Arc<Store>, key: String) -> Option<Beat> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name("checkpoint-beat".into())
+            .spawn(move || {
+                for n in 1u64.. {
+                    // A store that is gone is noticed by the waits: stop beating then.
+                    if store.set(&key, n.to_string().as_bytes()).is_err()
+                        || !matches!(stopped.recv_timeout(BEAT), Err(RecvTimeoutError::Timeout))
+                    {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(Beat {
+            stop: Some(stop),
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Drop for Beat {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
 }
 
 /// A deadline for a writer's waits on other ranks, set from the training thread.
@@ -156,9 +214,33 @@ impl GiveUp {
             .map(|d| d.is_some_and(|d| Instant::now() > d))
             .unwrap_or(true)
     }
+
+    /// Whether the run is ending with an error (the deadline is set).
+    fn armed(&self) -> bool {
+        self.0.lock().map(|d| d.is_some()).unwrap_or(true)
+    }
 }
 
 impl Reports {
+    /// Rank `rank`'s channel for save keys under `prefix`; its beat starts now.
+    pub fn new(
+        store: Arc<Store>,
+        prefix: String,
+        rank: usize,
+        world: usize,
+        give_up: Arc<GiveUp>,
+    ) -> Reports {
+        let beat = Beat::start(store.clone(), format!("{prefix}beat{rank}"));
+        Reports {
+            store,
+            prefix,
+            rank,
+            world,
+            give_up,
+            beat,
+        }
+    }
+
     /// Longest wait for another rank's report: writes of a large checkpoint to slow storage
     /// take minutes; a rank that died is noticed by the launcher long before this.
     const PATIENCE: Duration = Duration::from_secs(3600);
@@ -174,14 +256,39 @@ impl Reports {
             .set(&format!("{}{what}", self.prefix), value.as_bytes())
     }
 
-    /// Waits for `what` to be reported and returns what it told (empty for none), or its
-    /// error.
-    fn wait(&self, what: &str) -> Result<String> {
+    /// Waits for `what` to be reported by rank `from` and returns what it told (empty for
+    /// none), or its error. Once the run is ending with an error, a `from` whose beat stopped
+    /// ends the wait at once.
+    fn wait(&self, what: &str, from: usize) -> Result<String> {
         let key = format!("{}{what}", self.prefix);
+        let beat_key = format!("{}beat{from}", self.prefix);
         let started = Instant::now();
+        // `from`'s beat as last read, and since when it has not moved; tracked once armed.
+        let mut beat: Option<(Option<Vec<u8>>, Instant)> = None;
+        let mut next_look = started;
         while !self.store.check(&[&key])? {
             if self.give_up.passed() {
                 bail!("abandoned: the run stopped with an error before rank reports came in");
+            }
+            let now = Instant::now();
+            if self.give_up.armed() && now >= next_look {
+                next_look = now + BEAT / 2;
+                let current = match self.store.check(&[&beat_key])? {
+                    true => Some(self.store.get(&beat_key)?),
+                    false => None,
+                };
+                match &mut beat {
+                    Some((seen, since)) if *seen == current => {
+                        if now.duration_since(*since) > BEAT_LOST {
+                            bail!(
+                                "abandoned: rank {from} ended before it reported (no sign of it \
+                                 for {} s: killed, or out of memory)",
+                                BEAT_LOST.as_secs()
+                            );
+                        }
+                    }
+                    _ => beat = Some((current, now)),
+                }
             }
             if started.elapsed() > Self::PATIENCE {
                 bail!(
@@ -201,11 +308,11 @@ impl Reports {
 
     /// Rank 0: every other rank's report, with the checksums of the files it wrote; an error
     /// names each rank that failed.
-    fn wait_ranks(&self) -> Result<FileSums> {
+    fn wait_ranks(&mut self) -> Result<FileSums> {
         let mut failed = Vec::new();
         let mut sums = FileSums::new();
         for r in 1..self.world {
-            let told = self.wait(&format!("rank{r}")).and_then(|told| {
+            let told = self.wait(&format!("rank{r}"), r).and_then(|told| {
                 serde_json::from_str::<FileSums>(&told)
                     .with_context(|| format!("internal: rank {r}'s checksums {told:?}"))
             });
@@ -215,9 +322,11 @@ impl Reports {
             }
         }
         // Every rank has read `start` before reporting: nothing of this save is read again.
-        for what in
-            std::iter::once("start".to_string()).chain((1..self.world).map(|r| format!("rank{r}")))
-        {
+        self.beat = None;
+        let keys = (1..self.world)
+            .map(|r| format!("rank{r}"))
+            .chain((0..self.world).map(|r| format!("beat{r}")));
+        for what in std::iter::once("start".to_string()).chain(keys) {
             let _ = self.store.delete(&format!("{}{what}", self.prefix));
         }
         if !failed.is_empty() {
@@ -292,5 +401,73 @@ fn host_buffer(t: &Tensor) -> Tensor {
     match t.device() {
         Device::Cuda(i) => buf.pin_memory(Device::Cuda(i)),
         _ => buf,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(20);
+
+    /// Rank 0's and rank 1's channels for one save, on a store of their own; `give_up` armed
+    /// with a 60 s grace, as a run that ends with an error arms it.
+    fn pair() -> (Store, Reports, Arc<Store>, Arc<GiveUp>) {
+        let server = Store::server("127.0.0.1", 0, 2, T).unwrap();
+        let give_up = Arc::new(GiveUp::default());
+        give_up.after(Duration::from_secs(60));
+        let port = server.port();
+        let client = || Arc::new(Store::client("127.0.0.1", port, T).unwrap());
+        let zero = Reports::new(client(), "ckpt/1/".into(), 0, 2, give_up.clone());
+        (server, zero, client(), give_up)
+    }
+
+    #[test]
+    fn a_rank_that_died_before_reporting_ends_the_wait_within_seconds() {
+        for beat_first in [true, false] {
+            let (_server, mut zero, store, give_up) = pair();
+            if beat_first {
+                // Rank 1 beats for a while, then dies: its beat stops, no report comes.
+                let one = Reports::new(store, "ckpt/1/".into(), 1, 2, give_up);
+                std::thread::sleep(Duration::from_millis(1200));
+                drop(one);
+            }
+            let t = Instant::now();
+            let err = zero.wait_ranks().unwrap_err();
+            let took = t.elapsed();
+            assert!(
+                format!("{err:#}").contains("rank 1 ended before it reported"),
+                "{err:#}"
+            );
+            // Not the 60 s grace: BEAT_LOST (3 s) after the last beat.
+            assert!(took < Duration::from_secs(10), "took {took:?}");
+        }
+    }
+
+    #[test]
+    fn a_live_rank_that_beats_is_waited_for_past_beat_lost() {
+        let (_server, mut zero, store, give_up) = pair();
+        let writer = std::thread::spawn(move || {
+            let mut one = Reports::new(store, "ckpt/1/".into(), 1, 2, give_up);
+            // A slow write: longer than BEAT_LOST, beating all along.
+            std::thread::sleep(BEAT_LOST + Duration::from_secs(2));
+            one.beat = None;
+            let sums = FileSums::from([(
+                "optimizer-00002-of-00002.safetensors".to_string(),
+                FileSum::of_bytes(b"x"),
+            )]);
+            one.set("rank1", Ok(serde_json::to_string(&sums).unwrap()))
+                .unwrap();
+        });
+        let sums = zero.wait_ranks().unwrap();
+        writer.join().unwrap();
+        assert_eq!(sums.len(), 1);
+        // Every key of the save is gone once rank 0 has read the reports.
+        for key in ["start", "rank1", "beat0", "beat1"] {
+            assert!(
+                !zero.store.check(&[&format!("ckpt/1/{key}")]).unwrap(),
+                "{key} left in the store"
+            );
+        }
     }
 }
