@@ -175,8 +175,8 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     );
     ensure!(args.max_shard_mb > 0, "--max-shard-mb must be at least 1");
     check_out(&out, args.force)?;
+    // Its model files verified (`newest_checkpoint`).
     let source = source_checkpoint(resolved, &args.checkpoint)?;
-    checkpoint::verify_model(&source)?;
     let shape = hf::dir_shape(&source, AttentionBackend::Sdpa)?;
     let weights = hf::Weights::open(&source)?;
     weights.check(&shape, &source)?;

@@ -74,21 +74,22 @@ impl TrainedWith {
 /// missing-directory errors. A checkpoint's model files are checked against their recorded
 /// checksums.
 pub fn model_dir(model: &Path) -> Result<PathBuf> {
-    let dir = match model.to_str() {
+    match model.to_str() {
         Some(id) if crate::data::hub::is_hub_model_id(id) => {
-            crate::data::hub::resolve_model_as("--model", id)?
+            let dir = crate::data::hub::resolve_model_as("--model", id)?;
+            checkpoint::verify_model(&dir).with_context(|| format!("--model {id}"))?;
+            Ok(dir)
         }
-        _ => newest_checkpoint(model, "--model")?,
-    };
-    checkpoint::verify_model(&dir).with_context(|| format!("--model {}", model.display()))?;
-    Ok(dir)
+        _ => newest_checkpoint(model, "--model"),
+    }
 }
 
-/// The model directory `dir` stands for: a run directory (`runs/<name>`, where lockstep wrote
-/// the resolved config.json) or a checkpoint directory (one holding `step_N` directories)
-/// stands for its newest complete checkpoint whose model files verify (said on stderr, with
-/// any damaged one skipped); any other directory, a model directory included, is itself.
-/// `flag` names the option in messages.
+/// The model directory `dir` stands for, its model files checked against their recorded
+/// checksums (once: [`checkpoint::verify_model`]): a run directory (`runs/<name>`, where
+/// lockstep wrote the resolved config.json) or a checkpoint directory (one holding `step_N`
+/// directories) stands for its newest complete checkpoint whose model files verify (said on
+/// stderr, with any damaged one skipped); any other directory, a model directory included,
+/// is itself. `flag` names the option in messages.
 pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
     let is_model = [
         "trainer.json",
@@ -98,6 +99,7 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
     .iter()
     .any(|f| dir.join(f).is_file());
     if is_model || !dir.is_dir() {
+        checkpoint::verify_model(dir).with_context(|| format!("{flag} {}", dir.display()))?;
         return Ok(dir.to_path_buf());
     }
     let root = match run_checkpoints(dir) {

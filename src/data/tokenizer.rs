@@ -448,8 +448,6 @@ fn is_ws(b: u8) -> bool {
     b.is_ascii_whitespace() || b == 0x0B || b >= 0x80
 }
 
-/// Why `tokenizers` refused `path`: not JSON at all (where), JSON that is not a tokenizer
-/// (what it lacks and what it looks like instead), or the library's own reason.
 /// Why a tokenizer.json cannot represent ordinary text, if it cannot: its model's vocabulary is
 /// empty (added tokens aside), or it is a byte-level BPE without a token for each of the 256
 /// bytes (text it cannot encode would be dropped without a word).
@@ -510,6 +508,8 @@ fn can_encode_text(json: &serde_json::Value) -> Result<(), String> {
     Ok(())
 }
 
+/// Why `tokenizers` refused `path`: not JSON at all (where), JSON that is not a tokenizer
+/// (what it lacks and what it looks like instead), or the library's own reason.
 fn why_not_a_tokenizer(path: &Path, library: &str) -> String {
     let Ok(text) = std::fs::read_to_string(path) else {
         return format!("not a valid Hugging Face tokenizer.json ({library})");

@@ -1,7 +1,8 @@
 //! Files that survive a crash: fsync a file or a directory, write a file durably, a file's
 //! checksum, and the atomic directory that checkpoints (`train::checkpoint`) and exports
-//! (`commands::export`) are written as: everything goes into `<dest>.tmp/`, every file is fsynced, then one rename
-//! makes `<dest>` appear complete, so a directory of that name is never half-written.
+//! (`commands::export`) are written as: everything goes into `<dest>.tmp/`, every file is
+//! fsynced, then one rename makes `<dest>` appear complete, so a directory of that name is
+//! never half-written.
 
 use std::fs;
 use std::path::{Path, PathBuf};
