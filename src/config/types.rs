@@ -109,6 +109,8 @@ pub struct SystemConfig {
     pub bucket_mb: f64,
     pub zero_stage: ZeroStage,
     pub shard_degree: usize,
+    pub tensor_parallel: usize,
+    pub sequence_parallel: bool,
     pub reduce_dtype: ReduceDtype,
     pub prefetch_units: usize,
     pub overlap_comm: bool,

@@ -7,6 +7,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut problems = Vec::new();
     let mut bad = |msg: String| problems.push(msg);
     check_shape(c, &mut bad);
+    check_tensor_parallel_static(c, &mut bad);
     check_ranges(c, &mut bad);
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
@@ -63,6 +64,35 @@ fn check_shape(c: &Config, bad: &mut impl FnMut(String)) {
         bad(format!(
             "training.context_length = {} exceeds model.max_position_embeddings = {}; lower the context or raise the model maximum",
             t.context_length, m.max_position_embeddings
+        ));
+    }
+}
+
+/// Tensor parallelism against the configured shape and micro-batch (the world is checked by
+/// `check_world`, a model from `model.model_path` when it is loaded).
+fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
+    let (m, s, t) = (&c.model, &c.system, &c.training);
+    let tp = s.tensor_parallel;
+    if tp <= 1 {
+        return;
+    }
+    if m.model_path.is_none() {
+        if let Err(e) = check_tensor_parallel(
+            tp,
+            m.num_attention_heads,
+            m.num_key_value_heads,
+            "the model (model.num_attention_heads, model.num_key_value_heads)",
+        ) {
+            bad(e.0);
+        }
+    }
+    let tokens = t.batch_size * t.context_length;
+    if s.sequence_parallel && !tokens.is_multiple_of(tp) {
+        bad(format!(
+            "system.sequence_parallel splits a micro-batch's {tokens} tokens (training.batch_size \
+             = {} x training.context_length = {}) among system.tensor_parallel = {tp} ranks: make \
+             the product a multiple of {tp}, or set system.sequence_parallel = false",
+            t.batch_size, t.context_length
         ));
     }
 }
@@ -342,17 +372,36 @@ fn nearest_divisor(n: usize, want: usize) -> usize {
 /// ranks, and sharding below all of them needs a stage that shards. Returns the shard degree
 /// (the ranks that shard one copy of the state; 0 = all).
 pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
-    let degree = match c.system.shard_degree {
-        0 => world,
-        d => d,
-    };
-    if degree > world || !world.is_multiple_of(degree) {
+    let tp = c.system.tensor_parallel.max(1);
+    if !world.is_multiple_of(tp) {
+        let valid: Vec<String> = (1..=world)
+            .filter(|t| world.is_multiple_of(*t) && divides_heads(c, *t))
+            .map(|t| t.to_string())
+            .collect();
         return Err(ConfigError(format!(
-            "system.shard_degree = {degree}: must divide the number of ranks, {world} (e.g. the \
-             ranks of one node), or be 0 for all ranks"
+            "system.tensor_parallel = {tp}: must divide the number of ranks, {world}; valid here: {}",
+            valid.join(", ")
         )));
     }
-    if degree < world && !c.system.zero_stage.shards_optimizer() {
+    // The ranks the state is sharded and replicated over: one per TP group.
+    let data = world / tp;
+    let degree = match c.system.shard_degree {
+        0 => data,
+        d => d,
+    };
+    if degree > data || !data.is_multiple_of(degree) {
+        let over = if tp > 1 {
+            format!(
+                "the data-parallel ranks, {data} (the {world} ranks over system.tensor_parallel = {tp})"
+            )
+        } else {
+            format!("the number of ranks, {world} (e.g. the ranks of one node)")
+        };
+        return Err(ConfigError(format!(
+            "system.shard_degree = {degree}: must divide {over}, or be 0 for all of them"
+        )));
+    }
+    if degree < data && !c.system.zero_stage.shards_optimizer() {
         return Err(ConfigError(format!(
             "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
              system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
@@ -360,6 +409,36 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
         )));
     }
     Ok(degree)
+}
+
+/// Whether `t` ranks can split the configured model's attention and KV heads (a model read
+/// from `model.model_path` is checked on its own shape when it is loaded).
+fn divides_heads(c: &Config, t: usize) -> bool {
+    let m = &c.model;
+    m.model_path.is_some()
+        || (m.num_attention_heads.is_multiple_of(t) && m.num_key_value_heads.is_multiple_of(t))
+}
+
+/// `system.tensor_parallel` against a model of `heads` attention and `kv_heads` KV heads:
+/// both must be split evenly. `source` names where the shape came from.
+pub fn check_tensor_parallel(
+    tp: usize,
+    heads: usize,
+    kv_heads: usize,
+    source: &str,
+) -> Result<(), ConfigError> {
+    if tp <= 1 || (heads.is_multiple_of(tp) && kv_heads.is_multiple_of(tp)) {
+        return Ok(());
+    }
+    let valid: Vec<String> = (1..=kv_heads)
+        .filter(|t| kv_heads.is_multiple_of(*t) && heads.is_multiple_of(*t))
+        .map(|t| t.to_string())
+        .collect();
+    Err(ConfigError(format!(
+        "system.tensor_parallel = {tp}: must divide the attention heads ({heads}) and the KV heads \
+         ({kv_heads}) of {source}, so every rank holds whole heads; valid: {}",
+        valid.join(", ")
+    )))
 }
 
 /// `system.prefetch_units` as it runs for a model of `layers` decoder layers: at most the
