@@ -125,18 +125,21 @@ bool all_equal(const int64_t* splits, int n) {
 
 }  // namespace
 
-// In-place reduce-scatter with mean of a flat 1-D CUDA tensor cut into `n` (= world size)
-// pieces of `splits[i]` elements: this rank's piece receives the mean of all ranks' pieces.
+// In-place reduce-scatter of a flat 1-D CUDA tensor cut into `n` (= world size) pieces of
+// `splits[i]` elements: this rank's piece receives the sum (op 0) or mean (op 1) of all ranks'
+// pieces.
 // Equal pieces go through ncclReduceScatter (in place: the output is the input's own piece);
 // uneven ones through ProcessGroupNCCL's uneven reduce_scatter (coalesced reduces).
-int ls_nccl_reduce_scatter(void* g, void* tensor, const int64_t* splits, int n, char** err) {
+int ls_nccl_reduce_scatter(void* g, void* tensor, const int64_t* splits, int n, int op,
+                           char** err) {
   return guarded(err, [&] {
     auto& pg = static_cast<Group*>(g)->pg;
     const auto& flat = *static_cast<at::Tensor*>(tensor);
     auto parts = pieces(flat, splits, n);
     auto mine = parts.at(pg->getRank());
     c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::AVG);
+    opts.reduceOp = op == 1 ? c10d::ReduceOp(c10d::ReduceOp::AVG)
+                            : c10d::ReduceOp(c10d::ReduceOp::SUM);
     if (all_equal(splits, n)) {
       auto input = flat;
       pg->_reduce_scatter_base(mine, input, opts)->wait();

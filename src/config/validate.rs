@@ -79,9 +79,13 @@ fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
     if m.model_path.is_none() {
         if let Err(e) = check_tensor_parallel(
             tp,
-            m.num_attention_heads,
-            m.num_key_value_heads,
-            "the model (model.num_attention_heads, model.num_key_value_heads)",
+            (
+                m.num_attention_heads,
+                m.num_key_value_heads,
+                m.intermediate_size,
+            ),
+            "the model (model.num_attention_heads, model.num_key_value_heads, \
+             model.intermediate_size)",
         ) {
             bad(e.0);
         }
@@ -416,27 +420,32 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
 fn divides_heads(c: &Config, t: usize) -> bool {
     let m = &c.model;
     m.model_path.is_some()
-        || (m.num_attention_heads.is_multiple_of(t) && m.num_key_value_heads.is_multiple_of(t))
+        || (m.num_attention_heads.is_multiple_of(t)
+            && m.num_key_value_heads.is_multiple_of(t)
+            && m.intermediate_size.is_multiple_of(t))
 }
 
-/// `system.tensor_parallel` against a model of `heads` attention and `kv_heads` KV heads:
-/// both must be split evenly. `source` names where the shape came from.
+/// `system.tensor_parallel` against a model of `heads` attention heads, `kv_heads` KV heads
+/// and an MLP of `ffn` features: each must be split evenly. `source` names where the shape
+/// came from.
 pub fn check_tensor_parallel(
     tp: usize,
-    heads: usize,
-    kv_heads: usize,
+    (heads, kv_heads, ffn): (usize, usize, usize),
     source: &str,
 ) -> Result<(), ConfigError> {
-    if tp <= 1 || (heads.is_multiple_of(tp) && kv_heads.is_multiple_of(tp)) {
+    let fits =
+        |t: usize| heads.is_multiple_of(t) && kv_heads.is_multiple_of(t) && ffn.is_multiple_of(t);
+    if tp <= 1 || fits(tp) {
         return Ok(());
     }
-    let valid: Vec<String> = (1..=kv_heads)
-        .filter(|t| kv_heads.is_multiple_of(*t) && heads.is_multiple_of(*t))
+    let valid: Vec<String> = (1..=kv_heads.max(1))
+        .filter(|t| fits(*t))
         .map(|t| t.to_string())
         .collect();
     Err(ConfigError(format!(
-        "system.tensor_parallel = {tp}: must divide the attention heads ({heads}) and the KV heads \
-         ({kv_heads}) of {source}, so every rank holds whole heads; valid: {}",
+        "system.tensor_parallel = {tp}: must divide the attention heads ({heads}), the KV heads \
+         ({kv_heads}) and the MLP's intermediate size ({ffn}) of {source}, so every rank holds \
+         whole heads and an equal part of the MLP; valid: {}",
         valid.join(", ")
     )))
 }

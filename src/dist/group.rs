@@ -70,8 +70,34 @@ pub trait ProcessGroup: Send {
     /// are unspecified. The default all-reduces the whole buffer (right, but N× the traffic);
     /// the ring and NCCL send each rank only its piece.
     fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        self.reduce_scatter_sum_f32(buf, splits)?;
+        let w = self.world_size();
+        if w > 1 {
+            let w = w as f32;
+            for x in &mut buf[piece(splits, self.rank())] {
+                *x /= w;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`ProcessGroup::reduce_scatter_avg_f32`] with the sum instead of the mean (tensor
+    /// parallelism adds partial products). The default all-reduces the whole buffer.
+    fn reduce_scatter_sum_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
         check_splits(buf.len(), splits, self.world_size())?;
-        self.all_reduce_avg_f32(buf)
+        self.all_reduce_sum_f32(buf)
+    }
+
+    /// In-place sum of a contiguous tensor across ranks. Default through host memory in fp32;
+    /// NCCL overrides it.
+    fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<()> {
+        through_host(t, |buf| self.all_reduce_sum_f32(buf))
+    }
+
+    /// [`ProcessGroup::reduce_scatter_sum_f32`] on a contiguous 1-D tensor. Default through
+    /// host memory in fp32; NCCL overrides it.
+    fn reduce_scatter_sum_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        through_host(t, |buf| self.reduce_scatter_sum_f32(buf, splits))
     }
 
     /// In-place all-gather: on entry this rank's piece of `buf` (cut as in
@@ -268,8 +294,20 @@ impl ProcessGroup for SingleProcess {
         Ok(())
     }
 
+    fn reduce_scatter_sum_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        check_splits(buf.len(), splits, 1)
+    }
+
     fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
         check_splits(buf.len(), splits, 1)
+    }
+
+    fn all_reduce_sum_tensor(&mut self, _t: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn reduce_scatter_sum_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        check_splits(t.numel(), splits, 1)
     }
 
     fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {

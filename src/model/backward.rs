@@ -51,12 +51,12 @@
 //! `model.embed_tokens.weight`, which is final only at `Embedding`.
 
 use anyhow::Result;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use torch_sys::C_tensor;
 
 use super::documents::DocumentMask;
 use super::llama::Llama;
-use super::units::{chunks, counted_targets, GradUnit, UnitEvents};
+use super::units::{chunks, counted_targets, wide, GradUnit, UnitEvents};
 pub use crate::config::ActivationCheckpointing;
 use crate::sys::phase::{self, Phase};
 
@@ -84,13 +84,13 @@ enum Kept {
 
 /// A tensor with no history that autograd accumulates a gradient into: where one segment of
 /// the backward hands its gradient to the next.
-fn leaf(x: &Tensor) -> Tensor {
+pub(super) fn leaf(x: &Tensor) -> Tensor {
     x.detach().set_requires_grad(true)
 }
 
 /// Back-propagates `grad` from `root` (whose graph is then freed), accumulating into the
 /// `.grad` of the leaves behind it.
-fn backward_from(root: &Tensor, grad: &Tensor) -> Result<()> {
+pub(super) fn backward_from(root: &Tensor, grad: &Tensor) -> Result<()> {
     let roots = [root.as_ptr() as *mut C_tensor];
     let grads = [grad.as_ptr() as *mut C_tensor];
     // SAFETY: both pointers are live tch tensor handles (`at::Tensor*`) borrowed for the call;
@@ -102,7 +102,7 @@ fn backward_from(root: &Tensor, grad: &Tensor) -> Result<()> {
 }
 
 /// The gradient autograd accumulated into a leaf.
-fn grad_of(leaf: &Tensor) -> Result<Tensor> {
+pub(super) fn grad_of(leaf: &Tensor) -> Result<Tensor> {
     let g = leaf.grad();
     anyhow::ensure!(
         g.defined(),
@@ -127,6 +127,9 @@ impl Llama {
         loss_scale: f64,
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
+        if self.tp.is_some() {
+            return self.forward_backward_split(inputs, targets, docs, loss_scale, units);
+        }
         phase::enter(Phase::Forward);
         units.before(GradUnit::Embedding)?;
         let embedded = self.embed(inputs);
@@ -262,20 +265,21 @@ impl Llama {
         let targets = targets.reshape([-1]);
         let count = counted_targets(&targets);
         // d(loss_scale · Σ chunk sums / count) / d(chunk sum).
-        let grad_scale = (loss_scale / &count).to_kind(Kind::Float);
-        let weight = self.head_weight();
         let compute = self.compute();
+        let kind = wide(compute);
+        let grad_scale = (loss_scale / &count).to_kind(kind);
+        let weight = self.head_weight();
         let grad_hidden = hidden.empty_like();
         // This micro-batch's gradient of the head weight, when the parameter has none yet.
         let mut fresh: Option<Tensor> = None;
-        let mut loss_sum = Tensor::zeros([], (Kind::Float, x.device()));
+        let mut loss_sum = Tensor::zeros([], (kind, x.device()));
         tch::no_grad(|| -> Result<()> {
             let w = weight.to_kind(compute);
             for (start, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens)
             {
                 phase::enter(Phase::Forward);
                 let rows = hidden.narrow(0, start, len).to_kind(compute);
-                let logits = rows.matmul(&w.tr()).to_kind(Kind::Float);
+                let logits = rows.matmul(&w.tr()).to_kind(kind);
                 let (sum, d_logits) =
                     cross_entropy_in_place(logits, &targets.narrow(0, start, len), &grad_scale);
                 loss_sum += sum / &count;
@@ -291,11 +295,11 @@ impl Llama {
                     fresh.as_ref().map(Tensor::shallow_clone)
                 };
                 match into {
-                    Some(mut g) if compute == Kind::Float => {
+                    Some(mut g) if compute == kind => {
                         let _ = g.addmm_(&d_logits.tr(), &rows);
                     }
                     Some(mut g) => g += d_logits.tr().matmul(&rows),
-                    None => fresh = Some(d_logits.tr().matmul(&rows).to_kind(Kind::Float)),
+                    None => fresh = Some(d_logits.tr().matmul(&rows).to_kind(kind)),
                 }
             }
             Ok(())
@@ -325,14 +329,15 @@ fn cross_entropy_in_place(
     targets: &Tensor,
     grad_scale: &Tensor,
 ) -> (Tensor, Tensor) {
-    let valid = targets.ne(-100).to_kind(Kind::Float).unsqueeze(1);
+    let kind = logits.kind();
+    let valid = targets.ne(-100).to_kind(kind).unsqueeze(1);
     let target = targets.clamp_min(0).unsqueeze(1);
     let picked = logits.gather(1, &target, false);
     let max = logits.amax([1].as_slice(), true);
     let mut e = logits;
     let _ = e.g_sub_(&max).exp_();
-    let sum = e.sum_dim_intlist([1].as_slice(), true, Kind::Float);
-    let loss = ((&max + sum.log() - picked) * &valid).sum(Kind::Float);
+    let sum = e.sum_dim_intlist([1].as_slice(), true, kind);
+    let loss = ((&max + sum.log() - picked) * &valid).sum(kind);
     let _ = e.g_div_(&sum);
     let _ = e.scatter_add_(1, &target, &(-&valid));
     let _ = e.g_mul_(&(valid * grad_scale));

@@ -14,30 +14,40 @@ use super::documents::DocumentMask;
 use super::flash;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
-use super::units::{chunks, counted_targets, ActivationMemory, GradUnit, NoEvents, UnitEvents};
+use super::tensor_parallel::{Split, TensorParallel};
+use super::units::{
+    chunks, counted_targets, wide, ActivationMemory, GradUnit, NoEvents, UnitEvents,
+};
 
-struct Layer {
-    input_layernorm: Tensor,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
-    post_attention_layernorm: Tensor,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+pub(super) struct Layer {
+    pub(super) input_layernorm: Tensor,
+    pub(super) q_proj: Tensor,
+    pub(super) k_proj: Tensor,
+    pub(super) v_proj: Tensor,
+    pub(super) o_proj: Tensor,
+    pub(super) post_attention_layernorm: Tensor,
+    pub(super) gate_proj: Tensor,
+    pub(super) up_proj: Tensor,
+    pub(super) down_proj: Tensor,
 }
 
 pub struct Llama {
+    /// The whole model's shape (with tensor parallelism, each rank holds a part of it).
     pub shape: LlamaShape,
-    embed_tokens: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
+    /// [vocab, hidden]; with tensor parallelism this rank's rows of the padded vocabulary.
+    pub(super) embed_tokens: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Tensor,
     /// None when tied to `embed_tokens`.
     lm_head: Option<Tensor>,
     rope: Rope,
     compute: Kind,
     memory: ActivationMemory,
+    /// Attention and KV heads this rank computes (all of them without tensor parallelism).
+    heads: usize,
+    kv_heads: usize,
+    /// Tensor parallelism: this rank's place in its group and the group's collectives.
+    pub(super) tp: Option<TensorParallel>,
 }
 
 /// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
@@ -54,7 +64,7 @@ impl KvCache {
         let s = &model.shape;
         let dims = [
             batch as i64,
-            s.num_kv_heads as i64,
+            model.kv_heads as i64,
             capacity as i64,
             s.head_dim() as i64,
         ];
@@ -138,6 +148,51 @@ impl Llama {
         compute: Kind,
         make: &mut MakeParameter,
     ) -> Llama {
+        Self::build(root, shape, max_seq, compute, None, make)
+    }
+
+    /// [`Llama::new_with`] for one rank of a tensor-parallel group: every parameter is made
+    /// whole by `make` (the same random draws as one rank's model) and this rank keeps its
+    /// part ([`Split`]); a placeholder without elements (zero stage 3) is kept as it is.
+    pub fn new_split(
+        root: &Path,
+        shape: &LlamaShape,
+        max_seq: usize,
+        compute: Kind,
+        tp: TensorParallel,
+        make: &mut MakeParameter,
+    ) -> anyhow::Result<Llama> {
+        crate::config::check_tensor_parallel(
+            tp.size,
+            (shape.num_heads, shape.num_kv_heads, shape.intermediate_size),
+            "the model",
+        )?;
+        let (rank, size) = (tp.rank, tp.size);
+        let mut split = |name: &str, dims: &[i64], init: Init| -> Tensor {
+            let full = make(name, dims, init);
+            if full.numel() == 0 {
+                return full;
+            }
+            Split::of(name).shard(&full, rank, size)
+        };
+        Ok(Self::build(
+            root,
+            shape,
+            max_seq,
+            compute,
+            Some(tp),
+            &mut split,
+        ))
+    }
+
+    fn build(
+        root: &Path,
+        shape: &LlamaShape,
+        max_seq: usize,
+        compute: Kind,
+        tp: Option<TensorParallel>,
+        make: &mut MakeParameter,
+    ) -> Llama {
         let s = shape;
         let std = s.init_std;
         let (d, hd) = (s.hidden_size, s.head_dim());
@@ -166,7 +221,11 @@ impl Llama {
         let lm_head = (!s.tie_word_embeddings)
             .then(|| linear_weight(root, "lm_head", (s.vocab_size, d), std, make));
         let rope = Rope::new(hd, s.rope_theta, s.rope_scaling, max_seq, root.device());
+        let parts = tp.as_ref().map_or(1, |t| t.size);
         Llama {
+            heads: s.num_heads / parts,
+            kv_heads: s.num_kv_heads / parts,
+            tp,
             shape: s.clone(),
             embed_tokens,
             layers,
@@ -198,6 +257,10 @@ impl Llama {
         docs: Option<&DocumentMask>,
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
+        anyhow::ensure!(
+            self.tp.is_none(),
+            "internal: logits of a tensor-parallel rank (its loss is `loss_with`)"
+        );
         units.before(GradUnit::Embedding)?;
         let mut x = self.embed(tokens);
         units.after(GradUnit::Embedding)?;
@@ -221,7 +284,7 @@ impl Llama {
         );
         // The residual stream is fp32 even when the weights themselves are bf16 (a sharded
         // optimizer keeps the fp32 masters apart); a no-op for fp32 weights.
-        Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(Kind::Float)
+        Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(wide(self.compute))
     }
 
     /// Decoder layer `i` on the residual stream `x` (`docs`: the rows' documents, if packed).
@@ -250,9 +313,13 @@ impl Llama {
     /// `x` + SwiGLU(RMSNorm(x)) of layer `i`: the second half of a decoder layer.
     pub(super) fn mlp_block(&self, x: &Tensor, i: usize) -> Tensor {
         let layer = &self.layers[i];
-        let h = self.rms_norm(x, &layer.post_attention_layernorm);
-        let gate = self.linear(&h, &layer.gate_proj).silu();
-        x + self.linear(&(gate * self.linear(&h, &layer.up_proj)), &layer.down_proj)
+        x + self.mlp(&self.rms_norm(x, &layer.post_attention_layernorm), layer)
+    }
+
+    /// SwiGLU of the normed `h`: down(silu(gate(h)) * up(h)).
+    pub(super) fn mlp(&self, h: &Tensor, layer: &Layer) -> Tensor {
+        let gate = self.linear(h, &layer.gate_proj).silu();
+        self.linear(&(gate * self.linear(h, &layer.up_proj)), &layer.down_proj)
     }
 
     /// The RMSNorm after the last decoder layer.
@@ -288,6 +355,10 @@ impl Llama {
     /// attending to the cached keys and values and appending their own to `cache`. With an
     /// empty cache this is `forward`. Inference only: call it under `tch::no_grad`.
     pub fn forward_with_cache(&self, tokens: &Tensor, cache: &mut KvCache) -> Tensor {
+        assert!(
+            self.tp.is_none(),
+            "internal: KV-cached decoding of a tensor-parallel rank (generate loads the whole model)"
+        );
         let (b, t) = (tokens.size()[0], tokens.size()[1] as usize);
         let pos = cache.len;
         assert!(
@@ -338,6 +409,9 @@ impl Llama {
         docs: Option<&DocumentMask>,
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
+        if self.tp.is_some() {
+            return self.loss_split(inputs, targets, docs, units);
+        }
         let hidden = self.hidden(inputs, docs, units)?;
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
@@ -373,7 +447,7 @@ impl Llama {
         self.memory = memory;
     }
 
-    fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+    pub(super) fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         if self.compute == Kind::Float {
             x.linear::<Tensor>(weight, None)
         } else {
@@ -383,9 +457,10 @@ impl Llama {
     }
 
     /// transformers' LlamaRMSNorm: statistics in fp32, weight applied after the cast back.
-    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        let xf = x.to_kind(Kind::Float);
-        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    pub(super) fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        let kind = wide(self.compute);
+        let xf = x.to_kind(kind);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, kind);
         let normed = xf * (var + self.shape.rms_norm_eps).rsqrt();
         weight * normed.to_kind(x.kind())
     }
@@ -408,9 +483,9 @@ impl Llama {
             Some(p) => self.rope.apply_positions(&x, p),
             None => self.rope.apply_at(&x, pos),
         };
-        let q = rotate(heads(&layer.q_proj, s.num_heads));
-        let k = rotate(heads(&layer.k_proj, s.num_kv_heads));
-        (q, k, heads(&layer.v_proj, s.num_kv_heads))
+        let q = rotate(heads(&layer.q_proj, self.heads));
+        let k = rotate(heads(&layer.k_proj, self.kv_heads));
+        (q, k, heads(&layer.v_proj, self.kv_heads))
     }
 
     /// Causal attention of queries at positions past..past + t over keys and values at
@@ -430,7 +505,7 @@ impl Llama {
         let total = past as i64 + t;
         // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
         // transformers asks for it), which saves materialising repeated keys and values.
-        let group = (s.num_heads / s.num_kv_heads) as i64;
+        let group = (self.heads / self.kv_heads) as i64;
         let docs = docs.filter(|d| d.masks_attention());
         // On CUDA, packed documents take variable-length flash attention where it runs.
         let varlen = docs
@@ -482,11 +557,16 @@ impl Llama {
         };
         let y = y
             .transpose(1, 2)
-            .reshape([b, t, s.num_heads as i64 * s.head_dim() as i64]);
+            .reshape([b, t, self.heads as i64 * s.head_dim() as i64]);
         self.linear(&y, &layer.o_proj)
     }
 
-    fn attention(&self, h: &Tensor, layer: &Layer, docs: Option<&DocumentMask>) -> Tensor {
+    pub(super) fn attention(
+        &self,
+        h: &Tensor,
+        layer: &Layer,
+        docs: Option<&DocumentMask>,
+    ) -> Tensor {
         let (q, k, v) = self.qkv(h, layer, 0, docs.and_then(DocumentMask::positions));
         self.attend(&q, &k, &v, 0, layer, docs)
     }
@@ -554,5 +634,8 @@ fn math_attention(q: &Tensor, k: &Tensor, v: &Tensor, masked: &Tensor) -> Tensor
     let scale = 1.0 / (q.size()[3] as f64).sqrt();
     let scores = q.matmul(&k.transpose(-2, -1)) * scale;
     let scores = scores.masked_fill(masked, f64::NEG_INFINITY);
-    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v)
+    scores
+        .softmax(-1, wide(q.kind()))
+        .to_kind(q.kind())
+        .matmul(v)
 }

@@ -113,6 +113,16 @@ impl GradUnit {
     }
 }
 
+/// The dtype of the residual stream, the norms' statistics and the loss for matmuls in
+/// `compute`: fp32, or fp64 for an fp64 model (the reference numerics are checked against).
+pub(super) fn wide(compute: Kind) -> Kind {
+    if compute == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
 /// (start, length) of the chunks of `n` rows, `chunk` rows each (0 = one chunk).
 pub(super) fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
     let step = if chunk == 0 { n.max(1) } else { chunk as i64 };

@@ -29,6 +29,7 @@ pub mod rundir;
 pub mod setup;
 pub mod step;
 pub mod stragglers;
+pub mod tensor_parallel;
 pub mod trainer;
 
 pub use loader::Batch;

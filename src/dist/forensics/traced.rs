@@ -110,6 +110,24 @@ impl ProcessGroup for Traced {
         })
     }
 
+    fn reduce_scatter_sum_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        self.run("reduce-scatter", buf.len() * 4, |g| {
+            g.reduce_scatter_sum_f32(buf, splits)
+        })
+    }
+
+    fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<()> {
+        self.run("all-reduce", tensor_bytes(t), |g| {
+            g.all_reduce_sum_tensor(t)
+        })
+    }
+
+    fn reduce_scatter_sum_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        self.run("reduce-scatter", tensor_bytes(t), |g| {
+            g.reduce_scatter_sum_tensor(t, splits)
+        })
+    }
+
     fn all_gather_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
         self.run("all-gather", buf.len() * 4, |g| {
             g.all_gather_f32(buf, splits)

@@ -177,6 +177,28 @@ impl ProcessGroup for NcclGroup {
         self.on_cpu(|c| c.reduce_scatter_avg_f32(buf, splits))
     }
 
+    fn reduce_scatter_sum_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+        self.on_cpu(|c| c.reduce_scatter_sum_f32(buf, splits))
+    }
+
+    fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.all_reduce_sum_f32(b));
+        }
+        // SAFETY: as in `all_reduce_avg_tensor`.
+        let r = call(|err| unsafe {
+            (self.shim.all_reduce)(self.handle, t.as_ptr() as *mut c_void, 0, err)
+        });
+        self.check(r, "all-reduce", t)
+    }
+
+    fn reduce_scatter_sum_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
+        if !t.device().is_cuda() {
+            return group::through_host(t, |b| self.reduce_scatter_sum_f32(b, splits));
+        }
+        self.scatter_op(t, splits, 0)
+    }
+
     /// The ring of `members` and an NCCL communicator over it, through the same store under
     /// keys of its own (ProcessGroupNCCL's subgroups are groups of their own in c10d too).
     fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {
@@ -198,7 +220,7 @@ impl ProcessGroup for NcclGroup {
         if !t.device().is_cuda() {
             return group::through_host(t, |b| self.reduce_scatter_avg_f32(b, splits));
         }
-        self.pieces_op(t, splits, self.shim.reduce_scatter, "reduce-scatter")
+        self.scatter_op(t, splits, 1)
     }
 
     fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
@@ -210,6 +232,24 @@ impl ProcessGroup for NcclGroup {
 }
 
 impl NcclGroup {
+    /// The reduce-scatter of the shim (op 0 = sum, 1 = mean) on a flat CUDA tensor.
+    fn scatter_op(&mut self, t: &Tensor, splits: &[usize], op: c_int) -> Result<()> {
+        group::check_splits(t.numel(), splits, self.world_size())?;
+        let splits: Vec<i64> = splits.iter().map(|&s| s as i64).collect();
+        // SAFETY: `handle` is live; the tensor handle and the splits outlive the call.
+        let r = call(|err| unsafe {
+            (self.shim.reduce_scatter)(
+                self.handle,
+                t.as_ptr() as *mut c_void,
+                splits.as_ptr(),
+                splits.len() as c_int,
+                op,
+                err,
+            )
+        });
+        self.check(r, "reduce-scatter", t)
+    }
+
     /// An uneven collective of the shim on a flat CUDA tensor.
     fn pieces_op(&mut self, t: &Tensor, splits: &[usize], op: PiecesFn, what: &str) -> Result<()> {
         group::check_splits(t.numel(), splits, self.world_size())?;

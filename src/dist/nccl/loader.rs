@@ -31,6 +31,15 @@ pub(super) type TensorOpFn =
 /// (group, flat tensor, splits, number of splits, err): the uneven collectives.
 pub(super) type PiecesFn =
     unsafe extern "C" fn(*mut c_void, *mut c_void, *const i64, c_int, *mut *mut c_char) -> c_int;
+/// (group, flat tensor, splits, number of splits, op: 0 sum / 1 mean, err): the reduce-scatter.
+pub(super) type ScatterFn = unsafe extern "C" fn(
+    *mut c_void,
+    *mut c_void,
+    *const i64,
+    c_int,
+    c_int,
+    *mut *mut c_char,
+) -> c_int;
 pub(super) type VersionFn = unsafe extern "C" fn(*mut *mut c_char, *mut *mut c_char) -> c_int;
 pub(super) type FreeFn = unsafe extern "C" fn(*mut c_void, c_int);
 
@@ -39,7 +48,7 @@ pub(super) struct Shim {
     pub(super) new: NewFn,
     pub(super) all_reduce: TensorOpFn,
     pub(super) broadcast: TensorOpFn,
-    pub(super) reduce_scatter: PiecesFn,
+    pub(super) reduce_scatter: ScatterFn,
     pub(super) all_gather: PiecesFn,
     pub(super) version: VersionFn,
     pub(super) free: FreeFn,

@@ -199,8 +199,9 @@ impl ProcessGroup for RingGroup {
     /// finished accumulating in step s-1, and adds the received piece (r-s-2) into place; the
     /// piece received last is its own. Piece c is summed in ring order starting at rank c+1, so
     /// the result depends only on the world size and the splits, and every element crosses
-    /// the network once per step at most: each rank sends (N-1)/N of the buffer.
-    fn reduce_scatter_avg_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
+    /// the network once per step at most: each rank sends (N-1)/N of the buffer. (The mean is
+    /// the trait's: this sum, then this rank's piece divided by N.)
+    fn reduce_scatter_sum_f32(&mut self, buf: &mut [f32], splits: &[usize]) -> Result<()> {
         const WHAT: &str = "reduce-scatter";
         check_splits(buf.len(), splits, self.world)?;
         self.begin(WHAT)?;
@@ -216,10 +217,6 @@ impl ProcessGroup for RingGroup {
             if let Err(f) = self.reduce_step(buf, sc, rc, aux) {
                 return Err(self.fail(WHAT, started, f));
             }
-        }
-        let n = w as f32;
-        for x in &mut buf[piece(splits, r)] {
-            *x /= n;
         }
         Ok(())
     }
