@@ -9,12 +9,16 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockstep::dist::{self, Backend, DistEnv, Place, ProcessGroup};
+use lockstep::config::{self, ZeroStage};
+use lockstep::dist::{self, Backend, DistEnv, Mesh, Place, ProcessGroup, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, Llama, LlamaShape, NoEvents,
     Split, TensorParallel,
 };
+use lockstep::train::guard::Guard;
+use lockstep::train::optim::{AdamWParams, Optimizer, Sharding, TensorGroups};
 use lockstep::train::tensor_parallel::{Counts, GroupComm};
+use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
 fn shape(vocab: usize, tied: bool) -> LlamaShape {
@@ -409,5 +413,294 @@ fn a_pass_runs_exactly_the_collectives_of_its_layout() {
         for run in split_run(c, &r.params) {
             assert_eq!(run.counts, want, "{c:?}");
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole steps: the optimizer over the mesh.
+
+/// A step-level case: T × D ranks at a zero stage, 3 AdamW steps with clipping.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    tp: usize,
+    data: usize,
+    stage: ZeroStage,
+    sequence_parallel: bool,
+}
+
+const STEPS: usize = 3;
+const LR: f64 = 1e-3;
+/// Low enough that every step clips.
+const MAX_NORM: f64 = 0.05;
+
+/// AdamW's settings. eps is 1e-6, not 1e-8: AdamW divides each element's moment by its own
+/// root mean square, so an element whose gradient is near zero moves by a sizeable part of
+/// the learning rate on its fp32 rounding alone. With eps = 1e-8, one rank in fp32 is itself
+/// 2.0e-6 away from the fp64 computation on layer 0's o_proj after 3 steps (and the split run
+/// 5.5e-6 away, 3.6e-6 from one rank: the same amplified rounding); with 1e-6 every tensor of
+/// either run is within 2e-7 of fp64.
+fn hp() -> AdamWParams {
+    AdamWParams {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-6,
+        weight_decay: 0.1,
+    }
+}
+
+fn training() -> lockstep::config::TrainingConfig {
+    let mut t = config::resolve(&config::Sources::default())
+        .unwrap()
+        .config
+        .training;
+    t.max_grad_norm = MAX_NORM;
+    t.grad_accum_nums = 1;
+    t
+}
+
+/// The micro-batch of data rank `d` at step `s`.
+fn step_batch(vocab: usize, s: usize, d: usize) -> (Tensor, Tensor) {
+    tch::manual_seed((100 * s + d) as i64);
+    let x = Tensor::randint(vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
+    let y = Tensor::randint(vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
+    (x, y)
+}
+
+/// One rank, the data ranks' micro-batches accumulated (the mean gradient of D data-parallel
+/// ranks at stage 0): the parameters after the steps, and the gradient norms.
+fn one_rank_steps(c: &Layout, params: &[(String, Tensor)], kind: Kind) -> RankSteps {
+    let vs = VarStore::new(Device::Cpu);
+    let mut make = |name: &str, _dims: &[i64], _init: tch::nn::Init| {
+        params
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1
+            .to_kind(kind)
+            .copy()
+    };
+    let model = Llama::new_with(&vs.root(), &shape(256, false), 64, kind, &mut make);
+    let named = Llama::named_parameters(&vs);
+    let mut pg = SingleProcess;
+    let mut opt = Optimizer::new(&named, hp(), ZeroStage::Replicated, &pg, 25.0, kind).unwrap();
+    let mut guard = Guard::new(&training());
+    let cfg = StepConfig {
+        grad_accum: c.data,
+        max_grad_norm: MAX_NORM,
+        overlap: false,
+    };
+    let mut norms = Vec::new();
+    for s in 0..STEPS {
+        let plan = StepPlan {
+            lr: LR,
+            ..Default::default()
+        };
+        let batches = (0..c.data).map(|d| {
+            let (x, y) = step_batch(256, s, d);
+            Batch::new(x, y)
+        });
+        let out = train_step(&model, &mut opt, &mut pg, &mut guard, &cfg, &plan, batches).unwrap();
+        norms.push(out.grad_norm);
+    }
+    let after = named
+        .iter()
+        .map(|(n, p)| (n.clone(), p.detach().copy()))
+        .collect();
+    (after, norms)
+}
+
+/// The mesh run: every rank's parameters (its parts, whole values) after the steps, and its
+/// gradient norms.
+/// One rank's parameters by name after the steps, and its gradient norms.
+type RankSteps = (Vec<(String, Tensor)>, Vec<f64>);
+
+fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
+    let params: Vec<(String, Plain)> = params
+        .iter()
+        .map(|(n, p)| (n.clone(), Plain::of(p)))
+        .collect();
+    let batches: Vec<Vec<(Plain, Plain)>> = (0..STEPS)
+        .map(|s| {
+            (0..c.data)
+                .map(|d| {
+                    let (x, y) = step_batch(256, s, d);
+                    (Plain::of(&x), Plain::of(&y))
+                })
+                .collect()
+        })
+        .collect();
+    let world = c.tp * c.data;
+    let runs = each_rank(world, |mut pg| {
+        let mesh = Mesh::new(pg.rank(), world, c.tp, 0);
+        let groups = mesh.groups(&mut *pg).unwrap();
+        let (tensor, data) = (groups.tensor.unwrap(), groups.data.unwrap());
+        let comm = GroupComm::new(tensor.clone()).unwrap();
+        let tp = TensorParallel::new(
+            mesh.tensor_rank(),
+            c.tp,
+            c.sequence_parallel,
+            Box::new(comm),
+        );
+        let vs = VarStore::new(Device::Cpu);
+        let stage3 = c.stage.shards_parameters();
+        let full = |name: &str| params.iter().find(|(n, _)| n == name).unwrap().1.tensor();
+        let mut make = |name: &str, _dims: &[i64], _init: tch::nn::Init| {
+            if stage3 {
+                Tensor::empty([0], (Kind::Float, Device::Cpu))
+            } else {
+                full(name)
+            }
+        };
+        let s = shape(256, false);
+        let model = Llama::new_split(&vs.root(), &s, 64, Kind::Float, tp, &mut make).unwrap();
+        let named = Llama::named_parameters(&vs);
+        let whole: Vec<Vec<i64>> = named.iter().map(|(n, _)| full(n).size()).collect();
+        let shapes: Vec<Vec<i64>> = named
+            .iter()
+            .zip(&whole)
+            .map(|((n, _), w)| Split::of(n).local_shape(w, c.tp))
+            .collect();
+        let sharding = Sharding {
+            stage: c.stage,
+            hybrid: None,
+            reduce: Kind::Float,
+            tensor: Some(TensorGroups {
+                data,
+                tensor,
+                sequence_parallel: c.sequence_parallel,
+            }),
+        };
+        let mut opt =
+            Optimizer::with_shapes(&named, shapes, hp(), sharding, &*pg, 25.0, Kind::Float)
+                .unwrap();
+        if stage3 {
+            for (n, _) in &named {
+                let part = Split::of(n).shard(&full(n), mesh.tensor_rank(), c.tp);
+                opt.set_initial(n, &part).unwrap();
+            }
+        }
+        let mut guard = Guard::new(&training());
+        let cfg = StepConfig {
+            grad_accum: 1,
+            max_grad_norm: MAX_NORM,
+            overlap: true,
+        };
+        let mut norms = Vec::new();
+        for step in &batches {
+            let plan = StepPlan {
+                lr: LR,
+                ..Default::default()
+            };
+            let (x, y) = &step[mesh.data_rank()];
+            let batch = Batch::new(x.tensor(), y.tensor());
+            let out = train_step(
+                &model,
+                &mut opt,
+                &mut *pg,
+                &mut guard,
+                &cfg,
+                &plan,
+                std::iter::once(batch),
+            )
+            .unwrap();
+            norms.push(out.grad_norm);
+        }
+        let after: Vec<(String, Plain)> = opt
+            .full_parameters(&named, &mut *pg)
+            .unwrap()
+            .iter()
+            .map(|(n, p)| (n.clone(), Plain::of(&p.to_kind(Kind::Float))))
+            .collect();
+        (after, norms)
+    });
+    runs.into_iter()
+        .map(|(after, norms)| {
+            let after = after.into_iter().map(|(n, p)| (n, p.tensor())).collect();
+            (after, norms)
+        })
+        .collect()
+}
+
+fn check_steps(c: Layout) {
+    tch::manual_seed(99);
+    let vs = VarStore::new(Device::Cpu);
+    let _ = Llama::new(&vs.root(), &shape(256, false), 64, Kind::Float);
+    let params: Vec<(String, Tensor)> = Llama::named_parameters(&vs)
+        .iter()
+        .map(|(n, p)| (n.clone(), p.detach().copy()))
+        .collect();
+    let (want, want_norms) = one_rank_steps(&c, &params, Kind::Float);
+    let (exact, _) = one_rank_steps(&c, &params, Kind::Double);
+    let runs = mesh_steps(c, &params);
+    for (rank, (_, norms)) in runs.iter().enumerate() {
+        for (got, want) in norms.iter().zip(&want_norms) {
+            let e = (got - want).abs() / want;
+            assert!(e < 1e-6, "{c:?} rank {rank}: grad norm {got} vs {want}");
+            assert!(*want > MAX_NORM, "every step clips");
+        }
+        assert_eq!(
+            norms, &runs[0].1,
+            "{c:?}: every rank has the same norm, bit for bit"
+        );
+    }
+    for (i, (name, want)) in want.iter().enumerate() {
+        let split = Split::of(name);
+        for d in 0..c.data {
+            let group = &runs[d * c.tp..(d + 1) * c.tp];
+            let parts: Vec<Tensor> = group.iter().map(|r| r.0[i].1.shallow_clone()).collect();
+            assert!(group.iter().all(|r| &r.0[i].0 == name));
+            let got = split.unshard(&parts, &want.size());
+            let e = rel(&got, want);
+            let (tp64, one64) = (rel(&got, &exact[i].1), rel(want, &exact[i].1));
+            if std::env::var("TP_VERBOSE").is_ok() {
+                eprintln!("{name}: tp-vs-1 {e:.2e} tp-vs-fp64 {tp64:.2e} 1-vs-fp64 {one64:.2e}");
+            }
+            assert!(
+                e < 1e-6,
+                "{c:?}: {name} on data rank {d} after {STEPS} steps off by {e:e}"
+            );
+            assert!(
+                tp64 < 1.5 * one64 + 1e-7,
+                "{c:?}: {name} is {tp64:e} from fp64 after {STEPS} steps, one rank's {one64:e}"
+            );
+            if split == Split::Replicated {
+                for p in &parts[1..] {
+                    assert!(
+                        p.equal(&parts[0]),
+                        "{c:?}: {name} differs across the TP group"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tp2_and_tp4_steps_equal_one_rank_after_three_clipped_adamw_steps() {
+    for (tp, sequence_parallel) in [(2, true), (4, true), (2, false)] {
+        check_steps(Layout {
+            tp,
+            data: 1,
+            stage: ZeroStage::Replicated,
+            sequence_parallel,
+        });
+    }
+}
+
+/// 4 ranks = TP 2 × data 2, at stages 0, 2 and 3, against 2 data-parallel ranks at stage 0
+/// (their mean gradient: one rank accumulating both ranks' micro-batches).
+#[test]
+fn tp2_by_data2_at_stages_0_2_3_equal_data_parallel_at_stage_0() {
+    for stage in [
+        ZeroStage::Replicated,
+        ZeroStage::Gradients,
+        ZeroStage::Parameters,
+    ] {
+        check_steps(Layout {
+            tp: 2,
+            data: 2,
+            stage,
+            sequence_parallel: true,
+        });
     }
 }

@@ -30,6 +30,7 @@ pub mod env;
 pub mod flat_layout;
 pub mod forensics;
 pub mod group;
+pub mod mesh;
 pub mod nccl;
 pub mod overlap;
 pub mod ring;
@@ -43,6 +44,7 @@ use anyhow::{Context, Result};
 
 pub use env::{DistEnv, NodePlace, Place};
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
+pub use mesh::{Mesh, MeshGroups};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
 

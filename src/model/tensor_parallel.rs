@@ -272,10 +272,11 @@ impl Llama {
             .expect("internal: a split pass of a whole model")
     }
 
-    /// The rows of the (padded) vocabulary this rank holds, and how many of them are real.
+    /// The rows of the (padded) vocabulary this rank holds, and how many of them are real
+    /// (from the shape: at zero stage 3 the embedding may hold no elements right now).
     fn vocab_rows(&self) -> (i64, i64) {
         let tp = self.split();
-        let local = self.embed_tokens.size()[0];
+        let local = (padded(self.shape.vocab_size, tp.size) / tp.size) as i64;
         let start = tp.rank as i64 * local;
         let real = (self.shape.vocab_size as i64 - start).clamp(0, local);
         (start, real)

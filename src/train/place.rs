@@ -42,27 +42,15 @@ pub fn shard_degree(cfg: &Config, world: usize) -> Result<usize, ConfigError> {
     crate::config::check_world(cfg, world)
 }
 
-/// Hybrid sharding's groups (`system.shard_degree` below the world size), formed by every rank
-/// together, shard groups first; None when one group shards across all ranks.
-pub fn hybrid_groups(
-    cfg: &Config,
-    pg: &mut dyn crate::dist::ProcessGroup,
-) -> Result<Option<crate::train::optim::Hybrid>> {
-    use std::sync::{Arc, Mutex};
-    let (world, rank) = (pg.world_size(), pg.rank());
+/// This rank's place on the mesh (`dist::Mesh`: data × tensor ranks, `system.tensor_parallel`
+/// innermost, hybrid sharding's `system.shard_degree` inside the data ranks), checked.
+pub fn mesh(cfg: &Config, pg: &dyn crate::dist::ProcessGroup) -> Result<crate::dist::Mesh> {
+    let world = pg.world_size();
     let degree = shard_degree(cfg, world)?;
-    if degree == world {
-        return Ok(None);
-    }
-    let index = rank / degree;
-    let shard: Vec<usize> = (index * degree..(index + 1) * degree).collect();
-    let shard = pg.subgroup(&shard, &format!("shard{index}"))?;
-    let position = rank % degree;
-    let replica: Vec<usize> = (0..world / degree).map(|g| g * degree + position).collect();
-    let replica = pg.subgroup(&replica, &format!("replica{position}"))?;
-    Ok(Some(crate::train::optim::Hybrid {
-        shard: Arc::new(Mutex::new(shard)),
-        replica: Arc::new(Mutex::new(replica)),
-        index,
-    }))
+    Ok(crate::dist::Mesh::new(
+        pg.rank(),
+        world,
+        cfg.system.tensor_parallel,
+        degree,
+    ))
 }

@@ -20,7 +20,7 @@ use super::faults::{self, Faults};
 use super::fit;
 use super::guard::{self, Event, Guard, NanAbort};
 use super::loader::{Loader, SourceTokens};
-use super::optim::{AdamWParams, Optimizer, Schedule, Sharding};
+use super::optim::{AdamWParams, Hybrid, Optimizer, Schedule, Sharding};
 use super::place::{self, Rank};
 use super::preempt;
 use super::recorder::{About, Recorder};
@@ -476,10 +476,16 @@ fn optimizer(
     compute: Kind,
     pg: &mut dyn ProcessGroup,
 ) -> Result<Optimizer> {
+    let groups = place::mesh(cfg, pg)?.groups(pg)?;
     let sharding = Sharding {
         stage: cfg.system.zero_stage,
-        hybrid: place::hybrid_groups(cfg, pg)?,
+        hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
+            shard,
+            replica,
+            index,
+        }),
         reduce: device::reduce_kind(cfg),
+        tensor: None,
     };
     let hp = AdamWParams::from_config(&cfg.training);
     Optimizer::with_shapes(

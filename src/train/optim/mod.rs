@@ -32,7 +32,8 @@ pub use schedule::Schedule;
 
 use crate::config::ZeroStage;
 use crate::dist::overlap::{with_queue, CommQueue};
-use crate::dist::{ProcessGroup, SharedGroup};
+use crate::dist::{on_group, ProcessGroup, SharedGroup};
+use crate::model::Split;
 use crate::model::{GradUnit, UnitEvents};
 use reduce::GradReducer;
 use replicated::AdamW;
@@ -93,13 +94,26 @@ pub struct Hybrid {
     pub index: usize,
 }
 
+/// Tensor parallelism (`system.tensor_parallel` > 1): the ranks data parallelism works across
+/// (those at this rank's tensor index; they hold the same parts of the layers), and this rank's
+/// tensor-parallel group.
+pub struct TensorGroups {
+    pub data: SharedGroup,
+    pub tensor: SharedGroup,
+    /// `system.sequence_parallel`: the norm weights' gradients are partial sums over the
+    /// tensor group's tokens, added across it before the update.
+    pub sequence_parallel: bool,
+}
+
 /// How the state is sharded (the stage, and across which ranks) and how gradients travel.
 pub struct Sharding {
     pub stage: ZeroStage,
-    /// None: across all ranks.
+    /// None: across all data-parallel ranks.
     pub hybrid: Option<Hybrid>,
     /// `system.reduce_dtype`: the dtype of the buffers gradients are reduced in (fp32 or bf16).
     pub reduce: Kind,
+    /// None: no tensor parallelism, the data-parallel ranks are the whole group.
+    pub tensor: Option<TensorGroups>,
 }
 
 /// A checkpoint as the optimizer reads it back (implemented by `train::checkpoint`).
@@ -127,10 +141,11 @@ pub struct Optimizer {
     reducer: GradReducer,
     /// Stage 3: units whose gather is issued ahead of the one in use.
     prefetch: usize,
-    /// This rank in the whole group, and the group's size.
+    /// This rank among the data-parallel ranks, and their number.
     rank: usize,
     world: usize,
     hybrid: Option<Hybrid>,
+    tensor: Option<TensorGroups>,
     /// The dtype gradients travel in.
     reduce: Kind,
 }
@@ -153,6 +168,7 @@ impl Optimizer {
             stage,
             hybrid: None,
             reduce: Kind::Float,
+            tensor: None,
         };
         Self::with_shapes(params, shapes, hp, sharding, pg, bucket_mb, compute)
     }
@@ -174,13 +190,22 @@ impl Optimizer {
             stage,
             hybrid,
             reduce,
+            tensor,
         } = sharding;
         let named: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .collect();
-        let world = pg.world_size();
-        let shard = hybrid.as_ref().map(|h| h.shard.clone());
+        // The data-parallel ranks: the group given, or with tensor parallelism its data group.
+        let data = tensor.as_ref().map(|t| t.data.clone());
+        let (rank, world) = match &data {
+            Some(g) => {
+                let g = g.lock().map_err(|_| anyhow::anyhow!("poisoned subgroup"))?;
+                (g.rank(), g.world_size())
+            }
+            None => (pg.rank(), pg.world_size()),
+        };
+        let shard = hybrid.as_ref().map(|h| h.shard.clone()).or(data.clone());
         let (layout, reducer) = match stage {
             ZeroStage::Replicated => {
                 anyhow::ensure!(
@@ -190,7 +215,7 @@ impl Optimizer {
                 );
                 (
                     Layout::Replicated(AdamW::new(named, hp)),
-                    GradReducer::all_reduce(params, world, bucket_mb, reduce),
+                    GradReducer::all_reduce(params, (world, data), bucket_mb, reduce),
                 )
             }
             _ => {
@@ -204,7 +229,7 @@ impl Optimizer {
                         }
                     }
                     None => ShardRanks {
-                        rank: pg.rank(),
+                        rank,
                         world,
                         group: None,
                     },
@@ -214,7 +239,7 @@ impl Optimizer {
                 let reducer = if stage.shards_gradients() {
                     GradReducer::reduce_scatter(params, &sharded, reduce)
                 } else {
-                    GradReducer::all_reduce(params, world, bucket_mb, reduce)
+                    GradReducer::all_reduce(params, (world, data), bucket_mb, reduce)
                 };
                 (Layout::Sharded(Box::new(sharded)), reducer)
             }
@@ -223,9 +248,10 @@ impl Optimizer {
             layout,
             reducer,
             prefetch: 1,
-            rank: pg.rank(),
+            rank,
             world,
             hybrid,
+            tensor,
             reduce,
         })
     }
@@ -288,10 +314,16 @@ impl Optimizer {
         })
     }
 
-    /// Hybrid sharding: the gradient slices, reduce-scattered inside each shard group, averaged
-    /// across the replica group, so every rank ends with the world's mean. Called after the
-    /// step's passes (a no-op otherwise).
+    /// What the reductions during backward leave to the end of the step's passes: with hybrid
+    /// sharding, the gradient slices (reduce-scattered inside each shard group) averaged across
+    /// the replica group, so every rank ends with the world's mean; with sequence parallelism,
+    /// the norm weights' gradients added across the tensor group (`add_partial_gradients`).
     pub fn finish_reduction(&self) -> Result<()> {
+        self.average_replicas()?;
+        self.add_partial_gradients()
+    }
+
+    fn average_replicas(&self) -> Result<()> {
         match (&self.layout, &self.hybrid) {
             (Layout::Sharded(o), Some(h)) if o.stage.shards_gradients() => {
                 let slice = o
@@ -313,6 +345,37 @@ impl Optimizer {
         }
     }
 
+    /// Sequence parallelism: each rank of a tensor group computed the norm weights' gradients
+    /// from its own tokens, so the step's gradient is their sum over the group (summed after
+    /// the data-parallel mean, which commutes with it). The gradients of the whole parameters
+    /// at stages 0 and 1, this rank's slice's pieces of them at stages 2 and 3: the ranks of a
+    /// tensor group hold equal parts of every layer, so their slices line up.
+    fn add_partial_gradients(&self) -> Result<()> {
+        let Some(t) = self.tensor.as_ref().filter(|t| t.sequence_parallel) else {
+            return Ok(());
+        };
+        let grads = match &self.layout {
+            Layout::Replicated(o) => o
+                .params
+                .iter()
+                .filter(|p| Split::of(&p.name) == Split::Replicated)
+                .map(|p| p.param.grad())
+                .filter(Tensor::defined)
+                .collect(),
+            Layout::Sharded(o) => o.gradient_pieces(|name| Split::of(name) == Split::Replicated),
+        };
+        if grads.is_empty() {
+            return Ok(());
+        }
+        let flat = crate::dist::buckets::flatten(&grads).to_kind(Kind::Float);
+        let mut unused = crate::dist::SingleProcess;
+        on_group(Some(&t.tensor), &mut unused, |g| {
+            g.all_reduce_sum_tensor(&flat)
+        })?;
+        crate::dist::buckets::unflatten(&flat, &grads);
+        Ok(())
+    }
+
     /// `debug.inject_nan_param`, after the reduction so that every rank agrees.
     pub fn poison_gradient(&self, name: &str) {
         match &self.layout {
@@ -324,10 +387,42 @@ impl Optimizer {
     /// The global gradient norm (before clipping), the same at every stage: squares summed in
     /// fp64 (`kernel::sum_of_squares`), across ranks in rank order where they are sharded.
     pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        if let Some(t) = &self.tensor {
+            return self.split_grad_norm(t, pg);
+        }
         match &self.layout {
             Layout::Replicated(o) => Ok(kernel::norm_of(kernel::sum_of_squares(&o.gradients()))),
             Layout::Sharded(o) => o.grad_norm(pg),
         }
+    }
+
+    /// The global norm of a tensor-parallel model, each element counted once over the mesh:
+    /// the squares of the split parameters' gradients summed over the data ranks, then over the
+    /// tensor group (in rank order); those of the whole ones (the norms, equal on every rank of
+    /// the tensor group) once.
+    fn split_grad_norm(&self, t: &TensorGroups, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        let split = |name: &str| Split::of(name) != Split::Replicated;
+        let (parts, whole) = match &self.layout {
+            Layout::Replicated(o) => {
+                let of = |want: bool| -> Vec<Tensor> {
+                    o.params
+                        .iter()
+                        .filter(|p| split(&p.name) == want)
+                        .map(|p| p.param.grad())
+                        .collect()
+                };
+                (
+                    kernel::sum_of_squares(&of(true)),
+                    kernel::sum_of_squares(&of(false)),
+                )
+            }
+            Layout::Sharded(o) => o.grad_sums(pg, split)?,
+        };
+        let mut unused = crate::dist::SingleProcess;
+        let parts: f64 = on_group(Some(&t.tensor), &mut unused, |g| g.all_gather_f64(parts))?
+            .into_iter()
+            .sum();
+        Ok(kernel::norm_of(parts + whole))
     }
 
     /// clip_grad_norm_'s scaling with the norm from [`Optimizer::grad_norm`].

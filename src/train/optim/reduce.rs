@@ -56,8 +56,8 @@ enum Plan {
     /// World of one: nothing to average.
     Nothing,
     /// All-reduce in buckets: (parameter indices in backward order, index of the unit after
-    /// which the bucket is complete).
-    AllReduce(Vec<(Vec<usize>, usize)>),
+    /// which the bucket is complete), on the data-parallel group (None: the caller's group).
+    AllReduce(Vec<(Vec<usize>, usize)>, Option<SharedGroup>),
     /// Reduce-scatter a unit at a time into `slice` (this rank's fp32 gradient slice [S]).
     ReduceScatter {
         /// Each unit's span, aligned with `units`.
@@ -79,11 +79,11 @@ fn split(named: &[(String, Tensor)]) -> (Vec<(GradUnit, Vec<usize>)>, Vec<Tensor
 }
 
 impl GradReducer {
-    /// All-reduce of replicated gradients over `world` ranks in buckets of `bucket_mb`, sent
-    /// as `kind`.
+    /// All-reduce of replicated gradients over `world` data-parallel ranks (their `group`, or
+    /// the caller's when None) in buckets of `bucket_mb`, sent as `kind`.
     pub fn all_reduce(
         named: &[(String, Tensor)],
-        world: usize,
+        (world, group): (usize, Option<SharedGroup>),
         bucket_mb: f64,
         kind: Kind,
     ) -> GradReducer {
@@ -118,7 +118,7 @@ impl GradReducer {
             units,
             kind,
             params,
-            plan: Plan::AllReduce(buckets),
+            plan: Plan::AllReduce(buckets, group),
             accum: Mutex::default(),
         }
     }
@@ -213,9 +213,9 @@ impl GradReducer {
                     }
                 }
             }),
-            Plan::AllReduce(buckets) => {
+            Plan::AllReduce(buckets, group) => {
                 for (members, _) in buckets.iter().filter(|(_, ready)| *ready == u) {
-                    self.submit_all_reduce(members, queue);
+                    self.submit_all_reduce(members, group.clone(), queue);
                 }
             }
             Plan::ReduceScatter { .. } => self.submit_unit_scatter(u, queue),
@@ -224,7 +224,12 @@ impl GradReducer {
 
     /// One bucket: its gradients (with the earlier micro-batches' fp32 sums) packed flat,
     /// averaged, and copied back.
-    fn submit_all_reduce(&self, members: &[usize], queue: &mut CommQueue<'_>) {
+    fn submit_all_reduce(
+        &self,
+        members: &[usize],
+        group: Option<SharedGroup>,
+        queue: &mut CommQueue<'_>,
+    ) {
         let (grads, totals): (Vec<Tensor>, Vec<Tensor>) = members
             .iter()
             .map(|&i| (i, self.params[i].grad()))
@@ -241,7 +246,7 @@ impl GradReducer {
         }
         let flat = flatten(&totals).to_kind(self.kind);
         queue.submit(Box::new(move |pg| {
-            pg.all_reduce_avg_tensor(&flat)?;
+            on_group(group.as_ref(), pg, |g| g.all_reduce_avg_tensor(&flat))?;
             unflatten(&flat, &grads);
             Ok(())
         }));
@@ -380,8 +385,8 @@ mod tests {
         .map(|(n, k)| (n.to_string(), Tensor::zeros([*k as i64], opts)))
         .collect();
         // 1 MB = 262,144 fp32 elements: norm + layer 1 fit, layer 0 starts a new bucket.
-        let r = GradReducer::all_reduce(&named, 2, 1.0, Kind::Float);
-        let Plan::AllReduce(b) = &r.plan else {
+        let r = GradReducer::all_reduce(&named, (2, None), 1.0, Kind::Float);
+        let Plan::AllReduce(b, _) = &r.plan else {
             panic!()
         };
         assert_eq!(b, &[(vec![3, 2], 1), (vec![1], 2), (vec![0], 3)]);

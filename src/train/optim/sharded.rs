@@ -253,6 +253,47 @@ impl ShardedAdamW {
         Ok(super::kernel::norm_of(sum))
     }
 
+    /// The gradients of the parameters whose name passes `wanted`, where the update will read
+    /// them: views of the gradient slice's pieces at stages 2 and 3, the whole gradients at
+    /// stage 1.
+    pub fn gradient_pieces(&self, wanted: impl Fn(&str) -> bool) -> Vec<Tensor> {
+        match (self.stage.shards_gradients(), &self.grad) {
+            (true, Some(slice)) => self
+                .pieces
+                .iter()
+                .filter(|piece| wanted(&self.layout.params[piece.param].name))
+                .map(|piece| self.slice_of(slice, &piece.flat))
+                .collect(),
+            _ => self
+                .params
+                .iter()
+                .filter(|(name, _)| wanted(name))
+                .map(|(_, p)| p.grad())
+                .filter(Tensor::defined)
+                .collect(),
+        }
+    }
+
+    /// The sums of squares of the gradients of the parameters that pass `split` and of the
+    /// others, over the data-parallel ranks (a collective of the shard group at stages 2 and
+    /// 3; at stage 1 every rank holds the whole averaged gradients).
+    pub fn grad_sums(
+        &self,
+        pg: &mut dyn ProcessGroup,
+        split: impl Fn(&str) -> bool,
+    ) -> Result<(f64, f64)> {
+        let of = |want: bool| sum_of_squares(&self.gradient_pieces(|n| split(n) == want));
+        let (parts, whole) = (of(true), of(false));
+        if !self.stage.shards_gradients() {
+            return Ok((parts, whole));
+        }
+        on_group(self.shard.as_ref(), pg, |g| {
+            let parts: f64 = g.all_gather_f64(parts)?.into_iter().sum();
+            let whole: f64 = g.all_gather_f64(whole)?.into_iter().sum();
+            Ok((parts, whole))
+        })
+    }
+
     /// Scales the gradients that the update will read so their global norm is at most `max`.
     pub fn clip(&self, norm: f64, max: f64) {
         match (self.stage.shards_gradients(), &self.grad) {
