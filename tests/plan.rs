@@ -738,3 +738,253 @@ fn the_start_check_counts_the_staging_copy_on_cpu_and_names_checkpoint_async() {
         "{started}"
     );
 }
+
+/// `args` with `--set` for each of `sets`.
+fn with_sets<'a>(args: &[&'a str], sets: &'a [String]) -> Vec<&'a str> {
+    let mut v = args.to_vec();
+    for s in sets {
+        v.extend(["--set", s.as_str()]);
+    }
+    v
+}
+
+/// The `--set`s of an advice object (`advice` or `tensor_parallel_advice.change`).
+fn advised_sets(change: &Value) -> Vec<String> {
+    change["sets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn tensor_parallelism_splits_each_ranks_share_and_the_plan_shows_the_mesh() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = LLAMA_8B.to_vec();
+        args.extend(["--gpus", "8", "--device", "cuda", "--gpu-memory-gb", "80"]);
+        args.extend(extra);
+        plan_json(tmp.path(), &args)
+    };
+    let (one, eight) = (plan(&[]), plan(&["--set", "system.tensor_parallel=8"]));
+    let at = |p: &Value, stage: u64, mode: &str| {
+        p["layouts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| {
+                l["layout"]["zero_stage"] == stage
+                    && l["layout"]["activation_checkpointing"] == mode
+            })
+            .unwrap()
+            .clone()
+    };
+    let bytes = |l: &Value, k: &str| l["memory"][k].as_f64().unwrap();
+    // Stage 0's fp32 weights: the matrices, embedding and LM head over 8, the 65 norms whole.
+    let params = 8_030_261_248.0;
+    let norms = (32.0 * 2.0 + 1.0) * 4096.0;
+    assert_eq!(bytes(&at(&one, 0, "none"), "weights"), 4.0 * params);
+    assert_eq!(
+        bytes(&at(&eight, 0, "none"), "weights"),
+        4.0 * ((params - norms) / 8.0 + norms)
+    );
+    assert_eq!(eight["tensor_parallel"], 8);
+    assert_eq!(eight["data_parallel_ranks"], 1);
+    assert_eq!(eight["sequence_parallel"], true);
+    assert_eq!(eight["padded_vocab_size"], 128_256);
+    assert_eq!(one["tensor_parallel_bytes_per_step"], 0.0);
+    // TP traffic: 8 × 7/8 × d × 2 B per layer and token (bf16), plus the embedding's and the
+    // head's fp32 hidden states and the cross-entropy's per-token scalars.
+    let f = 7.0 / 8.0;
+    let per_layer = 8.0 * f * 4096.0 * 2.0;
+    let outside = 4.0 * f * 4096.0 * 4.0 + 4.0 * 7.0 + 2.0 * f * 8.0;
+    let expected = 8192.0 * (32.0 * per_layer + outside);
+    let sent = eight["tensor_parallel_bytes_per_step"].as_f64().unwrap();
+    assert!((sent - expected).abs() < 1e-6 * expected, "{sent}");
+    assert_eq!(eight["tensor_parallel_link"], "intra_node");
+    // One data-parallel rank: nothing sent at any stage.
+    assert_eq!(eight["comm_bytes_per_step"][3], 0.0);
+
+    // Without sequence parallelism: the same traffic, but what is kept between the blocks
+    // (with full checkpointing, every layer's input) is whole on every rank.
+    let no_sp = plan(&[
+        "--set",
+        "system.tensor_parallel=8",
+        "--set",
+        "system.sequence_parallel=false",
+    ]);
+    assert_eq!(no_sp["sequence_parallel"], false);
+    assert_eq!(no_sp["tensor_parallel_bytes_per_step"], sent);
+    for mode in ["none", "selective", "full"] {
+        let (a, b) = (at(&eight, 1, mode), at(&no_sp, 1, mode));
+        assert!(
+            bytes(&a, "activations") < bytes(&b, "activations"),
+            "{mode}"
+        );
+    }
+
+    // The text names the mesh and the TP traffic's link.
+    let mut args = vec!["plan".to_string()];
+    args.extend(LLAMA_8B.iter().map(|s| s.to_string()));
+    args.extend(
+        [
+            "--gpus",
+            "16",
+            "--device",
+            "cuda",
+            "--gpu-memory-gb",
+            "80",
+            "--set",
+            "system.tensor_parallel=8",
+        ]
+        .map(String::from),
+    );
+    let text = ok(tmp.path(), &args);
+    for part in [
+        "Layout: 16 GPUs = mesh 8 tensor-parallel × 2 data-parallel, sequence parallel on |",
+        "× 1 accumulation per data-parallel rank |",
+        "1/8 of it on each rank of a tensor-parallel group",
+        "Communication per step per rank among 2 data-parallel ranks",
+        "Tensor parallelism: ",
+        "per step per rank in each group of 8 (8 × 7/8 × d × 2 B per layer and token;",
+        "over a node's links at 360 GB/s",
+        "TP time",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+}
+
+#[test]
+fn llama_70b_on_64_gpus_is_advised_tensor_parallelism_8_in_a_node() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_70B.to_vec();
+    args.extend(["--gpus", "64", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    // Data parallelism alone fits at stage 3 (the advice) but spends half its step sending.
+    assert!(!p["fits"].as_bool().unwrap());
+    let data_only = p["advice"]["efficiency"].as_f64().unwrap();
+    assert!(data_only < 0.6, "{}", p["advice"]);
+    let tp = &p["tensor_parallel_advice"];
+    assert_eq!(tp["tensor_parallel"], 8, "{tp}");
+    assert_eq!(tp["data_parallel_ranks"], 8);
+    let sets = advised_sets(&tp["change"]);
+    assert_eq!(sets[0], "system.tensor_parallel=8");
+    // Applied, it fits in what it said, the world trains the same tokens per step, and the
+    // step computes a larger share of the time.
+    let q = plan_json(tmp.path(), &with_sets(&args, &sets));
+    assert!(q["fits"].as_bool().unwrap(), "{}", q["configured"]);
+    assert_eq!(q["configured"]["total_bytes"], tp["change"]["total_bytes"]);
+    assert_eq!(q["tensor_parallel"], 8);
+    let layout = &q["configured"]["layout"];
+    let sequences = layout["batch"].as_u64().unwrap() * layout["grad_accum"].as_u64().unwrap();
+    assert_eq!(8 * sequences, 64, "{layout}");
+    let efficiency = q["configured"]["efficiency"].as_f64().unwrap();
+    assert_eq!(efficiency, tp["change"]["efficiency"].as_f64().unwrap());
+    assert!(efficiency > data_only + 0.2, "{efficiency} vs {data_only}");
+    let time = &q["configured"]["time"];
+    let step = q["step_seconds"].as_f64().unwrap();
+    let parts: f64 = [
+        "compute_seconds",
+        "data_parallel_seconds",
+        "tensor_parallel_seconds",
+    ]
+    .iter()
+    .map(|k| time[k].as_f64().unwrap())
+    .sum();
+    assert!((step - parts).abs() < 1e-9 * step);
+    // The text says it beside the data-parallel change.
+    let mut a = vec!["plan".to_string()];
+    a.extend(args.iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &a);
+    for part in [
+        "Cheapest change that fits: --set system.zero_stage=3",
+        "With tensor parallelism in a node: --set system.tensor_parallel=8 ",
+        "(mesh 8 tensor-parallel × 8 data-parallel, the same tokens per step;",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+}
+
+/// Llama-3.1-405B's shape (126 layers, d 16384, 128 heads / 8 KV heads, FFN 53248, untied
+/// 128,256-id vocabulary) at context 8192, one sequence per data-parallel rank, full
+/// activation checkpointing.
+const LLAMA_405B: [&str; 18] = [
+    "--set",
+    "model.num_layers=126",
+    "--set",
+    "model.hidden_size=16384",
+    "--set",
+    "model.num_attention_heads=128",
+    "--set",
+    "model.num_key_value_heads=8",
+    "--set",
+    "model.intermediate_size=53248",
+    "--set",
+    "model.vocab_size=128256",
+    "--set",
+    "training.context_length=8192",
+    "--set",
+    "training.batch_size=1",
+    "--set",
+    "training.activation_checkpointing=full",
+];
+
+#[test]
+fn llama_405b_fits_on_512_gpus_with_tensor_parallelism() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_405B.to_vec();
+    args.extend(["--gpus", "512", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    assert_eq!(p["model"]["parameters"], 405_853_388_800_u64);
+    // No data-parallel layout fits: stage 3 over 512 still keeps 126 layer inputs of 8192 ×
+    // 16384 fp32 values.
+    assert!(!p["fits"].as_bool().unwrap());
+    assert!(p["advice"].is_null(), "{}", p["advice"]);
+    let tp = &p["tensor_parallel_advice"];
+    let sets = advised_sets(&tp["change"]);
+    let q = plan_json(tmp.path(), &with_sets(&args, &sets));
+    assert!(
+        q["fits"].as_bool().unwrap(),
+        "{sets:?}: {}",
+        q["configured"]
+    );
+    assert_eq!(q["configured"]["total_bytes"], tp["change"]["total_bytes"]);
+    let text = ok(
+        tmp.path(),
+        &std::iter::once("plan")
+            .chain(args.iter().copied())
+            .map(String::from)
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        text.contains("No layout fits") && text.contains("With tensor parallelism in a node: "),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_tensor_parallel_degree_that_cannot_split_the_model_or_the_ranks_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (extra, expected) in [
+        // The production preset has 8 KV heads.
+        (
+            vec!["--gpus", "6", "--set", "system.tensor_parallel=3"],
+            "system.tensor_parallel = 3: must divide the attention heads (32), the KV heads (8)",
+        ),
+        (
+            vec!["--gpus", "6", "--set", "system.tensor_parallel=4"],
+            "system.tensor_parallel = 4: must divide the number of ranks, 6",
+        ),
+    ] {
+        let mut args = vec!["plan", "--device", "cuda"];
+        args.extend(extra);
+        let out = run(
+            tmp.path(),
+            &args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        );
+        let text = output_text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(expected), "expected `{expected}` in:\n{text}");
+    }
+}

@@ -1,6 +1,8 @@
 //! `lockstep plan`: what a configuration needs per rank — memory by buffer for every zero stage
-//! and activation checkpointing mode, FLOPs, step time, communication, scaling — and whether it
-//! fits, before anything is prepared or allocated; and what a checkpoint save writes, stages in
+//! and activation checkpointing mode, FLOPs, step time, communication (data-parallel and, with
+//! `system.tensor_parallel`, inside the TP groups), scaling — and whether it fits, with the
+//! tensor parallelism to switch to where data parallelism alone falls short, before anything
+//! is prepared or allocated; and what a checkpoint save writes, stages in
 //! host memory and stalls at a stated storage bandwidth. The estimate is `crate::plan`'s, the
 //! same one `train` checks at start.
 
@@ -18,7 +20,8 @@ pub enum PlanDevice {
 
 #[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
-    /// Data-parallel ranks (GPUs, or CPU processes with --device cpu).
+    /// Ranks in all (GPUs, or CPU processes with --device cpu): system.tensor_parallel × the
+    /// data-parallel ranks.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub gpus: usize,
     /// Memory per device in GB (default: the visible GPU's total, else 80; with --device cpu,
@@ -96,9 +99,16 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         0 => (cores / world).max(1),
         n => n,
     };
+    let shape = plan::shape(cfg)?;
+    // A model read from model.model_path is checked against system.tensor_parallel here.
+    crate::config::check_tensor_parallel(
+        cfg.system.tensor_parallel,
+        (shape.num_heads, shape.num_kv_heads, shape.intermediate_size),
+        "the model (model.model_path's config.json)",
+    )?;
     let setting = Setting::new(
         cfg,
-        plan::shape(cfg)?,
+        shape,
         Target {
             device,
             world,

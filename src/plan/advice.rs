@@ -5,10 +5,18 @@
 //! same. The step-time model counts recomputed FLOPs and communication; a smaller micro-batch
 //! has the same FLOPs but smaller matmuls, charged as 3% per halving (an assumption, stated in
 //! the output).
-
+//!
+//! Beside it, tensor parallelism on GPUs ([`tensor_parallel`]): when the data-parallel layouts
+//! do not fit, or the best of them spends more than a fifth of its step communicating, the
+//! smallest T of 2, 4, 8 (dividing the heads, the KV heads, the FFN width and the GPUs per
+//! node, so a TP group stays in a node) that fits at [`EFFICIENCY_TARGET`] or better, else the
+//! most efficient one that fits. The world's tokens per step stay the same: with T times fewer
+//! data-parallel ranks each trains T times as many tokens per step. At the new T every layout
+//! of the knobs above is a candidate, the lower zero stages and lighter checkpointing included:
+//! the TP share is what makes them fit.
 use serde::Serialize;
 
-use super::{estimate, Layout, Setting};
+use super::{estimate, Device, Estimate, Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
@@ -21,10 +29,45 @@ pub struct Change {
     pub total_bytes: f64,
     /// Estimated step time relative to the current layout's, minus one.
     pub slowdown: f64,
+    /// The layout's estimated step and scaling efficiency (`StepTime`).
+    pub step_seconds: f64,
+    pub efficiency: f64,
+}
+
+impl Change {
+    /// The change from `current` to the layout of estimate `e`, `slowdown` against `base`
+    /// seconds per step.
+    fn to(current: &Layout, e: &Estimate, cost: f64, base: f64) -> Change {
+        Change {
+            layout: e.layout,
+            sets: sets(current, &e.layout),
+            total_bytes: e.total_bytes,
+            slowdown: cost / base - 1.0,
+            step_seconds: e.step_seconds,
+            efficiency: e.efficiency,
+        }
+    }
+}
+
+/// A change of `system.tensor_parallel` with the layout that goes with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorParallelChange {
+    /// The new T, and the data-parallel ranks it leaves.
+    pub tensor_parallel: usize,
+    pub data_parallel_ranks: usize,
+    /// `system.tensor_parallel=T` and the layout's `--set`s; `slowdown` is against the current
+    /// layout's step (the same tokens in all).
+    pub change: Change,
 }
 
 /// Charged per halving of the micro-batch.
 const SMALLER_GEMM_PENALTY: f64 = 0.03;
+
+/// The scaling efficiency below which tensor parallelism is proposed, and that it aims for.
+pub const EFFICIENCY_TARGET: f64 = 0.8;
+
+/// The tensor-parallel degrees proposed.
+const TENSOR_PARALLEL_DEGREES: [usize; 3] = [2, 4, 8];
 
 fn strength(m: ActivationCheckpointing) -> u8 {
     match m {
@@ -35,7 +78,8 @@ fn strength(m: ActivationCheckpointing) -> u8 {
 }
 
 /// Every layout that keeps the tokens per step and uses no more memory-hungry setting than
-/// `current` on any knob.
+/// `current` on any knob, and that the config checks accept: sequence parallelism splits the
+/// micro-batch's tokens evenly, hybrid sharding needs a sharding stage.
 fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     let chunk_rank = |c: usize| if c == 0 { usize::MAX } else { c };
     let mut chunks = vec![current.loss_chunk_tokens];
@@ -53,7 +97,8 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     .filter(|m| strength(*m) >= strength(current.activation_checkpointing))
     .collect();
     // Sharding only saves memory across ranks: alone, a rank keeps the stage it has.
-    let stages: Vec<ZeroStage> = if s.world > 1 {
+    let data = s.data_ranks(s.world);
+    let stages: Vec<ZeroStage> = if data > 1 {
         ZeroStage::ALL
             .into_iter()
             .filter(|z| *z >= current.zero_stage)
@@ -63,11 +108,13 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     };
     let batches: Vec<usize> = (1..=current.batch)
         .filter(|b| current.batch.is_multiple_of(*b))
+        .filter(|b| !s.splits_sequence() || (b * s.context).is_multiple_of(s.tensor_parallel))
         .collect();
+    let hybrid = s.shard_ranks(s.world) < data;
     let mut out = Vec::new();
     for &loss_chunk_tokens in &chunks {
         for &activation_checkpointing in &modes {
-            for &zero_stage in &stages {
+            for &zero_stage in stages.iter().filter(|z| !hybrid || z.shards_optimizer()) {
                 for &batch in &batches {
                     out.push(Layout {
                         zero_stage,
@@ -85,7 +132,7 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
 
 fn sets(current: &Layout, to: &Layout) -> Vec<String> {
     let mut v = Vec::new();
-    if to.batch != current.batch {
+    if to.batch != current.batch || to.grad_accum != current.grad_accum {
         v.push(format!("training.batch_size={}", to.batch));
         v.push(format!("training.grad_accum_nums={}", to.grad_accum));
     }
@@ -111,34 +158,116 @@ fn sets(current: &Layout, to: &Layout) -> Vec<String> {
 /// current layout itself when it already is.
 pub fn cheapest_within(s: &Setting, current: &Layout, limit: f64) -> Option<Change> {
     let base = estimate(s, current).step_seconds;
-    let mut best: Option<(f64, usize, Change)> = None;
-    for l in candidates(s, current) {
+    cheapest(s, current, current, limit).map(|(e, cost)| Change::to(current, &e, cost, base))
+}
+
+/// Of `candidates(s, from)`, the layout whose estimate is at most `limit` bytes with the
+/// shortest step, charged for micro-batches smaller than `from`'s; of equal ones, the one with
+/// fewer `--set`s from `current`, then the one with less memory. Its estimate and charged
+/// step.
+fn cheapest(s: &Setting, from: &Layout, current: &Layout, limit: f64) -> Option<(Estimate, f64)> {
+    let mut best: Option<(f64, usize, Estimate)> = None;
+    for l in candidates(s, from) {
         let e = estimate(s, &l);
         if e.total_bytes > limit {
             continue;
         }
-        let halvings = (current.batch as f64 / l.batch as f64).log2();
+        let halvings = (from.batch as f64 / l.batch as f64).log2();
         let cost = e.step_seconds * (1.0 + SMALLER_GEMM_PENALTY * halvings);
-        let change = Change {
-            layout: l,
-            sets: sets(current, &l),
-            total_bytes: e.total_bytes,
-            slowdown: cost / base - 1.0,
-        };
-        let n = change.sets.len();
+        let n = sets(current, &l).len();
         let better = match &best {
             None => true,
             Some((c, k, b)) => {
                 cost < c * (1.0 - 1e-9)
                     || (cost <= c * (1.0 + 1e-9)
-                        && (n < *k || (n == *k && change.total_bytes < b.total_bytes)))
+                        && (n < *k || (n == *k && e.total_bytes < b.total_bytes)))
             }
         };
         if better {
-            best = Some((cost, n, change));
+            best = Some((cost, n, e));
         }
     }
-    best.map(|(_, _, c)| c)
+    best.map(|(cost, _, e)| (e, cost))
+}
+
+/// Tensor parallelism to propose on GPUs (None elsewhere, or when the data-parallel layouts
+/// already fit at [`EFFICIENCY_TARGET`], or when no T helps): of 2, 4, 8, the multiples of the
+/// configured T above it that divide the heads, the KV heads, the FFN width (as
+/// `config::check_tensor_parallel` requires), the GPUs per node and the ranks, the smallest
+/// whose cheapest fitting layout reaches the target; else the most efficient fitting one, if
+/// the data-parallel layouts do not fit or are less efficient.
+pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelChange> {
+    if s.device != Device::Cuda {
+        return None;
+    }
+    let now = estimate(s, current);
+    let data_only = if now.fits {
+        Some(now.efficiency)
+    } else {
+        cheapest_within(s, current, s.budget).map(|c| c.efficiency)
+    };
+    if data_only.is_some_and(|e| e >= EFFICIENCY_TARGET) {
+        return None;
+    }
+    let sh = &s.shape;
+    let options: Vec<TensorParallelChange> = TENSOR_PARALLEL_DEGREES
+        .into_iter()
+        .filter(|&t| {
+            t > s.tensor_parallel
+                && t.is_multiple_of(s.tensor_parallel)
+                && [
+                    sh.num_heads,
+                    sh.num_kv_heads,
+                    sh.intermediate_size,
+                    s.node_size,
+                    s.world,
+                ]
+                .iter()
+                .all(|n| n.is_multiple_of(t))
+        })
+        .filter_map(|t| at_degree(s, current, t, now.step_seconds))
+        .collect();
+    if let Some(first) = options
+        .iter()
+        .find(|o| o.change.efficiency >= EFFICIENCY_TARGET)
+    {
+        return Some(first.clone());
+    }
+    options
+        .into_iter()
+        .max_by(|a, b| a.change.efficiency.total_cmp(&b.change.efficiency))
+        .filter(|best| data_only.is_none_or(|e| best.change.efficiency > e))
+}
+
+/// The cheapest fitting layout at T = `t` that trains the world's tokens per step: each of the
+/// fewer data-parallel ranks k = t / T times as many sequences (in micro-batches of up to k
+/// times the current one, the rest as accumulation), at any zero stage and checkpointing mode.
+/// `base` is the current layout's step time. None when nothing fits, or hybrid sharding's
+/// groups do not divide the data-parallel ranks left.
+fn at_degree(s: &Setting, current: &Layout, t: usize, base: f64) -> Option<TensorParallelChange> {
+    let k = t / s.tensor_parallel;
+    let mesh = Setting {
+        tensor_parallel: t,
+        ..s.clone()
+    };
+    let data = mesh.data_ranks(mesh.world);
+    if mesh.shard_degree > 0 && !data.is_multiple_of(mesh.shard_degree) {
+        return None;
+    }
+    let from = Layout {
+        zero_stage: ZeroStage::Replicated,
+        activation_checkpointing: ActivationCheckpointing::None,
+        batch: current.batch * k,
+        ..*current
+    };
+    let (e, _) = cheapest(&mesh, &from, current, s.budget)?;
+    let mut change = Change::to(current, &e, e.step_seconds, base);
+    change.sets.insert(0, format!("system.tensor_parallel={t}"));
+    Some(TensorParallelChange {
+        tensor_parallel: t,
+        data_parallel_ranks: data,
+        change,
+    })
 }
 
 /// The layout with the least memory of all candidates (what "even the most frugal layout
@@ -149,12 +278,7 @@ pub fn smallest(s: &Setting, current: &Layout) -> Change {
         .into_iter()
         .map(|l| {
             let e = estimate(s, &l);
-            Change {
-                layout: l,
-                sets: sets(current, &l),
-                total_bytes: e.total_bytes,
-                slowdown: e.step_seconds / base - 1.0,
-            }
+            Change::to(current, &e, e.step_seconds, base)
         })
         .min_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes))
         .expect("the current layout is a candidate")
@@ -187,5 +311,69 @@ mod tests {
         assert_eq!(stages(8, 2), [2, 3]);
         assert_eq!(stages(1, 0), [0]);
         assert_eq!(stages(1, 3), [3]);
+        // A TP group of 8 on 8 GPUs is one data-parallel rank: nothing to shard over.
+        let (s, l) = test_setting(&["model.vocab_size=128256", "system.tensor_parallel=8"], 8);
+        assert!(candidates(&s, &l)
+            .iter()
+            .all(|c| c.zero_stage == l.zero_stage));
+    }
+
+    /// Llama-3.1-70B's shape at context 8192, full checkpointing, on `world` GPUs of 80 GB.
+    fn llama_70b(world: usize) -> (Setting, Layout) {
+        test_setting(
+            &[
+                "model.num_layers=80",
+                "model.hidden_size=8192",
+                "model.num_attention_heads=64",
+                "model.num_key_value_heads=8",
+                "model.intermediate_size=28672",
+                "model.vocab_size=128256",
+                "training.activation_checkpointing=full",
+            ],
+            world,
+        )
+    }
+
+    #[test]
+    fn tensor_parallelism_is_proposed_where_data_parallelism_falls_short_on_gpus() {
+        // 70B on 64 GPUs: stage 3 fits at under half its step computing.
+        let (s, l) = llama_70b(64);
+        let data_only = cheapest_within(&s, &l, s.budget).expect("stage 3 fits");
+        assert!(data_only.efficiency < EFFICIENCY_TARGET, "{data_only:?}");
+        let tp = tensor_parallel(&s, &l).expect("a TP degree helps");
+        assert_eq!(tp.tensor_parallel, 8);
+        assert_eq!(tp.data_parallel_ranks, 8);
+        assert_eq!(tp.change.sets[0], "system.tensor_parallel=8");
+        assert!(tp.change.efficiency > data_only.efficiency);
+        // The same tokens per step over all ranks, in the memory it says.
+        let to = tp.change.layout;
+        assert_eq!(8 * to.batch * to.grad_accum, 64 * l.batch * l.grad_accum);
+        let mesh = Setting {
+            tensor_parallel: 8,
+            ..s.clone()
+        };
+        let e = estimate(&mesh, &to);
+        assert!(e.fits);
+        assert_eq!(e.total_bytes, tp.change.total_bytes);
+        assert_eq!(e.efficiency, tp.change.efficiency);
+        // Not on CPU ranks, and not where data parallelism fits at the target (8B at stage 1
+        // with full checkpointing on 8 GPUs).
+        let cpu = Setting {
+            device: Device::Cpu,
+            ..s.clone()
+        };
+        assert!(tensor_parallel(&cpu, &l).is_none());
+        let (s, l) = test_setting(
+            &[
+                "model.num_layers=32",
+                "model.vocab_size=128256",
+                "system.zero_stage=1",
+                "training.activation_checkpointing=full",
+            ],
+            8,
+        );
+        let e = estimate(&s, &l);
+        assert!(e.fits && e.efficiency >= EFFICIENCY_TARGET, "{e:?}");
+        assert!(tensor_parallel(&s, &l).is_none());
     }
 }

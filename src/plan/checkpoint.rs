@@ -20,6 +20,11 @@
 //! (bf16 compute at zero stages 1 and 2, and stage 3) both kinds of save first all-gather them
 //! in the shard group (4·P bytes, the ring's (S−1)/S of it sent per rank) at the plan's link
 //! speed: folded into both stalls.
+//!
+//! With tensor parallelism (T) the ranks of a TP group hold different shares, so every one of
+//! them writes: W is the shard group's data-parallel ranks times T (the first S·T ranks with
+//! hybrid sharding), and the masters' gather runs among the data-parallel ranks on the rank's
+//! TP share.
 
 use serde::Serialize;
 
@@ -88,12 +93,12 @@ pub struct Checkpoint {
     pub time_lost: Option<f64>,
 }
 
-/// Ranks that write a share of each save.
+/// Ranks that write a share of each save: the first shard group of every TP position.
 pub fn writing_ranks(s: &Setting) -> usize {
     if s.world <= 1 {
         1
     } else {
-        s.shard_ranks(s.world).max(1)
+        s.shard_ranks(s.world).max(1) * s.tensor_parallel
     }
 }
 
@@ -128,14 +133,15 @@ pub fn gathers_masters(s: &Setting, stage: ZeroStage) -> bool {
     stage.shards_parameters() || (stage.shards_optimizer() && s.bf16)
 }
 
-/// Seconds of the fp32 masters' all-gather in the shard group before a save.
+/// Seconds of the fp32 masters' all-gather (of the rank's TP share) in the shard group before
+/// a save.
 pub fn gather_seconds(s: &Setting, stage: ZeroStage) -> f64 {
     let shard = s.shard_ranks(s.world).max(1);
     if !gathers_masters(s, stage) || shard <= 1 {
         return 0.0;
     }
     let ring = (shard as f64 - 1.0) / shard as f64;
-    ring * 4.0 * s.shape.num_parameters() as f64 / comm::bandwidth(s, shard)
+    ring * 4.0 * super::tensor::share(s).parameters / comm::data_parallel_bandwidth(s, shard)
 }
 
 /// Bytes/s a rank copies into its staging buffer.
@@ -218,6 +224,18 @@ mod tests {
             (vec!["system.zero_stage=0"], 8, 8),
             (vec!["system.zero_stage=1"], 16, 16),
             (vec!["system.zero_stage=3", "system.shard_degree=4"], 16, 4),
+            // Every rank of a TP group holds its own share: all write.
+            (vec!["system.tensor_parallel=8"], 16, 16),
+            // The first shard group (2 data-parallel ranks) of each of the 2 TP positions.
+            (
+                vec![
+                    "system.zero_stage=3",
+                    "system.shard_degree=2",
+                    "system.tensor_parallel=2",
+                ],
+                16,
+                4,
+            ),
         ] {
             let (s, l) = setting(&sets, world);
             let p = s.shape.num_parameters() as f64;

@@ -13,33 +13,40 @@
 //! NCCL switches to trees beyond. Hybrid sharding (`system.shard_degree`) runs all of this
 //! inside a shard group and adds an all-reduce of the gradient slices across the groups
 //! ([`traffic`]).
+//!
+//! With tensor parallelism all of this acts on a rank's TP share of the parameters
+//! (`tensor::share`) among the data-parallel ranks with the same TP position: D = N/T of them,
+//! every T-th rank, so a group of S of them spans S·T consecutive ranks, in a node only when
+//! that fits in one. The TP group's own traffic is `tensor.rs`'s.
 
 use serde::Serialize;
 
-use super::{compute_seconds, Layout, Setting};
+use super::{Layout, Setting, StepTime};
 use crate::config::ZeroStage;
 
-/// Bytes one rank sends per step at `stage` among `world` ranks.
+/// Bytes one rank sends to the data-parallel ranks per step at `stage` among `world` ranks.
 pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> f64 {
     let (inside, across) = traffic(s, l, stage, world);
     inside + across
 }
 
-/// Bytes one rank sends per step: (inside its shard group, across the shard groups). Without
-/// hybrid sharding the shard group is the world and everything counts as inside. With it
-/// (`system.shard_degree` = S < N), the reduce-scatters and all-gathers run inside the group
-/// and the gradient slice (4P/S) is all-reduced across the N/S groups.
+/// Bytes one rank sends per step among the data-parallel ranks of `world` ranks: (inside its
+/// shard group, across the shard groups). Without hybrid sharding the shard group is all D
+/// data-parallel ranks and everything counts as inside. With it (`system.shard_degree` = S < D),
+/// the reduce-scatters and all-gathers run inside the group and the gradient slice (4P/S) is
+/// all-reduced across the D/S groups. P is the rank's TP share.
 pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64, f64) {
-    if world <= 1 {
+    let data = s.data_ranks(world);
+    if data <= 1 {
         return (0.0, 0.0);
     }
-    let params = s.shape.num_parameters() as f64;
+    let params = super::tensor::share(s).parameters;
     let shard = s.shard_ranks(world);
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
-    let (f, fw) = (ring(shard), ring(world));
+    let (f, fw) = (ring(shard), ring(data));
     let grads = s.reduce_bytes * params;
     let weights = s.compute_bytes() * params;
-    let replicas = world / shard;
+    let replicas = data / shard;
     let across = if replicas > 1 && stage.shards_gradients() {
         2.0 * ring(replicas) * grads / shard as f64
     } else {
@@ -59,57 +66,72 @@ pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64,
     (inside, across)
 }
 
-/// Stage 3: parameters (elements) one micro-batch's forward and backward all-gather: every
-/// unit for the forward (a tied embedding twice, as the embedding and as the head) and again
-/// for the backward, except the final norm and the head, which stay gathered from their forward
-/// through their backward.
+/// Stage 3: parameters (elements of the rank's TP share) one micro-batch's forward and
+/// backward all-gather: every unit for the forward (a tied embedding twice, as the embedding
+/// and as the head) and again for the backward, except the final norm and the head, which stay
+/// gathered from their forward through their backward.
 pub fn gathered_per_pass(s: &Setting) -> f64 {
-    let sh = &s.shape;
-    let d = sh.hidden_size as f64;
-    let head = (sh.vocab_size * sh.hidden_size) as f64;
-    let head_once = if sh.tie_word_embeddings { head } else { -head };
-    2.0 * sh.num_parameters() as f64 - d + head_once
+    let share = super::tensor::share(s);
+    let d = s.shape.hidden_size as f64;
+    let head = share.vocab * d;
+    let head_once = if s.shape.tie_word_embeddings {
+        head
+    } else {
+        -head
+    };
+    2.0 * share.parameters - d + head_once
 }
 
-/// The collective bandwidth a ring of `world` ranks gets: a node's links while it fits in one
-/// node, the inter-node link (the slowest hop) beyond.
-pub fn bandwidth(s: &Setting, world: usize) -> f64 {
-    if world <= s.node_size {
+/// The collective bandwidth of a ring whose ranks lie among `span` consecutive ranks: a node's
+/// links while they fit in one node, the inter-node link (the slowest hop) beyond.
+pub fn bandwidth(s: &Setting, span: usize) -> f64 {
+    if span <= s.node_size {
         s.intra_bw
     } else {
         s.inter_bw
     }
 }
 
-/// Seconds of communication per step at the layout's stage among `world` ranks: the shard
-/// group's collectives at its own links' speed (a node's, when it fits in one), the traffic
-/// across groups at the world's.
-pub fn seconds_per_step(s: &Setting, l: &Layout, world: usize) -> f64 {
-    let (inside, across) = traffic(s, l, l.zero_stage, world);
-    inside / bandwidth(s, s.shard_ranks(world)) + across / bandwidth(s, world)
+/// The collective bandwidth of a ring of `ranks` data-parallel ranks (one per TP group: they
+/// span `ranks` · T consecutive ranks).
+pub fn data_parallel_bandwidth(s: &Setting, ranks: usize) -> f64 {
+    bandwidth(s, ranks * s.tensor_parallel)
 }
 
-/// Weak scaling (same per-rank batch) at one world size.
+/// Seconds of data-parallel communication per step at the layout's stage among `world` ranks:
+/// the shard group's collectives at its own links' speed (a node's, when it fits in one), the
+/// traffic across groups at the world's.
+pub fn seconds_per_step(s: &Setting, l: &Layout, world: usize) -> f64 {
+    let (inside, across) = traffic(s, l, l.zero_stage, world);
+    inside / data_parallel_bandwidth(s, s.shard_ranks(world)) + across / bandwidth(s, world)
+}
+
+/// Weak scaling (same batch per data-parallel rank, same TP group) at one world size.
 #[derive(Debug, Clone, Serialize)]
 pub struct Scaling {
+    /// Ranks in all (T × the data-parallel ranks).
     pub ranks: usize,
+    /// Data-parallel bytes sent per rank and step, and their seconds.
     pub bytes_per_rank: f64,
     pub comm_seconds: f64,
+    /// The TP group's collectives per step (0 at T = 1).
+    pub tensor_parallel_seconds: f64,
     /// compute / (compute + communication): the step as it runs today.
     pub efficiency: f64,
-    /// compute / max(compute, communication): with the reductions hidden behind backward.
+    /// compute / (max(compute, data-parallel communication) + TP communication): with the
+    /// reductions hidden behind backward.
     pub efficiency_overlapped: f64,
 }
 
 pub fn scaling(s: &Setting, l: &Layout, world: usize) -> Scaling {
-    let compute = compute_seconds(s, l);
-    let comm = seconds_per_step(s, l, world);
+    let time = StepTime::of(s, l, world);
     Scaling {
         ranks: world,
         bytes_per_rank: bytes_per_step(s, l, l.zero_stage, world),
-        comm_seconds: comm,
-        efficiency: compute / (compute + comm),
-        efficiency_overlapped: compute / compute.max(comm),
+        comm_seconds: time.data_parallel_seconds,
+        tensor_parallel_seconds: time.tensor_parallel_seconds,
+        efficiency: time.efficiency(),
+        efficiency_overlapped: time.efficiency_overlapped(),
     }
 }
 
@@ -197,5 +219,36 @@ mod tests {
         let eight = super::super::memory::estimate(&t, &l2).total();
         let hybrid = super::super::memory::estimate(&s, &l2).total();
         assert!((hybrid - eight).abs() < 1e-6 * eight, "{hybrid} vs {eight}");
+    }
+
+    /// T = 8 on 64 GPUs: the zero stage sends the rank's TP share among the 8 data-parallel
+    /// ranks, one per node, over the network; the TP group's collectives run in the node and
+    /// stay whole in the step, beside 1/8 of the FLOPs.
+    #[test]
+    fn the_data_parallel_ranks_send_their_tp_share_and_the_tp_group_adds_its_own() {
+        let (s, l) = test_setting(&["model.vocab_size=128256", "system.tensor_parallel=8"], 64);
+        assert_eq!((s.data_ranks(64), s.shard_ranks(64)), (8, 8));
+        let share = super::super::tensor::share(&s).parameters;
+        let f = 7.0 / 8.0;
+        let sent = bytes_per_step(&s, &l, ZeroStage::Gradients, 64);
+        assert!((sent - (f * 4.0 * share + f * 2.0 * share)).abs() < 1e-6 * sent);
+        assert_eq!(data_parallel_bandwidth(&s, 8), s.inter_bw);
+        let time = StepTime::of(&s, &l, 64);
+        let (one, _) = test_setting(&["model.vocab_size=128256"], 64);
+        let whole = super::super::compute_seconds(&one, &l);
+        assert!((time.compute_seconds - whole / 8.0).abs() < 1e-9 * whole);
+        assert_eq!(
+            time.tensor_parallel_seconds,
+            super::super::tensor::bytes_per_step(&s, &l) / s.intra_bw
+        );
+        assert_eq!(
+            time.total(),
+            time.compute_seconds + time.data_parallel_seconds + time.tensor_parallel_seconds
+        );
+        let sc = scaling(&s, &l, 64);
+        assert_eq!(sc.efficiency, time.compute_seconds / time.total());
+        assert!(sc.efficiency_overlapped < 1.0, "the TP time stays exposed");
+        // On one node the 8 GPUs are one data-parallel rank: no zero-stage traffic.
+        assert_eq!(bytes_per_step(&s, &l, ZeroStage::Parameters, 8), 0.0);
     }
 }

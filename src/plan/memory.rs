@@ -21,6 +21,23 @@
 //! per chunk of C tokens, one fp32 [C, V] buffer (the logits, then their gradient in place),
 //! plus their bf16 form with bf16 compute.
 //!
+//! With tensor parallelism (T ranks, `plan/tensor.rs`; the pass is `model/tensor_parallel.rs`)
+//! every parameter term counts the rank's share (the matrices and vocabulary rows over T, the
+//! norms whole) before the zero stage divides it. Of the activations, what lives inside the
+//! attention and MLP blocks is divided by T: q/k/v, the attention output and its log-sum-exp,
+//! the o_proj input, gate/up/SiLU and their product (heads and FFN columns are split). What is
+//! kept between the blocks — the layer input, the residual after attention, each norm's fp32
+//! normalised input and its output, cast once to the compute dtype before the gather (so no
+//! per-consumer casts) — is divided by T with sequence parallelism and whole on every rank
+//! without it. Each block's graph also keeps two [tokens, d] tensors in the compute dtype whole
+//! on every rank: the row-parallel matmul's partial output (the root its backward starts from)
+//! and, with sequence parallelism, the all-gathered input its matmuls read (without it that is
+//! the norm's output itself). The embedding's partial sums ([tokens, d], fp32) are kept until
+//! its backward. A layer's backward also holds the output gradient in the compute dtype (with
+//! sequence parallelism gathered from fp32 first) and the gathered input's gradient, [tokens,
+//! d] each. The LM head's hidden states and their gradient are every token's on every rank (the
+//! vocabulary-parallel head needs them all); a chunk's logits are [C, V_pad/T].
+//!
 //! Zero stage 3 (`train/optim/sharded.rs`) keeps no working parameters between uses: a rank
 //! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute
 //! dtype), the moments and the fp32 gradient slice [P/N] each. A unit (a decoder layer, the
@@ -175,39 +192,46 @@ const GLIBC_MMAP_MAX: f64 = 32.0 * 1024.0 * 1024.0;
 /// A CUDA context with cuBLAS and cuDNN workspaces, as NVML counts it.
 pub const CUDA_RUNTIME_BYTES: f64 = 0.6e9;
 
-/// The model's numbers the estimate needs.
+/// The model's numbers the estimate needs, as one rank of its TP group holds them.
 struct Dims {
+    /// Parameters of the rank's share.
     params: f64,
     layers: f64,
+    /// The hidden size (whole on every rank).
     d: f64,
+    /// The rank's FFN columns, query width (its heads × head_dim), KV width and heads.
     f: f64,
+    q: f64,
     kv: f64,
     heads: f64,
+    /// The rank's vocabulary rows (V_pad/T).
     vocab: f64,
-    /// Matrix parameters of one layer (attention, MLP).
+    /// Matrix parameters of one layer on this rank (attention, MLP).
     attn_params: f64,
     mlp_params: f64,
+    /// What the activations kept between blocks are divided by: T with sequence parallelism,
+    /// else 1.
+    seq: f64,
 }
 
 impl Dims {
     fn of(s: &Setting) -> Dims {
         let sh = &s.shape;
+        let t = s.tensor_parallel as f64;
         let (d, hd) = (sh.hidden_size as f64, sh.head_dim() as f64);
-        let (h, kvh, f) = (
-            sh.num_heads as f64,
-            sh.num_kv_heads as f64,
-            sh.intermediate_size as f64,
-        );
+        let share = super::tensor::share(s);
         Dims {
-            params: sh.num_parameters() as f64,
+            params: share.parameters,
             layers: sh.num_layers as f64,
             d,
-            f,
-            kv: kvh * hd,
-            heads: h,
-            vocab: sh.vocab_size as f64,
-            attn_params: sh.attention_matrix_params() as f64,
-            mlp_params: sh.mlp_matrix_params() as f64,
+            f: sh.intermediate_size as f64 / t,
+            q: sh.num_heads as f64 * hd / t,
+            kv: sh.num_kv_heads as f64 * hd / t,
+            heads: sh.num_heads as f64 / t,
+            vocab: share.vocab,
+            attn_params: share.attention,
+            mlp_params: share.mlp,
+            seq: if s.splits_sequence() { t } else { 1.0 },
         }
     }
 }
@@ -231,10 +255,10 @@ fn runtime(s: &Setting) -> f64 {
     }
 }
 
-/// The two gradient buckets of stages 0 to 2 with several ranks (stage 3 has no bucketed
-/// collective: its gathers and reduce-scatters go a unit at a time).
+/// The two gradient buckets of stages 0 to 2 with several data-parallel ranks (stage 3 has no
+/// bucketed collective: its gathers and reduce-scatters go a unit at a time).
 fn buckets(s: &Setting, l: &Layout) -> f64 {
-    if s.world > 1 && !l.zero_stage.shards_parameters() {
+    if s.data_ranks(s.world) > 1 && !l.zero_stage.shards_parameters() {
         2.0 * s.bucket_bytes
     } else {
         0.0
@@ -256,7 +280,7 @@ pub fn during_save(s: &Setting, l: &Layout) -> Memory {
 
 /// The save's memory, from the state the step's estimate counts.
 fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
-    let params = s.shape.num_parameters() as f64;
+    let params = super::tensor::share(s).parameters;
     let world = s.shard_ranks(s.world).max(1) as f64;
     let stage = l.zero_stage;
     let gradients = if stage.shards_gradients() {
@@ -265,7 +289,7 @@ fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
         0.0
     };
     let gathered_masters = if super::checkpoint::gathers_masters(s, stage) {
-        4.0 * params / super::checkpoint::writing_ranks(s) as f64
+        4.0 * s.shape.num_parameters() as f64 / super::checkpoint::writing_ranks(s) as f64
     } else {
         0.0
     };
@@ -354,22 +378,14 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
 
     // Per token of the micro-batch.
     let n = (l.batch * s.context) as f64;
-    let norm = |consumers: f64| {
-        4.0 * m.d
-            + if bf16 {
-                consumers * 2.0 * m.d
-            } else {
-                4.0 * m.d
-            }
-    };
-    let attention =
-        norm(3.0) + c * (m.d + 2.0 * m.kv) + c * m.d + 4.0 * m.heads + c * m.d + 4.0 * m.d;
-    let mlp = norm(2.0) + 4.0 * c * m.f;
-    let input = 4.0 * m.d;
+    let LayerBytes {
+        input,
+        attention,
+        mlp,
+        in_flight,
+        embedded,
+    } = layer_bytes(s, &m);
     let whole_layer = input + attention + mlp;
-    // Gradients in flight inside a layer's backward: the residual stream's (in, out) and the
-    // largest intermediate's, [tokens, F] in fp32 and the compute dtype.
-    let in_flight = 2.0 * 4.0 * m.d + (4.0 + c) * m.f;
     // Kept from the forward until the layer's backward (all layers), and what one layer adds
     // while its backward runs (recomputed tensors; the layer input is already kept).
     let (kept, working) = match l.activation_checkpointing {
@@ -415,7 +431,8 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     // The kept activations (and at stage 3 the weights their graphs hold) live through both
     // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
     let head_peak = head_logits + head_temp + gathered.head >= layer_phase + gathered.layer;
-    let activations = n * kept + casts_kept + if head_peak { 0.0 } else { layer_phase };
+    let activations =
+        n * (kept + embedded) + casts_kept + if head_peak { 0.0 } else { layer_phase };
     let gathered_units = gathered.saved
         + if head_peak {
             gathered.head
@@ -460,6 +477,71 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
         } else {
             PeakPhase::DecoderBackward
         },
+    }
+}
+
+/// One decoder layer's activation bytes per token of the micro-batch on one rank (see the
+/// module's notes), by where they live.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LayerBytes {
+    /// The layer's input, kept in every checkpointing mode.
+    input: f64,
+    /// What the attention half keeps for its backward, the residual after it included.
+    attention: f64,
+    /// What the MLP half keeps for its backward.
+    mlp: f64,
+    /// Gradients in flight while the layer's backward runs.
+    in_flight: f64,
+    /// Kept outside the layers through the whole pass: a TP rank's embedding partial sums.
+    embedded: f64,
+}
+
+fn layer_bytes(s: &Setting, m: &Dims) -> LayerBytes {
+    let c = s.compute_bytes();
+    let bf16 = c < 4.0;
+    let split = s.tensor_parallel > 1;
+    let sequence = s.splits_sequence();
+    // Between the blocks (divided by T with sequence parallelism): a norm's normalised fp32
+    // input and the normed output its `consumers` read: one bf16 cast each (fp32: the output
+    // once), or on a TP rank one cast in the compute dtype that they share.
+    let norm = |consumers: f64| {
+        let read = if split {
+            c * m.d
+        } else if bf16 {
+            consumers * 2.0 * m.d
+        } else {
+            4.0 * m.d
+        };
+        (4.0 * m.d + read) / m.seq
+    };
+    // On a TP rank, what each block's graph keeps whole: the partial output and, with sequence
+    // parallelism, the gathered input.
+    let whole_per_block = match (split, sequence) {
+        (false, _) => 0.0,
+        (true, false) => c * m.d,
+        (true, true) => 2.0 * c * m.d,
+    };
+    // Gradients in flight inside a layer's backward: the residual stream's (in, out) and the
+    // largest intermediate's, [tokens, F] in fp32 and the compute dtype; on a TP rank also the
+    // block's output gradient in the compute dtype (gathered in fp32 first with sequence
+    // parallelism) and its gathered input's gradient.
+    let split_gradients = match (split, sequence) {
+        (false, _) => 0.0,
+        (true, false) => 2.0 * c * m.d,
+        (true, true) => 2.0 * c * m.d + 4.0 * m.d,
+    };
+    LayerBytes {
+        input: 4.0 * m.d / m.seq,
+        attention: norm(3.0)
+            + c * (m.q + 2.0 * m.kv)
+            + c * m.q
+            + 4.0 * m.heads
+            + c * m.q
+            + 4.0 * m.d / m.seq
+            + whole_per_block,
+        mlp: norm(2.0) + 4.0 * c * m.f + whole_per_block,
+        in_flight: 2.0 * 4.0 * m.d / m.seq + (4.0 + c) * m.f + split_gradients,
+        embedded: if split { 4.0 * m.d } else { 0.0 },
     }
 }
 
@@ -750,6 +832,126 @@ mod tests {
         assert!(close(save.gradients, p));
         assert!(close(save.workspace, CPU_RUNTIME_BYTES + p));
         assert!(close(save.staging, 3.0 * p));
+    }
+
+    /// Llama-3.1-8B's dimensions with 8 layers, bf16, on 8 GPUs at T = `tp`, with sequence
+    /// parallelism `sp`, plus `extra`.
+    fn split(tp: usize, sp: bool, extra: &[&str]) -> (Setting, Layout) {
+        let tp = format!("system.tensor_parallel={tp}");
+        let sp = format!("system.sequence_parallel={sp}");
+        let mut sets = vec!["model.num_layers=8", "model.vocab_size=128256", &tp, &sp];
+        sets.extend(extra);
+        test_setting(&sets, 8)
+    }
+
+    #[test]
+    fn a_tp_rank_holds_an_eighth_of_the_matrices_and_the_norms_whole() {
+        let (d, v) = (4096.0, 128_256.0);
+        // The 8 layers' two norms and the final norm.
+        let norms = (8.0 * 2.0 + 1.0) * d;
+        for stage in ["system.zero_stage=0", "system.zero_stage=1"] {
+            let (one, l) = split(1, true, &[stage]);
+            let (eight, _) = split(8, true, &[stage]);
+            let (a, b) = (estimate(&one, &l), estimate(&eight, &l));
+            let p = one.shape.num_parameters() as f64;
+            let share = (p - norms) / 8.0 + norms;
+            // Stage 0: fp32 weights and moments whole on each of the 8 ranks; stage 1 over 1
+            // data-parallel rank at T = 8 (8 at T = 1).
+            let (weights, moments) = if stage.ends_with('0') {
+                (4.0, 8.0)
+            } else {
+                (2.0, 8.0)
+            };
+            assert!(close(a.weights, weights * p), "{stage}");
+            assert!(close(b.weights, weights * share), "{stage}");
+            let data = if stage.ends_with('0') { 1.0 } else { 8.0 };
+            assert!(close(a.moments, moments * p / data), "{stage}");
+            assert!(close(b.moments, moments * share), "{stage}");
+        }
+        // Stage 3 gathers a unit's TP share: a layer's matrices over 8, its norms whole.
+        let sets = [
+            "system.zero_stage=3",
+            "training.activation_checkpointing=full",
+        ];
+        let (one, l) = split(1, true, &sets);
+        let (eight, _) = test_setting(
+            &[
+                "model.num_layers=8",
+                "model.vocab_size=128256",
+                "system.tensor_parallel=8",
+                sets[0],
+                sets[1],
+            ],
+            64,
+        );
+        let (a, b) = (
+            gathered_at_stage_3(&one, &l, &Dims::of(&one)),
+            gathered_at_stage_3(&eight, &l, &Dims::of(&eight)),
+        );
+        let layer_share = (layer(&one) - 2.0 * d) / 8.0 + 2.0 * d;
+        assert!(close(b.layer, 2.0 * 3.0 * layer_share), "{b:?}");
+        assert!(close(a.layer, 2.0 * 3.0 * layer(&one)));
+        // The head unit's buffer and parameters, the final norm, one prefetched layer.
+        assert!(close(b.head, 2.0 * (2.0 * v * d / 8.0 + d + layer_share)));
+    }
+
+    #[test]
+    fn sequence_parallelism_divides_what_is_kept_between_the_blocks_by_t() {
+        let (d, f, c) = (4096.0, 14336.0, 2.0);
+        let (q, kv, heads) = (4096.0, 1024.0, 32.0);
+        let bytes = |tp: usize, sp: bool| {
+            let (s, _) = split(tp, sp, &[]);
+            layer_bytes(&s, &Dims::of(&s))
+        };
+        let (one, sp, no_sp) = (bytes(1, true), bytes(8, true), bytes(8, false));
+        // T = 1 as before: the layer input, three (two) bf16 casts of each norm's output.
+        assert_eq!(one.input, 4.0 * d);
+        let inside = c * (q + 2.0 * kv) + c * q + 4.0 * heads + c * q;
+        assert!(close(
+            one.attention,
+            4.0 * d + 3.0 * c * d + inside + 4.0 * d
+        ));
+        assert!(close(one.mlp, 4.0 * d + 2.0 * c * d + 4.0 * c * f));
+        assert_eq!(one.embedded, 0.0);
+        // Between the blocks: the layer input, each norm's fp32 input and its output cast once,
+        // the residual after attention: over 8 with sequence parallelism, whole without.
+        assert_eq!(sp.input, one.input / 8.0);
+        assert_eq!(no_sp.input, one.input);
+        let norm = 4.0 * d + c * d;
+        // Inside the blocks: over 8 either way; each block's graph keeps its partial output
+        // whole, and with sequence parallelism its gathered input.
+        assert!(close(
+            sp.attention,
+            (norm + 4.0 * d) / 8.0 + inside / 8.0 + 2.0 * c * d
+        ));
+        assert!(close(
+            no_sp.attention,
+            norm + 4.0 * d + inside / 8.0 + c * d
+        ));
+        assert!(close(sp.mlp, norm / 8.0 + 4.0 * c * f / 8.0 + 2.0 * c * d));
+        assert!(close(no_sp.mlp, norm + 4.0 * c * f / 8.0 + c * d));
+        assert!(sp.attention + sp.mlp < no_sp.attention + no_sp.mlp);
+        // Full checkpointing keeps the layer inputs: 8 times fewer bytes with sequence
+        // parallelism, as many as at T = 1 without it (the embedding's sums besides).
+        let kept = |tp: usize, sp: bool| {
+            // Stage 1: bf16 working weights, no casts of fp32 ones in the layer's phase.
+            let full = [
+                "training.activation_checkpointing=full",
+                "system.zero_stage=1",
+            ];
+            let (s, l) = split(tp, sp, &full);
+            let m = during_step(&s, &l);
+            let n = (l.batch * s.context) as f64;
+            let b = layer_bytes(&s, &Dims::of(&s));
+            let phase = match m.peak_during {
+                PeakPhase::DecoderBackward => n * (b.attention + b.mlp + b.in_flight),
+                _ => 0.0,
+            };
+            m.activations - phase - n * b.embedded
+        };
+        let whole = kept(1, true);
+        assert!(close(kept(8, true), whole / 8.0));
+        assert!(close(kept(8, false), whole));
     }
 
     #[test]

@@ -23,6 +23,17 @@
 //! shared by the writing ranks; with `checkpoint.async` each keeps a host staging copy of its
 //! share, counted in a CPU rank's memory (`memory.rs`), and the stall per save is the copy
 //! rather than the write at an assumed storage bandwidth (`lockstep plan --storage-gbps`).
+//!
+//! Tensor parallelism (`system.tensor_parallel` = T, `tensor.rs`) makes the world a mesh of
+//! D × T ranks, TP innermost. A rank holds its TP share of the parameters (the matrices and the
+//! vocabulary over T, the norms whole), and everything above acts on that share along the data-
+//! parallel dimension: zero stages, `system.shard_degree` and `system.reduce_dtype` shard and
+//! send it among the D ranks with the same TP position. Every rank does 1/T of every matmul; the
+//! activations inside the attention and MLP blocks are divided by T, those kept between them
+//! (residual stream, norms, layer inputs) by T only with sequence parallelism (`memory.rs`,
+//! which also lists the few [tokens, hidden] tensors a TP rank keeps whole).
+//! The TP group's collectives are counted whole in the step time; the data-parallel ones as
+//! before (`StepTime`).
 
 pub mod advice;
 pub mod budget;
@@ -30,6 +41,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod memory;
 pub mod report;
+pub mod tensor;
 
 use serde::Serialize;
 
@@ -55,14 +67,21 @@ pub struct Setting {
     /// bf16 matmuls (master weights and moments stay fp32).
     pub bf16: bool,
     pub device: Device,
-    /// Data-parallel ranks (GPUs, or CPU processes).
+    /// Ranks in all (GPUs, or CPU processes): `tensor_parallel` × the data-parallel ranks.
     pub world: usize,
+    /// `system.tensor_parallel`: ranks that split every layer between them (T, innermost in the
+    /// mesh).
+    pub tensor_parallel: usize,
+    /// `system.sequence_parallel`: with T > 1, the activations between the layers' matmuls are
+    /// split along the tokens among the TP group (`splits_sequence`).
+    pub sequence_parallel: bool,
     /// `system.bucket_mb` in bytes.
     pub bucket_bytes: f64,
     /// `system.prefetch_units`: at zero stage 3, units whose all-gather runs ahead of the one
     /// in use.
     pub prefetch_units: usize,
-    /// `system.shard_degree`: ranks that shard one copy of the state (0 = all of them).
+    /// `system.shard_degree`: data-parallel ranks that shard one copy of the state (0 = all of
+    /// them).
     pub shard_degree: usize,
     /// Bytes per gradient value sent between ranks (`system.reduce_dtype`).
     pub reduce_bytes: f64,
@@ -94,6 +113,7 @@ pub struct Setting {
 #[derive(Debug, Clone)]
 pub struct Target {
     pub device: Device,
+    /// Ranks in all, of every TP group.
     pub world: usize,
     /// Memory one rank may use (bytes), and where the figure comes from.
     pub budget: (f64, String),
@@ -106,12 +126,23 @@ pub struct Target {
 }
 
 impl Setting {
-    /// Ranks that shard one copy of the state among `world` ranks: all of them, or the
-    /// hybrid-sharding group size (`system.shard_degree`).
+    /// Whether sequence parallelism is in effect: configured, with a TP group to split over.
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.tensor_parallel > 1
+    }
+
+    /// Data-parallel ranks among `world` ranks: one per TP group.
+    pub fn data_ranks(&self, world: usize) -> usize {
+        (world / self.tensor_parallel).max(1)
+    }
+
+    /// Data-parallel ranks that shard one copy of the state among `world` ranks: all of them, or
+    /// the hybrid-sharding group size (`system.shard_degree`).
     pub fn shard_ranks(&self, world: usize) -> usize {
+        let data = self.data_ranks(world);
         match self.shard_degree {
-            0 => world,
-            d => d.min(world),
+            0 => data,
+            d => d.min(data),
         }
     }
 
@@ -120,12 +151,15 @@ impl Setting {
         let prefetch_units = crate::config::prefetch_units(cfg, shape.num_layers);
         let (peak_flops, peak_source) = budget::peak_flops(t.device, bf16, t.cpu_threads);
         let (intra_bw, inter_bw, node_size) = budget::links(t.device, t.world);
+        let tensor_parallel = cfg.system.tensor_parallel.max(1);
         Setting {
             shape,
             context: cfg.training.context_length,
             bf16,
             device: t.device,
             world: t.world.max(1),
+            tensor_parallel,
+            sequence_parallel: cfg.system.sequence_parallel,
             bucket_bytes: cfg.system.bucket_mb * 1e6,
             prefetch_units,
             shard_degree: cfg.system.shard_degree,
@@ -170,7 +204,8 @@ pub struct Layout {
     pub zero_stage: ZeroStage,
     pub activation_checkpointing: ActivationCheckpointing,
     pub loss_chunk_tokens: usize,
-    /// Sequences per micro-batch and micro-batches per step.
+    /// Sequences per micro-batch and micro-batches per step, of each data-parallel rank (a TP
+    /// group trains its micro-batch together).
     pub batch: usize,
     pub grad_accum: usize,
 }
@@ -187,7 +222,7 @@ impl Layout {
         }
     }
 
-    /// Tokens one rank trains per step.
+    /// Tokens one data-parallel rank (the ranks of its TP group together) trains per step.
     pub fn tokens_per_step(&self, context: usize) -> usize {
         self.batch * self.grad_accum * context
     }
@@ -246,10 +281,52 @@ pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
     Flops { model, recomputed }
 }
 
-/// Seconds of computation of one step on one rank at the assumed utilisation.
+/// Seconds of computation of one step on one rank at the assumed utilisation: the tokens of
+/// its TP group's step, 1/T of every matmul of each.
 pub fn compute_seconds(s: &Setting, l: &Layout) -> f64 {
     let f = flops_per_token(s, l);
-    l.tokens_per_step(s.context) as f64 * (f.model + f.recomputed) / (s.peak_flops * s.mfu)
+    l.tokens_per_step(s.context) as f64 * (f.model + f.recomputed)
+        / (s.tensor_parallel as f64 * s.peak_flops * s.mfu)
+}
+
+/// One rank's step among `world` ranks, by what takes the time.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepTime {
+    /// The rank's FLOPs at the assumed utilisation (`compute_seconds`).
+    pub compute_seconds: f64,
+    /// The zero stage's collectives among the data-parallel ranks (`comm.rs`): after backward
+    /// as the step runs today; they could hide behind it (`efficiency_overlapped`).
+    pub data_parallel_seconds: f64,
+    /// The TP group's collectives (`tensor.rs`), on the critical path.
+    pub tensor_parallel_seconds: f64,
+}
+
+impl StepTime {
+    /// The step of layout `l` on one of `world` ranks.
+    pub fn of(s: &Setting, l: &Layout, world: usize) -> StepTime {
+        StepTime {
+            compute_seconds: compute_seconds(s, l),
+            data_parallel_seconds: comm::seconds_per_step(s, l, world),
+            tensor_parallel_seconds: tensor::seconds_per_step(s, l),
+        }
+    }
+
+    /// Seconds per step: computation plus every collective, none overlapped.
+    pub fn total(&self) -> f64 {
+        self.compute_seconds + self.data_parallel_seconds + self.tensor_parallel_seconds
+    }
+
+    /// Scaling efficiency: the computation's share of the step.
+    pub fn efficiency(&self) -> f64 {
+        self.compute_seconds / self.total()
+    }
+
+    /// The same with the data-parallel collectives hidden behind the computation (the TP
+    /// group's stay on the critical path).
+    pub fn efficiency_overlapped(&self) -> f64 {
+        self.compute_seconds
+            / (self.compute_seconds.max(self.data_parallel_seconds) + self.tensor_parallel_seconds)
+    }
 }
 
 /// One layout's estimate.
@@ -261,18 +338,24 @@ pub struct Estimate {
     pub fits: bool,
     /// Seconds per step: computation plus communication that is not overlapped.
     pub step_seconds: f64,
+    /// What the step's seconds are spent on.
+    pub time: StepTime,
+    /// Scaling efficiency among the setting's ranks: computation over the step.
+    pub efficiency: f64,
 }
 
 pub fn estimate(s: &Setting, l: &Layout) -> Estimate {
     let memory = memory::estimate(s, l);
     let total = memory.total();
-    let comm = comm::seconds_per_step(s, l, s.world);
+    let time = StepTime::of(s, l, s.world);
     Estimate {
         layout: *l,
         memory,
         total_bytes: total,
         fits: total <= s.budget,
-        step_seconds: compute_seconds(s, l) + comm,
+        step_seconds: time.total(),
+        time,
+        efficiency: time.efficiency(),
     }
 }
 

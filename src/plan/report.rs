@@ -4,10 +4,11 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::advice::{self, Change};
+use super::advice::{self, Change, TensorParallelChange};
 use super::checkpoint::{self, Checkpoint};
 use super::comm::{self, Scaling};
 use super::memory::{self, Part, PeakPhase};
+use super::tensor::{self, Link};
 use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
@@ -20,7 +21,15 @@ pub struct Report {
     pub model: ModelSummary,
     pub device: super::Device,
     pub compute_dtype: &'static str,
+    /// Ranks in all: `tensor_parallel` × `data_parallel_ranks`.
     pub ranks: usize,
+    /// The mesh: ranks per TP group (`system.tensor_parallel`), data-parallel ranks, and whether
+    /// sequence parallelism is in effect.
+    pub tensor_parallel: usize,
+    pub data_parallel_ranks: usize,
+    pub sequence_parallel: bool,
+    /// The vocabulary as the TP group splits it (rounded up to a multiple of T).
+    pub padded_vocab_size: usize,
     pub context_length: usize,
     /// Memory one rank may use, and where the figure comes from.
     pub budget_bytes: f64,
@@ -35,14 +44,21 @@ pub struct Report {
     pub peak_source: String,
     pub mfu: f64,
     pub step_seconds: f64,
-    /// Tokens per second of one rank, and of all ranks.
+    /// Tokens per second of one rank (its TP group's over T), and of all ranks.
     pub tokens_per_second: f64,
     pub tokens_per_second_total: f64,
-    /// Bytes one rank sends per step at each zero stage (index = stage) among `ranks`.
+    /// Bytes one rank sends per step at each zero stage (index = stage) among the data-parallel
+    /// ranks.
     pub comm_bytes_per_step: [f64; 4],
+    /// Bytes one rank sends to its TP group per step (0 at T = 1), the link that carries them
+    /// and its bandwidth (bytes/s per rank).
+    pub tensor_parallel_bytes_per_step: f64,
+    pub tensor_parallel_link: Link,
+    pub tensor_parallel_bandwidth: f64,
     /// `system.prefetch_units`: at zero stage 3, unit gathers issued ahead of the unit in use.
     pub prefetch_units: usize,
-    /// Ranks that shard one copy of the state (the world, or `system.shard_degree`).
+    /// Data-parallel ranks that shard one copy of the state (all of them, or
+    /// `system.shard_degree`).
     pub shard_ranks: usize,
     /// The dtype gradients travel in (`system.reduce_dtype`).
     pub reduce_dtype: &'static str,
@@ -55,6 +71,9 @@ pub struct Report {
     pub advice: Option<Change>,
     /// When nothing fits: the most frugal layout and what it needs.
     pub smallest: Option<Change>,
+    /// On GPUs, when no data-parallel layout fits at `advice::EFFICIENCY_TARGET`: the tensor
+    /// parallelism that does best (`advice::tensor_parallel`).
+    pub tensor_parallel_advice: Option<TensorParallelChange>,
     /// When the configured layout does not fit with `checkpoint.async`'s staging copy in the
     /// rank's memory (CPU) and fits without it: what it needs with `checkpoint.async=false`.
     pub fits_without_staging: Option<f64>,
@@ -98,6 +117,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         .then(|| advice::cheapest_within(s, l, s.budget))
         .flatten();
     let smallest = (!fits && advice.is_none()).then(|| advice::smallest(s, l));
+    let tensor_parallel_advice = advice::tensor_parallel(s, l);
     let fits_without_staging = (!fits && configured.memory.staging > 0.0)
         .then(|| {
             let sync = Setting {
@@ -123,6 +143,10 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         device: s.device,
         compute_dtype: if s.bf16 { "bf16" } else { "fp32" },
         ranks: s.world,
+        tensor_parallel: s.tensor_parallel,
+        data_parallel_ranks: s.data_ranks(s.world),
+        sequence_parallel: s.splits_sequence(),
+        padded_vocab_size: tensor::padded_vocab(s),
         context_length: s.context,
         budget_bytes: s.budget,
         budget_source: s.budget_source.clone(),
@@ -131,9 +155,12 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         peak_source: s.peak_source.clone(),
         mfu: s.mfu,
         step_seconds: configured.step_seconds,
-        tokens_per_second: tokens / configured.step_seconds,
-        tokens_per_second_total: tokens * s.world as f64 / configured.step_seconds,
+        tokens_per_second: tokens / (s.tensor_parallel as f64 * configured.step_seconds),
+        tokens_per_second_total: tokens * s.data_ranks(s.world) as f64 / configured.step_seconds,
         comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
+        tensor_parallel_bytes_per_step: tensor::bytes_per_step(s, l),
+        tensor_parallel_link: tensor::link(s),
+        tensor_parallel_bandwidth: tensor::bandwidth(s),
         prefetch_units: s.prefetch_units,
         shard_ranks: s.shard_ranks(s.world),
         reduce_dtype: if s.reduce_bytes < 4.0 { "bf16" } else { "fp32" },
@@ -142,6 +169,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         node_size: s.node_size,
         scaling: SCALING_RANKS
             .iter()
+            .filter(|&&n| n.is_multiple_of(s.tensor_parallel))
             .map(|&n| comm::scaling(s, l, n))
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
@@ -151,6 +179,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         fits,
         advice,
         smallest,
+        tensor_parallel_advice,
     }
 }
 
@@ -161,6 +190,7 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
     };
     let dtype = if s.bf16 { "bf16" } else { "fp32" };
     let stage = l.zero_stage;
+    let t = s.tensor_parallel;
     match part {
         Part::Weights if stage == ZeroStage::Replicated => {
             "fp32 parameters (also the master copy)".into()
@@ -168,6 +198,9 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
         Part::Weights if stage.shards_parameters() => {
             "none kept between uses: gathered a unit at a time".into()
         }
+        Part::Weights if t > 1 => format!(
+            "{dtype} working parameters of this rank's TP share (1/{t} of the matrices, the norms whole)"
+        ),
         Part::Weights => format!("{dtype} working parameters"),
         Part::MasterWeights if stage.shards_parameters() => {
             "fp32 shard of this rank, the parameters' only persistent copy".into()
@@ -219,7 +252,7 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             )
         }
         Part::Activations => format!(
-            "{}, {} layers × {} tokens",
+            "{}, {} layers × {} tokens{}",
             match l.activation_checkpointing {
                 ActivationCheckpointing::None => "no checkpointing: every saved tensor",
                 ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
@@ -227,11 +260,22 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
                     "selective: attention halves + one MLP recomputed",
             },
             s.shape.num_layers,
-            l.batch * s.context
+            l.batch * s.context,
+            match (t, s.splits_sequence()) {
+                (1, _) => String::new(),
+                (_, true) => format!(", 1/{t} per rank (sequence parallel between the blocks)"),
+                (_, false) => format!(
+                    ", 1/{t} per rank inside the blocks, whole between them (no sequence parallelism)"
+                ),
+            }
         ),
         Part::Logits => format!(
             "{chunk} × vocab {}: fp32{}, hidden states and their gradient",
-            s.shape.vocab_size,
+            if t > 1 {
+                format!("{}/{t}", tensor::padded_vocab(s))
+            } else {
+                s.shape.vocab_size.to_string()
+            },
             if s.bf16 { " + bf16" } else { "" }
         ),
         Part::Workspace => {
@@ -394,9 +438,12 @@ pub fn text(r: &Report, s: &Setting) -> String {
     if r.fits {
         let _ = writeln!(
             o,
-            "Fits: {} of {} per rank.",
+            "Fits: {} of {} per rank.{}",
             gb(r.configured.total_bytes),
-            gb(r.budget_bytes)
+            gb(r.budget_bytes),
+            tensor_parallel_text(r)
+                .map(|t| format!(" {t}"))
+                .unwrap_or_default()
         );
     } else {
         let _ = writeln!(
@@ -410,13 +457,43 @@ pub fn text(r: &Report, s: &Setting) -> String {
     o
 }
 
+/// The tensor parallelism to switch to, with what it needs and gains against the data-parallel
+/// layout that fits (None when there is none to propose).
+fn tensor_parallel_text(r: &Report) -> Option<String> {
+    let tp = r.tensor_parallel_advice.as_ref()?;
+    let c = &tp.change;
+    let now = match (r.fits, &r.advice) {
+        (true, _) => format!(
+            "against {:.0}% as configured",
+            r.configured.efficiency * 100.0
+        ),
+        (false, Some(a)) => format!("against {:.0}% with the change above", a.efficiency * 100.0),
+        (false, None) => "where no layout of the current mesh fits".to_string(),
+    };
+    Some(format!(
+        "With tensor parallelism in a node: {} (mesh {} tensor-parallel × {} data-parallel, the same tokens per step; needs {}, step {} ({:+.0}%), scaling efficiency {:.0}% {now}).",
+        c.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        tp.tensor_parallel,
+        tp.data_parallel_ranks,
+        gb(c.total_bytes),
+        secs(c.step_seconds),
+        c.slowdown * 100.0,
+        c.efficiency * 100.0
+    ))
+}
+
 /// The model and the layout it runs in.
 fn model_text(o: &mut String, r: &Report, _s: &Setting) {
     let l = &r.configured.layout;
     let m = &r.model;
-    let _ = writeln!(
+    let _ =
+        writeln!(
         o,
-        "Model: {:.3} B parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}{}",
+        "Model: {:.3} B parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}{}{}",
         m.parameters as f64 / 1e9,
         m.layers,
         m.hidden_size,
@@ -424,6 +501,11 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
         m.kv_heads,
         m.intermediate_size,
         m.vocab_size,
+        if r.padded_vocab_size > m.vocab_size {
+            format!(" (padded to {} for tensor parallelism)", r.padded_vocab_size)
+        } else {
+            String::new()
+        },
         if m.tied_embeddings { ", tied" } else { "" }
     );
     let device = match (r.device, r.ranks) {
@@ -431,15 +513,30 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
         (super::Device::Cpu, _) => "CPU processe",
         (super::Device::Cuda, _) => "GPU",
     };
+    let mesh = if r.tensor_parallel > 1 {
+        format!(
+            " = mesh {} tensor-parallel × {} data-parallel, sequence parallel {}",
+            r.tensor_parallel,
+            r.data_parallel_ranks,
+            if r.sequence_parallel { "on" } else { "off" }
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         o,
-        "Layout: {} {device}{} | {} compute | micro-batch {} × {} tokens × {} accumulation | zero stage {}{} | activation checkpointing {} | loss chunks {}",
+        "Layout: {} {device}{}{mesh} | {} compute | micro-batch {} × {} tokens × {} accumulation{} | zero stage {}{} | activation checkpointing {} | loss chunks {}",
         r.ranks,
         if r.ranks == 1 { "" } else { "s" },
         r.compute_dtype,
         l.batch,
         r.context_length,
         l.grad_accum,
+        if r.tensor_parallel > 1 {
+            " per data-parallel rank"
+        } else {
+            ""
+        },
         l.zero_stage,
         [
             if l.zero_stage.shards_parameters() {
@@ -451,11 +548,11 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
             } else {
                 String::new()
             },
-            if r.shard_ranks < r.ranks {
+            if r.shard_ranks < r.data_parallel_ranks {
                 format!(
                     ", hybrid: sharded in groups of {}, replicated across {}",
                     r.shard_ranks,
-                    r.ranks / r.shard_ranks
+                    r.data_parallel_ranks / r.shard_ranks
                 )
             } else {
                 String::new()
@@ -539,9 +636,11 @@ fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
 fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
     let l = &r.configured.layout;
     let f = &r.flops_per_token;
+    let t = r.tensor_parallel;
+    let time = &r.configured.time;
     let _ = writeln!(
         o,
-        "\nCompute: {:.2} GFLOP per token ({:.2} model{}); at {:.0}% of {:.1} TFLOP/s ({}): step {:.3} s, {:.0} tokens/s per rank, {:.0} in all",
+        "\nCompute: {:.2} GFLOP per token ({:.2} model{}){}; at {:.0}% of {:.1} TFLOP/s ({}): step {:.3} s{}, {:.0} tokens/s per rank, {:.0} in all",
         (f.model + f.recomputed) / 1e9,
         f.model / 1e9,
         if f.recomputed > 0.0 {
@@ -549,44 +648,91 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
         } else {
             String::new()
         },
+        if t > 1 {
+            format!(", 1/{t} of it on each rank of a tensor-parallel group")
+        } else {
+            String::new()
+        },
         r.mfu * 100.0,
         r.peak_flops / 1e12,
         r.peak_source,
         r.step_seconds,
+        if t > 1 {
+            format!(
+                " (compute {:.3} s + tensor-parallel {:.3} s + data-parallel {:.3} s)",
+                time.compute_seconds, time.tensor_parallel_seconds, time.data_parallel_seconds
+            )
+        } else {
+            String::new()
+        },
         r.tokens_per_second,
         r.tokens_per_second_total
     );
     let _ = writeln!(
         o,
-        "Communication per step per rank among {} rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
-        r.ranks,
-        if r.ranks == 1 { "" } else { "s" },
+        "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
+        r.data_parallel_ranks,
+        if t > 1 { "data-parallel " } else { "" },
+        if r.data_parallel_ranks == 1 { "" } else { "s" },
         r.reduce_dtype,
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
         gb(r.comm_bytes_per_step[2]),
         gb(r.comm_bytes_per_step[3])
     );
+    if t > 1 {
+        let _ = writeln!(
+            o,
+            "Tensor parallelism: {} per step per rank in each group of {t} (8 × {}/{t} × d × {} B per layer and token{}; the embedding, LM head and cross-entropy besides), over {} at {:.0} GB/s: {:.3} s, not overlapped",
+            gb(r.tensor_parallel_bytes_per_step),
+            t - 1,
+            if r.compute_dtype == "bf16" { 2 } else { 4 },
+            match l.activation_checkpointing {
+                ActivationCheckpointing::None => "",
+                ActivationCheckpointing::Selective => ", +25% for the MLP's recomputed forward",
+                ActivationCheckpointing::Full => ", +50% for the recomputed forward",
+            },
+            match r.tensor_parallel_link {
+                Link::IntraNode => "a node's links",
+                Link::InterNode => "the network (the group spans nodes)",
+            },
+            r.tensor_parallel_bandwidth / 1e9,
+            time.tensor_parallel_seconds
+        );
+    }
     let _ = writeln!(
         o,
-        "Scaling at zero stage {} (same batch per rank; {:.0} GB/s within a node of {}, {:.0} GB/s across nodes):",
+        "Scaling at zero stage {} (same batch per {}rank{}; {:.0} GB/s within a node of {}, {:.0} GB/s across nodes):",
         l.zero_stage,
+        if t > 1 { "data-parallel " } else { "" },
+        if t > 1 {
+            format!(", tensor_parallel {t}")
+        } else {
+            String::new()
+        },
         r.intra_node_bandwidth / 1e9,
         r.node_size,
         r.inter_node_bandwidth / 1e9
     );
+    let tp_column = |x: String| if t > 1 { x } else { String::new() };
     let _ = writeln!(
         o,
-        "  {:>6} {:>14} {:>12} {:>22} {:>22}",
-        "ranks", "sent per rank", "comm time", "efficiency (today)", "(reductions overlapped)"
+        "  {:>6} {:>14} {:>12}{} {:>22} {:>22}",
+        "ranks",
+        "sent per rank",
+        "comm time",
+        tp_column(format!(" {:>12}", "TP time")),
+        "efficiency (today)",
+        "(reductions overlapped)"
     );
     for sc in &r.scaling {
         let _ = writeln!(
             o,
-            "  {:>6} {:>14} {:>10.3} s {:>21.1}% {:>21.1}%",
+            "  {:>6} {:>14} {:>10.3} s{} {:>21.1}% {:>21.1}%",
             sc.ranks,
             gb(sc.bytes_per_rank),
             sc.comm_seconds,
+            tp_column(format!(" {:>10.3} s", sc.tensor_parallel_seconds)),
             sc.efficiency * 100.0,
             sc.efficiency_overlapped * 100.0
         );
@@ -594,8 +740,12 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
 }
 
 /// When the configured layout does not fit: the cheapest change that does, or what even the
-/// most frugal layout needs. Empty when it fits.
+/// most frugal layout needs, and the tensor parallelism to switch to when there is one. Empty
+/// when it fits.
 pub fn advice_text(r: &Report) -> String {
+    if r.fits {
+        return String::new();
+    }
     let sets = |c: &Change| {
         c.sets
             .iter()
@@ -613,8 +763,7 @@ pub fn advice_text(r: &Report) -> String {
             secs(save.stall_async_seconds)
         )
     };
-    match (&r.advice, &r.smallest, r.fits_without_staging) {
-        _ if r.fits => String::new(),
+    let advice = match (&r.advice, &r.smallest, r.fits_without_staging) {
         (Some(c), _, alternative) => format!(
             "Cheapest change that fits: {} (needs {}, step time {:+.0}%).{}",
             sets(c),
@@ -642,5 +791,9 @@ pub fn advice_text(r: &Report) -> String {
             }
         ),
         (None, None, None) => String::new(),
+    };
+    match tensor_parallel_text(r) {
+        Some(t) => format!("{advice} {t}"),
+        None => advice,
     }
 }
