@@ -226,6 +226,134 @@ impl Split {
     }
 }
 
+/// Between a part's elements and the whole parameter's (both flattened): what checkpoints,
+/// which hold whole parameters, need from a tensor-parallel rank.
+impl Split {
+    /// Elements `range` of part `rank` of `size` of a parameter of shape `full`, read from the
+    /// whole through `read` (a range of the whole's flattened elements, 1-D): one read of the
+    /// contiguous elements that hold them (whole rows of a row-parallel weight), cut down.
+    /// Elements of the vocabulary's padding are zero.
+    pub fn read_part(
+        self,
+        full: &[i64],
+        (rank, size): (usize, usize),
+        range: &Range<usize>,
+        read: impl FnOnce(Range<usize>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let numel = full.iter().product::<i64>() as usize;
+        match self {
+            Split::Replicated => read(range.clone()),
+            Split::Rows | Split::Vocab => {
+                let part = self.local_shape(full, size).iter().product::<i64>() as usize;
+                let start = rank * part;
+                let whole = (start + range.start).min(numel)..(start + range.end).min(numel);
+                let have = whole.len();
+                let values = if have > 0 {
+                    read(whole)?
+                } else {
+                    Tensor::zeros([0], (Kind::Float, tch::Device::Cpu))
+                };
+                if have == range.len() {
+                    return Ok(values);
+                }
+                let out = Tensor::zeros([range.len() as i64], (values.kind(), values.device()));
+                if have > 0 {
+                    tch::no_grad(|| out.narrow(0, 0, have as i64).copy_(&values));
+                }
+                Ok(out)
+            }
+            Split::Columns => {
+                let (cols, width) = (full[1] as usize, full[1] as usize / size);
+                let rows = range.start / width..range.end.div_ceil(width);
+                let values = read(rows.start * cols..rows.end * cols)?;
+                let mine = values
+                    .view([rows.len() as i64, cols as i64])
+                    .narrow(1, (rank * width) as i64, width as i64)
+                    .reshape(-1);
+                let at = (range.start - rows.start * width) as i64;
+                Ok(mine.narrow(0, at, range.len() as i64))
+            }
+        }
+    }
+
+    /// Elements `range` of the parts of a parameter of shape `full` as pieces of the whole
+    /// (flattened): (range of the whole, values). `parts` holds (rank, its elements `range`,
+    /// 1-D) for one part of a row- or vocabulary-split weight or a whole one, and for every
+    /// part of a column-split weight (whose rows interleave the parts). Padding is dropped;
+    /// adjacent elements make one piece.
+    pub fn whole_pieces(
+        self,
+        full: &[i64],
+        size: usize,
+        range: &Range<usize>,
+        parts: &[(usize, Tensor)],
+    ) -> Vec<(Range<usize>, Tensor)> {
+        let numel = full.iter().product::<i64>() as usize;
+        match self {
+            Split::Replicated => vec![(range.clone(), parts[0].1.shallow_clone())],
+            Split::Rows | Split::Vocab => {
+                let part = self.local_shape(full, size).iter().product::<i64>() as usize;
+                parts
+                    .iter()
+                    .filter_map(|(rank, values)| {
+                        let start = rank * part;
+                        let end = (start + range.end).min(numel);
+                        let begin = (start + range.start).min(end);
+                        (begin < end)
+                            .then(|| (begin..end, values.narrow(0, 0, (end - begin) as i64)))
+                    })
+                    .collect()
+            }
+            Split::Columns => {
+                assert_eq!(parts.len(), size, "internal: every part of a column split");
+                let (cols, width) = (full[1] as usize, full[1] as usize / size);
+                let rows = range.start / width..range.end.div_ceil(width);
+                let n = rows.len();
+                // [rows, size, width] = [rows, cols]: the whole rows the range touches.
+                let whole = Tensor::zeros(
+                    [n as i64, size as i64, width as i64],
+                    (parts[0].1.kind(), parts[0].1.device()),
+                );
+                let at = (range.start - rows.start * width) as i64;
+                tch::no_grad(|| {
+                    for (rank, values) in parts {
+                        let local =
+                            Tensor::zeros([(n * width) as i64], (values.kind(), values.device()));
+                        local.narrow(0, at, range.len() as i64).copy_(values);
+                        whole
+                            .select(1, *rank as i64)
+                            .copy_(&local.view([n as i64, width as i64]));
+                    }
+                });
+                let flat = whole.view([-1]);
+                // Runs of covered elements: the first and last rows may be partly covered
+                // (each part's columns from/to the range's offset), the rows between whole.
+                let (first, last) = (range.start % width, (range.end - 1) % width + 1);
+                let mut runs: Vec<Range<usize>> = Vec::new();
+                for r in 0..n {
+                    for rank in 0..size {
+                        let from = if r == 0 { first } else { 0 };
+                        let to = if r == n - 1 { last } else { width };
+                        let s = r * cols + rank * width + from;
+                        let e = r * cols + rank * width + to;
+                        match runs.last_mut() {
+                            Some(run) if run.end == s => run.end = e,
+                            _ => runs.push(s..e),
+                        }
+                    }
+                }
+                let base = rows.start * cols;
+                runs.into_iter()
+                    .map(|run| {
+                        let values = flat.narrow(0, run.start as i64, run.len() as i64);
+                        (base + run.start..base + run.end, values)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// The vocabulary (or any dim-0 size) padded up to a multiple of `size`.
 pub fn padded(n: usize, size: usize) -> usize {
     n.div_ceil(size) * size
@@ -361,8 +489,10 @@ impl Llama {
     /// A half's backward: the gradient w.r.t. its output in, w.r.t. its input out.
     fn half_backward(&self, g: HalfGraph, grad: &Tensor) -> Result<Tensor> {
         let tp = self.split();
-        let d_partial = tp.leave_grad(grad)?;
-        backward_from(&g.partial, &d_partial.to_kind(g.partial.kind()))?;
+        // In the partial output's dtype (the compute dtype): the cast one rank's autograd
+        // makes too, before the gather rather than after it, so bf16 travels.
+        let d_partial = tp.leave_grad(&grad.to_kind(g.partial.kind()))?;
+        backward_from(&g.partial, &d_partial)?;
         let d_normed = tp.enter_grad(&grad_of(&g.gathered)?)?;
         backward_from(&g.normed, &d_normed.to_kind(g.normed.kind()))?;
         Ok(grad_of(&g.input)? + grad)
@@ -658,6 +788,66 @@ mod tests {
             ("lm_head.weight", Split::Vocab),
         ] {
             assert_eq!(Split::of(name), split, "{name}");
+        }
+    }
+
+    /// Any range of any part, written as pieces of the whole and read back through the whole,
+    /// is itself; a column split's pieces are few (whole rows merge) and cover only the range.
+    #[test]
+    fn parts_map_to_pieces_of_the_whole_and_back() {
+        let opts = (Kind::Float, tch::Device::Cpu);
+        for (split, full) in [
+            (Split::Rows, vec![8i64, 6]),
+            (Split::Vocab, vec![7, 6]),
+            (Split::Columns, vec![5, 8]),
+            (Split::Replicated, vec![6]),
+        ] {
+            let whole = Tensor::arange(full.iter().product::<i64>(), opts).view(full.as_slice());
+            let size = 4;
+            let parts: Vec<Tensor> = (0..size).map(|r| split.shard(&whole, r, size)).collect();
+            let part_len = parts[0].numel();
+            for range in [0..part_len, 1..part_len - 1, 3..5, 2..3] {
+                let slices: Vec<(usize, Tensor)> = (0..size)
+                    .map(|r| {
+                        (
+                            r,
+                            parts[r]
+                                .reshape(-1)
+                                .narrow(0, range.start as i64, range.len() as i64),
+                        )
+                    })
+                    .collect();
+                let written = if split == Split::Columns {
+                    split.whole_pieces(&full, size, &range, &slices)
+                } else {
+                    slices
+                        .iter()
+                        .flat_map(|s| {
+                            split.whole_pieces(&full, size, &range, std::slice::from_ref(s))
+                        })
+                        .collect()
+                };
+                let flat = whole.reshape(-1);
+                for (at, values) in &written {
+                    let want = flat.narrow(0, at.start as i64, at.len() as i64);
+                    assert!(values.equal(&want), "{split:?} {range:?}: piece {at:?}");
+                }
+                if split == Split::Columns {
+                    assert!(
+                        written.len() <= 2 * size + 1,
+                        "{split:?} {range:?}: {}",
+                        written.len()
+                    );
+                }
+                for r in 0..size {
+                    let read = split
+                        .read_part(&full, (r, size), &range, |w| {
+                            Ok(flat.narrow(0, w.start as i64, w.len() as i64))
+                        })
+                        .unwrap();
+                    assert!(read.equal(&slices[r].1), "{split:?} part {r} {range:?}");
+                }
+            }
         }
     }
 
