@@ -839,13 +839,13 @@ mod tests {
                         written.len()
                     );
                 }
-                for r in 0..size {
+                for (r, slice) in slices.iter().enumerate() {
                     let read = split
                         .read_part(&full, (r, size), &range, |w| {
                             Ok(flat.narrow(0, w.start as i64, w.len() as i64))
                         })
                         .unwrap();
-                    assert!(read.equal(&slices[r].1), "{split:?} part {r} {range:?}");
+                    assert!(read.equal(&slice.1), "{split:?} part {r} {range:?}");
                 }
             }
         }

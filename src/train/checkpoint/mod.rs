@@ -16,10 +16,16 @@
 //!                                      whose first element its slice holds; replicated, a
 //!                                      contiguous 1/N of the parameters in HF order
 //!   model.safetensors.index.json       so the directory stays one Hugging Face model
-//!   optimizer-0000r-of-0000N.safetensors  rank r's moments: one 1-D piece per parameter, with
-//!                                      its element range "start:end" under the parameter's
-//!                                      name in the file's metadata
+//!   optimizer-0000r-of-0000N.safetensors  rank r's moments: 1-D pieces of the parameters
+//!                                      (flattened), each with its element range "start:end"
+//!                                      in the file's metadata under the parameter's name; a
+//!                                      parameter's further pieces in the same file are
+//!                                      `<param>.exp_avg@k` with their range under `<param>@k`
 //! ```
+//!
+//! (With tensor parallelism, `system.tensor_parallel`, the files are the same: the optimizer
+//! hands over whole weights and pieces of the whole parameters — a column-split weight's rows
+//! interleave the ranks' parts, so its pieces come several to a file.)
 //!
 //! (With hybrid sharding, `system.shard_degree`, the first shard group writes them; the other
 //! groups hold the same state.) What each rank writes comes from the optimizer
@@ -678,19 +684,24 @@ impl Files {
         }
         let mut tensors = Vec::with_capacity(2 * mine.moments.len());
         let mut meta = HashMap::new();
+        // Pieces of one parameter so far: the first is `<param>`, the next `<param>@1`, ...
+        let mut seen: HashMap<&str, usize> = HashMap::new();
         for piece in &mine.moments {
+            let k = seen.entry(piece.name.as_str()).or_insert(0);
+            let (key, suffix) = match *k {
+                0 => (piece.name.clone(), String::new()),
+                k => (format!("{}@{k}", piece.name), format!("@{k}")),
+            };
+            *k += 1;
             tensors.push((
-                format!("{}.exp_avg", piece.name),
+                format!("{}.exp_avg{suffix}", piece.name),
                 piece.exp_avg.shallow_clone(),
             ));
             tensors.push((
-                format!("{}.exp_avg_sq", piece.name),
+                format!("{}.exp_avg_sq{suffix}", piece.name),
                 piece.exp_avg_sq.shallow_clone(),
             ));
-            meta.insert(
-                piece.name.clone(),
-                format!("{}:{}", piece.range.start, piece.range.end),
-            );
+            meta.insert(key, format!("{}:{}", piece.range.start, piece.range.end));
         }
         let meta = self.writers.sharded.then(|| {
             meta.insert("lockstep.zero_stage".into(), self.writers.stage.to_string());
@@ -916,8 +927,8 @@ impl StateSource for Checkpoint {
 pub struct MomentFiles {
     dir: PathBuf,
     files: Vec<SafeFile>,
-    /// Parameter → (element range, file index), sorted by range start.
-    pieces: HashMap<String, Vec<(Range<usize>, usize)>>,
+    /// Parameter → (element range, file index, piece suffix `@k` or ""), sorted by range start.
+    pieces: HashMap<String, Vec<(Range<usize>, usize, String)>>,
 }
 
 impl MomentFiles {
@@ -934,11 +945,15 @@ impl MomentFiles {
             let f = SafeFile::open(path)?;
             let meta = f.metadata()?;
             for tensor in f.names() {
-                let Some(param) = tensor.strip_suffix(".exp_avg") else {
+                let (stem, suffix) = match tensor.rsplit_once('@') {
+                    Some((stem, k)) if k.parse::<usize>().is_ok() => (stem, format!("@{k}")),
+                    _ => (tensor.as_str(), String::new()),
+                };
+                let Some(param) = stem.strip_suffix(".exp_avg") else {
                     continue;
                 };
                 let numel = f.shape(&tensor)?.iter().product::<i64>() as usize;
-                let range = match meta.get(param) {
+                let range = match meta.get(&format!("{param}{suffix}")) {
                     Some(r) => parse_range(r).with_context(|| {
                         format!("{}: bad piece range {r:?} for {param}", path.display())
                     })?,
@@ -953,12 +968,12 @@ impl MomentFiles {
                 pieces
                     .entry(param.to_string())
                     .or_default()
-                    .push((range, i));
+                    .push((range, i, suffix));
             }
             files.push(f);
         }
         for list in pieces.values_mut() {
-            list.sort_by_key(|(r, _)| r.start);
+            list.sort_by_key(|(r, _, _)| r.start);
         }
         Ok(MomentFiles {
             dir: dir.to_path_buf(),
@@ -981,14 +996,14 @@ impl MomentFiles {
         let out = |suffix: &str| -> Result<Tensor> {
             let t = Tensor::zeros([range.len() as i64], (Kind::Float, tch::Device::Cpu));
             let mut covered = 0;
-            for (piece, file) in list {
+            for (piece, file, k) in list {
                 let both = intersect(piece, range);
                 if both.is_empty() {
                     continue;
                 }
                 // Only the bytes of the elements asked for are read from the map.
                 let within = both.start - piece.start..both.end - piece.start;
-                let tensor = format!("{param}{suffix}");
+                let tensor = format!("{param}{suffix}{k}");
                 let part = self.files[*file].elements(&tensor, &within)?;
                 ensure!(part.kind() == Kind::Float, "{tensor}: moments must be fp32");
                 let path = self.files[*file].path();
