@@ -568,6 +568,11 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
                 data,
                 tensor,
                 sequence_parallel: c.sequence_parallel,
+                whole: named
+                    .iter()
+                    .map(|(n, _)| n.clone())
+                    .zip(whole.clone())
+                    .collect(),
             }),
         };
         let mut opt =

@@ -10,7 +10,7 @@ use super::optim::Optimizer;
 use crate::config::Config;
 use crate::data::mixture::source_seed;
 use crate::data::sampler::Sampler;
-use crate::dist::ProcessGroup;
+use crate::dist::{Mesh, ProcessGroup};
 use crate::model::Llama;
 
 pub struct Validator {
@@ -96,15 +96,19 @@ impl Validator {
     /// collective: every rank then runs the same number of passes, the most any rank needs
     /// (`ceil(ceil(n / world) / batch_size)`), and a rank whose windows ran out evaluates the
     /// first window again without counting it.
+    ///
+    /// The windows are dealt to the data ranks (`mesh`): a tensor-parallel group evaluates the
+    /// same ones together, and only its first rank's sums count.
     pub fn run(
         &self,
         model: &Llama,
         opt: &Optimizer,
         pg: &mut dyn ProcessGroup,
+        mesh: &Mesh,
     ) -> Result<Option<Validation>> {
         let started = std::time::Instant::now();
         let (ctx, bs) = (self.context_length, self.batch_size);
-        let (rank, world) = (pg.rank() as u64, pg.world_size() as u64);
+        let (rank, world) = (mesh.data_rank() as u64, mesh.data() as u64);
         if self.batches == 0 {
             return Ok(None);
         }
@@ -147,7 +151,11 @@ impl Validator {
                 Ok(())
             })?;
             counts.push(n);
-            sums.push(total as f32);
+            sums.push(if mesh.tensor_rank() == 0 {
+                total as f32
+            } else {
+                0.0
+            });
         }
         if counts.iter().all(|&n| n == 0) {
             return Ok(None);

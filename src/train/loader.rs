@@ -139,9 +139,10 @@ impl Loader {
             packing,
             context_length: t.context_length,
             batch_size: t.batch_size,
-            global_batch: (t.batch_size * t.grad_accum_nums * rank.place.world) as u64,
-            rank: rank.place.rank as u64,
-            world: rank.place.world as u64,
+            // The data ranks: a tensor-parallel group trains on the same micro-batches.
+            global_batch: (t.batch_size * t.grad_accum_nums * rank.mesh.data()) as u64,
+            rank: rank.mesh.data_rank() as u64,
+            world: rank.mesh.data() as u64,
             device: rank.device,
             lead: rank.lead(),
             tag: rank.tag.clone(),
@@ -314,6 +315,7 @@ mod tests {
                     local_rank: r,
                     local_world: world,
                 },
+                mesh: crate::dist::Mesh::new(r, world, 1, 0),
                 device: Device::Cpu,
                 tag: format!("[CPU{r}]"),
             };
@@ -388,6 +390,7 @@ mod tests {
         .config;
         let rank = Rank {
             place: Place::SINGLE,
+            mesh: crate::dist::Mesh::new(0, 1, 1, 0),
             device: Device::Cpu,
             tag: "[CPU0]".into(),
         };

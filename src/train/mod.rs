@@ -12,6 +12,7 @@
 //! - `checkpoint`: checkpoint files and the `Checkpointer`; `rundir`: the run directory's lock
 //! - `preempt`: SIGTERM/SIGINT; `stragglers`: naming a rank slower than the others
 
+pub mod build;
 pub mod checkpoint;
 pub mod device;
 pub mod eval;

@@ -162,6 +162,8 @@ impl Recorder {
             None
         };
         let world = rank.place.world;
+        // Tokens per step: the data ranks' (a tensor-parallel group shares its micro-batches).
+        let data = rank.mesh.data();
         Ok(Recorder {
             tag: rank.tag.clone(),
             device: rank.device,
@@ -171,7 +173,7 @@ impl Recorder {
             verbose: cfg.logging.verbose,
             world,
             max_steps: t.max_steps,
-            tokens_per_step: (t.batch_size * t.grad_accum_nums * world * t.context_length) as f64,
+            tokens_per_step: (t.batch_size * t.grad_accum_nums * data * t.context_length) as f64,
             mfu_basis: mfu_basis.map(|(flops, peak)| (flops, peak * world as f64)),
             records,
             window: Window::new(),
@@ -528,7 +530,7 @@ fn trackers(
         "world_size": world,
         "preset": resolved.preset,
         "parameters": shape.num_parameters(),
-        "tokens_per_step": t.batch_size * t.grad_accum_nums * world * t.context_length,
+        "tokens_per_step": t.batch_size * t.grad_accum_nums * rank.mesh.data() * t.context_length,
         "device": format!("{:?}", rank.device),
         "data": about.data,
         "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),

@@ -11,17 +11,18 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use tch::nn::VarStore;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
+use super::build::{build, Built};
 use super::checkpoint::{self, Checkpointer, TrainerState};
 use super::device;
 use super::eval::Validator;
-use super::faults::{self, Faults};
+use super::faults::Faults;
 use super::fit;
 use super::guard::{self, Event, Guard, NanAbort};
 use super::loader::{Loader, SourceTokens};
-use super::optim::{AdamWParams, Hybrid, Optimizer, Schedule, Sharding};
-use super::place::{self, Rank};
+use super::optim::{Optimizer, Schedule};
+use super::place::Rank;
 use super::preempt;
 use super::recorder::{About, Recorder};
 use super::run_data::{self, DataSource};
@@ -31,11 +32,9 @@ use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
 use crate::config::{Config, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
-use crate::dist::buckets::broadcast_parameters;
 use crate::dist::forensics;
 use crate::dist::ProcessGroup;
-use crate::model::llama::init_parameter;
-use crate::model::{hf, ActivationMemory, Llama, LlamaShape};
+use crate::model::{Llama, LlamaShape};
 use crate::sys::phase::{self, Phase};
 use crate::telemetry::memory::{gb, peak_rss_bytes};
 use crate::telemetry::tracker::RunStatus;
@@ -106,7 +105,6 @@ impl<'a> Trainer<'a> {
         let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?;
         let resume_dir =
             setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag, pg)?;
-        place::shard_degree(cfg, rank.place.world)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
@@ -258,7 +256,7 @@ impl<'a> Trainer<'a> {
                 Some(v) if v.due(step, last) => {
                     phase::enter(Phase::Eval);
                     let started = std::time::Instant::now();
-                    let val = v.run(&self.model, &self.opt, &mut *self.pg)?;
+                    let val = v.run(&self.model, &self.opt, &mut *self.pg, &self.rank.mesh)?;
                     self.recorder.pause(started.elapsed());
                     val
                 }
@@ -467,138 +465,6 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// The run's optimizer over `params` (of full shapes `shapes`): `system.zero_stage`, the
-/// hybrid-sharding groups (formed here, by every rank), `system.reduce_dtype`.
-fn optimizer(
-    cfg: &Config,
-    params: &[(String, Tensor)],
-    shapes: Vec<Vec<i64>>,
-    compute: Kind,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Optimizer> {
-    let groups = place::mesh(cfg, pg)?.groups(pg)?;
-    let sharding = Sharding {
-        stage: cfg.system.zero_stage,
-        hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
-            shard,
-            replica,
-            index,
-        }),
-        reduce: device::reduce_kind(cfg),
-        tensor: None,
-    };
-    let hp = AdamWParams::from_config(&cfg.training);
-    Optimizer::with_shapes(
-        params,
-        shapes,
-        hp,
-        sharding,
-        pg,
-        cfg.system.bucket_mb,
-        compute,
-    )
-}
-
-/// A model, its parameters by name, and their optimizer.
-struct Built {
-    model: Llama,
-    params: Vec<(String, Tensor)>,
-    opt: Optimizer,
-}
-
-/// The model and its optimizer at zero stages 0-2: every rank builds the whole model (fresh or
-/// from `model.model_path`), starts from rank 0's weights, and the optimizer takes its state
-/// from them.
-fn build_whole(
-    cfg: &Config,
-    shape: &LlamaShape,
-    vs: &VarStore,
-    compute: Kind,
-    rank: &Rank,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Built> {
-    let model = Llama::new(&vs.root(), shape, cfg.training.context_length, compute);
-    if let Some(dir) = &cfg.model.model_path {
-        let path = crate::data::hub::resolve_model(dir)?;
-        hf::load_weights(&path, vs).with_context(|| format!("model.model_path = {dir}"))?;
-        loaded(rank, dir, &path, shape);
-    }
-    let params = Llama::named_parameters(vs);
-    // Every rank starts from rank 0's weights (fresh init or HF weights); a checkpoint later
-    // overwrites them identically on every rank.
-    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-    broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?;
-    // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
-    // joined it into the ring's timeout naming that rank, rather than a hang later.
-    pg.barrier()?;
-    let shapes = params.iter().map(|(_, p)| p.size()).collect();
-    let opt = optimizer(cfg, &params, shapes, compute, pg)?;
-    Ok(Built { model, params, opt })
-}
-
-/// The model and its optimizer at zero stage 3, without any rank ever holding the whole model:
-/// the model's parameters are empty placeholders, and each parameter's value is made (drawn
-/// from the seeded RNG in `Llama::new`'s order, so every rank draws the same numbers as a
-/// replicated run, or read from `model.model_path`) one at a time, and only this rank's slice
-/// of it kept.
-fn build_sharded(
-    cfg: &Config,
-    shape: &LlamaShape,
-    vs: &VarStore,
-    compute: Kind,
-    rank: &Rank,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Built> {
-    let device = vs.device();
-    let mut made: Vec<(String, Vec<i64>, tch::nn::Init)> = Vec::new();
-    let model = Llama::new_with(
-        &vs.root(),
-        shape,
-        cfg.training.context_length,
-        compute,
-        &mut |name, dims, init| {
-            made.push((name.to_string(), dims.to_vec(), init));
-            Tensor::empty([0], (Kind::Float, device))
-        },
-    );
-    let params = Llama::named_parameters(vs);
-    let shapes = params
-        .iter()
-        .map(|(n, _)| {
-            made.iter()
-                .find(|(m, _, _)| m == n)
-                .map(|(_, dims, _)| dims.clone())
-                .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let opt = optimizer(cfg, &params, shapes, compute, pg)?;
-    match &cfg.model.model_path {
-        None => {
-            for (name, dims, init) in made {
-                opt.set_initial(&name, &init_parameter(&dims, init, device))?;
-            }
-        }
-        Some(dir) => {
-            let path = crate::data::hub::resolve_model(dir)?;
-            let wanted: Vec<(String, Vec<i64>)> =
-                made.into_iter().map(|(n, dims, _)| (n, dims)).collect();
-            hf::read_weights(&path, &wanted, |name, value| opt.set_initial(name, &value))
-                .with_context(|| format!("model.model_path = {dir}"))?;
-            loaded(rank, dir, &path, shape);
-        }
-    }
-    Ok(Built { model, params, opt })
-}
-
-fn loaded(rank: &Rank, dir: &str, path: &std::path::Path, shape: &LlamaShape) {
-    println!(
-        "{} Loaded weights from {dir} ({}, {} layers)",
-        rank.tag,
-        path.display(),
-        shape.num_layers
-    );
-}
-
 /// The data every rank maps. Local rank 0 prepares it (or finds the launcher's cache) first, so
 /// ranks of one node never tokenize the same corpus at once; the others then find it cached.
 fn prepare_on_node(
@@ -678,37 +544,6 @@ fn default_threads(
         (None, false, local @ 2..) => Some((cpus / local).max(1)),
         _ => None,
     }
-}
-
-/// The model, its parameters and the optimizer for `shape`, in `vs` (seeded, in the model-build
-/// phase; sharded parameters at zero stage 3), with the configured prefetch and activation
-/// memory.
-fn build(
-    cfg: &Config,
-    shape: &LlamaShape,
-    vs: &VarStore,
-    compute: tch::Kind,
-    rank: &Rank,
-    pg: &mut dyn ProcessGroup,
-) -> Result<Built> {
-    faults::arm_model_build_oom(cfg, rank.device);
-    phase::enter(Phase::ModelBuild);
-    tch::manual_seed(cfg.system.seed as i64);
-    let Built {
-        mut model,
-        params,
-        opt,
-    } = if cfg.system.zero_stage.shards_parameters() {
-        build_sharded(cfg, shape, vs, compute, rank, pg)?
-    } else {
-        build_whole(cfg, shape, vs, compute, rank, pg)?
-    };
-    model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
-    Ok(Built {
-        model,
-        params,
-        opt: opt.with_prefetch(crate::config::prefetch_units(cfg, shape.num_layers)),
-    })
 }
 
 fn fresh_state(
@@ -918,6 +753,7 @@ mod tests {
                 local_rank: 0,
                 local_world,
             },
+            mesh: crate::dist::Mesh::new(0, local_world, 1, 0),
             device: if cuda {
                 tch::Device::Cuda(0)
             } else {

@@ -19,6 +19,7 @@ pub mod reduce;
 pub mod replicated;
 pub mod schedule;
 pub mod sharded;
+pub mod tensor;
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -103,6 +104,8 @@ pub struct TensorGroups {
     /// `system.sequence_parallel`: the norm weights' gradients are partial sums over the
     /// tensor group's tokens, added across it before the update.
     pub sequence_parallel: bool,
+    /// Every parameter's whole shape, by name (the layouts see the parts' shapes).
+    pub whole: std::collections::HashMap<String, Vec<i64>>,
 }
 
 /// How the state is sharded (the stage, and across which ranks) and how gradients travel.
@@ -456,10 +459,31 @@ impl Optimizer {
         params: &[(String, Tensor)],
         pg: &mut dyn ProcessGroup,
     ) -> Result<Vec<Tensor>> {
-        match &self.layout {
-            Layout::Replicated(_) => Ok(params.iter().map(|(_, p)| p.grad()).collect()),
-            Layout::Sharded(o) => o.full_gradients(pg),
-        }
+        let grads = match &self.layout {
+            Layout::Replicated(_) => params.iter().map(|(_, p)| p.grad()).collect(),
+            Layout::Sharded(o) => o.full_gradients(pg)?,
+        };
+        self.whole_values(params, grads)
+    }
+
+    /// With tensor parallelism, `values` of `params`' parts as whole tensors (a collective of
+    /// the tensor group, whose ranks have the same gradients defined).
+    fn whole_values(
+        &self,
+        params: &[(String, Tensor)],
+        values: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        let Some(t) = &self.tensor else {
+            return Ok(values);
+        };
+        params
+            .iter()
+            .zip(values)
+            .map(|((name, _), v)| match v.defined() {
+                true => Ok(t.whole(&[(name.clone(), v)])?.remove(0)),
+                false => Ok(v),
+            })
+            .collect()
     }
 
     /// Every parameter's full values in `params`' order (a collective at stage 3).
@@ -472,6 +496,7 @@ impl Optimizer {
             Layout::Replicated(_) => params.iter().map(|(_, p)| p.detach()).collect(),
             Layout::Sharded(o) => o.full_parameters(pg)?,
         };
+        let values = self.whole_values(params, values)?;
         Ok(params.iter().map(|(n, _)| n.clone()).zip(values).collect())
     }
 
@@ -489,6 +514,36 @@ impl Optimizer {
     /// parts of about equal size in Hugging Face order, by the same rule. One rank alone
     /// writes the plain `model.safetensors` + `optimizer.safetensors`.
     pub fn writers(&self) -> Writers {
+        let writers = self.layout_writers();
+        let Some(t) = &self.tensor else {
+            return writers;
+        };
+        // With tensor parallelism the data ranks' numbering spreads over the mesh: data rank
+        // d's tensor group is world ranks d·T..(d+1)·T, of which the first writes the whole
+        // weights (`tensor::whole_state`) and every one its optimizer file.
+        let size = t.place().map_or(1, |p| p.1);
+        let rank = t.place().map_or(0, |p| p.0);
+        Writers {
+            params: writers
+                .params
+                .into_iter()
+                .map(|(name, w, numel)| {
+                    let whole = t
+                        .whole
+                        .get(&name)
+                        .map_or(numel, |s| s.iter().product::<i64>() as usize);
+                    (name, w * size, whole)
+                })
+                .collect(),
+            world: writers.world * size,
+            sharded: true,
+            stage: writers.stage,
+            this: writers.this.map(|w| w * size + rank),
+        }
+    }
+
+    /// [`Optimizer::writers`] among the data-parallel ranks.
+    fn layout_writers(&self) -> Writers {
         match &self.layout {
             Layout::Replicated(o) => {
                 let numels: Vec<usize> = o.params.iter().map(|p| p.param.numel()).collect();
@@ -540,6 +595,16 @@ impl Optimizer {
     /// What this rank writes into a checkpoint (a collective of the shard group where master
     /// weights are gathered); nothing where it writes nothing.
     pub fn state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
+        let local = self.layout_state(pg)?;
+        match &self.tensor {
+            Some(t) => t.whole_state(local),
+            None => Ok(local),
+        }
+    }
+
+    /// [`Optimizer::state`] in the layout's own coordinates (with tensor parallelism, this
+    /// rank's parts).
+    fn layout_state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
         if !self.writes() {
             return Ok(RankState {
                 weights: Vec::new(),
@@ -548,7 +613,7 @@ impl Optimizer {
         }
         match &self.layout {
             Layout::Replicated(o) => {
-                let writers = self.writers();
+                let writers = self.layout_writers();
                 let owned: std::collections::HashSet<&str> = writers
                     .params
                     .iter()
@@ -569,6 +634,14 @@ impl Optimizer {
     /// Restores parameters, masters, moments and the step count from a checkpoint of any
     /// stage and world size.
     pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+        let parts;
+        let src = match &self.tensor {
+            Some(t) => {
+                parts = t.source(src)?;
+                &parts as &dyn StateSource
+            }
+            None => src,
+        };
         match &mut self.layout {
             Layout::Replicated(o) => o.load(src, adam_step),
             Layout::Sharded(o) => o.load(src, adam_step),

@@ -1,0 +1,288 @@
+//! The model and its optimizer on this rank's place of the mesh: the parameters made (drawn
+//! from the seeded RNG in `Llama::new`'s order, so every rank draws the numbers one rank would,
+//! or read from `model.model_path`), split among the tensor-parallel ranks
+//! (`system.tensor_parallel`), and the optimizer over the data-parallel ranks
+//! (`system.zero_stage`, `system.shard_degree`, `system.reduce_dtype`).
+
+use std::collections::HashMap;
+
+use anyhow::{Context, Result};
+use tch::nn::VarStore;
+use tch::{Kind, Tensor};
+
+use super::device;
+use super::faults;
+use super::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
+use super::place::Rank;
+use super::tensor_parallel::GroupComm;
+use crate::config::Config;
+use crate::dist::buckets::broadcast_parameters;
+use crate::dist::{MeshGroups, ProcessGroup, SharedGroup};
+use crate::model::llama::{init_parameter, MakeParameter};
+use crate::model::{hf, ActivationMemory, Llama, LlamaShape, Split, TensorParallel};
+use crate::sys::phase::{self, Phase};
+
+/// A model, its parameters by name, and their optimizer.
+pub struct Built {
+    pub model: Llama,
+    pub params: Vec<(String, Tensor)>,
+    pub opt: Optimizer,
+}
+
+/// This rank's part of a tensor-parallel group.
+struct Part {
+    group: SharedGroup,
+    rank: usize,
+    size: usize,
+}
+
+impl Part {
+    /// This rank's part of the whole parameter `name`.
+    fn of(&self, name: &str, whole: &Tensor) -> Tensor {
+        Split::of(name).shard(whole, self.rank, self.size)
+    }
+}
+
+/// The model, its parameters and the optimizer for `shape`, in `vs` (seeded, in the model-build
+/// phase; sharded parameters at zero stage 3), with the configured prefetch and activation
+/// memory. Every rank forms its mesh groups here, together.
+pub fn build(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+) -> Result<Built> {
+    faults::arm_model_build_oom(cfg, rank.device);
+    phase::enter(Phase::ModelBuild);
+    tch::manual_seed(cfg.system.seed as i64);
+    let groups = rank.mesh.groups(pg)?;
+    let part = groups.tensor.as_ref().map(|g| Part {
+        group: g.clone(),
+        rank: rank.mesh.tensor_rank(),
+        size: rank.mesh.tensor,
+    });
+    let Built {
+        mut model,
+        params,
+        opt,
+    } = if cfg.system.zero_stage.shards_parameters() {
+        build_sharded(cfg, shape, vs, compute, rank, pg, (groups, part))?
+    } else {
+        build_whole(cfg, shape, vs, compute, rank, pg, (groups, part))?
+    };
+    model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
+    Ok(Built {
+        model,
+        params,
+        opt: opt.with_prefetch(crate::config::prefetch_units(cfg, shape.num_layers)),
+    })
+}
+
+/// The model with each parameter made by `make` (whole; with tensor parallelism this rank
+/// keeps its part).
+fn model(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    part: Option<&Part>,
+    make: &mut MakeParameter,
+) -> Result<Llama> {
+    let max_seq = cfg.training.context_length;
+    let Some(p) = part else {
+        return Ok(Llama::new_with(&vs.root(), shape, max_seq, compute, make));
+    };
+    let comm = GroupComm::new(p.group.clone())?;
+    let tp = TensorParallel::new(p.rank, p.size, cfg.system.sequence_parallel, Box::new(comm));
+    Llama::new_split(&vs.root(), shape, max_seq, compute, tp, make)
+}
+
+/// The run's optimizer over `params` (of shapes `shapes`, this rank's parts; `whole` the whole
+/// shapes by name): `system.zero_stage` on the data ranks of the mesh, hybrid sharding among
+/// them, `system.reduce_dtype`.
+fn optimizer(
+    cfg: &Config,
+    (params, shapes): (&[(String, Tensor)], Vec<Vec<i64>>),
+    whole: HashMap<String, Vec<i64>>,
+    compute: Kind,
+    pg: &mut dyn ProcessGroup,
+    groups: MeshGroups,
+) -> Result<Optimizer> {
+    let tensor = match (groups.tensor, groups.data) {
+        (Some(tensor), Some(data)) => Some(TensorGroups {
+            data,
+            tensor,
+            sequence_parallel: cfg.system.sequence_parallel,
+            whole,
+        }),
+        _ => None,
+    };
+    let sharding = Sharding {
+        stage: cfg.system.zero_stage,
+        hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
+            shard,
+            replica,
+            index,
+        }),
+        reduce: device::reduce_kind(cfg),
+        tensor,
+    };
+    let hp = AdamWParams::from_config(&cfg.training);
+    Optimizer::with_shapes(
+        params,
+        shapes,
+        hp,
+        sharding,
+        pg,
+        cfg.system.bucket_mb,
+        compute,
+    )
+}
+
+/// The model and its optimizer at zero stages 0-2: every rank builds its part of the model
+/// (the whole without tensor parallelism; fresh or from `model.model_path`), starts from the
+/// first data rank's values, and the optimizer takes its state from them.
+fn build_whole(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+    (groups, part): (MeshGroups, Option<Part>),
+) -> Result<Built> {
+    let device = vs.device();
+    let mut whole = HashMap::new();
+    let model = model(
+        cfg,
+        shape,
+        vs,
+        compute,
+        part.as_ref(),
+        &mut |name, dims, init| {
+            whole.insert(name.to_string(), dims.to_vec());
+            init_parameter(dims, init, device)
+        },
+    )?;
+    if let Some(dir) = &cfg.model.model_path {
+        let path = crate::data::hub::resolve_model(dir)?;
+        let read = match &part {
+            None => hf::load_weights(&path, vs),
+            Some(p) => {
+                let wanted: Vec<(String, Vec<i64>)> =
+                    whole.iter().map(|(n, s)| (n.clone(), s.clone())).collect();
+                let variables = vs.variables();
+                hf::read_weights(&path, &wanted, |name, value| {
+                    let param = variables
+                        .get(name)
+                        .with_context(|| format!("internal: no parameter {name}"))?;
+                    let value = p.of(name, &value.to_kind(param.kind()));
+                    tch::no_grad(|| param.shallow_clone().copy_(&value.to_device(device)));
+                    Ok(())
+                })
+            }
+        };
+        read.with_context(|| format!("model.model_path = {dir}"))?;
+        loaded(rank, dir, &path, shape);
+    }
+    let params = Llama::named_parameters(vs);
+    // Every rank starts from the first data rank's values (fresh init or HF weights); a
+    // checkpoint later overwrites them identically on every data rank.
+    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+    match &groups.data {
+        Some(data) => {
+            let mut g = data
+                .lock()
+                .map_err(|_| anyhow::anyhow!("a data-parallel collective panicked earlier"))?;
+            broadcast_parameters(&mut **g, &tensors, cfg.system.bucket_mb)?;
+        }
+        None => broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?,
+    }
+    // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
+    // joined it into the ring's timeout naming that rank, rather than a hang later.
+    pg.barrier()?;
+    let shapes = params.iter().map(|(_, p)| p.size()).collect();
+    let opt = optimizer(cfg, (&params, shapes), whole, compute, pg, groups)?;
+    Ok(Built { model, params, opt })
+}
+
+/// The model and its optimizer at zero stage 3, without any rank ever holding the whole model:
+/// the model's parameters are empty placeholders, and each parameter's value is made (drawn
+/// from the seeded RNG in `Llama::new`'s order, so every rank draws the same numbers as a
+/// replicated run, or read from `model.model_path`) one at a time, and only this rank's slice
+/// of its part kept.
+fn build_sharded(
+    cfg: &Config,
+    shape: &LlamaShape,
+    vs: &VarStore,
+    compute: Kind,
+    rank: &Rank,
+    pg: &mut dyn ProcessGroup,
+    (groups, part): (MeshGroups, Option<Part>),
+) -> Result<Built> {
+    let device = vs.device();
+    let mut made: Vec<(String, Vec<i64>, tch::nn::Init)> = Vec::new();
+    let model = model(
+        cfg,
+        shape,
+        vs,
+        compute,
+        part.as_ref(),
+        &mut |name, dims, init| {
+            made.push((name.to_string(), dims.to_vec(), init));
+            Tensor::empty([0], (Kind::Float, device))
+        },
+    )?;
+    let params = Llama::named_parameters(vs);
+    let whole: HashMap<String, Vec<i64>> = made
+        .iter()
+        .map(|(n, dims, _)| (n.clone(), dims.clone()))
+        .collect();
+    let shapes = params
+        .iter()
+        .map(|(n, _)| {
+            let dims = whole
+                .get(n)
+                .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))?;
+            Ok(match &part {
+                Some(p) => Split::of(n).local_shape(dims, p.size),
+                None => dims.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opt = optimizer(cfg, (&params, shapes), whole, compute, pg, groups)?;
+    let mine = |name: &str, value: Tensor| match &part {
+        Some(p) => p.of(name, &value),
+        None => value,
+    };
+    match &cfg.model.model_path {
+        None => {
+            for (name, dims, init) in made {
+                let value = mine(&name, init_parameter(&dims, init, device));
+                opt.set_initial(&name, &value)?;
+            }
+        }
+        Some(dir) => {
+            let path = crate::data::hub::resolve_model(dir)?;
+            let wanted: Vec<(String, Vec<i64>)> =
+                made.into_iter().map(|(n, dims, _)| (n, dims)).collect();
+            hf::read_weights(&path, &wanted, |name, value| {
+                opt.set_initial(name, &mine(name, value))
+            })
+            .with_context(|| format!("model.model_path = {dir}"))?;
+            loaded(rank, dir, &path, shape);
+        }
+    }
+    Ok(Built { model, params, opt })
+}
+
+fn loaded(rank: &Rank, dir: &str, path: &std::path::Path, shape: &LlamaShape) {
+    println!(
+        "{} Loaded weights from {dir} ({}, {} layers)",
+        rank.tag,
+        path.display(),
+        shape.num_layers
+    );
+}

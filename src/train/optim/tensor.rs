@@ -1,0 +1,186 @@
+//! The state of a tensor-parallel rank seen whole. Checkpoints hold whole Hugging Face tensors
+//! and AdamW moments as pieces of the whole parameters (flattened), whatever layout wrote them,
+//! so that any mesh resumes any other: here a rank's parts (`model::Split`) become whole
+//! weights and pieces of the whole when it saves ([`TensorGroups::whole_state`]), and a
+//! checkpoint is read in its parts' coordinates when it loads ([`TensorGroups::source`]). The
+//! layouts (replicated, sharded) never see the difference.
+//!
+//! Saving: each split weight a rank writes is gathered over its tensor group and written whole
+//! by the group's rank 0. Moments: a row- or vocabulary-split weight's part is one contiguous
+//! piece of the whole, written by the rank that holds it; a column-split weight's rows
+//! interleave the parts, so its moments are gathered and rank 0 writes them (whole rows in one
+//! piece, the first and last rows of a range in a piece per part); whole parameters (the norms)
+//! are rank 0's.
+
+use std::ops::Range;
+
+use anyhow::{Context, Result};
+use tch::Tensor;
+
+use super::{MomentPiece, RankState, StateSource, TensorGroups};
+use crate::dist::on_group;
+use crate::model::Split;
+
+impl TensorGroups {
+    /// This rank's position in its tensor group and the group's size.
+    pub fn place(&self) -> Result<(usize, usize)> {
+        let g = self
+            .tensor
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a tensor-parallel collective panicked earlier"))?;
+        Ok((g.rank(), g.world_size()))
+    }
+
+    fn whole_shape(&self, name: &str) -> Result<&[i64]> {
+        self.whole
+            .get(name)
+            .map(Vec::as_slice)
+            .with_context(|| format!("internal: no whole shape for {name}"))
+    }
+
+    /// Every rank's `t` (the same shape on each), in rank order: a collective of the group.
+    fn gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        let (rank, size) = self.place()?;
+        let n = t.numel();
+        let buffer = Tensor::zeros([(n * size) as i64], (t.kind(), t.device()));
+        tch::no_grad(|| {
+            buffer
+                .narrow(0, (n * rank) as i64, n as i64)
+                .copy_(&t.reshape(-1))
+        });
+        let mut unused = crate::dist::SingleProcess;
+        on_group(Some(&self.tensor), &mut unused, |g| {
+            g.all_gather_tensor(&buffer, &vec![n; size])
+        })?;
+        let shape = t.size();
+        Ok((0..size)
+            .map(|r| {
+                buffer
+                    .narrow(0, (n * r) as i64, n as i64)
+                    .view(shape.as_slice())
+            })
+            .collect())
+    }
+
+    /// Whole tensors of `parts` (each rank's values of its parts, in the caller's order, the
+    /// same names on every rank of the group), on every rank: a collective of the group.
+    pub fn whole(&self, parts: &[(String, Tensor)]) -> Result<Vec<Tensor>> {
+        parts
+            .iter()
+            .map(|(name, value)| match Split::of(name) {
+                Split::Replicated => Ok(value.shallow_clone()),
+                split => {
+                    let all = self.gather(&value.contiguous())?;
+                    Ok(split.unshard(&all, self.whole_shape(name)?))
+                }
+            })
+            .collect()
+    }
+
+    /// `local` (what the layout would write: its parts' values and moments) as whole weights
+    /// and pieces of the whole parameters: a collective of the group (every rank of it passes
+    /// the same names and ranges, which holds because its parts are laid out alike).
+    pub fn whole_state(&self, local: RankState) -> Result<RankState> {
+        let (rank, size) = self.place()?;
+        let lead = rank == 0;
+        let whole = self.whole(&local.weights)?;
+        let weights = if lead {
+            local
+                .weights
+                .into_iter()
+                .map(|(n, _)| n)
+                .zip(whole)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut moments = Vec::new();
+        for piece in local.moments {
+            let split = Split::of(&piece.name);
+            let full = self.whole_shape(&piece.name)?;
+            let (m, v) = (piece.exp_avg.reshape(-1), piece.exp_avg_sq.reshape(-1));
+            let parts = match split {
+                Split::Replicated if lead => vec![(rank, m, v)],
+                Split::Replicated => Vec::new(),
+                Split::Rows | Split::Vocab => vec![(rank, m, v)],
+                Split::Columns => {
+                    let (ms, vs) = (self.gather(&m)?, self.gather(&v)?);
+                    if !lead {
+                        continue;
+                    }
+                    ms.into_iter()
+                        .zip(vs)
+                        .enumerate()
+                        .map(|(r, (m, v))| (r, m, v))
+                        .collect()
+                }
+            };
+            if parts.is_empty() {
+                continue;
+            }
+            let of = |pick: fn(&(usize, Tensor, Tensor)) -> &Tensor| -> Vec<(usize, Tensor)> {
+                parts
+                    .iter()
+                    .map(|p| (p.0, pick(p).shallow_clone()))
+                    .collect()
+            };
+            let firsts = split.whole_pieces(full, size, &piece.range, &of(|p| &p.1));
+            let seconds = split.whole_pieces(full, size, &piece.range, &of(|p| &p.2));
+            for ((range, exp_avg), (_, exp_avg_sq)) in firsts.into_iter().zip(seconds) {
+                moments.push(MomentPiece {
+                    name: piece.name.clone(),
+                    range,
+                    exp_avg,
+                    exp_avg_sq,
+                });
+            }
+        }
+        Ok(RankState { weights, moments })
+    }
+
+    /// `whole` (a checkpoint) read in this rank's parts' coordinates.
+    pub fn source<'a>(&'a self, whole: &'a dyn StateSource) -> Result<PartSource<'a>> {
+        Ok(PartSource {
+            groups: self,
+            whole,
+            place: self.place()?,
+        })
+    }
+}
+
+/// A checkpoint as one rank of a tensor group reads it: its parts of the parameters.
+pub struct PartSource<'a> {
+    groups: &'a TensorGroups,
+    whole: &'a dyn StateSource,
+    place: (usize, usize),
+}
+
+impl StateSource for PartSource<'_> {
+    fn weight(&self, name: &str, _part: &[i64]) -> Result<Tensor> {
+        let full = self.groups.whole_shape(name)?;
+        let value = self.whole.weight(name, full)?;
+        Ok(Split::of(name).shard(&value, self.place.0, self.place.1))
+    }
+
+    fn weight_range(&self, name: &str, _part: &[i64], range: &Range<usize>) -> Result<Tensor> {
+        let full = self.groups.whole_shape(name)?;
+        Split::of(name).read_part(full, self.place, range, |r| {
+            self.whole.weight_range(name, full, &r)
+        })
+    }
+
+    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
+        let full = self.groups.whole_shape(name)?;
+        let split = Split::of(name);
+        let mut second = None;
+        let first = split.read_part(full, self.place, range, |r| {
+            let (m, v) = self.whole.moments(name, &r)?;
+            second = Some(v);
+            Ok(m)
+        })?;
+        let second = split.read_part(full, self.place, range, |_| {
+            second.take().context("internal: moments read twice")
+        })?;
+        Ok((first, second))
+    }
+}
