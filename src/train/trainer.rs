@@ -676,12 +676,29 @@ fn print_summary(
     } else {
         "fp32"
     };
+    // With tensor parallelism: the mesh, and the data ranks that share out the batch.
+    let mesh = &rank.mesh;
+    let (ranks, data) = if mesh.tensor > 1 {
+        let sp = if cfg.system.sequence_parallel {
+            "with"
+        } else {
+            "without"
+        };
+        let ranks = format!(
+            "{world} ranks = {} data × {} tensor-parallel ({sp} sequence parallelism)",
+            mesh.data(),
+            mesh.tensor
+        );
+        (ranks, mesh.data())
+    } else {
+        let s = if world == 1 { "" } else { "s" };
+        (format!("{world} rank{s}"), world)
+    };
     println!(
-        "{tag} Run: {} (preset {}; full config in {}) | {world} rank{} | {device} | {dtype} compute",
+        "{tag} Run: {} (preset {}; full config in {}) | {ranks} | {device} | {dtype} compute",
         run_dir.display(),
         resolved.preset,
         run_dir.join("config.json").display(),
-        if world == 1 { "" } else { "s" },
     );
     println!(
         "{tag} Model: {:.2}M parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}",
@@ -694,12 +711,13 @@ fn print_summary(
         shape.vocab_size
     );
     println!(
-        "{tag} Batch: {} × {} tokens × {} accumulation × {world} rank{} = {} tokens per step | {} steps, LR {} (warmup {}, cosine to {})",
+        "{tag} Batch: {} × {} tokens × {} accumulation × {data} {}rank{} = {} tokens per step | {} steps, LR {} (warmup {}, cosine to {})",
         t.batch_size,
         t.context_length,
         t.grad_accum_nums,
-        if world == 1 { "" } else { "s" },
-        t.batch_size * t.context_length * t.grad_accum_nums * world,
+        if mesh.tensor > 1 { "data " } else { "" },
+        if data == 1 { "" } else { "s" },
+        t.batch_size * t.context_length * t.grad_accum_nums * data,
         t.max_steps,
         crate::telemetry::sci(t.learning_rate),
         t.warmup_steps,
