@@ -344,3 +344,45 @@ fn bad_tensor_parallel_layouts_exit_2_naming_the_key() {
         ],
     );
 }
+
+/// The NaN guard's report names whole tensors: a NaN put into one element of o_proj's gradient
+/// (split by columns over the TP ranks) is one NaN of [64, 64], not one per part.
+#[test]
+fn the_nan_report_of_a_tensor_parallel_run_is_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = base(dir);
+    let mut args = vec![
+        "run".to_string(),
+        "--cpu".into(),
+        "--nproc".into(),
+        "2".into(),
+    ];
+    args.extend(base.iter().cloned());
+    for s in [
+        "system.tensor_parallel=2",
+        "debug.inject_nan_at_step=2",
+        "debug.inject_nan_param=model.layers.1.self_attn.o_proj.weight",
+    ] {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    args.extend(["--max-steps".to_string(), "3".to_string()]);
+    fails(
+        &run(dir, &args),
+        3,
+        &[
+            "model.layers.1.self_attn.o_proj.weight  shape [64, 64]  NaN 1/4096",
+            "Checkpoint saved: runs/tiny/checkpoints/nan_step_2",
+        ],
+    );
+    let dump = tensor_io::load_all(&dir.join("runs/tiny/debug/nan_step_2.safetensors")).unwrap();
+    let embed = dump
+        .iter()
+        .find(|(n, _)| n.contains("embed_tokens") && !n.contains("grad"))
+        .map(|(_, t)| t.size());
+    assert_eq!(
+        embed,
+        Some(vec![50257, 64]),
+        "whole tensors, unpadded, in the dump"
+    );
+}

@@ -379,8 +379,16 @@ impl Optimizer {
         Ok(())
     }
 
-    /// `debug.inject_nan_param`, after the reduction so that every rank agrees.
+    /// `debug.inject_nan_param`, after the reduction so that every rank agrees (with tensor
+    /// parallelism into the first element of the whole parameter: rank 0's part of a split
+    /// one, every rank's copy of a whole one).
     pub fn poison_gradient(&self, name: &str) {
+        if let Some(t) = &self.tensor {
+            let first = t.place().is_ok_and(|(rank, _)| rank == 0);
+            if !first && Split::of(name) != Split::Replicated {
+                return;
+            }
+        }
         match &self.layout {
             Layout::Replicated(o) => o.poison_gradient(name),
             Layout::Sharded(o) => o.poison_gradient(name),
