@@ -12,11 +12,11 @@ use std::time::Duration;
 use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{self, Backend, DistEnv, Mesh, Place, ProcessGroup, SingleProcess};
 use lockstep::model::{
-    ActivationCheckpointing, ActivationMemory, AttentionBackend, Llama, LlamaShape, NoEvents,
-    Split, TensorParallel,
+    ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Llama, LlamaShape,
+    NoEvents, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
-use lockstep::train::optim::{AdamWParams, Optimizer, Sharding, TensorGroups};
+use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
 use lockstep::train::tensor_parallel::{Counts, GroupComm};
 use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::{nn::VarStore, Device, Kind, Tensor};
@@ -39,8 +39,9 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
     }
 }
 
-/// Runs `f(rank, group)` on one thread per rank of a loopback world of `world`.
-fn each_rank<T: Send>(world: usize, f: impl Fn(Box<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
+/// Runs `f(group)` on one thread per rank of a loopback world of `world`, then a barrier: rank
+/// 0 hosts the store, which must outlive the others' collectives.
+fn each_rank<T: Send>(world: usize, f: impl Fn(&mut dyn ProcessGroup) -> T + Sync) -> Vec<T> {
     let port = dist::free_port();
     let f = &f;
     std::thread::scope(|s| {
@@ -61,8 +62,10 @@ fn each_rank<T: Send>(world: usize, f: impl Fn(Box<dyn ProcessGroup>) -> T + Syn
                         lockstep_launcher: false,
                         note: None,
                     };
-                    let pg = dist::init(&env, Duration::from_secs(60), Backend::Ring).unwrap();
-                    f(pg)
+                    let mut pg = dist::init(&env, Duration::from_secs(60), Backend::Ring).unwrap();
+                    let out = f(&mut *pg);
+                    pg.barrier().unwrap();
+                    out
                 })
             })
             .collect();
@@ -82,18 +85,60 @@ struct Case {
     micro: usize,
     /// LM-head chunk (tokens; 0 = one chunk).
     chunk: usize,
+    /// Packed documents (masked attention, positions restarting at each document).
+    docs: bool,
+    /// The matmuls' dtype.
+    compute: Kind,
+}
+
+impl Case {
+    /// How far the split model may be from the whole one, relative per tensor: fp32 rounding
+    /// in another order; with bf16 matmuls one rank's gradients are themselves 7e-3 to 9e-3
+    /// from the fp64 computation (the split's as far: the check against fp64 below is the
+    /// one that tells), and the row-parallel partial products are rounded to bf16 before they
+    /// are added (as Megatron's are).
+    fn bound(&self) -> f64 {
+        if self.compute == Kind::Float {
+            1e-6
+        } else {
+            TP_BF16_BOUND
+        }
+    }
+}
+
+const TP_BF16_BOUND: f64 = 3e-2;
+
+/// The documents of the batch's rows (`Case::docs`).
+fn documents(c: &Case) -> Option<DocumentMask> {
+    c.docs
+        .then(|| DocumentMask::new(&[vec![5, 11], vec![16]], true, true, Device::Cpu))
 }
 
 const BATCH: i64 = 2;
 const SEQ: i64 = 16;
 
+/// [BATCH, SEQ] token ids below `vocab` from `seed` (splitmix64): not libtorch's global RNG,
+/// which the tests running at the same time in this process share.
+fn token_ids(seed: u64, vocab: usize) -> Tensor {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let ids: Vec<i64> = (0..BATCH * SEQ)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_slice(&ids).view([BATCH, SEQ])
+}
+
 /// The micro-batches (inputs, targets) of a case, some targets ignored (-100).
 fn batches(c: &Case) -> Vec<(Tensor, Tensor)> {
-    tch::manual_seed(7);
     (0..c.micro)
-        .map(|_| {
-            let x = Tensor::randint(c.vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
-            let y = Tensor::randint(c.vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
+        .map(|m| {
+            let x = token_ids(7 + 2 * m as u64, c.vocab);
+            let y = token_ids(8 + 2 * m as u64, c.vocab);
             let _ = y.narrow(1, 0, 3).fill_(-100);
             // The last ids are the ones the padded shard holds.
             let _ = y.narrow(1, 3, 1).fill_(c.vocab as i64 - 1);
@@ -127,9 +172,10 @@ fn fp64_gradients(c: &Case, params: &[(String, Tensor)]) -> Vec<Tensor> {
         &mut make,
     );
     model.set_activation_memory(ActivationMemory::default());
+    let docs = documents(c);
     for (x, y) in batches(c) {
         let _loss = model
-            .forward_backward(&x, &y, None, 1.0 / c.micro as f64, &mut NoEvents)
+            .forward_backward(&x, &y, docs.as_ref(), 1.0 / c.micro as f64, &mut NoEvents)
             .unwrap();
     }
     Llama::named_parameters(&vs)
@@ -141,15 +187,16 @@ fn fp64_gradients(c: &Case, params: &[(String, Tensor)]) -> Vec<Tensor> {
 fn reference(c: &Case) -> Reference {
     tch::manual_seed(1234);
     let vs = VarStore::new(Device::Cpu);
-    let mut model = Llama::new(&vs.root(), &shape(c.vocab, c.tied), 64, Kind::Float);
+    let mut model = Llama::new(&vs.root(), &shape(c.vocab, c.tied), 64, c.compute);
     model.set_activation_memory(ActivationMemory {
         checkpointing: ActivationCheckpointing::None,
         loss_chunk_tokens: 0,
     });
     let mut loss = 0.0;
+    let docs = documents(c);
     for (x, y) in batches(c) {
         let l = model
-            .forward_backward(&x, &y, None, 1.0 / c.micro as f64, &mut NoEvents)
+            .forward_backward(&x, &y, docs.as_ref(), 1.0 / c.micro as f64, &mut NoEvents)
             .unwrap();
         loss += l.double_value(&[]) / c.micro as f64;
     }
@@ -204,7 +251,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
         .iter()
         .map(|(n, p)| (n.clone(), Plain::of(p)))
         .collect();
-    let runs = each_rank(c.tp, |mut pg| {
+    let runs = each_rank(c.tp, |pg| {
         let members: Vec<usize> = (0..c.tp).collect();
         let group = pg.subgroup(&members, "tp").unwrap();
         let comm = GroupComm::new(Arc::new(Mutex::new(group))).unwrap();
@@ -218,7 +265,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
             &vs.root(),
             &shape(c.vocab, c.tied),
             64,
-            Kind::Float,
+            c.compute,
             tp,
             &mut make,
         )
@@ -228,12 +275,13 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
             loss_chunk_tokens: c.chunk,
         });
         let mut loss = 0.0;
+        let docs = documents(&c);
         for (x, y) in &micro {
             let l = model
                 .forward_backward(
                     &x.tensor(),
                     &y.tensor(),
-                    None,
+                    docs.as_ref(),
                     1.0 / c.micro as f64,
                     &mut NoEvents,
                 )
@@ -269,7 +317,12 @@ fn check(c: Case) -> f64 {
     let mut worst = 0.0f64;
     for run in &runs {
         let e = (run.loss - r.loss).abs() / r.loss;
-        assert!(e < 1e-6, "{c:?}: loss {} vs {} ({e:e})", run.loss, r.loss);
+        assert!(
+            e < c.bound(),
+            "{c:?}: loss {} vs {} ({e:e})",
+            run.loss,
+            r.loss
+        );
     }
     for (i, (name, want)) in r.grads.iter().enumerate() {
         let split = Split::of(name);
@@ -287,7 +340,7 @@ fn check(c: Case) -> f64 {
             Split::Replicated => {
                 for p in &parts[1..] {
                     assert!(
-                        rel(p, &parts[0]) < 1e-6,
+                        rel(p, &parts[0]) < c.bound(),
                         "{c:?}: {name} differs across ranks"
                     );
                 }
@@ -302,9 +355,9 @@ fn check(c: Case) -> f64 {
         if std::env::var("TP_VERBOSE").is_ok() {
             eprintln!("{name}: tp-vs-1 {e:.2e} tp-vs-fp64 {tp64:.2e} 1-vs-fp64 {one64:.2e}");
         }
-        assert!(e < 1e-6, "{c:?}: gradient of {name} off by {e:e}");
+        assert!(e < c.bound(), "{c:?}: gradient of {name} off by {e:e}");
         assert!(
-            tp64 < 1.5 * one64 + 1e-7,
+            tp64 < 1.5 * one64 + c.bound() / 10.0,
             "{c:?}: gradient of {name} is {tp64:e} from fp64, one rank's {one64:e}"
         );
         worst = worst.max(e);
@@ -321,6 +374,8 @@ fn case(tp: usize) -> Case {
         tied: false,
         micro: 1,
         chunk: 0,
+        docs: false,
+        compute: Kind::Float,
     }
 }
 
@@ -360,6 +415,26 @@ fn every_checkpointing_mode_tied_embeddings_and_accumulation_equal_one_rank() {
         checkpointing: ActivationCheckpointing::Full,
         ..case(4)
     });
+}
+
+/// Packed documents (masked attention, positions restarting) and bf16 matmuls split alike.
+#[test]
+fn packed_documents_and_bf16_split_like_one_rank() {
+    check(Case {
+        docs: true,
+        ..case(2)
+    });
+    check(Case {
+        docs: true,
+        sequence_parallel: false,
+        checkpointing: ActivationCheckpointing::Selective,
+        ..case(4)
+    });
+    let worst = check(Case {
+        compute: Kind::BFloat16,
+        ..case(2)
+    });
+    eprintln!("bf16: worst gradient {worst:e}");
 }
 
 /// GPT-2's 50257 ids: padded to 50258 at T = 2 and 50260 at T = 4, inside only.
@@ -426,6 +501,8 @@ struct Layout {
     data: usize,
     stage: ZeroStage,
     sequence_parallel: bool,
+    /// Hybrid sharding: data ranks per shard group (0 = all of them).
+    shard: usize,
 }
 
 const STEPS: usize = 3;
@@ -460,9 +537,8 @@ fn training() -> lockstep::config::TrainingConfig {
 
 /// The micro-batch of data rank `d` at step `s`.
 fn step_batch(vocab: usize, s: usize, d: usize) -> (Tensor, Tensor) {
-    tch::manual_seed((100 * s + d) as i64);
-    let x = Tensor::randint(vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
-    let y = Tensor::randint(vocab as i64, [BATCH, SEQ], (Kind::Int64, Device::Cpu));
+    let x = token_ids((1000 * s + 2 * d) as u64, vocab);
+    let y = token_ids((1000 * s + 2 * d + 1) as u64, vocab);
     (x, y)
 }
 
@@ -530,8 +606,8 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         })
         .collect();
     let world = c.tp * c.data;
-    let runs = each_rank(world, |mut pg| {
-        let mesh = Mesh::new(pg.rank(), world, c.tp, 0);
+    let runs = each_rank(world, |pg| {
+        let mesh = Mesh::new(pg.rank(), world, c.tp, c.shard);
         let groups = mesh.groups(&mut *pg).unwrap();
         let (tensor, data) = (groups.tensor.unwrap(), groups.data.unwrap());
         let comm = GroupComm::new(tensor.clone()).unwrap();
@@ -562,7 +638,11 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
             .collect();
         let sharding = Sharding {
             stage: c.stage,
-            hybrid: None,
+            hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
+                shard,
+                replica,
+                index,
+            }),
             reduce: Kind::Float,
             tensor: Some(TensorGroups {
                 data,
@@ -688,6 +768,7 @@ fn tp2_and_tp4_steps_equal_one_rank_after_three_clipped_adamw_steps() {
             data: 1,
             stage: ZeroStage::Replicated,
             sequence_parallel,
+            shard: 0,
         });
     }
 }
@@ -706,6 +787,21 @@ fn tp2_by_data2_at_stages_0_2_3_equal_data_parallel_at_stage_0() {
             data: 2,
             stage,
             sequence_parallel: true,
+            shard: 0,
+        });
+    }
+}
+
+/// 8 ranks = TP 2 × data 4 with hybrid sharding in groups of 2 data ranks, stages 2 and 3.
+#[test]
+fn tp2_with_hybrid_sharding_over_data4_equals_data_parallelism() {
+    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
+        check_steps(Layout {
+            tp: 2,
+            data: 4,
+            stage,
+            sequence_parallel: true,
+            shard: 2,
         });
     }
 }
