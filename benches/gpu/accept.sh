@@ -24,7 +24,8 @@
 #                   memory: c6-default, c6-variants (activation checkpointing / loss chunking /
 #                   zero stage)
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
-#                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16
+#                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16; tensor
+#                   parallelism: TP 2, and TP 2 x data 2 at stage 3 (4+ GPUs; SKIP with fewer)
 #   all          correctness perf scale multi (more than one device command's 10 minutes)
 #   c1..c8, or one step by its name (c3-resume): that check alone; steps run in the order named
 #                (c3-resume and c4-eval need c3-run earlier in the same call, c5-compile c5-speed)
@@ -789,20 +790,46 @@ check_c8() {
         hybrid=(); [ "$z" = 3h ] && hybrid=(--set system.shard_degree=1)
         run_logged "c8-w2-z$z-$dt" 180 "$BIN" run "${W2[@]}" -- "${M[@]}" --set training.dtype=$dt \
           --set training.batch_size=1 --set system.zero_stage=${z%h} "${hybrid[@]}" --set logging.run_name="w2-z$z-$dt"
-        rc=$?
-        eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/w1-$dt/metrics.jsonl" "$RUNS/w2-z$z-$dt/metrics.jsonl" 1 8 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
-        tol=$([ "$dt" = fp32 ] && echo 1e-4 || echo 1e-2)
-        backend=$(grep -ao "Collectives: .*" "$LOGS/c8-w2-z$z-$dt.log" | head -1)
-        if [ $rc -eq 0 ] && [ -z "$MISSING" ] && awk -v x="${MAXREL:-1}" -v t="$tol" 'BEGIN { exit !(x <= t) }'; then
-          result PASS "c8-w2-z$z-$dt" "2 ranks x 1 vs 1 rank x 2, zero stage $z, $dt: losses of 8 steps $([ "$BITWISE" = 1 ] && echo bitwise || echo "within $MAXREL (tol $tol)"); ${backend:-TCP ring (CPU)}"
+        c8_verdict "w2-z$z-$dt" $? $dt "2 ranks x 1 vs 1 rank x 2, zero stage $z"
+      done
+      # Tensor parallelism (NCCL subgroups for the layers' collectives): TP 2 on 2 ranks (one
+      # data rank, so 2 sequences a micro-batch: the same global batch), and on 4 ranks TP 2
+      # x data 2 at stage 3 (the units' gathers on the data group, the layers' collectives on
+      # the tensor group).
+      for tp in tp2 tp2z3; do
+        if [ "$tp" = tp2 ]; then
+          W=("${W2[@]}") extra=(--set training.batch_size=2)
+        elif [ "$DRY" = 0 ] && [ "$ngpu" -lt 4 ]; then
+          result SKIP "c8-$tp-$dt" "needs 4 GPUs (TP 2 x data 2); this machine has $ngpu"
+          continue
         else
-          result FAIL "c8-w2-z$z-$dt" "exit $rc; missing steps: ${MISSING:-none}; max rel ${MAXREL:-?} (tol $tol); $(why "c8-w2-z$z-$dt")"
+          if [ "$DRY" = 1 ]; then W=(--cpu --nproc 4); else W=(--gpus 0,1,2,3); fi
+          extra=(--set training.batch_size=1 --set system.zero_stage=3)
         fi
-        rm -rf "$RUNS/w2-z$z-$dt"
+        time_for 30 "c8-$tp-$dt" || break
+        run_logged "c8-$tp-$dt" 180 "$BIN" run "${W[@]}" -- "${M[@]}" --set training.dtype=$dt \
+          --set system.tensor_parallel=2 "${extra[@]}" --set logging.run_name="$tp-$dt"
+        c8_verdict "$tp-$dt" $? $dt "${W[*]}, tensor_parallel 2 ($tp) vs 1 rank x 2"
       done
       rm -rf "$RUNS/w1-$dt"
     done
   fi
+}
+
+# c8's verdict on run NAME (exit RC, dtype DT) against one rank's losses: PASS within the
+# dtype's tolerance, with WHAT and the collectives the run used, else FAIL with why.
+c8_verdict() {
+  local name=$1 rc=$2 dt=$3 what=$4
+  eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/w1-$dt/metrics.jsonl" "$RUNS/$name/metrics.jsonl" 1 8 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
+  local tol backend
+  tol=$([ "$dt" = fp32 ] && echo 1e-4 || echo 1e-2)
+  backend=$(grep -ao "Collectives: .*" "$LOGS/c8-$name.log" | head -1)
+  if [ "$rc" -eq 0 ] && [ -z "$MISSING" ] && awk -v x="${MAXREL:-1}" -v t="$tol" 'BEGIN { exit !(x <= t) }'; then
+    result PASS "c8-$name" "$what, $dt: losses of 8 steps $([ "$BITWISE" = 1 ] && echo bitwise || echo "within $MAXREL (tol $tol)"); ${backend:-TCP ring (CPU)}"
+  else
+    result FAIL "c8-$name" "exit $rc; missing steps: ${MISSING:-none}; max rel ${MAXREL:-?} (tol $tol); $(why "c8-$name")"
+  fi
+  rm -rf "${RUNS:?}/$name"
 }
 
 # ---------------------------------------------------------------------------------------------
