@@ -119,7 +119,7 @@ pub fn train_step(
     batches: impl Iterator<Item = Batch>,
 ) -> Result<StepOutcome> {
     let mut timing = StepTiming::default();
-    let sent_before = pg.bytes_sent();
+    let sent_before = opt.bytes_sent(pg);
 
     let passes = forward_backward(model, opt, pg, batches, cfg, &plan.inject)?;
     timing.data_s = passes.data_s;
@@ -154,7 +154,9 @@ pub fn train_step(
     opt.step(plan.lr, pg)?;
     opt.zero_grad();
     outcome.timing.optimizer_s = t.elapsed().as_secs_f64();
-    outcome.timing.sent_bytes = sent_before.zip(pg.bytes_sent()).map(|(a, b)| b - a);
+    outcome.timing.sent_bytes = sent_before
+        .zip(opt.bytes_sent(pg))
+        .map(|(a, b)| b - a);
     Ok(outcome)
 }
 

@@ -259,6 +259,21 @@ impl Optimizer {
         })
     }
 
+    /// Payload bytes this rank has sent so far over `pg` and the subgroups the optimizer and
+    /// the model use (hybrid sharding's, tensor parallelism's), where the backends count them.
+    pub fn bytes_sent(&self, pg: &dyn ProcessGroup) -> Option<u64> {
+        let mut groups: Vec<&SharedGroup> = Vec::new();
+        if let Some(h) = &self.hybrid {
+            groups.extend([&h.shard, &h.replica]);
+        }
+        if let Some(t) = &self.tensor {
+            groups.extend([&t.data, &t.tensor]);
+        }
+        groups.into_iter().try_fold(pg.bytes_sent()?, |sum, g| {
+            Some(sum + g.lock().ok()?.bytes_sent()?)
+        })
+    }
+
     /// `system.prefetch_units` (stage 3).
     pub fn with_prefetch(mut self, units: usize) -> Optimizer {
         self.prefetch = units;
