@@ -14,7 +14,7 @@ use super::documents::DocumentMask;
 use super::flash;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
-use super::tensor_parallel::{Split, TensorParallel};
+use super::split::{Split, TensorParallel};
 use super::units::{
     chunks, counted_targets, wide, ActivationMemory, GradUnit, NoEvents, UnitEvents,
 };

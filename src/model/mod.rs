@@ -12,12 +12,13 @@ pub mod hf;
 pub mod llama;
 pub mod rope;
 pub mod shape;
-pub mod tensor_parallel;
+pub mod split;
+mod tensor_parallel;
 pub mod units;
 
 pub use backward::ActivationCheckpointing;
 pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
 pub use shape::{AttentionBackend, LlamaShape};
-pub use tensor_parallel::{Split, TensorParallel, TpComm};
+pub use split::{Split, TensorParallel, TpComm};
 pub use units::{ActivationMemory, GradUnit, NoEvents, UnitEvents};
