@@ -154,9 +154,7 @@ pub fn train_step(
     opt.step(plan.lr, pg)?;
     opt.zero_grad();
     outcome.timing.optimizer_s = t.elapsed().as_secs_f64();
-    outcome.timing.sent_bytes = sent_before
-        .zip(opt.bytes_sent(pg))
-        .map(|(a, b)| b - a);
+    outcome.timing.sent_bytes = sent_before.zip(opt.bytes_sent(pg)).map(|(a, b)| b - a);
     Ok(outcome)
 }
 
