@@ -1,6 +1,6 @@
 //! Tensor parallelism through real `lockstep run` workers on loopback: a TP run trains like one
 //! rank, TP × data-parallel at stage 3 like data parallelism, a TP checkpoint resumes on other
-//! layouts (TP 2 → 1 rank, 1 rank → TP 2, TP 2 × data 2 → TP 4) with the same losses, its
+//! layouts (TP 2 → 1 rank, 1 rank → TP 4, TP 2 × data 2 → TP 4) with the same losses, its
 //! export loads in transformers with the same loss, and bad layouts exit 2 naming the key.
 
 mod common;
@@ -166,7 +166,7 @@ fn tensor_parallel_runs_train_like_one_rank_and_resume_on_any_layout() {
         "TP 2 × DP 2 stage 3",
     );
 
-    // Resumes across layouts continue the same run: TP 2 → one rank, one rank → TP 2, and TP
+    // Resumes across layouts continue the same run: TP 2 → one rank, one rank → TP 4, and TP
     // 2 × data 2 (stage 3) → TP 4 (stage 0) against data 2's own steps 4-6.
     let from = |run: &Path| run.join("checkpoints/step_3");
     let tail = |l: &[(u64, f64)]| l[3..].to_vec();
@@ -180,15 +180,15 @@ fn tensor_parallel_runs_train_like_one_rank_and_resume_on_any_layout() {
     let r = train(
         dir,
         &base,
-        ("1totp2", 2, 6),
-        &["system.tensor_parallel=2"],
+        ("1totp4", 4, 6),
+        &["system.tensor_parallel=4"],
         Some(&from(&one)),
     );
     close(
         &losses(&r.join("metrics.jsonl")),
         &tail(&l1),
         1e-5,
-        "1 → TP 2",
+        "1 → TP 4",
     );
     let r = train(
         dir,

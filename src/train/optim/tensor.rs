@@ -156,10 +156,10 @@ pub struct PartSource<'a> {
 }
 
 impl StateSource for PartSource<'_> {
-    fn weight(&self, name: &str, _part: &[i64]) -> Result<Tensor> {
-        let full = self.groups.whole_shape(name)?;
-        let value = self.whole.weight(name, full)?;
-        Ok(Split::of(name).shard(&value, self.place.0, self.place.1))
+    /// The part, read as its elements: a row- or vocabulary-split weight reads only its rows.
+    fn weight(&self, name: &str, part: &[i64]) -> Result<Tensor> {
+        let numel = part.iter().product::<i64>() as usize;
+        Ok(self.weight_range(name, part, &(0..numel))?.view(part))
     }
 
     fn weight_range(&self, name: &str, _part: &[i64], range: &Range<usize>) -> Result<Tensor> {
