@@ -325,8 +325,7 @@ fn bad_tensor_parallel_layouts_exit_2_naming_the_key() {
             &[&format!("system.tensor_parallel={bad}"), "integer >= 1"],
         );
     }
-    // Sequence parallelism splits the micro-batch's tokens: 3 × 64 over T = 2 is fine, 3 × 63
-    // is not.
+    // Sequence parallelism splits every batch's tokens: a context of 63 over T = 2 does not.
     fails(
         &go(
             2,
@@ -338,8 +337,7 @@ fn bad_tensor_parallel_layouts_exit_2_naming_the_key() {
         ),
         2,
         &[
-            "system.sequence_parallel",
-            "189 tokens",
+            "training.context_length = 63 is not a multiple of 2",
             "system.sequence_parallel = false",
         ],
     );

@@ -90,13 +90,15 @@ fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
             bad(e.0);
         }
     }
-    let tokens = t.batch_size * t.context_length;
-    if s.sequence_parallel && !tokens.is_multiple_of(tp) {
+    // Every batch a rank runs (a validation batch may have fewer rows) splits evenly.
+    if s.sequence_parallel && !t.context_length.is_multiple_of(tp) {
         bad(format!(
-            "system.sequence_parallel splits a micro-batch's {tokens} tokens (training.batch_size \
-             = {} x training.context_length = {}) among system.tensor_parallel = {tp} ranks: make \
-             the product a multiple of {tp}, or set system.sequence_parallel = false",
-            t.batch_size, t.context_length
+            "system.sequence_parallel splits the tokens of every batch among \
+             system.tensor_parallel = {tp} ranks, and training.context_length = {} is not a \
+             multiple of {tp}: use a context of a multiple of {tp} (e.g. {}), or set \
+             system.sequence_parallel = false",
+            t.context_length,
+            t.context_length.next_multiple_of(tp)
         ));
     }
 }

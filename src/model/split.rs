@@ -90,16 +90,6 @@ impl TensorParallel {
             Ok(grad.shallow_clone())
         }
     }
-
-    /// The rows of the micro-batch's `n` flattened tokens this rank holds between halves.
-    pub fn tokens(&self, n: i64) -> Range<i64> {
-        if self.sequence_parallel {
-            let part = n / self.size as i64;
-            self.rank as i64 * part..(self.rank as i64 + 1) * part
-        } else {
-            0..n
-        }
-    }
 }
 
 /// How one parameter is split among the ranks of a tensor-parallel group.
