@@ -87,6 +87,17 @@ struct Rows {
     seq: i64,
 }
 
+impl Rows {
+    /// The rows of token ids [batch, seq].
+    fn of(tokens: &Tensor) -> Rows {
+        let size = tokens.size();
+        Rows {
+            batch: size[0],
+            seq: size[1],
+        }
+    }
+}
+
 impl Llama {
     fn split(&self) -> &TensorParallel {
         self.tp
@@ -255,11 +266,7 @@ impl Llama {
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
         let tp = self.split();
-        let size = inputs.size();
-        let rows = Rows {
-            batch: size[0],
-            seq: size[1],
-        };
+        let rows = Rows::of(inputs);
         phase::enter(Phase::Forward);
         units.before(GradUnit::Embedding)?;
         let embedded = self.embed_partial(inputs);
@@ -301,11 +308,7 @@ impl Llama {
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
         let tp = self.split();
-        let size = inputs.size();
-        let rows = Rows {
-            batch: size[0],
-            seq: size[1],
-        };
+        let rows = Rows::of(inputs);
         let x = tch::no_grad(|| -> Result<Tensor> {
             units.before(GradUnit::Embedding)?;
             let mut x = tp.leave(&self.embed_partial(inputs))?;
