@@ -51,7 +51,7 @@
 //! `model.embed_tokens.weight`, which is final only at `Embedding`.
 
 use anyhow::Result;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
 
 use super::documents::DocumentMask;
@@ -270,8 +270,7 @@ impl Llama {
         let grad_scale = (loss_scale / &count).to_kind(kind);
         let weight = self.head_weight();
         let grad_hidden = hidden.empty_like();
-        // This micro-batch's gradient of the head weight, when the parameter has none yet.
-        let mut fresh: Option<Tensor> = None;
+        let mut head_grad = HeadGradient::new(weight, kind);
         let mut loss_sum = Tensor::zeros([], (kind, x.device()));
         tch::no_grad(|| -> Result<()> {
             let w = weight.to_kind(compute);
@@ -288,26 +287,11 @@ impl Llama {
                 grad_hidden
                     .narrow(0, start, len)
                     .copy_(&d_logits.matmul(&w));
-                let accumulated = weight.grad();
-                let into = if accumulated.defined() {
-                    Some(accumulated)
-                } else {
-                    fresh.as_ref().map(Tensor::shallow_clone)
-                };
-                match into {
-                    Some(mut g) if compute == kind => {
-                        let _ = g.addmm_(&d_logits.tr(), &rows);
-                    }
-                    Some(mut g) => g += d_logits.tr().matmul(&rows),
-                    None => fresh = Some(d_logits.tr().matmul(&rows).to_kind(kind)),
-                }
+                head_grad.add(&d_logits, &rows);
             }
             Ok(())
         })?;
-        if let Some(g) = fresh {
-            // The parameter's first gradient: autograd creates `.grad` from it.
-            backward_from(&weight.view_as(weight), &g)?;
-        }
+        head_grad.finish()?;
         if !self.tied() {
             units.grads_final(GradUnit::LmHead)?;
         }
@@ -316,6 +300,54 @@ impl Llama {
         units.grads_final(GradUnit::FinalNorm)?;
         units.after(GradUnit::FinalNorm)?;
         Ok((loss_sum, grad_of(&top)?))
+    }
+}
+
+/// The LM head weight's gradient over a micro-batch's chunks, added chunk by chunk without an
+/// autograd graph: in place into the parameter's `.grad` (`addmm_` when the chunks are in the
+/// gradient's dtype), or, before the parameter has one, into this micro-batch's own sum, which
+/// autograd turns into `.grad` at the end. No [vocab, hidden] tensor per chunk.
+pub(super) struct HeadGradient<'w> {
+    weight: &'w Tensor,
+    /// The gradient's dtype (fp32; fp64 for an fp64 model).
+    kind: Kind,
+    /// This micro-batch's sum, when the parameter had no gradient yet.
+    fresh: Option<Tensor>,
+}
+
+impl<'w> HeadGradient<'w> {
+    pub(super) fn new(weight: &'w Tensor, kind: Kind) -> Self {
+        HeadGradient {
+            weight,
+            kind,
+            fresh: None,
+        }
+    }
+
+    /// Adds d_logitsᵀ · rows of one chunk (both in the compute dtype). Under `no_grad`.
+    pub(super) fn add(&mut self, d_logits: &Tensor, rows: &Tensor) {
+        let accumulated = self.weight.grad();
+        let into = if accumulated.defined() {
+            Some(accumulated)
+        } else {
+            self.fresh.as_ref().map(Tensor::shallow_clone)
+        };
+        match into {
+            Some(mut g) if d_logits.kind() == self.kind => {
+                let _ = g.addmm_(&d_logits.tr(), rows);
+            }
+            Some(mut g) => g += d_logits.tr().matmul(rows),
+            None => self.fresh = Some(d_logits.tr().matmul(rows).to_kind(self.kind)),
+        }
+    }
+
+    /// After the last chunk: the parameter's first gradient, if this was it, handed to
+    /// autograd, which creates `.grad` from it.
+    pub(super) fn finish(self) -> Result<()> {
+        match self.fresh {
+            Some(g) => backward_from(&self.weight.view_as(self.weight), &g),
+            None => Ok(()),
+        }
     }
 }
 

@@ -46,7 +46,7 @@
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
-use super::backward::{backward_from, grad_of, leaf};
+use super::backward::{backward_from, grad_of, leaf, HeadGradient};
 use super::documents::DocumentMask;
 use super::llama::{Layer, Llama};
 use super::split::{padded, TensorParallel};
@@ -360,7 +360,7 @@ impl Llama {
         } else {
             Tensor::empty([0], (Kind::Float, x.device()))
         };
-        let mut fresh: Option<Tensor> = None;
+        let mut head_grad = HeadGradient::new(weight, Kind::Float);
         let mut loss_sum = Tensor::zeros([], (Kind::Float, x.device()));
         tch::no_grad(|| -> Result<()> {
             let w = weight.to_kind(compute);
@@ -384,19 +384,7 @@ impl Llama {
                 phase::enter(Phase::Backward);
                 let d_logits = d_logits.to_kind(compute);
                 grad_hidden.narrow(0, at, len).copy_(&d_logits.matmul(&w));
-                let accumulated = weight.grad();
-                let into = if accumulated.defined() {
-                    Some(accumulated)
-                } else {
-                    fresh.as_ref().map(Tensor::shallow_clone)
-                };
-                match into {
-                    Some(mut g) if compute == Kind::Float => {
-                        let _ = g.addmm_(&d_logits.tr(), &rows);
-                    }
-                    Some(mut g) => g += d_logits.tr().matmul(&rows),
-                    None => fresh = Some(d_logits.tr().matmul(&rows).to_kind(Kind::Float)),
-                }
+                head_grad.add(&d_logits, &rows);
             }
             Ok(())
         })?;
@@ -405,9 +393,7 @@ impl Llama {
             units.after(GradUnit::FinalNorm)?;
             return Ok((loss_sum, grad_hidden));
         }
-        if let Some(g) = fresh {
-            backward_from(&weight.view_as(weight), &g)?;
-        }
+        head_grad.finish()?;
         if !self.tied() {
             units.grads_final(GradUnit::LmHead)?;
         }
