@@ -212,6 +212,20 @@ pub(crate) fn check_splits(len: usize, splits: &[usize], world: usize) -> Result
     Ok(())
 }
 
+/// Every rank's `t` (the same shape on each) in rank order, as one flat buffer of
+/// `world · numel` elements: an all-gather of equal pieces on `g`.
+pub fn gather_equal(g: &mut dyn ProcessGroup, t: &Tensor) -> Result<Tensor> {
+    let (rank, world, n) = (g.rank(), g.world_size(), t.numel());
+    let buffer = Tensor::zeros([(n * world) as i64], (t.kind(), t.device()));
+    tch::no_grad(|| {
+        buffer
+            .narrow(0, (n * rank) as i64, n as i64)
+            .copy_(&t.reshape(-1))
+    });
+    g.all_gather_tensor(&buffer, &vec![n; world])?;
+    Ok(buffer)
+}
+
 /// Runs a host-slice collective on a tensor: copy out as fp32, `op`, copy back in place.
 pub(crate) fn through_host(t: &Tensor, op: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
     let n = t.numel();

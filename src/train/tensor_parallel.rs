@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use tch::Tensor;
 
+use crate::dist::group::gather_equal;
 use crate::dist::{on_group, SharedGroup};
 use crate::model::TpComm;
 
@@ -80,17 +81,7 @@ impl TpComm for GroupComm {
     }
 
     fn all_gather(&mut self, t: &Tensor) -> Result<Tensor> {
-        let n = t.numel();
-        let buffer = Tensor::zeros([(n * self.size) as i64], (t.kind(), t.device()));
-        tch::no_grad(|| {
-            buffer
-                .narrow(0, (n * self.rank) as i64, n as i64)
-                .copy_(&t.reshape(-1))
-        });
-        let splits = vec![n; self.size];
-        self.run(&self.counts.all_gather, |g| {
-            g.all_gather_tensor(&buffer, &splits)
-        })?;
+        let buffer = self.run(&self.counts.all_gather, |g| gather_equal(g, t))?;
         let mut shape = t.size();
         shape[0] *= self.size as i64;
         Ok(buffer.view(shape.as_slice()))

@@ -18,6 +18,7 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::{MomentPiece, RankState, StateSource, TensorGroups};
+use crate::dist::group::gather_equal;
 use crate::dist::on_group;
 use crate::model::Split;
 
@@ -40,19 +41,11 @@ impl TensorGroups {
 
     /// Every rank's `t` (the same shape on each), in rank order: a collective of the group.
     fn gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        let (rank, size) = self.place()?;
-        let n = t.numel();
-        let buffer = Tensor::zeros([(n * size) as i64], (t.kind(), t.device()));
-        tch::no_grad(|| {
-            buffer
-                .narrow(0, (n * rank) as i64, n as i64)
-                .copy_(&t.reshape(-1))
-        });
         let mut unused = crate::dist::SingleProcess;
-        on_group(Some(&self.tensor), &mut unused, |g| {
-            g.all_gather_tensor(&buffer, &vec![n; size])
+        let (buffer, size) = on_group(Some(&self.tensor), &mut unused, |g| {
+            Ok((gather_equal(g, t)?, g.world_size()))
         })?;
-        let shape = t.size();
+        let (n, shape) = (t.numel(), t.size());
         Ok((0..size)
             .map(|r| {
                 buffer
