@@ -43,17 +43,10 @@ impl Rank {
     }
 }
 
-/// The ranks that shard one copy of the state among `world` (`system.shard_degree`, 0 = all),
-/// checked against the world and the stage (`config::check_world`): a config error (exit 2),
-/// found at start-up.
-pub fn shard_degree(cfg: &Config, world: usize) -> Result<usize, ConfigError> {
-    crate::config::check_world(cfg, world)
-}
-
 /// Rank `rank`'s place on the mesh of `world` ranks (`dist::Mesh`: data × tensor ranks,
 /// `system.tensor_parallel` innermost, hybrid sharding's `system.shard_degree` inside the data
 /// ranks), checked against the world (`config::check_world`: a config error, exit 2).
 pub fn mesh(cfg: &Config, rank: usize, world: usize) -> Result<Mesh, ConfigError> {
-    let degree = shard_degree(cfg, world)?;
+    let degree = crate::config::check_world(cfg, world)?;
     Ok(Mesh::new(rank, world, cfg.system.tensor_parallel, degree))
 }

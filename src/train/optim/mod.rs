@@ -544,8 +544,7 @@ impl Optimizer {
         // With tensor parallelism the data ranks' numbering spreads over the mesh: data rank
         // d's tensor group is world ranks d·T..(d+1)·T, of which the first writes the whole
         // weights (`tensor::whole_state`) and every one its optimizer file.
-        let size = t.place().map_or(1, |p| p.1);
-        let rank = t.place().map_or(0, |p| p.0);
+        let (rank, size) = t.place().unwrap_or((0, 1));
         Writers {
             params: writers
                 .params
