@@ -15,6 +15,10 @@
 //!
 //! 5. Names the Python of the venv that libtorch came from (`LOCKSTEP_VENV_PYTHON`, empty when
 //!    it is not a venv): the W&B sidecar's default interpreter (src/telemetry/wandb.rs).
+//! 6. Names the commit the binary is built from (`LOCKSTEP_COMMIT`: `git rev-parse`, with
+//!    `+modified` when the code differs from it; `LOCKSTEP_COMMIT` in the environment wins),
+//!    for `--version` and `lockstep env`. The script reruns whenever the code changes, so the
+//!    shims (2.–3.) are recompiled only when their sources, flags or libtorch changed.
 //!
 //! All shims share csrc/ffi_util.hpp (the error convention; see src/sys/ffi.rs).
 use std::path::{Path, PathBuf};
@@ -27,6 +31,7 @@ fn main() {
         "fused_adamw.cpp",
         "flash_varlen.cpp",
         "autograd.cpp",
+        "torch_info.cpp",
         "nccl_group.cpp",
         "ffi_util.hpp",
     ] {
@@ -48,17 +53,30 @@ fn main() {
         format!("{lib}/../include"),
         format!("{lib}/../include/torch/csrc/api/include"),
     ];
-    cc::Build::new()
-        .cpp(true)
-        .file("csrc/c10d_store.cpp")
-        .file("csrc/fused_adamw.cpp")
-        .file("csrc/flash_varlen.cpp")
-        .file("csrc/autograd.cpp")
-        .includes(&torch_includes)
-        .flag("-std=c++17")
-        .define("_GLIBCXX_USE_CXX11_ABI", "1")
-        .warnings(false)
-        .compile("lockstep_c10d");
+    let shims = [
+        "csrc/c10d_store.cpp",
+        "csrc/fused_adamw.cpp",
+        "csrc/flash_varlen.cpp",
+        "csrc/autograd.cpp",
+        "csrc/torch_info.cpp",
+    ];
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    if up_to_date(&out.join("liblockstep_c10d.a"), &shims, &lib) {
+        // What cc's compile() prints, without compiling again.
+        println!("cargo:rustc-link-search=native={}", out.display());
+        println!("cargo:rustc-link-lib=static=lockstep_c10d");
+        println!("cargo:rustc-link-lib=stdc++");
+    } else {
+        cc::Build::new()
+            .cpp(true)
+            .files(shims)
+            .includes(&torch_includes)
+            .flag("-std=c++17")
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .warnings(false)
+            .compile("lockstep_c10d");
+        stamp(&out.join("liblockstep_c10d.a"), &lib);
+    }
     // After the static shim, so link order never depends on where torch-sys's flags land.
     println!("cargo:rustc-link-search=native={lib}");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
@@ -66,6 +84,65 @@ fn main() {
 
     build_nccl_shim(Path::new(&lib), &torch_includes);
     pack_corpus("shakespeare");
+    commit();
+}
+
+/// Sets `LOCKSTEP_COMMIT` (6. above). Watches the code and git's HEAD and index, so that a
+/// commit, a checkout or an edit reruns the script.
+fn commit() {
+    println!("cargo:rerun-if-env-changed=LOCKSTEP_COMMIT");
+    for watched in [
+        "src",
+        "csrc",
+        "build.rs",
+        "Cargo.toml",
+        "Cargo.lock",
+        ".git/HEAD",
+        ".git/index",
+    ] {
+        if Path::new(watched).exists() {
+            println!("cargo:rerun-if-changed={watched}");
+        }
+    }
+    let id = std::env::var("LOCKSTEP_COMMIT")
+        .ok()
+        .filter(|c| !c.is_empty())
+        .or_else(|| {
+            let git = |args: &[&str]| Command::new("git").args(args).output().ok();
+            let head = git(&["rev-parse", "--short=12", "HEAD"]).filter(|o| o.status.success())?;
+            let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+            let code = ["src", "csrc", "build.rs", "Cargo.toml", "Cargo.lock"];
+            let clean = git(&[&["diff", "--quiet", "HEAD", "--"][..], &code[..]].concat())
+                .is_some_and(|o| o.status.success());
+            Some(if clean {
+                head
+            } else {
+                format!("{head}+modified")
+            })
+        });
+    println!(
+        "cargo:rustc-env=LOCKSTEP_COMMIT={}",
+        id.unwrap_or_else(|| "unknown".to_string())
+    );
+}
+
+/// Whether `artifact` was built from the current `inputs` against the libtorch in `lib`: it is
+/// newer than each input and its stamp (written by [`stamp`]) names `lib`.
+fn up_to_date(artifact: &Path, inputs: &[&str], lib: &str) -> bool {
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let Some(built) = mtime(artifact) else {
+        return false;
+    };
+    let stamp = std::fs::read_to_string(artifact.with_extension("stamp")).unwrap_or_default();
+    stamp == lib
+        && ["csrc/ffi_util.hpp", "build.rs"]
+            .iter()
+            .chain(inputs)
+            .all(|i| mtime(Path::new(i)).is_some_and(|t| t < built))
+}
+
+fn stamp(artifact: &Path, lib: &str) {
+    std::fs::write(artifact.with_extension("stamp"), lib).unwrap();
 }
 
 /// `data/<name>`'s `.txt` files (hidden entries skipped), sorted by relative path as
@@ -168,6 +245,12 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
         return;
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("liblockstep_nccl.so");
+    let lib_key = lib.display().to_string();
+    if up_to_date(&out, &["csrc/nccl_group.cpp"], &lib_key) {
+        println!("cargo:rustc-cfg=lockstep_nccl");
+        println!("cargo:rustc-env=LOCKSTEP_NCCL_SHIM={}", out.display());
+        return;
+    }
     let compiler = cc::Build::new().cpp(true).get_compiler();
     let mut cmd = Command::new(compiler.path());
     cmd.args(["-shared", "-fPIC", "-O2", "-g0", "-s", "-std=c++17"])
@@ -202,6 +285,7 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
         status.success(),
         "compiling csrc/nccl_group.cpp failed: {cmd:?}"
     );
+    stamp(&out, &lib_key);
     println!("cargo:rustc-cfg=lockstep_nccl");
     println!("cargo:rustc-env=LOCKSTEP_NCCL_SHIM={}", out.display());
 }

@@ -13,7 +13,7 @@ use crate::{commands, launch};
 #[derive(Parser, Debug)]
 #[command(
     name = "lockstep",
-    version,
+    version = crate::sys::libtorch::LOCKSTEP_VERSION,
     about = "LLaMA pretraining on libtorch: prepare data, train, launch ranks, export, evaluate, generate"
 )]
 pub struct Cli {
@@ -85,6 +85,10 @@ pub enum Command {
     /// or a run whose tracker fell behind): the same run id and names as during training;
     /// steps W&B already has are not sent again.
     WandbSync(commands::wandb_sync::WandbSyncArgs),
+    /// What a bug report needs: lockstep's version and commit, the libtorch it loaded (path,
+    /// version, CUDA build), CUDA, cuDNN, NCCL and driver versions, the GPUs, the Python the
+    /// W&B sidecar uses, CPUs and memory.
+    Env,
     /// Print the resolved config, the table of keys, or the docs/CONFIG.md markdown.
     Config {
         #[command(flatten)]
@@ -168,6 +172,10 @@ impl ConfigArgs {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
+    // `env` reports a wrong libtorch instead of stopping at it.
+    if !matches!(cli.command, Command::Env) {
+        crate::sys::libtorch::check()?;
+    }
     match cli.command {
         Command::Prepare { config, shard } => {
             let resolved = config.resolve()?;
@@ -220,6 +228,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => commands::generate::run(&args),
         Command::Plan { plan, config } => commands::plan::run(&config.resolve()?, &plan),
         Command::WandbSync(args) => commands::wandb_sync::run(&args),
+        Command::Env => commands::env::run(),
         Command::Config {
             config,
             keys,

@@ -1,9 +1,10 @@
 //! The Hugging Face interop and inference commands: `export` (checkpoint → transformers
 //! directory), `eval` (loss and perplexity of a model directory on a file) and `generate`
 //! (KV-cached sampling); `plan` (what a config needs per rank, before it runs); `wandb-sync`
-//! (a run's metrics into W&B afterwards). Shared here: what a model directory says about how
+//! (a run's metrics into W&B afterwards); `env` (what a bug report needs). Shared here: what a model directory says about how
 //! it was trained, and the device/dtype flags.
 
+pub mod env;
 pub mod eval;
 pub mod export;
 pub mod generate;

@@ -22,6 +22,9 @@
 //!   global numbers, and their collectives are in the hang history as `op@tag`, numbered in
 //!   their group.
 //!
+//! - **Versions** ([`versions`]): before any collective, the ranks compare lockstep, libtorch,
+//!   CUDA and NCCL versions through the store, and a difference stops them all at once.
+//!
 //! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
 //! `train::optim::reduce` as backward finishes them, through [`overlap::with_queue`].
 
@@ -36,6 +39,7 @@ pub mod overlap;
 pub mod ring;
 pub mod slurm;
 pub mod store;
+pub mod versions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,6 +121,10 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
     let mut ring =
         RingGroup::with_config(store.clone(), env.place.rank, env.place.world, timeout, cfg)?;
     agree_on_backend(&mut ring, backend)?;
+    let nccl = matches!(backend, Backend::Nccl { .. });
+    let mine = versions::Versions::here(env.place.rank, nccl);
+    let prefix = format!("lockstep/{}/", env.restart_count);
+    versions::agree(&store, &prefix, env.place.world, &mine)?;
     let next_seq = ring.collectives_started() + 1;
     let group: Box<dyn ProcessGroup> = match backend {
         Backend::Ring => Box::new(ring),

@@ -4,13 +4,19 @@ use std::sync::OnceLock;
 
 use super::ffi::Library;
 
+static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+
+/// [`load_cuda_backend`]'s outcome, without loading: `None` when it was never asked.
+fn load_cuda_backend_outcome() -> Option<&'static Result<(), String>> {
+    LOADED.get()
+}
+
 /// Loads libtorch's CUDA backend. The linker drops `libtorch_cuda.so` from the binary's needed
 /// libraries (nothing references its symbols; it registers kernels when loaded), so without
 /// this `tch::Cuda::is_available()` is false even on a GPU machine. Loaded on demand so that
 /// CPU runs neither pay for the ~1 GB library nor depend on the CUDA libraries being intact.
 /// The first outcome is kept for the process.
 pub fn load_cuda_backend() -> Result<(), String> {
-    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
             Library::open(c"libtorch_cuda.so", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
@@ -20,6 +26,52 @@ pub fn load_cuda_backend() -> Result<(), String> {
             Ok(())
         })
         .clone()
+}
+
+/// The CUDA stack a loaded backend brought in, for the ranks' version agreement
+/// (`dist::versions`) and `lockstep env`. Each is `None` where it cannot be read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaStack {
+    /// The CUDA runtime's version (`cudaRuntimeGetVersion`), e.g. `13.0`.
+    pub runtime: Option<String>,
+    /// The newest CUDA version the driver supports (`cudaDriverGetVersion`), e.g. `13.0`.
+    pub driver_cuda: Option<String>,
+    /// NCCL's version as it reports itself at run time (`ncclGetVersion`), e.g. `2.28.9`.
+    pub nccl: Option<String>,
+    /// The libnccl file the loader picked.
+    pub nccl_library: Option<std::path::PathBuf>,
+}
+
+/// The versions of the CUDA runtime, driver and NCCL that libtorch's CUDA backend loaded; all
+/// `None` until [`load_cuda_backend`] succeeded (asking earlier would not load anything).
+pub fn stack() -> CudaStack {
+    if !matches!(load_cuda_backend_outcome(), Some(Ok(()))) {
+        return CudaStack::default();
+    }
+    type VersionFn = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
+    let ask = |name: &std::ffi::CStr| -> Option<i32> {
+        // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope, where
+        // libtorch_cuda (RTLD_GLOBAL) brought the CUDA runtime and NCCL.
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: the three functions asked for take an `int*` and return a status, 0 for
+        // success (cudaSuccess, ncclSuccess).
+        let f: VersionFn = unsafe { std::mem::transmute::<*mut std::ffi::c_void, VersionFn>(p) };
+        let mut v = 0;
+        // SAFETY: `v` is a live out-pointer.
+        (unsafe { f(&mut v) } == 0).then_some(v)
+    };
+    // CUDA: 1000 × major + 10 × minor. NCCL ≥ 2.9: 10000 × major + 100 × minor + patch.
+    let cuda = |v: i32| format!("{}.{}", v / 1000, (v % 1000) / 10);
+    CudaStack {
+        runtime: ask(c"cudaRuntimeGetVersion").map(cuda),
+        driver_cuda: ask(c"cudaDriverGetVersion").filter(|&v| v > 0).map(cuda),
+        nccl: ask(c"ncclGetVersion")
+            .map(|v| format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)),
+        nccl_library: super::libtorch::library_of(c"ncclGetVersion"),
+    }
 }
 
 /// Where c10 keeps `c10::cuda::warning_state()`'s object: the function is inline in

@@ -3,6 +3,7 @@
 //!
 //! - [`ffi`]: the C++ shims' error convention, taking ownership of C strings, checked `dlopen`;
 //! - [`cuda`]: loading libtorch's CUDA backend on demand;
+//! - [`libtorch`]: the loaded libtorch (path, version, build) and the start-up version check;
 //! - [`durable`]: fsync, and the atomic directory checkpoints and exports are written as;
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
@@ -15,6 +16,7 @@
 pub mod cuda;
 pub mod durable;
 pub mod ffi;
+pub mod libtorch;
 pub mod net;
 pub mod nvml;
 pub mod oom;

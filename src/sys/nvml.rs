@@ -34,6 +34,17 @@ pub fn detect_gpus() -> Vec<GpuInfo> {
     }
 }
 
+/// The NVIDIA driver's version (`nvidia-smi`'s "Driver Version", e.g. `580.65.06`); `None`
+/// without NVML.
+pub fn driver_version() -> Option<String> {
+    let lib = nvml()?;
+    let mut buf = [0 as c_char; DRIVER_LEN];
+    // SAFETY: NVML is initialised; the buffer has the DRIVER_LEN bytes we declare.
+    let ok = unsafe { (lib.driver)(buf.as_mut_ptr(), DRIVER_LEN as c_uint) } == NVML_SUCCESS;
+    // SAFETY: on success NVML wrote a NUL-terminated string into the buffer.
+    ok.then(|| unsafe { copy_c_string(buf.as_ptr()) }).flatten()
+}
+
 /// The GPU with NVML index `index`, queried alone; `None` without NVML or such a GPU.
 pub fn gpu(index: usize) -> Option<GpuInfo> {
     nvml()?.gpu(c_uint::try_from(index).ok()?)
@@ -44,6 +55,8 @@ type Device = *mut c_void;
 const NVML_SUCCESS: NvmlReturn = 0;
 /// NVML_DEVICE_NAME_V2_BUFFER_SIZE.
 const NAME_LEN: usize = 96;
+/// NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE.
+const DRIVER_LEN: usize = 80;
 
 #[repr(C)]
 #[derive(Default)]
@@ -66,6 +79,7 @@ type HandleFn = unsafe extern "C" fn(c_uint, *mut Device) -> NvmlReturn;
 type NameFn = unsafe extern "C" fn(Device, *mut c_char, c_uint) -> NvmlReturn;
 type MemoryFn = unsafe extern "C" fn(Device, *mut Memory) -> NvmlReturn;
 type UtilizationFn = unsafe extern "C" fn(Device, *mut Utilization) -> NvmlReturn;
+type DriverFn = unsafe extern "C" fn(*mut c_char, c_uint) -> NvmlReturn;
 
 /// The few NVML entry points used, resolved once, with NVML initialised.
 struct Nvml {
@@ -74,6 +88,7 @@ struct Nvml {
     name: NameFn,
     memory: MemoryFn,
     utilization: UtilizationFn,
+    driver: DriverFn,
 }
 
 /// Loads and initialises NVML the first time. It is never shut down: `nvmlShutdown` only
@@ -97,6 +112,7 @@ impl Nvml {
                     name: lib.function(c"nvmlDeviceGetName").ok()?,
                     memory: lib.function(c"nvmlDeviceGetMemoryInfo").ok()?,
                     utilization: lib.function(c"nvmlDeviceGetUtilizationRates").ok()?,
+                    driver: lib.function(c"nvmlSystemGetDriverVersion").ok()?,
                 },
             )
         };
@@ -156,6 +172,7 @@ mod tests {
             // No kernel driver (CI): empty, without an error or a panic.
             assert!(gpus.is_empty(), "{gpus:?}");
             assert_eq!(gpu(0), None);
+            assert_eq!(driver_version(), None);
         }
         for g in &gpus {
             assert!(g.memory_used <= g.memory_total);

@@ -102,10 +102,10 @@ impl WandbOptions {
     }
 }
 
-/// The interpreter for the sidecar: `logging.wandb.python`, else the venv lockstep was built
-/// against (when it is still there), else `python3` on PATH. A configured value with a `/`, or
-/// naming a file in the working directory, is a path (made absolute, as every path setting is
-/// taken from the working directory); a bare name is looked up on PATH.
+/// The interpreter for the sidecar: `logging.wandb.python`, else [`default_python`]. A
+/// configured value with a `/`, or naming a file in the working directory, is a path (made
+/// absolute, as every path setting is taken from the working directory); a bare name is
+/// looked up on PATH.
 fn python(configured: Option<&str>) -> PathBuf {
     if let Some(p) = configured {
         let path = Path::new(p);
@@ -113,6 +113,17 @@ fn python(configured: Option<&str>) -> PathBuf {
             return std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         }
         return PathBuf::from(p);
+    }
+    default_python()
+}
+
+/// The sidecar's interpreter when `logging.wandb.python` is unset: the Python of the
+/// environment the pip-installed lockstep runs from (its launcher sets `LOCKSTEP_PYTHON`),
+/// else the venv lockstep was built against (when it is still there), else `python3` on PATH.
+pub fn default_python() -> PathBuf {
+    let launcher = std::env::var_os("LOCKSTEP_PYTHON").map(PathBuf::from);
+    if let Some(p) = launcher.filter(|p| p.is_file()) {
+        return p;
     }
     let venv = Path::new(env!("LOCKSTEP_VENV_PYTHON"));
     if !venv.as_os_str().is_empty() && venv.exists() {
