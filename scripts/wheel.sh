@@ -22,9 +22,20 @@ VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
 # The commit the binary says it was built from (build.rs: `git rev-parse`, `+modified`).
 COMMIT=$("$BIN" --version | sed -n 's/.*(commit \(.*\))$/\1/p')
 
-# A library the binary must never need: any CUDA one ties the wheel to one CUDA build.
+# A library the binary must never need: any CUDA one ties the wheel to one CUDA build. The NCCL
+# shim it embeds (loaded on GPU ranks only) may need libtorch_cuda, never the CUDA runtime or
+# NCCL themselves (their sonames differ between cu12x and cu130 builds).
 if readelf -d "$BIN" | grep -E 'NEEDED.*(libcuda|libcudart|libnccl|libcublas|libcudnn|libnvrtc|libtorch_cuda|libc10_cuda)'; then
   echo "wheel.sh: $BIN links a CUDA library (above): it would run on one CUDA build of torch only" >&2
+  exit 1
+fi
+SHIM=$(ls -t target/release/build/lockstep-*/out/liblockstep_nccl.so 2>/dev/null | head -1)
+if [ -z "$SHIM" ]; then
+  echo "wheel.sh: the build made no NCCL shim (see build.rs's warning): the wheel would have no NCCL backend" >&2
+  exit 1
+fi
+if readelf -d "$SHIM" | grep -E 'NEEDED.*(libcuda\.|libcudart|libnccl|libcublas|libcudnn|libnvrtc)'; then
+  echo "wheel.sh: the NCCL shim $SHIM links a CUDA library (above)" >&2
   exit 1
 fi
 
