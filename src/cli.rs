@@ -172,9 +172,10 @@ impl ConfigArgs {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
-    // `env` reports a wrong libtorch instead of stopping at it.
+    // `env` reports a wrong libtorch instead of stopping at it. A wrong one is a setup error
+    // (exit 2), as the pip launcher's own check is.
     if !matches!(cli.command, Command::Env) {
-        crate::sys::libtorch::check()?;
+        crate::sys::libtorch::check().map_err(|e| ConfigError(format!("{e:#}")))?;
     }
     match cli.command {
         Command::Prepare { config, shard } => {

@@ -293,6 +293,21 @@ manifest=$(sed -n 's/.*"unit_test_binary": "\(.*\)\/target\/.*/\1/p' "$CARRY/bui
 if [ -n "$manifest" ] && [ ! -e "$manifest" ] && [ "$DRY" = 0 ]; then
   mkdir -p "$(dirname "$manifest")" && ln -s "$ROOT" "$manifest" && say "linked $manifest -> $ROOT (the unit tests' CARGO_MANIFEST_DIR)"
 fi
+# `lockstep env` reads the CUDA runtime, NCCL (and which libnccl) and the driver the way the
+# ranks' version agreement does (src/sys/cuda.rs, src/dist/versions.rs): compare with torch's.
+"$BIN" env >"$LOGS/env.log" 2>&1
+if [ "$DRY" = 1 ]; then
+  result SKIP env "no GPU (dry run): $(grep -E '^(lockstep|libtorch|CUDA) ' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';' | cut -c1-300)"
+else
+want=$($PY -c 'import torch; print(torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version())))' 2>>"$LOGS/env.log")
+cuda_want=${want% *} nccl_want=${want#* }
+if grep -q "^CUDA       runtime $cuda_want," "$LOGS/env.log" && grep -q "^NCCL       $nccl_want from /.*libnccl" "$LOGS/env.log" \
+  && grep -q '^driver     [0-9]' "$LOGS/env.log" && grep -q '^GPU        0: ' "$LOGS/env.log" && ! grep -q PROBLEM "$LOGS/env.log"; then
+  result PASS env "lockstep env: $(grep -E '^(CUDA|NCCL|driver) ' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';')"
+else
+  result FAIL env "lockstep env disagrees with torch (CUDA $cuda_want, NCCL $nccl_want): $(grep -E '^(libtorch|CUDA|NCCL|driver|GPU)' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';' | cut -c1-400)"
+fi
+fi
 # Every config key the checks set exists in this build.
 "$BIN" config --keys >"$LOGS/config-keys.log" 2>&1
 absent=""
