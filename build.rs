@@ -20,6 +20,10 @@
 //!    for `--version` and `lockstep env`. The script reruns whenever the code changes, so the
 //!    shims (2.–3.) are recompiled only when their sources, flags or libtorch changed.
 //!
+//! 7. Links csrc/glibc_compat.cpp into the binary and the NCCL shim: what newer C++ headers
+//!    make the objects ask of glibc and libstdc++ beyond the manylinux_2_28 floor, defined
+//!    inside them (scripts/build-manylinux.sh builds the wheel's binary against glibc 2.28).
+//!
 //! All shims share csrc/ffi_util.hpp (the error convention; see src/sys/ffi.rs).
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,6 +37,7 @@ fn main() {
         "autograd.cpp",
         "torch_info.cpp",
         "nccl_group.cpp",
+        "glibc_compat.cpp",
         "ffi_util.hpp",
     ] {
         println!("cargo:rerun-if-changed=csrc/{f}");
@@ -77,6 +82,32 @@ fn main() {
             .compile("lockstep_c10d");
         stamp(&out.join("liblockstep_c10d.a"), &lib);
     }
+    // An object on the link line, not an archive member, so that it serves torch-sys's libtch
+    // as well as the shims whatever the link order (see the file).
+    let compat = out.join("glibc_compat.o");
+    if !up_to_date(&compat, &["csrc/glibc_compat.cpp"], &lib) {
+        let compiler = cc::Build::new().cpp(true).get_compiler();
+        let mut cmd = compiler.to_command();
+        cmd.args([
+            "-c",
+            "-fPIC",
+            "-O2",
+            "-std=c++17",
+            "-D_GLIBCXX_USE_CXX11_ABI=1",
+        ])
+        .arg("csrc/glibc_compat.cpp")
+        .arg("-o")
+        .arg(&compat);
+        let status = cmd
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+        assert!(
+            status.success(),
+            "compiling csrc/glibc_compat.cpp failed: {cmd:?}"
+        );
+        stamp(&compat, &lib);
+    }
+    println!("cargo:rustc-link-arg={}", compat.display());
     // After the static shim, so link order never depends on where torch-sys's flags land.
     println!("cargo:rustc-link-search=native={lib}");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
@@ -246,7 +277,11 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("liblockstep_nccl.so");
     let lib_key = lib.display().to_string();
-    if up_to_date(&out, &["csrc/nccl_group.cpp"], &lib_key) {
+    if up_to_date(
+        &out,
+        &["csrc/nccl_group.cpp", "csrc/glibc_compat.cpp"],
+        &lib_key,
+    ) {
         println!("cargo:rustc-cfg=lockstep_nccl");
         println!("cargo:rustc-env=LOCKSTEP_NCCL_SHIM={}", out.display());
         return;
@@ -265,6 +300,7 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
         .arg(format!("-I{}", cuda_inc.join("cccl").display()))
         .arg("-Wno-interference-size")
         .arg("csrc/nccl_group.cpp")
+        .arg("csrc/glibc_compat.cpp")
         .arg(format!("-L{}", lib.display()))
         // --no-as-needed: the shim must pull in libtorch_cuda (ProcessGroupNCCL lives there)
         // and the soname is what the loader matches against the already-loaded backend.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds target/wheels/lockstep-<version>-py3-none-<platform>.whl: the release binary (debug
-# info stripped, symbols kept for backtraces) inside the `lockstep` Python package, with the
+# Builds target/wheels/lockstep-<version>-py3-none-<platform>.whl: the release binary linked
+# against glibc 2.28 (scripts/build-manylinux.sh: cargo-zigbuild; ~7 min the first time), debug
+# info stripped, symbols kept for backtraces, inside the `lockstep` Python package, with the
 # launcher that finds this environment's torch (python/lockstep/__main__.py), the `lockstep`
 # command, `Requires-Dist: torch==2.11.*` and the extra `lockstep[wandb]`.
 #
@@ -16,8 +17,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 set -euo pipefail
 
-cargo build --release --bin lockstep
-BIN=target/release/lockstep
+bash scripts/build-manylinux.sh --bin lockstep
+BIN=target/x86_64-unknown-linux-gnu/release/lockstep
 VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
 # The commit the binary says it was built from (build.rs: `git rev-parse`, `+modified`).
 COMMIT=$("$BIN" --version | sed -n 's/.*(commit \(.*\))$/\1/p')
@@ -29,7 +30,7 @@ if readelf -d "$BIN" | grep -E 'NEEDED.*(libcuda|libcudart|libnccl|libcublas|lib
   echo "wheel.sh: $BIN links a CUDA library (above): it would run on one CUDA build of torch only" >&2
   exit 1
 fi
-SHIM=$(ls -t target/release/build/lockstep-*/out/liblockstep_nccl.so 2>/dev/null | head -1)
+SHIM=$(ls -t target/x86_64-unknown-linux-gnu/release/build/lockstep-*/out/liblockstep_nccl.so 2>/dev/null | head -1)
 if [ -z "$SHIM" ]; then
   echo "wheel.sh: the build made no NCCL shim (see build.rs's warning): the wheel would have no NCCL backend" >&2
   exit 1

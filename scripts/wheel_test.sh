@@ -8,6 +8,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEEL=$(bash "$ROOT/scripts/wheel.sh" | tail -1)
 WHEEL=$(realpath "$WHEEL")
+# The tag auditwheel read off the binary: glibc 2.28 (RHEL/Rocky 8) and newer.
+[[ "$WHEEL" == *-py3-none-manylinux_2_28_x86_64.whl ]] || { echo "wheel_test: FAILED: not manylinux_2_28: $WHEEL" >&2; exit 1; }
 T=$(mktemp -d /tmp/lockstep-wheel.XXXXXX)
 trap 'rm -rf "$T"' EXIT
 PY=$(command -v python3)
