@@ -118,21 +118,27 @@ fn main() {
     commit();
 }
 
-/// Sets `LOCKSTEP_COMMIT` (6. above). Watches the code and git's HEAD and index, so that a
-/// commit, a checkout or an edit reruns the script.
+/// Sets `LOCKSTEP_COMMIT` (6. above). Watches the code and what a commit or a checkout moves
+/// (HEAD, the branch's ref, packed refs), so that either reruns the script; not git's index,
+/// which `git status` rewrites without any change to the code.
 fn commit() {
     println!("cargo:rerun-if-env-changed=LOCKSTEP_COMMIT");
-    for watched in [
+    let head = std::fs::read_to_string(".git/HEAD").unwrap_or_default();
+    let branch = head
+        .strip_prefix("ref: ")
+        .map(|r| format!(".git/{}", r.trim()));
+    let watched = [
         "src",
         "csrc",
         "build.rs",
         "Cargo.toml",
         "Cargo.lock",
         ".git/HEAD",
-        ".git/index",
-    ] {
-        if Path::new(watched).exists() {
-            println!("cargo:rerun-if-changed={watched}");
+        ".git/packed-refs",
+    ];
+    for w in watched.iter().copied().chain(branch.as_deref()) {
+        if Path::new(w).exists() {
+            println!("cargo:rerun-if-changed={w}");
         }
     }
     let id = std::env::var("LOCKSTEP_COMMIT")
