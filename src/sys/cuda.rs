@@ -50,15 +50,11 @@ pub fn stack() -> CudaStack {
     }
     type VersionFn = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
     let ask = |name: &std::ffi::CStr| -> Option<i32> {
-        // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope, where
-        // libtorch_cuda (RTLD_GLOBAL) brought the CUDA runtime and NCCL.
-        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-        if p.is_null() {
-            return None;
-        }
+        let p = super::ffi::global_symbol(name).ok()?;
         // SAFETY: the three functions asked for take an `int*` and return a status, 0 for
         // success (cudaSuccess, ncclSuccess).
-        let f: VersionFn = unsafe { std::mem::transmute::<*mut std::ffi::c_void, VersionFn>(p) };
+        let f: VersionFn =
+            unsafe { std::mem::transmute::<*mut std::ffi::c_void, VersionFn>(p.as_ptr()) };
         let mut v = 0;
         // SAFETY: `v` is a live out-pointer.
         (unsafe { f(&mut v) } == 0).then_some(v)
@@ -111,15 +107,13 @@ fn apply_sync_debug_mode() -> Result<i32, String> {
 /// The mode's int inside libc10_cuda (loaded with libtorch_cuda), after checking that it holds
 /// one of the three modes.
 fn warning_state() -> Result<*mut i32, String> {
-    // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope, where
-    // libtorch_cuda (RTLD_GLOBAL) brought libc10_cuda.
-    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, WARNING_STATE.as_ptr()) }.cast::<i32>();
-    if p.is_null() {
-        return Err(format!(
-            "libc10_cuda has no {WARNING_STATE:?} ({}): another libtorch than 2.11?",
-            super::ffi::dlerror()
-        ));
-    }
+    // libtorch_cuda (RTLD_GLOBAL) brought libc10_cuda into the global scope.
+    let p = super::ffi::global_symbol(WARNING_STATE)
+        .map_err(|e| {
+            format!("libc10_cuda has no {WARNING_STATE:?} ({e}): another libtorch than 2.11?")
+        })?
+        .as_ptr()
+        .cast::<i32>();
     // SAFETY: the symbol is c10's WarningState object, at least an int in size.
     let now = unsafe { p.read_volatile() };
     if !(0..=2).contains(&now) {

@@ -76,6 +76,14 @@ pub fn dlerror() -> String {
     unsafe { copy_c_string(libc::dlerror()) }.unwrap_or_else(|| "unknown dlopen error".to_owned())
 }
 
+/// The address of `name` in the process's global scope: the binary and every library loaded
+/// with `RTLD_GLOBAL` (libtorch_cuda, and the CUDA runtime and NCCL it brought in); `dlerror`'s
+/// text when no loaded object defines it.
+pub fn global_symbol(name: &CStr) -> Result<NonNull<c_void>, String> {
+    // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope.
+    NonNull::new(unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }).ok_or_else(dlerror)
+}
+
 /// A loaded shared library. It stays loaded for the life of the process: the libraries loaded
 /// here (libtorch_cuda, NVML, the NCCL shim) keep threads and registrations that outlive any
 /// handle, and none documents unloading as safe.
@@ -169,6 +177,9 @@ mod tests {
         // SAFETY: never called.
         let missing = unsafe { libc_so.function::<Strlen>(c"no_such_symbol_here") }.unwrap_err();
         assert!(missing.contains("no_such_symbol_here"), "{missing}");
+        assert!(global_symbol(c"malloc").is_ok());
+        let e = global_symbol(c"no_such_symbol_here").unwrap_err();
+        assert!(e.contains("no_such_symbol_here"), "{e}");
         let e = Library::open(c"libno-such-library.so", libc::RTLD_NOW).unwrap_err();
         assert!(e.contains("libno-such-library.so"), "{e}");
         let e = Library::open_path(Path::new("/nonexistent/x.so"), libc::RTLD_NOW).unwrap_err();

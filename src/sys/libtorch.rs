@@ -125,11 +125,7 @@ pub fn check() -> anyhow::Result<()> {
 /// The file of the loaded library that defines `symbol` (searched in the global scope), as
 /// the dynamic loader opened it.
 pub fn library_of(symbol: &CStr) -> Option<PathBuf> {
-    // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope.
-    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, symbol.as_ptr()) };
-    if p.is_null() {
-        return None;
-    }
+    let p = super::ffi::global_symbol(symbol).ok()?.as_ptr();
     // SAFETY: `info` is a valid out-pointer; dladdr fills it for an address inside a loaded
     // object, and dli_fname then points at the loader's NUL-terminated copy of the name.
     unsafe {
