@@ -149,7 +149,7 @@ pub fn compare(all: &[Versions]) -> Result<Vec<String>, String> {
                 format!("{shown} on {}", ranks_and_hosts(ranks))
             })
             .collect();
-        let line = format!("ranks run different {name}: {}", sides.join("; "));
+        let line = format!("ranks disagree on {name}: {}", sides.join("; "));
         if breaks {
             errors.push(line);
         } else {
@@ -225,7 +225,7 @@ mod tests {
         let e = compare(&mixed).unwrap_err();
         assert!(
             e.starts_with(
-                "ranks run different NCCL: 2.27.3 (/b/venv/nvidia/nccl/lib/libnccl.so.2) on rank 3 (b); \
+                "ranks disagree on NCCL: 2.27.3 (/b/venv/nvidia/nccl/lib/libnccl.so.2) on rank 3 (b); \
                  2.28.9 (/a/venv/nvidia/nccl/lib/libnccl.so.2) on ranks 0-1 (a), 2 (b);"
             ),
             "{e}"
@@ -240,13 +240,13 @@ mod tests {
         let notes = compare(&mixed).unwrap();
         assert_eq!(
             notes,
-            ["ranks run different the NVIDIA driver: 575.57.08 on rank 2 (b); 580.65.06 on ranks 0-1 (a), 3 (b)"]
+            ["ranks disagree on the NVIDIA driver: 575.57.08 on rank 2 (b); 580.65.06 on ranks 0-1 (a), 3 (b)"]
         );
         // A CPU rank (no NCCL) among GPU ranks, and another libtorch.
         mixed[1].nccl = None;
         mixed[1].torch = "2.11.0 (CUDA 12.8 build)".to_string();
         let e = compare(&mixed).unwrap_err();
-        assert!(e.contains("ranks run different libtorch: 2.11.0 (CUDA 12.8 build) on rank 1 (a); 2.11.0 (CUDA 13.0 build) on ranks 0 (a), 2-3 (b)"), "{e}");
+        assert!(e.contains("ranks disagree on libtorch: 2.11.0 (CUDA 12.8 build) on rank 1 (a); 2.11.0 (CUDA 13.0 build) on ranks 0 (a), 2-3 (b)"), "{e}");
         assert!(e.contains("none on rank 1 (a)"), "{e}");
     }
 
