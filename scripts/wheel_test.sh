@@ -64,7 +64,7 @@ clean "$T/venv" lockstep export --hf exports/tiny --checkpoint runs/tiny/checkpo
 WB=(--preset tiny --max-steps 2 --set logging.wandb.project=wheel --set logging.wandb.mode=offline)
 out=$(clean "$T/venv" lockstep train "${WB[@]}" --set checkpoint.dir=ckpt-a 2>&1) \
   || fail "W&B without the wandb package stopped training: $out"
-printf '%s\n' "$out" | grep -qF "W&B: the Python at $T/venv/bin/python3 cannot import wandb" \
+printf '%s\n' "$out" | grep -qE "W&B: the Python at $T/venv/bin/python[0-9.]* cannot import wandb" \
   || fail "W&B without the wandb package: no warning naming the venv's Python: $out"
 "$T/venv/bin/pip" install -q "$WHEEL[wandb]"
 clean "$T/venv" lockstep train "${WB[@]}" --set checkpoint.dir=ckpt-b
