@@ -111,30 +111,46 @@ enum Verdict {
 /// libtorch, CUDA runtime, NCCL) with the ranks and hosts on each side; `Ok` carries notes on
 /// the differences that do not (the driver).
 pub fn compare(all: &[Versions]) -> Result<Vec<String>, String> {
-    type Field = fn(&Versions) -> Option<String>;
-    let fields: [(&str, Field, bool); 5] = [
-        ("lockstep", |v| Some(v.lockstep.clone()), true),
-        ("libtorch", |v| Some(v.torch.clone()), true),
-        ("the CUDA runtime", |v| v.cuda.clone(), true),
-        (
-            "NCCL",
-            |v| {
+    /// A version the ranks must (or, not `breaks`, should) share: ranks are grouped by `key`,
+    /// and each group is shown by its first rank's `shown`.
+    struct Field {
+        name: &'static str,
+        key: fn(&Versions) -> Option<String>,
+        shown: fn(&Versions) -> Option<String>,
+        breaks: bool,
+    }
+    let same = |name, key, breaks| Field {
+        name,
+        key,
+        shown: key,
+        breaks,
+    };
+    let fields = [
+        same("lockstep", |v| Some(v.lockstep.clone()), true),
+        same("libtorch", |v| Some(v.torch.clone()), true),
+        same("the CUDA runtime", |v| v.cuda.clone(), true),
+        // The library path is shown, not compared: venvs sit at different paths.
+        Field {
+            name: "NCCL",
+            key: |v| v.nccl.clone(),
+            shown: |v| {
                 v.nccl.as_ref().map(|n| match &v.nccl_library {
                     Some(lib) => format!("{n} ({lib})"),
                     None => n.clone(),
                 })
             },
-            true,
-        ),
-        ("the NVIDIA driver", |v| v.driver.clone(), false),
+            breaks: true,
+        },
+        same("the NVIDIA driver", |v| v.driver.clone(), false),
     ];
     let (mut errors, mut notes) = (Vec::new(), Vec::new());
-    for (name, get, breaks) in fields {
-        // NCCL's library path is shown, not compared: group by the version alone.
-        let key = |v: &Versions| match name {
-            "NCCL" => v.nccl.clone(),
-            _ => get(v),
-        };
+    for Field {
+        name,
+        key,
+        shown,
+        breaks,
+    } in fields
+    {
         let mut groups: BTreeMap<Option<String>, Vec<&Versions>> = BTreeMap::new();
         for v in all {
             groups.entry(key(v)).or_default().push(v);
@@ -145,8 +161,8 @@ pub fn compare(all: &[Versions]) -> Result<Vec<String>, String> {
         let sides: Vec<String> = groups
             .values()
             .map(|ranks| {
-                let shown = get(ranks[0]).unwrap_or_else(|| "none".to_string());
-                format!("{shown} on {}", ranks_and_hosts(ranks))
+                let value = shown(ranks[0]).unwrap_or_else(|| "none".to_string());
+                format!("{value} on {}", ranks_and_hosts(ranks))
             })
             .collect();
         let line = format!("ranks disagree on {name}: {}", sides.join("; "));
