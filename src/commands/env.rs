@@ -2,7 +2,6 @@
 //! a wrong libtorch or a CUDA backend that does not load is printed, not raised, so the output
 //! of a broken setup is the report itself.
 
-use std::path::Path;
 use std::process::Command;
 
 use anyhow::Result;
@@ -65,8 +64,7 @@ pub fn facts() -> Vec<(&'static str, String)> {
 /// has an NVIDIA driver, else saying why not.
 fn cuda_lines() -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
-    let driver = nvml::driver_version();
-    if !Path::new("/dev/nvidiactl").exists() && !Path::new("/dev/dxg").exists() {
+    if !cuda::nvidia_driver_present() {
         out.push((
             "CUDA",
             "no NVIDIA driver on this machine (/dev/nvidiactl missing): CPU only".to_string(),
@@ -99,7 +97,7 @@ fn cuda_lines() -> Vec<(&'static str, String)> {
     }
     out.push((
         "driver",
-        driver.unwrap_or_else(|| "unknown (no NVML)".to_string()),
+        nvml::driver_version().unwrap_or_else(|| "unknown (no NVML)".to_string()),
     ));
     let gpus = nvml::detect_gpus();
     if gpus.is_empty() {

@@ -4,12 +4,8 @@ use std::sync::OnceLock;
 
 use super::ffi::Library;
 
+/// [`load_cuda_backend`]'s outcome, kept for the process.
 static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
-
-/// [`load_cuda_backend`]'s outcome, without loading: `None` when it was never asked.
-fn load_cuda_backend_outcome() -> Option<&'static Result<(), String>> {
-    LOADED.get()
-}
 
 /// Loads libtorch's CUDA backend. The linker drops `libtorch_cuda.so` from the binary's needed
 /// libraries (nothing references its symbols; it registers kernels when loaded), so without
@@ -45,7 +41,7 @@ pub struct CudaStack {
 /// The versions of the CUDA runtime, driver and NCCL that libtorch's CUDA backend loaded; all
 /// `None` until [`load_cuda_backend`] succeeded (asking earlier would not load anything).
 pub fn stack() -> CudaStack {
-    if !matches!(load_cuda_backend_outcome(), Some(Ok(()))) {
+    if !matches!(LOADED.get(), Some(Ok(()))) {
         return CudaStack::default();
     }
     type VersionFn = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
@@ -132,8 +128,9 @@ pub fn cuda_available() -> bool {
     nvidia_driver_present() && load_cuda_backend().is_ok() && tch::Cuda::is_available()
 }
 
-/// The kernel driver's control device (Linux), or the GPU paravirtualisation device of WSL 2.
-fn nvidia_driver_present() -> bool {
+/// Whether this machine has an NVIDIA driver: the kernel driver's control device (Linux), or the
+/// GPU paravirtualisation device of WSL 2.
+pub fn nvidia_driver_present() -> bool {
     ["/dev/nvidiactl", "/dev/dxg"]
         .iter()
         .any(|p| std::path::Path::new(p).exists())
