@@ -98,13 +98,7 @@ fn main() {
         .arg("csrc/glibc_compat.cpp")
         .arg("-o")
         .arg(&compat);
-        let status = cmd
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-        assert!(
-            status.success(),
-            "compiling csrc/glibc_compat.cpp failed: {cmd:?}"
-        );
+        run_compiler(&mut cmd, "csrc/glibc_compat.cpp");
         stamp(&compat, &lib);
     }
     println!("cargo:rustc-link-arg={}", compat.display());
@@ -127,16 +121,15 @@ fn commit() {
     let branch = head
         .strip_prefix("ref: ")
         .map(|r| format!(".git/{}", r.trim()));
-    let watched = [
-        "src",
-        "csrc",
-        "build.rs",
-        "Cargo.toml",
-        "Cargo.lock",
-        ".git/HEAD",
-        ".git/packed-refs",
-    ];
-    for w in watched.iter().copied().chain(branch.as_deref()) {
+    // What the binary is built from: `+modified` when any of it differs from HEAD.
+    let code = ["src", "csrc", "build.rs", "Cargo.toml", "Cargo.lock"];
+    let git_refs = [".git/HEAD", ".git/packed-refs"];
+    for w in code
+        .iter()
+        .chain(&git_refs)
+        .copied()
+        .chain(branch.as_deref())
+    {
         if Path::new(w).exists() {
             println!("cargo:rerun-if-changed={w}");
         }
@@ -148,7 +141,6 @@ fn commit() {
             let git = |args: &[&str]| Command::new("git").args(args).output().ok();
             let head = git(&["rev-parse", "--short=12", "HEAD"]).filter(|o| o.status.success())?;
             let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
-            let code = ["src", "csrc", "build.rs", "Cargo.toml", "Cargo.lock"];
             let clean = git(&[&["diff", "--quiet", "HEAD", "--"][..], &code[..]].concat())
                 .is_some_and(|o| o.status.success());
             Some(if clean {
@@ -176,6 +168,15 @@ fn up_to_date(artifact: &Path, inputs: &[&str], lib: &str) -> bool {
             .iter()
             .chain(inputs)
             .all(|i| mtime(Path::new(i)).is_some_and(|t| t < built))
+}
+
+/// Runs a compiler command that builds `what`; the build script fails with the command line
+/// if it cannot run or fails.
+fn run_compiler(cmd: &mut Command, what: &str) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(status.success(), "compiling {what} failed: {cmd:?}");
 }
 
 fn stamp(artifact: &Path, lib: &str) {
@@ -320,13 +321,7 @@ fn build_nccl_shim(lib: &Path, torch_includes: &[String]) {
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .arg("-o")
         .arg(&out);
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", compiler.path()));
-    assert!(
-        status.success(),
-        "compiling csrc/nccl_group.cpp failed: {cmd:?}"
-    );
+    run_compiler(&mut cmd, "csrc/nccl_group.cpp");
     stamp(&out, &lib_key);
     println!("cargo:rustc-cfg=lockstep_nccl");
     println!("cargo:rustc-env=LOCKSTEP_NCCL_SHIM={}", out.display());
