@@ -6,8 +6,8 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, schema, ConfigError, Resolved, Sources};
-use crate::train::rank::WorkerSpec;
-use crate::train::{self, Resume, RunOptions};
+use crate::run::{self, Resume, RunOptions, WorkerSpec};
+use crate::train;
 use crate::{commands, launch};
 
 #[derive(Parser, Debug)]
@@ -183,10 +183,10 @@ pub fn run(cli: Cli) -> Result<()> {
             match shard {
                 Some(shard) => {
                     let shard = crate::data::prepare::Shard::parse(&shard)?;
-                    train::run_data::prepare_parts(&resolved.config, "[CPU0]", shard)?;
+                    run::data::prepare_parts(&resolved.config, "[CPU0]", shard)?;
                 }
                 None => {
-                    train::run_data::prepare_data(&resolved.config, "[CPU0]")?;
+                    run::data::prepare_data(&resolved.config, "[CPU0]")?;
                 }
             }
             Ok(())

@@ -3,7 +3,8 @@
 //! each module owns one concern:
 //! `config` (keys, presets, resolution), `data` (tokenizers, token files, sampler, prepare),
 //! `model` (LLaMA, RoPE, HF loading, the layer-by-layer training pass), `plan` (memory, FLOP
-//! and communication estimates), `train` (loop, AdamW, checkpoints, NaN guard),
+//! and communication estimates), `run` (a run on disk: its directory, checkpoints, data, resume
+//! target), `train` (loop, AdamW, writing and loading checkpoints, NaN guard),
 //! `telemetry` (step line, metrics), `tensor_io` (safetensors ⇄ tch), `commands` (export to
 //! Hugging Face, eval, generate), `sys` (the bottom layer: FFI helpers, CUDA and NVML loading).
 
@@ -15,6 +16,7 @@ pub mod dist;
 pub mod launch;
 pub mod model;
 pub mod plan;
+pub mod run;
 pub mod sys;
 pub mod telemetry;
 pub mod tensor_io;

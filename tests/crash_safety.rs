@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::{cmd, lockstep, output_text, run, write_corpus, Tmpfs};
 use lockstep::model::hf::Weights;
-use lockstep::train::checkpoint::{read_state, verify, MomentFiles, Share};
+use lockstep::run::checkpoints::{read_state, verify, Share};
+use lockstep::train::checkpoint::MomentFiles;
 
 /// The tests of this file run one at a time: the kill test's timing should not depend on
 /// what else the two cores are doing.
@@ -673,11 +674,11 @@ fn leftovers(dir: &Path) -> bool {
 fn check_writable_names_the_directory_and_the_fix() {
     let tmp = tempfile::tempdir().unwrap();
     let fresh = tmp.path().join("a/b");
-    lockstep::train::checkpoint::check_writable(&fresh).unwrap();
+    lockstep::run::checkpoints::check_writable(&fresh).unwrap();
     assert!(names(&fresh).is_empty(), "the probe is removed again");
     let blocker = tmp.path().join("blocker");
     fs::write(&blocker, "").unwrap();
-    let err = lockstep::train::checkpoint::check_writable(&blocker.join("ckpts")).unwrap_err();
+    let err = lockstep::run::checkpoints::check_writable(&blocker.join("ckpts")).unwrap_err();
     let text = format!("{err:#}");
     assert!(
         text.contains(&format!(

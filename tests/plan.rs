@@ -988,3 +988,62 @@ fn a_tensor_parallel_degree_that_cannot_split_the_model_or_the_ranks_is_refused(
         assert!(text.contains(expected), "expected `{expected}` in:\n{text}");
     }
 }
+
+/// `lockstep plan` and `train`'s start check decide a rank's memory by one rule
+/// (`plan::start::rank_budget`): on this machine, two CPU ranks planned with `plan --gpus 2`
+/// are given what the two workers of `lockstep run --nproc 2` check against, and the plan's
+/// per-rank estimate is the one the workers print.
+#[test]
+fn the_plan_and_the_start_check_agree_on_a_ranks_budget_and_estimate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let p: Value = serde_json::from_str(&ok(
+        dir,
+        &with(
+            &base,
+            &["plan", "--json", "--device", "cpu", "--gpus", "2"],
+            &["--max-steps", "1"],
+        ),
+    ))
+    .unwrap();
+    let source = p["budget_source"].as_str().unwrap().to_string();
+    assert!(
+        source.starts_with("MemAvailable ") && source.ends_with(" / 2 ranks on this node"),
+        "{source}"
+    );
+    let text = ok(
+        dir,
+        &with(
+            &base,
+            &["run", "--nproc", "2", "--cpu"],
+            &["--max-steps", "1"],
+        ),
+    );
+    // `[CPU0] Memory plan: 0.49 GB per rank estimated, 11.02 GB available (MemAvailable 22.04 GB / 2 ranks on this node)`
+    let line = text
+        .lines()
+        .find(|l| l.contains("Memory plan: "))
+        .unwrap_or_else(|| panic!("no memory plan line in:\n{text}"));
+    let estimated = format!(
+        "{:.2} GB per rank estimated",
+        p["configured"]["total_bytes"].as_f64().unwrap() / 1e9
+    );
+    assert!(
+        line.contains(&estimated),
+        "plan: {estimated}; train: {line}"
+    );
+    let (available, train_source) = line
+        .split_once(" available (")
+        .map(|(a, s)| (a.rsplit(", ").next().unwrap(), s.trim_end_matches(')')))
+        .unwrap();
+    let digits = |s: &str| s.replace(|c: char| c.is_ascii_digit() || c == '.', "");
+    assert_eq!(digits(train_source), digits(&source), "{line}");
+    // MemAvailable moves between the two reads; the rule is the same, the figures close.
+    let gb: f64 = available.trim_end_matches(" GB").parse().unwrap();
+    let planned = p["budget_bytes"].as_f64().unwrap() / 1e9;
+    assert!(
+        (gb / planned - 1.0).abs() < 0.2,
+        "plan {planned} GB, train {gb} GB: {line}"
+    );
+}

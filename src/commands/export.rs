@@ -26,8 +26,8 @@ use super::PROVENANCE_FILE;
 use crate::config::Resolved;
 use crate::data::tokenizer::Tokenizer;
 use crate::model::{hf, AttentionBackend};
+use crate::run::{self, checkpoints};
 use crate::sys::durable::{write_synced, AtomicDir};
-use crate::train::{checkpoint, setup};
 
 #[derive(Args, Debug, Clone)]
 pub struct ExportArgs {
@@ -88,8 +88,8 @@ fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
         );
         return Ok(dir);
     }
-    let root = setup::checkpoint_dir(resolved);
-    match checkpoint::latest(&root) {
+    let root = run::checkpoint_dir(resolved);
+    match checkpoints::latest(&root) {
         Some(_) => super::newest_checkpoint(&root, "--checkpoint latest"),
         None => {
             let note = super::incomplete_note(&root);

@@ -18,8 +18,8 @@ use serde_json::Value;
 use tch::{Device, Kind};
 
 use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
+use crate::run::checkpoints;
 use crate::sys::cuda::{cuda_available, load_cuda_backend};
-use crate::train::checkpoint;
 
 /// Written by `export` next to the weights: where they came from and what a later `eval` or
 /// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
@@ -78,7 +78,7 @@ pub fn model_dir(model: &Path) -> Result<PathBuf> {
     match model.to_str() {
         Some(id) if crate::data::hub::is_hub_model_id(id) => {
             let dir = crate::data::hub::resolve_model_as("--model", id)?;
-            checkpoint::verify_model(&dir).with_context(|| format!("--model {id}"))?;
+            checkpoints::verify_model(&dir).with_context(|| format!("--model {id}"))?;
             Ok(dir)
         }
         _ => newest_checkpoint(model, "--model"),
@@ -100,18 +100,18 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
     .iter()
     .any(|f| dir.join(f).is_file());
     if is_model || !dir.is_dir() {
-        checkpoint::verify_model(dir).with_context(|| format!("{flag} {}", dir.display()))?;
+        checkpoints::verify_model(dir).with_context(|| format!("{flag} {}", dir.display()))?;
         return Ok(dir.to_path_buf());
     }
     let root = match run_checkpoints(dir) {
         Some(root) => root,
-        None if !checkpoint::list(dir).is_empty() || !checkpoint::incomplete(dir).is_empty() => {
+        None if !checkpoints::list(dir).is_empty() || !checkpoints::incomplete(dir).is_empty() => {
             dir.to_path_buf()
         }
         None => return Ok(dir.to_path_buf()),
     };
-    for (_, ckpt) in checkpoint::list(&root).into_iter().rev() {
-        match checkpoint::verify_model(&ckpt) {
+    for (_, ckpt) in checkpoints::list(&root).into_iter().rev() {
+        match checkpoints::verify_model(&ckpt) {
             Ok(()) => {
                 eprintln!(
                     "{flag} {}: its newest complete checkpoint, {}",
@@ -140,7 +140,7 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
 /// ` (only incomplete saves: …/step_4.tmp)` when `root` holds interrupted saves, else empty:
 /// what a "no complete checkpoint" message adds.
 fn incomplete_note(root: &Path) -> String {
-    match checkpoint::incomplete(root).as_slice() {
+    match checkpoints::incomplete(root).as_slice() {
         [] => String::new(),
         partial => format!(
             " (only incomplete saves: {})",

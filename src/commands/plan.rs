@@ -10,7 +10,7 @@ use anyhow::Result;
 use clap::{Args, ValueEnum};
 
 use crate::config::{DeviceChoice, Resolved};
-use crate::plan::{self, budget, gb, report, Layout, Setting, Target};
+use crate::plan::{self, report, start, Layout, Setting, Target};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PlanDevice {
@@ -24,8 +24,9 @@ pub struct PlanArgs {
     /// data-parallel ranks.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub gpus: usize,
-    /// Memory per device in GB (default: the visible GPU's total, else 80; with --device cpu,
-    /// system.memory_budget_gb or this machine's MemAvailable shared by the ranks).
+    /// Memory per rank in GB. Default: what `train` checks against on this machine —
+    /// system.memory_budget_gb where set, else the visible GPU's free memory (80 GB assumed
+    /// without one), or with --device cpu this machine's MemAvailable shared by the ranks.
     #[arg(long, value_name = "GB")]
     pub gpu_memory_gb: Option<f64>,
     /// The device to plan for (default: what `train` would use). `cpu` estimates the peak
@@ -71,28 +72,14 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     let world = args.gpus;
     // The same rules `train` checks at start-up.
     crate::config::check_world(cfg, world)?;
-    let budget = match (args.gpu_memory_gb, device) {
-        (Some(g), _) => (g * 1e9, "--gpu-memory-gb".to_string()),
-        (None, plan::Device::Cuda) => match budget::gpu_memory(0) {
-            Some((_, total)) => (total, "cuda:0's memory (NVML)".to_string()),
-            None => (80e9, "80 GB assumed: no GPU visible".to_string()),
-        },
-        (None, plan::Device::Cpu) if cfg.system.memory_budget_gb > 0.0 => (
-            cfg.system.memory_budget_gb * 1e9,
-            "system.memory_budget_gb".to_string(),
-        ),
-        (None, plan::Device::Cpu) => {
-            let avail = budget::mem_available().unwrap_or(0.0);
-            let shared = if world > 1 {
-                format!(" / {world} ranks")
-            } else {
-                String::new()
-            };
-            (
-                avail / world as f64,
-                format!("MemAvailable {}{shared}", gb(avail)),
-            )
-        }
+    // What `train` would check against on this machine (`start::rank_budget`: the ranks
+    // planned for all on this node), unless --gpu-memory-gb says otherwise.
+    let budget = match args.gpu_memory_gb {
+        Some(g) => (g * 1e9, "--gpu-memory-gb".to_string()),
+        None => start::rank_budget(cfg, device, 0, world).unwrap_or_else(|| match device {
+            plan::Device::Cuda => (80e9, "80 GB assumed: no GPU visible".to_string()),
+            plan::Device::Cpu => (0.0, "MemAvailable unreadable".to_string()),
+        }),
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cpu_threads = match cfg.system.num_threads {

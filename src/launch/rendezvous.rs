@@ -23,7 +23,7 @@ use super::exit::ExitKind;
 use super::supervise::{Peers, RankFailure};
 use super::LaunchPlan;
 use crate::dist::{Store, StoreError, StoreErrorKind};
-use crate::train::checkpoint;
+use crate::run::checkpoints;
 
 /// How long node 0 gives the other nodes, after its own workers are down, to report theirs
 /// (on top of `--grace-s`): noticing the stop takes a store poll, tearing down takes the grace.
@@ -271,7 +271,7 @@ fn resume_target(policy: &RestartPolicy) -> (Option<PathBuf>, String) {
     let latest = policy
         .checkpoints
         .as_deref()
-        .and_then(|root| checkpoint::list(root).pop());
+        .and_then(|root| checkpoints::list(root).pop());
     match (latest, &policy.resume_fallback) {
         (Some((step, dir)), _) => (
             None,

@@ -14,9 +14,7 @@ use super::{
 };
 use crate::config::{check_backend_device, ConfigError, DeviceChoice, Resolved};
 use crate::dist::{slurm, NodePlace};
-use crate::train::rank::WorkerSpec;
-use crate::train::rundir::RunDir;
-use crate::train::{run_data, setup, Resume, RunOptions};
+use crate::run::{self, Resume, RunDir, RunOptions, WorkerSpec};
 
 /// `lockstep run`'s own flags (the training flags are `train`'s).
 #[derive(Args, Debug, Clone)]
@@ -102,7 +100,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
     );
-    let checkpoints = setup::checkpoint_dir(&resolved);
+    let checkpoints = run::checkpoint_dir(&resolved);
     let plan = LaunchPlan {
         devices,
         node,
@@ -134,7 +132,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         RunDir::check_free(&run_dir, &checkpoints)?;
     }
     // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    run_data::prepare_data(&resolved.config, "[launcher]")?;
+    run::data::prepare_data(&resolved.config, "[launcher]")?;
     // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
     if let Some(model) = &resolved.config.model.model_path {
         crate::data::hub::resolve_model(model)?;
@@ -142,7 +140,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     if let Devices::Cpu(n) = plan.devices {
         // Before any worker starts: N CPU workers share this host's memory.
         if let Ok(shape) = crate::plan::shape(&resolved.config) {
-            crate::train::fit::check_cpu_workers(&resolved.config, &shape, n, plan.node.nnodes)?;
+            crate::plan::start::check_cpu_workers(&resolved.config, &shape, n, plan.node.nnodes)?;
         }
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         if n > cores {

@@ -1,39 +1,16 @@
-//! How much memory a rank has, and how fast its device is: read from the machine where it can
-//! be, assumed (and said so) where it cannot.
+//! How fast a rank's device and links are: read from the machine where it can be
+//! (`sys::machine`), assumed (and said so) where it cannot. How much memory a rank has is
+//! `start::rank_budget`.
 
 use super::Device;
-use crate::telemetry::mfu;
-
-/// `MemAvailable` of /proc/meminfo in bytes: what the kernel says can be allocated without
-/// swapping (free memory plus reclaimable caches).
-pub fn mem_available() -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    parse_meminfo(&text, "MemAvailable:")
-}
-
-fn parse_meminfo(text: &str, field: &str) -> Option<f64> {
-    let line = text.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024.0)
-}
-
-/// (free, total) bytes of the GPU behind CUDA index `cuda_index`, from NVML.
-pub fn gpu_memory(cuda_index: usize) -> Option<(f64, f64)> {
-    let g = mfu::nvml_device(cuda_index)?;
-    (g.memory_total > 0).then(|| {
-        (
-            g.memory_total.saturating_sub(g.memory_used) as f64,
-            g.memory_total as f64,
-        )
-    })
-}
+use crate::sys::machine;
 
 /// Dense peak FLOP/s of one device for the compute dtype, and where the figure comes from.
 pub fn peak_flops(device: Device, bf16: bool, cpu_threads: usize) -> (f64, String) {
     match device {
         Device::Cuda => {
-            let (peak, source) = match mfu::nvml_device(0)
-                .and_then(|g| mfu::peak_bf16_flops(&g.name).map(|p| (p, g.name)))
+            let (peak, source) = match machine::visible_gpu(0)
+                .and_then(|g| machine::peak_bf16_flops(&g.name).map(|p| (p, g.name)))
             {
                 Some((p, name)) => (p, name),
                 None => (
@@ -72,19 +49,5 @@ pub fn links(device: Device, world: usize) -> (f64, f64, usize) {
         // The TCP ring on loopback (measured 1.07–1.23 GB/s, BENCHMARKS.md section 2) and
         // 10 GbE between machines.
         Device::Cpu => (1.0e9, 1.1e9, world.max(1)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn meminfo_fields_are_read_in_bytes() {
-        let text = "MemTotal:       24567892 kB\nMemFree:  100 kB\nMemAvailable:   22000000 kB\n";
-        assert_eq!(
-            super::parse_meminfo(text, "MemAvailable:"),
-            Some(22_000_000.0 * 1024.0)
-        );
-        assert_eq!(super::parse_meminfo(text, "Missing:"), None);
-        assert!(super::mem_available().is_some_and(|b| b > 0.0));
     }
 }

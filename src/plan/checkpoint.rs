@@ -48,6 +48,10 @@ pub const CUDA_COPY_BW: f64 = 20e9;
 /// client) and a node's local NVMe drives (several GB/s).
 pub const DEFAULT_STORAGE_GBPS: f64 = 2.0;
 
+/// Host memory a save keeps free beside its staging copy, so the copy never brings on the OOM
+/// killer (`Checkpointer` saves synchronously where the host lacks it).
+pub const STAGING_HEADROOM: f64 = 1e9;
+
 /// The cost of one checkpoint save of the configured layout.
 #[derive(Debug, Clone, Serialize)]
 pub struct Checkpoint {

@@ -41,6 +41,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod memory;
 pub mod report;
+pub mod start;
 pub mod tensor;
 
 use serde::Serialize;

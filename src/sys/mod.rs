@@ -5,6 +5,7 @@
 //! - [`cuda`]: loading libtorch's CUDA backend on demand;
 //! - [`libtorch`]: the loaded libtorch (path, version, build) and the start-up version check;
 //! - [`durable`]: fsync, and the atomic directory checkpoints and exports are written as;
+//! - [`machine`]: host memory, this process's resident memory, GPU memory and peak FLOP/s;
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
@@ -17,6 +18,7 @@ pub mod cuda;
 pub mod durable;
 pub mod ffi;
 pub mod libtorch;
+pub mod machine;
 pub mod net;
 pub mod nvml;
 pub mod oom;

@@ -1,8 +1,6 @@
 //! What a run reports: the console step line, the JSONL metrics file, and the numbers behind
 //! them (throughput, ETA, MFU).
 
-pub mod memory;
-pub mod mfu;
 pub mod mlflow;
 pub mod tensorboard;
 pub mod tracker;

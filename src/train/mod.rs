@@ -1,7 +1,6 @@
 //! Training. `Trainer` (trainer.rs) is composed of the components below and runs the loop;
 //! `train_step` (step.rs) is one optimizer step; `rank` starts one rank from its environment.
 //!
-//! - `setup`: what a run decides first (device, collectives, precision, directories, data, shape)
 //! - `loader`: this rank's micro-batches; `eval`: the validation loss
 //! - `optim`: the `Optimizer` of a run: AdamW (fused) replicated or sharded across ranks (ZeRO
 //!   stages 1-3), the global norm and clipping, the LR schedule, and (`optim::reduce`)
@@ -9,7 +8,8 @@
 //! - `guard`: NaN/Inf and loss spikes; `faults`: the `debug.*` hooks
 //! - `fit`: the start check against the memory plan, and the out-of-memory report
 //! - `recorder`: step line, metrics.jsonl, TensorBoard, memory line
-//! - `checkpoint`: checkpoint files and the `Checkpointer`; `rundir`: the run directory's lock
+//! - `checkpoint`: writing and loading checkpoints (the `Checkpointer`, the save protocol in
+//!   `checkpoint/writer.rs`); which checkpoints a run has, and its directory, are `crate::run`
 //! - `preempt`: SIGTERM/SIGINT; `stragglers`: naming a rank slower than the others
 
 pub mod build;
@@ -25,9 +25,6 @@ pub mod place;
 pub mod preempt;
 pub mod rank;
 pub mod recorder;
-pub mod run_data;
-pub mod rundir;
-pub mod setup;
 pub mod step;
 pub mod stragglers;
 pub mod tensor_parallel;
@@ -36,6 +33,5 @@ pub mod trainer;
 pub use loader::Batch;
 pub use place::Rank;
 pub use rank::train_rank;
-pub use setup::{Resume, RunOptions};
 pub use step::{train_step, NanInjection, StepConfig, StepOutcome, StepPlan};
 pub use trainer::{Summary, Trainer};

@@ -11,7 +11,6 @@ use anyhow::Result;
 use serde_json::json;
 use tch::Device;
 
-use super::checkpoint::TrainerState;
 use super::eval::Validation;
 use super::optim::StateBytes;
 use super::place::Rank;
@@ -19,7 +18,8 @@ use super::step::{StepOutcome, StepTiming};
 use crate::config::secrets::{redacted, split_credentials};
 use crate::config::Resolved;
 use crate::model::LlamaShape;
-use crate::telemetry::memory::{gb, peak_rss_bytes, rss_bytes};
+use crate::run::checkpoints::TrainerState;
+use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::mlflow::{MlflowOptions, MlflowSink};
 use crate::telemetry::tensorboard::EventWriter;
 use crate::telemetry::tracker::{self, Record, RunStatus, Tracker};
@@ -265,7 +265,7 @@ impl Recorder {
                 }
             }
             let gpu_used_gb = match self.device {
-                Device::Cuda(i) => telemetry::mfu::nvml_device(i).map(|g| gb(g.memory_used)),
+                Device::Cuda(i) => crate::sys::machine::visible_gpu(i).map(|g| gb(g.memory_used)),
                 _ => None,
             };
             let point = Point {
@@ -348,7 +348,7 @@ impl Recorder {
         // What the caching allocator reserved plus the CUDA context (libtorch's allocator
         // statistics are not reachable through tch).
         let gpu = match self.device {
-            Device::Cuda(i) => telemetry::mfu::nvml_device(i)
+            Device::Cuda(i) => crate::sys::machine::visible_gpu(i)
                 .map(|g| {
                     format!(
                         " | GPU used {:.2} of {:.2} GB",

@@ -14,7 +14,7 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::build::{build, Built};
-use super::checkpoint::{self, Checkpointer, TrainerState};
+use super::checkpoint::{self, Checkpointer};
 use super::device;
 use super::eval::Validator;
 use super::faults::Faults;
@@ -25,9 +25,6 @@ use super::optim::{Optimizer, Schedule};
 use super::place::Rank;
 use super::preempt;
 use super::recorder::{About, Recorder};
-use super::run_data::{self, DataSource};
-use super::rundir::RunDir;
-use super::setup::{self, RunOptions};
 use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
 use crate::config::{Config, GuardPolicy, Resolved};
@@ -35,8 +32,11 @@ use crate::data::tokfile::TokenFile;
 use crate::dist::forensics;
 use crate::dist::ProcessGroup;
 use crate::model::{Llama, LlamaShape};
+use crate::run::checkpoints::{self, TrainerState};
+use crate::run::data::DataSource;
+use crate::run::{self, RunDir, RunOptions};
+use crate::sys::machine::{gb, peak_rss_bytes};
 use crate::sys::phase::{self, Phase};
-use crate::telemetry::memory::{gb, peak_rss_bytes};
 use crate::telemetry::tracker::RunStatus;
 
 /// What a finished run reports back (tests read it).
@@ -97,14 +97,14 @@ impl<'a> Trainer<'a> {
         // Before anything else, so a second process on this run directory stops at once.
         let run_dir = resolved.run_dir();
         let mut claim = rank.lead().then(|| RunDir::claim(&run_dir)).transpose()?;
-        let checkpoints = setup::checkpoint_dir(resolved);
+        let checkpoints = run::checkpoint_dir(resolved);
         let mut claim_checkpoints = rank
             .lead()
             .then(|| RunDir::claim_checkpoints(&checkpoints, &run_dir))
             .transpose()?;
         let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?;
         let resume_dir =
-            setup::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag, pg)?;
+            run::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag, pg)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
@@ -112,7 +112,7 @@ impl<'a> Trainer<'a> {
             fit::check(cfg, &crate::plan::shape(cfg)?, &rank)?;
         }
         let data = prepare_on_node(cfg, &rank, pg)?;
-        let shape = run_data::model_shape(cfg, &data)?;
+        let shape = run::data::model_shape(cfg, &data)?;
         if cfg.model.model_path.is_some() {
             fit::check(cfg, &shape, &rank)?;
         }
@@ -134,7 +134,7 @@ impl<'a> Trainer<'a> {
             mut opt,
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
         let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
-        let identity = run_data::data_identity(&data, t.context_length)?;
+        let identity = run::data::data_identity(&data, t.context_length)?;
         let mut state = fresh_state(resolved, &shape, rank.place.world, identity.clone());
         if let Some(dir) = &resume_dir {
             state = resume(dir, &shape, &mut opt, resolved, &rank, identity)?;
@@ -147,7 +147,7 @@ impl<'a> Trainer<'a> {
             checkpoints.accept();
             write_config(&run_dir, resolved)?;
             // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
-            checkpoint::check_writable(checkpointer.root())?;
+            checkpoints::check_writable(checkpointer.root())?;
             print_summary(
                 resolved,
                 &rank,
@@ -159,7 +159,7 @@ impl<'a> Trainer<'a> {
         }
 
         let mfu_basis = match rank.device {
-            tch::Device::Cuda(i) => crate::telemetry::mfu::device_peak(i)
+            tch::Device::Cuda(i) => crate::sys::machine::device_peak(i)
                 .map(|peak| (shape.flops_per_token(t.context_length), peak)),
             _ => None,
         };
@@ -473,14 +473,14 @@ fn prepare_on_node(
     pg: &mut dyn ProcessGroup,
 ) -> Result<Vec<DataSource>> {
     let prepared = if rank.place.local_rank == 0 {
-        Some(run_data::prepare_data(cfg, &rank.tag)?)
+        Some(run::data::prepare_data(cfg, &rank.tag)?)
     } else {
         None
     };
     pg.barrier()?;
     match prepared {
         Some(p) => Ok(p),
-        None => run_data::prepare_quietly(cfg),
+        None => run::data::prepare_quietly(cfg),
     }
 }
 
@@ -553,7 +553,7 @@ fn fresh_state(
     data: serde_json::Value,
 ) -> TrainerState {
     TrainerState {
-        format: checkpoint::FORMAT_VERSION,
+        format: checkpoints::FORMAT_VERSION,
         step: 0,
         samples_consumed: 0,
         seed: resolved.config.system.seed,
@@ -565,13 +565,13 @@ fn fresh_state(
         model_shape: shape.clone(),
         zero_stage: resolved.config.system.zero_stage,
         config: resolved.to_json(),
-        versions: checkpoint::versions(),
+        versions: checkpoints::versions(),
         data: Some(data),
     }
 }
 
 /// Loads a checkpoint into the parameters and moments and returns the state to continue from.
-/// The checkpoint's seed and data (`data`, [`run_data::data_identity`]) must be this run's: either
+/// The checkpoint's seed and data (`data`, [`run::data::data_identity`]) must be this run's: either
 /// changing would change the data order without a word (`data.allow_new_data_on_resume`
 /// continues on new data, its order starting anew).
 fn resume(
@@ -586,7 +586,7 @@ fn resume(
     let seed = cfg.system.seed;
     let started = std::time::Instant::now();
     // The data first: another tokenizer would otherwise show as another model shape.
-    let saved = checkpoint::read_state(dir)?;
+    let saved = checkpoints::read_state(dir)?;
     anyhow::ensure!(
         saved.seed == seed,
         "{}: checkpoint was trained with system.seed = {}, config has {seed}; the data order would change. Set system.seed={}",
@@ -595,7 +595,7 @@ fn resume(
     let changed = saved
         .data
         .as_ref()
-        .and_then(|then| run_data::data_difference(then, &data));
+        .and_then(|then| run::data::data_difference(then, &data));
     if let Some(diff) = &changed {
         anyhow::ensure!(
             cfg.data.allow_new_data_on_resume,

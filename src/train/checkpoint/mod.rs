@@ -51,11 +51,9 @@
 //! writer is noticed at the next step (`Checkpointer::poll`, agreed in the step's all-reduce)
 //! and fails the run with the writer's error.
 
-mod integrity;
 mod writer;
 
 use std::collections::HashMap;
-use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -63,22 +61,18 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use super::optim::{Optimizer, RankState, StateSource, Writers};
-use crate::config::{CheckpointConfig, ZeroStage};
+use crate::config::CheckpointConfig;
 use crate::dist::flat_layout::intersect;
 use crate::dist::store::Store;
 use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
-use crate::sys::durable::{write_synced, AtomicDir};
+use crate::run::checkpoints::{self, numbered_name, TrainerState, INDEX};
 use crate::tensor_io::SafeFile;
-pub use integrity::{FileSum, FileSums, Layout, Scope, Share};
 use writer::{Commit, FileJob, GiveUp, Reports, SaveJob, Staging};
-
-pub const FORMAT_VERSION: u32 = 1;
 
 /// Which complete `step_N` checkpoints survive a save: the last `last`, and those whose step
 /// is a multiple of `every` (0 = none).
@@ -176,7 +170,7 @@ impl Checkpointer {
 
     /// The latest complete `step_N`, if any.
     pub fn latest(&self) -> Option<PathBuf> {
-        latest(&self.root)
+        checkpoints::latest(&self.root)
     }
 
     /// The latest checkpoint this run has committed (rank 0; None on the others).
@@ -186,7 +180,7 @@ impl Checkpointer {
 
     /// The step of [`Checkpointer::last_saved`].
     pub fn last_saved_step(&self) -> Option<usize> {
-        self.last.as_deref().and_then(step_of)
+        self.last.as_deref().and_then(checkpoints::step_of)
     }
 
     /// Saves `step_N` (every rank calls it) and prunes old ones. Returns whether training
@@ -401,9 +395,8 @@ impl Checkpointer {
     /// all ranks or none); a refusal is said once.
     fn stage_fits(&mut self, job: &SaveJob, name: &str, pg: &mut dyn ProcessGroup) -> Result<bool> {
         let need = self.staging.new_bytes(&job.files) as f64;
-        let avail = crate::plan::budget::mem_available().unwrap_or(f64::INFINITY);
-        // Room for the copy and 1 GB besides, so the copy never brings on the OOM killer.
-        let fits_here = need == 0.0 || need + 1e9 < avail;
+        let avail = crate::sys::machine::mem_available().unwrap_or(f64::INFINITY);
+        let fits_here = need == 0.0 || need + crate::plan::checkpoint::STAGING_HEADROOM < avail;
         let fits = pg.all_reduce_max_f64(if fits_here { 0.0 } else { 1.0 })? == 0.0;
         if !fits && !self.said_sync {
             self.said_sync = true;
@@ -447,178 +440,6 @@ impl Drop for Checkpointer {
     }
 }
 
-/// Everything besides tensors that an exact resume needs.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct TrainerState {
-    pub format: u32,
-    /// Optimizer steps completed.
-    pub step: usize,
-    /// Samples consumed globally (all ranks); with `seed` this is the whole data-order state.
-    pub samples_consumed: u64,
-    pub seed: u64,
-    pub adam_step: u64,
-    pub loss: f64,
-    pub world_size: usize,
-    /// Product of the rollback LR factors applied so far.
-    #[serde(default = "one")]
-    pub lr_scale: f64,
-    /// Steps skipped or rolled back by the guard so far.
-    #[serde(default)]
-    pub guard_events: usize,
-    pub model_shape: LlamaShape,
-    /// `system.zero_stage` the checkpoint was written with (0 in checkpoints from before it).
-    #[serde(default = "replicated")]
-    pub zero_stage: ZeroStage,
-    pub config: Value,
-    pub versions: Value,
-    /// What the run trained on (`run_data::data_identity`); absent in older checkpoints.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<Value>,
-}
-
-fn one() -> f64 {
-    1.0
-}
-
-fn replicated() -> ZeroStage {
-    ZeroStage::Replicated
-}
-
-pub fn versions() -> Value {
-    serde_json::json!({ "lockstep": env!("CARGO_PKG_VERSION"), "libtorch": "2.11.0" })
-}
-
-fn step_of(path: &Path) -> Option<usize> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("step_")?
-        .parse()
-        .ok()
-}
-
-/// Complete checkpoints under `root`, oldest first.
-pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = fs::read_dir(root) else {
-        return Vec::new();
-    };
-    let mut found: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("trainer.json").is_file())
-        .filter_map(|p| step_of(&p).map(|s| (s, p)))
-        .collect();
-    found.sort();
-    found
-}
-
-/// Directories a crash left behind mid-save or mid-delete (`*.tmp`), which resume ignores.
-pub fn incomplete(root: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = fs::read_dir(root) else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.is_dir()
-                && (p.extension().is_some_and(|e| e == "tmp") || !p.join("trainer.json").exists())
-        })
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("step_"))
-        })
-        .collect()
-}
-
-/// Checks, before any state is touched, that `dir` can be loaded: trainer.json parses and is
-/// of this format, every file the checkpoint's layout needs and trainer.json lists is there
-/// with the recorded size, every safetensors file is whole (its header's extent is the file's
-/// length), and the files of `share` have the recorded BLAKE3 (`integrity`). The error names
-/// the file.
-pub fn verify(dir: &Path, share: Share) -> Result<()> {
-    read_state(dir)?;
-    integrity::verify_files(dir, share, Scope::All)
-}
-
-/// For the commands that read a model directory (`eval`, `generate`, `export`): when it is a
-/// checkpoint (it has a trainer.json), [`verify`] of its model files alone, so a damaged one is
-/// named rather than sampled from. Other directories pass.
-pub fn verify_model(dir: &Path) -> Result<()> {
-    if !dir.join("trainer.json").is_file() {
-        return Ok(());
-    }
-    integrity::verify_files(dir, Share::ALL, Scope::Model)
-}
-
-pub fn latest(root: &Path) -> Option<PathBuf> {
-    list(root).pop().map(|(_, p)| p)
-}
-
-/// Rank 0: creates `root` and the staging directory of `dest`, after removing what
-/// interrupted saves left.
-fn begin_save(root: &Path, dest: &Path) -> Result<AtomicDir> {
-    fs::create_dir_all(root).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
-            root.display()
-        )
-    })?;
-    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    remove_stale(root, name)?;
-    AtomicDir::begin(dest).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot start {}; choose a writable checkpoint.dir",
-            root.display(),
-            dest.display()
-        )
-    })
-}
-
-/// A failed save: no half-written directory stays behind, and the error says the earlier
-/// checkpoints are intact.
-fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
-    let dest = staging.dest().to_path_buf();
-    staging.abandon();
-    e.context(format!(
-        "saving checkpoint {} failed; earlier checkpoints are intact (fix the cause below, \
-         e.g. free space in checkpoint.dir, then continue with --resume auto)",
-        dest.display()
-    ))
-}
-
-/// Rank 0, once every rank's files are durable (`sums`: what each wrote): its own files, then
-/// trainer.json listing every file with its checksum, the rename into place, then pruning.
-fn finish_save(
-    staging: AtomicDir,
-    commit: Commit,
-    mut sums: FileSums,
-    root: &Path,
-) -> Result<PathBuf> {
-    let written = commit.lead.iter().try_for_each(|(name, bytes)| {
-        sums.insert(name.to_string(), FileSum::of_bytes(bytes));
-        write_synced(&staging.path().join(name), bytes)
-    });
-    let written = written.and_then(|()| {
-        let trainer = trainer_json(&commit.state, &sums)?;
-        write_synced(&staging.path().join("trainer.json"), &trainer)
-    });
-    if let Err(e) = written {
-        return Err(abandon(staging, e));
-    }
-    let dir = staging.commit()?;
-    prune(root, commit.keep)?;
-    Ok(dir)
-}
-
-/// trainer.json: the state, and every other file of the checkpoint with its size and BLAKE3
-/// (`integrity`).
-fn trainer_json(state: &TrainerState, files: &FileSums) -> Result<Vec<u8>> {
-    let mut v = serde_json::to_value(state)?;
-    if let Value::Object(map) = &mut v {
-        map.insert(integrity::FILES_KEY.into(), serde_json::to_value(files)?);
-    }
-    Ok(serde_json::to_vec_pretty(&v)?)
-}
-
 /// Every rank learns whether every rank succeeded; a failure elsewhere is an error here too,
 /// so all ranks leave the save together.
 fn agree(pg: &mut dyn ProcessGroup, mine: Result<()>) -> Result<()> {
@@ -654,14 +475,14 @@ impl Files {
         }
         let writers = self.model_writers();
         let i = writers.iter().position(|&w| w == writer).unwrap_or(0);
-        integrity::numbered_name("model", i + 1, writers.len())
+        numbered_name("model", i + 1, writers.len())
     }
 
     fn optimizer_file(&self, rank: usize) -> String {
         if !self.writers.sharded {
             return "optimizer.safetensors".into();
         }
-        integrity::numbered_name("optimizer", rank + 1, self.writers.world)
+        numbered_name("optimizer", rank + 1, self.writers.world)
     }
 
     /// This rank's model file (if it writes any parameter) and its optimizer file, if it
@@ -729,59 +550,12 @@ impl Files {
             }
             let index =
                 serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
-            files.push((integrity::INDEX, serde_json::to_vec_pretty(&index)?));
+            files.push((INDEX, serde_json::to_vec_pretty(&index)?));
         }
         let config = hf::config_json(shape, "float32");
         files.push(("config.json", serde_json::to_vec_pretty(&config)?));
         Ok(files)
     }
-}
-
-/// Fails, with the fix, when `root` cannot hold checkpoints: creates it and a probe directory
-/// in it (removed again), with the errors `save` would give. Called before the first step, it
-/// reports an unwritable checkpoint.dir at start-up instead of at the first save.
-pub fn check_writable(root: &Path) -> Result<()> {
-    fs::create_dir_all(root).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
-            root.display()
-        )
-    })?;
-    let probe = root.join("step_write_test.tmp");
-    fs::create_dir(&probe)
-        .or_else(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => Ok(()),
-            _ => Err(e),
-        })
-        .and_then(|()| fs::remove_dir(&probe))
-        .with_context(|| {
-            format!(
-                "checkpoint.dir {}: cannot create {}; choose a writable checkpoint.dir",
-                root.display(),
-                probe.display()
-            )
-        })
-}
-
-/// Deletes what interrupted saves and deletions left (`step_*.tmp`, `<name>.tmp`): only one
-/// process (rank 0) writes a checkpoint directory, so none of them is in use.
-fn remove_stale(root: &Path, name: &str) -> Result<()> {
-    for entry in fs::read_dir(root)
-        .with_context(|| format!("checkpoint.dir {}: cannot list", root.display()))?
-    {
-        let path = entry?.path();
-        let Some(file) = path.file_name().and_then(|n| n.to_str()) else {
-            continue;
-        };
-        let stale = file.ends_with(".tmp")
-            && (file.starts_with("step_") || file.starts_with(&format!("{name}.")));
-        if stale && path.is_dir() {
-            fs::remove_dir_all(&path).with_context(|| {
-                format!("{}: cannot remove a stale partial save", path.display())
-            })?;
-        }
-    }
-    Ok(())
 }
 
 fn format_metadata() -> HashMap<String, String> {
@@ -791,49 +565,10 @@ fn format_metadata() -> HashMap<String, String> {
         .collect()
 }
 
-fn prune(root: &Path, keep: Keep) -> Result<()> {
-    let all = list(root);
-    let excess = all.len().saturating_sub(keep.last);
-    let kept_forever = |step: usize| keep.every > 0 && step.is_multiple_of(keep.every);
-    for (_, path) in all
-        .into_iter()
-        .take(excess)
-        .filter(|(s, _)| !kept_forever(*s))
-    {
-        // Renamed first, so a crash mid-delete leaves a `*.tmp` leftover (ignored, and removed
-        // by the next save), never a `step_N` with some of its files gone.
-        let mut doomed = path.clone().into_os_string();
-        doomed.push(".deleted.tmp");
-        fs::rename(&path, &doomed)
-            .and_then(|()| fs::remove_dir_all(&doomed))
-            .with_context(|| format!("{}: cannot delete an old checkpoint", path.display()))?;
-    }
-    Ok(())
-}
-
-pub fn read_state(dir: &Path) -> Result<TrainerState> {
-    let path = dir.join("trainer.json");
-    let text = fs::read_to_string(&path).with_context(|| {
-        format!(
-            "{}: not a complete checkpoint (no readable trainer.json)",
-            dir.display()
-        )
-    })?;
-    let state: TrainerState = serde_json::from_str(&text)
-        .with_context(|| format!("{}: unreadable trainer.json", path.display()))?;
-    ensure!(
-        state.format == FORMAT_VERSION,
-        "{}: checkpoint format {} is not supported (this lockstep reads format {FORMAT_VERSION})",
-        path.display(),
-        state.format
-    );
-    Ok(state)
-}
-
 /// Restores the optimizer's parameters, masters and moments from `dir` (any stage, any
 /// world size) after checking that the checkpoint's model shape is the one being trained.
 pub fn load(dir: &Path, shape: &LlamaShape, opt: &mut Optimizer) -> Result<TrainerState> {
-    let state = read_state(dir)?;
+    let state = checkpoints::read_state(dir)?;
     if &state.model_shape != shape {
         let saved = serde_json::to_value(&state.model_shape)?;
         let now = serde_json::to_value(shape)?;
@@ -934,7 +669,7 @@ pub struct MomentFiles {
 impl MomentFiles {
     /// The optimizer files of the checkpoint's layout (every one of them).
     pub fn open(dir: &Path) -> Result<MomentFiles> {
-        let paths: Vec<PathBuf> = Layout::of(dir)?
+        let paths: Vec<PathBuf> = checkpoints::Layout::of(dir)?
             .optimizer
             .iter()
             .map(|name| dir.join(name))
@@ -1024,32 +759,4 @@ fn parse_range(s: &str) -> Option<Range<usize>> {
     let (a, b) = s.split_once(':')?;
     let (a, b) = (a.parse().ok()?, b.parse().ok()?);
     (a <= b).then_some(a..b)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn complete(root: &Path, step: usize) {
-        let dir = root.join(format!("step_{step}"));
-        fs::create_dir_all(&dir).unwrap();
-        fs::write(dir.join("trainer.json"), "{}").unwrap();
-    }
-
-    #[test]
-    fn prune_keeps_the_last_ones_and_the_multiples_of_keep_every() -> Result<()> {
-        let root = tempfile::tempdir()?;
-        for step in 1..=12 {
-            complete(root.path(), step);
-        }
-        fs::create_dir_all(root.path().join("nan_step_5"))?;
-        prune(root.path(), Keep { last: 2, every: 4 })?;
-        let steps: Vec<usize> = list(root.path()).into_iter().map(|(s, _)| s).collect();
-        assert_eq!(steps, [4, 8, 11, 12]);
-        assert!(root.path().join("nan_step_5").is_dir());
-        prune(root.path(), Keep { last: 1, every: 0 })?;
-        let steps: Vec<usize> = list(root.path()).into_iter().map(|(s, _)| s).collect();
-        assert_eq!(steps, [12]);
-        Ok(())
-    }
 }

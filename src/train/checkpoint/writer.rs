@@ -23,6 +23,7 @@
 //! trainer.json (`integrity`).
 
 use std::collections::HashMap;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
@@ -32,10 +33,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
-use super::integrity::{FileSum, FileSums};
-use super::{abandon, begin_save, finish_save, Keep, TrainerState};
+use super::Keep;
 use crate::dist::store::Store;
-use crate::sys::durable::{sync_and_release, AtomicDir};
+use crate::run::checkpoints::{self, FileSum, FileSums, TrainerState};
+use crate::sys::durable::{sync_and_release, write_synced, AtomicDir};
 use crate::tensor_io;
 
 /// One safetensors file of a checkpoint.
@@ -404,6 +405,103 @@ fn host_buffer(t: &Tensor) -> Tensor {
     }
 }
 
+/// Rank 0: creates `root` and the staging directory of `dest`, after removing what
+/// interrupted saves left.
+fn begin_save(root: &Path, dest: &Path) -> Result<AtomicDir> {
+    fs::create_dir_all(root).with_context(|| {
+        format!(
+            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
+            root.display()
+        )
+    })?;
+    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    remove_stale(root, name)?;
+    AtomicDir::begin(dest).with_context(|| {
+        format!(
+            "checkpoint.dir {}: cannot start {}; choose a writable checkpoint.dir",
+            root.display(),
+            dest.display()
+        )
+    })
+}
+
+/// A failed save: no half-written directory stays behind, and the error says the earlier
+/// checkpoints are intact.
+fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
+    let dest = staging.dest().to_path_buf();
+    staging.abandon();
+    e.context(format!(
+        "saving checkpoint {} failed; earlier checkpoints are intact (fix the cause below, \
+         e.g. free space in checkpoint.dir, then continue with --resume auto)",
+        dest.display()
+    ))
+}
+
+/// Rank 0, once every rank's files are durable (`sums`: what each wrote): its own files, then
+/// trainer.json listing every file with its checksum, the rename into place, then pruning.
+fn finish_save(
+    staging: AtomicDir,
+    commit: Commit,
+    mut sums: FileSums,
+    root: &Path,
+) -> Result<PathBuf> {
+    let written = commit.lead.iter().try_for_each(|(name, bytes)| {
+        sums.insert(name.to_string(), FileSum::of_bytes(bytes));
+        write_synced(&staging.path().join(name), bytes)
+    });
+    let written = written.and_then(|()| {
+        let trainer = checkpoints::trainer_json(&commit.state, &sums)?;
+        write_synced(&staging.path().join("trainer.json"), &trainer)
+    });
+    if let Err(e) = written {
+        return Err(abandon(staging, e));
+    }
+    let dir = staging.commit()?;
+    prune(root, commit.keep)?;
+    Ok(dir)
+}
+
+/// Deletes what interrupted saves and deletions left (`step_*.tmp`, `<name>.tmp`): only one
+/// process (rank 0) writes a checkpoint directory, so none of them is in use.
+fn remove_stale(root: &Path, name: &str) -> Result<()> {
+    for entry in fs::read_dir(root)
+        .with_context(|| format!("checkpoint.dir {}: cannot list", root.display()))?
+    {
+        let path = entry?.path();
+        let Some(file) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let stale = file.ends_with(".tmp")
+            && (file.starts_with("step_") || file.starts_with(&format!("{name}.")));
+        if stale && path.is_dir() {
+            fs::remove_dir_all(&path).with_context(|| {
+                format!("{}: cannot remove a stale partial save", path.display())
+            })?;
+        }
+    }
+    Ok(())
+}
+
+fn prune(root: &Path, keep: Keep) -> Result<()> {
+    let all = checkpoints::list(root);
+    let excess = all.len().saturating_sub(keep.last);
+    let kept_forever = |step: usize| keep.every > 0 && step.is_multiple_of(keep.every);
+    for (_, path) in all
+        .into_iter()
+        .take(excess)
+        .filter(|(s, _)| !kept_forever(*s))
+    {
+        // Renamed first, so a crash mid-delete leaves a `*.tmp` leftover (ignored, and removed
+        // by the next save), never a `step_N` with some of its files gone.
+        let mut doomed = path.clone().into_os_string();
+        doomed.push(".deleted.tmp");
+        fs::rename(&path, &doomed)
+            .and_then(|()| fs::remove_dir_all(&doomed))
+            .with_context(|| format!("{}: cannot delete an old checkpoint", path.display()))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,5 +567,34 @@ mod tests {
                 "{key} left in the store"
             );
         }
+    }
+
+    fn complete(root: &Path, step: usize) {
+        let dir = root.join(format!("step_{step}"));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("trainer.json"), "{}").unwrap();
+    }
+
+    #[test]
+    fn prune_keeps_the_last_ones_and_the_multiples_of_keep_every() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        for step in 1..=12 {
+            complete(root.path(), step);
+        }
+        fs::create_dir_all(root.path().join("nan_step_5"))?;
+        prune(root.path(), Keep { last: 2, every: 4 })?;
+        let steps: Vec<usize> = checkpoints::list(root.path())
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(steps, [4, 8, 11, 12]);
+        assert!(root.path().join("nan_step_5").is_dir());
+        prune(root.path(), Keep { last: 1, every: 0 })?;
+        let steps: Vec<usize> = checkpoints::list(root.path())
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(steps, [12]);
+        Ok(())
     }
 }

@@ -1,13 +1,12 @@
-//! How a run starts: the per-invocation options (`--resume`, `--stop-at-step`), its checkpoint
-//! directory and the checkpoint to resume from. Where a rank runs is `place` and `device`; the
-//! run's data is `run_data`.
+//! What a run resumes from: the per-invocation options (`--resume`, `--stop-at-step`), its
+//! checkpoint directory and the checkpoint to resume from.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::{self, Share};
+use super::checkpoints::{self, Share};
 use crate::config::Resolved;
 use crate::dist::ProcessGroup;
 
@@ -47,7 +46,7 @@ pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
 }
 
 /// The checkpoint to resume from (every rank calls it: the ranks share the reading of the
-/// checksums, `checkpoint::verify`, and agree on the result). Without `--resume`, an existing
+/// checksums, `checkpoints::verify`, and agree on the result). Without `--resume`, an existing
 /// checkpoint is an error rather than something silently overwritten or ignored.
 pub fn resume_target(
     root: &Path,
@@ -57,7 +56,7 @@ pub fn resume_target(
 ) -> Result<Option<PathBuf>> {
     let lead = pg.rank() == 0;
     if lead {
-        for partial in checkpoint::incomplete(root) {
+        for partial in checkpoints::incomplete(root) {
             println!(
                 "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
                 partial.display()
@@ -65,7 +64,7 @@ pub fn resume_target(
         }
     }
     match resume {
-        None => match checkpoint::latest(root) {
+        None => match checkpoints::latest(root) {
             Some(found) => bail!(
                 "{} already holds checkpoints (latest {}); pass --resume auto to continue that run, or set logging.run_name / checkpoint.dir to start a new one",
                 root.display(),
@@ -74,7 +73,7 @@ pub fn resume_target(
             None => Ok(None),
         },
         Some(Resume::Auto) => {
-            let all = checkpoint::list(root);
+            let all = checkpoints::list(root);
             if all.is_empty() {
                 if lead {
                     println!(
@@ -144,14 +143,14 @@ pub fn resume_target(
     }
 }
 
-/// None when `dir` passes `checkpoint::verify` on every rank (each reading its share of the
+/// None when `dir` passes `checkpoints::verify` on every rank (each reading its share of the
 /// files), else why not: this rank's finding, or which rank found one.
 fn verified(dir: &Path, tag: &str, pg: &mut dyn ProcessGroup) -> Result<Option<String>> {
     let share = Share {
         index: pg.rank(),
         of: pg.world_size(),
     };
-    let mine = checkpoint::verify(dir, share).err();
+    let mine = checkpoints::verify(dir, share).err();
     // The highest rank that found damage, plus one (0: none did).
     let found = pg.all_reduce_max_f64(mine.as_ref().map_or(0.0, |_| pg.rank() as f64 + 1.0))?;
     Ok(match (mine, found as usize) {
