@@ -25,7 +25,8 @@
 //! - **Versions** ([`versions`]): before any collective, the ranks compare lockstep, libtorch,
 //!   CUDA and NCCL versions through the store, and a difference stops them all at once.
 //!
-//! Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
+//! Where a rank sits: [`place`] (what [`env`] reads from torchrun's variables and [`slurm`]
+//! from srun's). Entry point: [`env::DistEnv::from_env`] then [`init`]. Gradients are reduced by
 //! `train::optim::reduce` as backward finishes them, through [`overlap::with_queue`].
 
 pub mod buckets;
@@ -36,6 +37,7 @@ pub mod group;
 pub mod mesh;
 pub mod nccl;
 pub mod overlap;
+pub mod place;
 pub mod ring;
 pub mod slurm;
 pub mod store;
@@ -46,7 +48,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-pub use env::{DistEnv, NodePlace, Place};
+pub use env::DistEnv;
+pub use place::{NodePlace, Place};
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use mesh::{Mesh, MeshGroups};
 pub use ring::{RingConfig, RingGroup};

@@ -207,7 +207,7 @@ fn rendezvous<F: Fn(&str) -> Option<String>>(v: &Vars<'_, F>) -> Result<(String,
 /// One task's place in an `srun lockstep train` job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskLayout {
-    pub place: super::env::Place,
+    pub place: super::place::Place,
     pub master_addr: String,
     pub master_port: u16,
     /// What was derived from what, for the log.
@@ -263,7 +263,7 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
         )
     };
     Ok(Some(TaskLayout {
-        place: super::env::Place {
+        place: super::place::Place {
             rank,
             world: world_size,
             local_rank,
@@ -281,7 +281,7 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
 /// This node's place in an `srun --ntasks-per-node=1 lockstep run` job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeLayout {
-    pub place: super::env::NodePlace,
+    pub place: super::place::NodePlace,
     /// SLURM_GPUS_ON_NODE: GPUs allocated on this node.
     pub gpus_on_node: Option<usize>,
     pub note: String,
@@ -317,7 +317,7 @@ pub fn node_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<NodeL
     }
     let (master_addr, master_port, rdzv) = rendezvous(&v)?;
     Ok(Some(NodeLayout {
-        place: super::env::NodePlace {
+        place: super::place::NodePlace {
             nnodes,
             node_rank,
             master_addr,
