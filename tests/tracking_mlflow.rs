@@ -55,7 +55,10 @@ fn assert_matches_the_record(run_dir: &Path, got: &Value) {
         let want: Vec<(u64, f64)> = metrics
             .iter()
             .map(|m| {
-                let value = lockstep::telemetry::series(m)
+                let record: lockstep::telemetry::MetricsRecord =
+                    serde_json::from_value(m.clone()).unwrap();
+                let value = record
+                    .series()
                     .into_iter()
                     .find(|(n, _)| n == key)
                     .unwrap()

@@ -115,7 +115,8 @@ fn assert_matches_the_record(run_dir: &Path, l: &Logged) {
         .collect();
     assert_eq!(steps, want, "W&B's steps vs metrics.jsonl's");
     for ((step, item), m) in l.history.iter().zip(&metrics) {
-        for (name, value) in lockstep::telemetry::series(m) {
+        let record: lockstep::telemetry::MetricsRecord = serde_json::from_value(m.clone()).unwrap();
+        for (name, value) in record.series() {
             assert_eq!(
                 item.get(&name).and_then(Value::as_f64),
                 Some(value),

@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::config::{ConfigError, WandbConfig};
 use crate::telemetry::tracker::{Record, RunStatus, Sink};
 use crate::telemetry::wandb::{WandbOptions, WandbSink};
+use crate::telemetry::MetricsRecord;
 
 #[derive(Args, Debug, Clone)]
 pub struct WandbSyncArgs {
@@ -114,12 +115,10 @@ fn metrics_records(path: &std::path::Path) -> Result<Vec<Record>> {
         }
         let record = std::str::from_utf8(line)
             .ok()
-            .and_then(|l| serde_json::from_str::<Value>(l).ok())
-            .and_then(|r| {
-                Some(Record {
-                    step: r.get("step")?.as_u64()?,
-                    values: crate::telemetry::series(&r),
-                })
+            .and_then(|l| serde_json::from_str::<MetricsRecord>(l).ok())
+            .map(|r| Record {
+                step: r.step,
+                values: r.series(),
             });
         match record {
             Some(r) => records.push(r),

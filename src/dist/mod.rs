@@ -49,9 +49,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 pub use env::DistEnv;
-pub use place::{NodePlace, Place};
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use mesh::{Mesh, MeshGroups};
+pub use place::{NodePlace, Place};
 pub use ring::{RingConfig, RingGroup};
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
 

@@ -13,7 +13,7 @@
 //! `NaN` tokens, which serde_json never writes, make MLflow 3.17 store a garbled batch and still
 //! answer 200.)
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 
 use super::tracker::{Record, RunStatus, Sink, SinkError};
 use crate::config::secrets::{redacted, split_credentials};
-use crate::config::Credentials;
+use crate::config::{Credentials, Resolved};
 
 /// MLflow's limits per `runs/log-batch` request and per value.
 const METRICS_PER_BATCH: usize = 1000;
@@ -58,6 +58,72 @@ pub struct MlflowOptions {
     pub params: Vec<(String, String)>,
     /// Run tags, e.g. `("lockstep.version", "0.1.0")`.
     pub tags: Vec<(String, String)>,
+}
+
+impl MlflowOptions {
+    /// MLflow's options: on with `logging.mlflow.tracking_uri` or MLFLOW_TRACKING_URI; the resolved
+    /// config as params, what the run is as `lockstep.*` tags.
+    pub fn new(
+        resolved: &Resolved,
+        run_dir: &Path,
+        resume: bool,
+        about: &Value,
+    ) -> Result<Option<MlflowOptions>, String> {
+        let m = &resolved.config.logging.mlflow;
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        // The config's address had its credentials taken out when it was resolved; the
+        // variable's are taken out here. Neither is stored or sent but as the Authorization header.
+        let (uri, credentials) = match (&m.tracking_uri, env("MLFLOW_TRACKING_URI")) {
+            (Some(uri), _) => (uri.clone(), resolved.secrets.mlflow.clone()),
+            (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => {
+                split_credentials(&uri)
+            }
+            (None, Some(uri)) => {
+                return Err(format!(
+                    "MLFLOW_TRACKING_URI = {:?} is not an MLflow server's http(s) address; \
+                     lockstep logs to a tracking server (start one with `mlflow server`) - set \
+                     logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI",
+                    redacted(&uri)
+                ))
+            }
+            (None, None) => return Ok(None),
+        };
+        let tags = about
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| {
+                let text = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+                (format!("lockstep.{k}"), text)
+            })
+            .collect();
+        let experiment = m
+            .experiment
+            .clone()
+            .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
+            .unwrap_or_else(|| "lockstep".into());
+        let most = crate::config::MLFLOW_EXPERIMENT_MAX;
+        if experiment.chars().count() > most {
+            return Err(format!(
+                "MLFLOW_EXPERIMENT_NAME is {} characters long; MLflow keeps at most {most}: shorten \
+                 it, or set logging.mlflow.experiment",
+                experiment.chars().count()
+            ));
+        }
+        Ok(Some(MlflowOptions {
+            tracking_uri: uri,
+            credentials,
+            experiment,
+            run_name: m
+                .run_name
+                .clone()
+                .unwrap_or_else(|| super::run_name(run_dir)),
+            run_file: run_dir.join("mlflow.json"),
+            resume,
+            params: super::flat_params(&resolved.to_json()),
+            tags,
+        }))
+    }
 }
 
 /// An MLflow tracking client: the [`Sink`] a [`Tracker`](super::tracker::Tracker) runs for

@@ -2,8 +2,10 @@
 //! them (throughput, ETA, MFU).
 
 pub mod mlflow;
+pub mod record;
 pub mod tensorboard;
 pub mod tracker;
+pub mod trackers;
 pub mod wandb;
 
 use std::fs::File;
@@ -12,6 +14,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde_json::Value;
+
+pub use record::MetricsRecord;
 
 /// `[CPU0]` / `[GPU3]`: which rank and device a line comes from. Under `lockstep run` the
 /// launcher passes the tag (`LOCKSTEP_TAG`), which names the physical GPU, not the rank.
@@ -100,60 +104,6 @@ impl std::fmt::Display for StepLine<'_> {
         }
         Ok(())
     }
-}
-
-/// The named series of one `metrics.jsonl` record, as TensorBoard, W&B and MLflow show them
-/// (one list, so the three agree): `train/loss`, `train/lr`, `train/grad_norm`,
-/// `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/ppl`, `val/time_s`, `val/loss/<source>`,
-/// `data/tokens/<source>`, `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`,
-/// `guard/events`, `guard/<kind>`. Absent (null) values give no point.
-pub fn series(record: &Value) -> Vec<(String, f64)> {
-    let mut out = Vec::new();
-    let mut put = |name: String, v: Option<f64>| {
-        if let Some(v) = v {
-            out.push((name, v));
-        }
-    };
-    let num = |key: &str| record.get(key).and_then(Value::as_f64);
-    for (key, name) in [
-        ("loss", "train/loss"),
-        ("lr", "train/lr"),
-        ("grad_norm", "train/grad_norm"),
-        ("tokens_per_s", "perf/tokens_per_s"),
-        ("mfu", "perf/mfu"),
-        ("val_loss", "val/loss"),
-        ("val_time_s", "val/time_s"),
-    ] {
-        put(name.to_string(), num(key));
-    }
-    put("val/ppl".into(), num("val_loss").map(f64::exp));
-    let entries = |key: &str| {
-        record
-            .get(key)
-            .and_then(Value::as_object)
-            .into_iter()
-            .flatten()
-            .map(|(name, v)| (name.clone(), v.as_f64()))
-    };
-    for (name, v) in entries("val_loss_by_source") {
-        put(format!("val/loss/{name}"), v);
-    }
-    for (name, v) in entries("tokens_by_source") {
-        put(format!("data/tokens/{name}"), v);
-    }
-    // Guard events since the previous record, by kind (nonfinite, spike).
-    for (kind, n) in entries("guard") {
-        put(format!("guard/{kind}"), n);
-    }
-    for (key, name) in [
-        ("samples_consumed", "data/samples_consumed"),
-        ("rss_gb", "memory/rss_gb"),
-        ("gpu_used_gb", "memory/gpu_used_gb"),
-        ("guard_events", "guard/events"),
-    ] {
-        put(name.to_string(), num(key));
-    }
-    out
 }
 
 /// A run's name as the trackers show it by default: its directory's name.
@@ -276,7 +226,7 @@ impl Metrics {
         })
     }
 
-    pub fn record(&mut self, record: &Value) -> Result<()> {
+    pub fn record(&mut self, record: &MetricsRecord) -> Result<()> {
         serde_json::to_writer(&mut self.out, record)?;
         self.out.write_all(b"\n")?;
         self.out.flush()?;
@@ -290,6 +240,10 @@ mod tests {
 
     #[test]
     fn a_resume_rewinds_the_metrics_and_a_fresh_start_keeps_the_old_ones_aside() {
+        let at = |step: u64| MetricsRecord {
+            step,
+            ..MetricsRecord::default()
+        };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("metrics.jsonl");
         let steps = |p: &Path| -> Vec<u64> {
@@ -314,7 +268,7 @@ mod tests {
         write(1..=29, true);
         let (mut m, earlier) = Metrics::open(&path, 25).unwrap();
         assert_eq!(earlier, Earlier::Truncated { dropped: 5 });
-        m.record(&serde_json::json!({"step": 26})).unwrap();
+        m.record(&at(26)).unwrap();
         assert_eq!(steps(&path), (1..=26).collect::<Vec<_>>());
         // A fresh start in the same directory: a new record; the old one kept aside.
         let (mut m, earlier) = Metrics::open(&path, 0).unwrap();
@@ -328,10 +282,10 @@ mod tests {
             .unwrap()
             .starts_with("metrics.previous-"));
         assert_eq!(steps(&old), (1..=26).collect::<Vec<_>>());
-        m.record(&serde_json::json!({"step": 1})).unwrap();
+        m.record(&at(1)).unwrap();
         assert_eq!(steps(&path), vec![1]);
         // A rollback to step 24 removes 25 and 26.
-        m.record(&serde_json::json!({"step": 2})).unwrap();
+        m.record(&at(2)).unwrap();
         let (mut m, _) = Metrics::open(&path, 2).unwrap();
         assert_eq!(m.rewind(1).unwrap(), 1);
         assert_eq!(steps(&path), vec![1]);
@@ -364,35 +318,6 @@ mod tests {
             ..line
         };
         assert!(gpu.to_string().ends_with("| ETA: 5:30:12 | MFU: 41.2%"));
-    }
-
-    #[test]
-    fn a_record_gives_its_named_series() {
-        let record = serde_json::json!({
-            "step": 7, "loss": 2.5, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-            "samples_consumed": 56, "val_loss": 0.0, "rss_gb": 1.5, "guard_events": 0, "mfu": null,
-            "tokens_by_source": {"web": 10, "code": 20},
-            "val_loss_by_source": {"web": 0.0, "code": null},
-        });
-        let names: Vec<String> = series(&record).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(
-            names,
-            [
-                "train/loss",
-                "train/lr",
-                "train/grad_norm",
-                "perf/tokens_per_s",
-                "val/loss",
-                "val/ppl",
-                "val/loss/web",
-                "data/tokens/web",
-                "data/tokens/code",
-                "data/samples_consumed",
-                "memory/rss_gb",
-                "guard/events"
-            ]
-        );
-        assert_eq!(series(&record)[5].1, 1.0); // ppl = exp(0)
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! `logging.verbose`, the per-phase timing line), `metrics.jsonl`, TensorBoard event files, the
 //! experiment trackers (W&B, MLflow), and the memory line. Rank 0 writes the records; every rank
 //! watches its own memory. TensorBoard and the trackers show the same named series
-//! ([`telemetry::series`]) of each metrics.jsonl record.
+//! (`MetricsRecord::series`) of each metrics.jsonl record, whose schema telemetry owns
+//! (`telemetry::record`); the trackers themselves are built there too (`telemetry::trackers`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -15,16 +16,13 @@ use super::eval::Validation;
 use super::optim::StateBytes;
 use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
-use crate::config::secrets::{redacted, split_credentials};
 use crate::config::Resolved;
 use crate::model::LlamaShape;
 use crate::run::checkpoints::TrainerState;
 use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
-use crate::telemetry::mlflow::{MlflowOptions, MlflowSink};
 use crate::telemetry::tensorboard::EventWriter;
 use crate::telemetry::tracker::{self, Record, RunStatus, Tracker};
-use crate::telemetry::wandb::{WandbOptions, WandbSink};
-use crate::telemetry::{self, Earlier, Metrics, StepLine};
+use crate::telemetry::{self, Earlier, Metrics, MetricsRecord, StepLine};
 
 /// Rank 0's records: metrics.jsonl, with `logging.tensorboard` event files, and the trackers
 /// that are on.
@@ -75,6 +73,23 @@ impl Window {
 pub struct About<'a> {
     pub shape: &'a LlamaShape,
     pub data: Option<&'a serde_json::Value>,
+}
+
+impl About<'_> {
+    /// The trackers' `lockstep` config entry (and MLflow's `lockstep.*` tags).
+    fn describe(&self, resolved: &Resolved, rank: &Rank, run_dir: &Path) -> serde_json::Value {
+        let t = &resolved.config.training;
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "world_size": rank.place.world,
+            "preset": resolved.preset,
+            "parameters": self.shape.num_parameters(),
+            "tokens_per_step": t.batch_size * t.grad_accum_nums * rank.mesh.data() * t.context_length,
+            "device": format!("{:?}", rank.device),
+            "data": self.data,
+            "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
+        })
+    }
 }
 
 pub struct Recorder {
@@ -149,7 +164,13 @@ impl Recorder {
                 ),
                 _ => {}
             }
-            let trackers = trackers(resolved, rank, run_dir, about, resumed_at > 0);
+            let trackers = telemetry::trackers::start(
+                resolved,
+                &rank.tag,
+                run_dir,
+                about.describe(resolved, rank, run_dir),
+                resumed_at > 0,
+            );
             Some(Records {
                 metrics,
                 tensorboard,
@@ -420,8 +441,13 @@ impl Records {
     /// Guard events no record carried, each as a record of its own.
     fn flush_guard(&mut self) {
         for (step, kind, events) in std::mem::take(&mut self.guard) {
-            let record = json!({ "guard_events": events, "guard": { kind: 1 } });
-            self.track(step, telemetry::series(&record));
+            let record = MetricsRecord {
+                step: step as u64,
+                guard_events: Some(events as u64),
+                guard: [(kind, 1)].into_iter().collect(),
+                ..MetricsRecord::default()
+            };
+            self.track(step, record.series());
         }
     }
 
@@ -435,44 +461,38 @@ impl Records {
             val,
             by_source,
         } = *p;
-        let rss = gb(rss_bytes());
-        let val_loss = val.map(|v| v.loss);
-        let mut record = json!({
-            "step": state.step, "loss": state.loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
-            "samples_consumed": state.samples_consumed, "val_loss": val_loss, "rss_gb": rss,
-            "guard_events": state.guard_events, "mfu": mfu,
-        });
-        if let Some(v) = val {
-            record["val_time_s"] = json!(v.seconds);
+        let mut guard = indexmap::IndexMap::new();
+        for (_, kind, _) in self.guard.drain(..) {
+            *guard.entry(kind).or_insert(0) += 1;
         }
-        if let Some(g) = gpu_used_gb {
-            record["gpu_used_gb"] = json!(g);
-        }
-        if !self.guard.is_empty() {
-            let mut kinds = serde_json::Map::new();
-            for (_, kind, _) in self.guard.drain(..) {
-                let n = kinds.get(&kind).and_then(|v| v.as_u64()).unwrap_or(0);
-                kinds.insert(kind, json!(n + 1));
-            }
-            record["guard"] = kinds.into();
-        }
-        // A mixture's records also hold each source's tokens so far and validation loss.
-        if !by_source.is_empty() {
-            let tokens: serde_json::Map<String, serde_json::Value> = by_source
-                .iter()
-                .map(|(name, n)| (name.clone(), json!(n)))
-                .collect();
-            record["tokens_by_source"] = tokens.into();
-            let val_by_source = val.map(|v| {
-                v.by_source
-                    .iter()
-                    .map(|(name, l)| (name.clone(), json!(l)))
-                    .collect::<serde_json::Map<String, serde_json::Value>>()
-            });
-            record["val_loss_by_source"] = json!(val_by_source);
-        }
+        let record = MetricsRecord {
+            step: state.step as u64,
+            loss: Some(state.loss),
+            lr: Some(lr),
+            grad_norm: Some(norm),
+            tokens_per_s: Some(tok_s),
+            samples_consumed: Some(state.samples_consumed),
+            val_loss: val.map(|v| v.loss),
+            rss_gb: Some(gb(rss_bytes())),
+            guard_events: Some(state.guard_events as u64),
+            mfu,
+            val_time_s: val.map(|v| v.seconds),
+            gpu_used_gb,
+            guard,
+            // A mixture's records also hold each source's tokens so far and validation loss.
+            tokens_by_source: by_source.iter().cloned().collect(),
+            val_loss_by_source: val
+                .filter(|_| !by_source.is_empty())
+                .map(|v| {
+                    v.by_source
+                        .iter()
+                        .map(|(n, l)| (n.clone(), Some(*l)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        };
         self.metrics.record(&record)?;
-        let series = telemetry::series(&record);
+        let series = record.series();
         let s = state.step as i64;
         if let Some(tb) = self.tensorboard.as_mut() {
             for (name, v) in &series {
@@ -510,121 +530,6 @@ impl Records {
             });
         }
     }
-}
-
-/// The trackers the config turns on, started (each on its own thread). A tracker that cannot be
-/// set up is reported and left out: it never stops training.
-fn trackers(
-    resolved: &Resolved,
-    rank: &Rank,
-    run_dir: &Path,
-    about: &About,
-    resume: bool,
-) -> Vec<Tracker> {
-    let cfg = &resolved.config;
-    let shape = about.shape;
-    let t = &cfg.training;
-    let world = rank.place.world;
-    let about = json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "world_size": world,
-        "preset": resolved.preset,
-        "parameters": shape.num_parameters(),
-        "tokens_per_step": t.batch_size * t.grad_accum_nums * rank.mesh.data() * t.context_length,
-        "device": format!("{:?}", rank.device),
-        "data": about.data,
-        "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
-    });
-    let mut out = Vec::new();
-    let mut config = resolved.to_json();
-    config["lockstep"] = about.clone();
-    match WandbOptions::new(&cfg.logging.wandb, run_dir, resume, config) {
-        Ok(Some(opts)) => {
-            let catch_up = format!(
-                "upload them later with `lockstep wandb-sync {}`",
-                run_dir.display()
-            );
-            let sink = Box::new(WandbSink::new(opts));
-            out.push(Tracker::start("W&B", &rank.tag, &catch_up, sink))
-        }
-        Ok(None) => {}
-        Err(e) => eprintln!("{} Warning: W&B is off for this run: {e:#}", rank.tag),
-    }
-    match mlflow_options(resolved, run_dir, resume, &about) {
-        Ok(Some(opts)) => out.push(Tracker::start(
-            "MLflow",
-            &rank.tag,
-            "",
-            Box::new(MlflowSink::new(opts)),
-        )),
-        Ok(None) => {}
-        Err(e) => eprintln!("{} Warning: MLflow is off for this run: {e}", rank.tag),
-    }
-    out
-}
-
-/// MLflow's options: on with `logging.mlflow.tracking_uri` or MLFLOW_TRACKING_URI; the resolved
-/// config as params, what the run is as `lockstep.*` tags.
-fn mlflow_options(
-    resolved: &Resolved,
-    run_dir: &Path,
-    resume: bool,
-    about: &serde_json::Value,
-) -> Result<Option<MlflowOptions>, String> {
-    let m = &resolved.config.logging.mlflow;
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-    // The config's address had its credentials taken out when it was resolved; the
-    // variable's are taken out here. Neither is stored or sent but as the Authorization header.
-    let (uri, credentials) = match (&m.tracking_uri, env("MLFLOW_TRACKING_URI")) {
-        (Some(uri), _) => (uri.clone(), resolved.secrets.mlflow.clone()),
-        (None, Some(uri)) if uri.starts_with("http://") || uri.starts_with("https://") => {
-            split_credentials(&uri)
-        }
-        (None, Some(uri)) => {
-            return Err(format!(
-                "MLFLOW_TRACKING_URI = {:?} is not an MLflow server's http(s) address; \
-                 lockstep logs to a tracking server (start one with `mlflow server`) - set \
-                 logging.mlflow.tracking_uri, or unset MLFLOW_TRACKING_URI",
-                redacted(&uri)
-            ))
-        }
-        (None, None) => return Ok(None),
-    };
-    let tags = about
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| {
-            let text = v.as_str().map_or_else(|| v.to_string(), str::to_string);
-            (format!("lockstep.{k}"), text)
-        })
-        .collect();
-    let experiment = m
-        .experiment
-        .clone()
-        .or_else(|| env("MLFLOW_EXPERIMENT_NAME"))
-        .unwrap_or_else(|| "lockstep".into());
-    let most = crate::config::MLFLOW_EXPERIMENT_MAX;
-    if experiment.chars().count() > most {
-        return Err(format!(
-            "MLFLOW_EXPERIMENT_NAME is {} characters long; MLflow keeps at most {most}: shorten \
-             it, or set logging.mlflow.experiment",
-            experiment.chars().count()
-        ));
-    }
-    Ok(Some(MlflowOptions {
-        tracking_uri: uri,
-        credentials,
-        experiment,
-        run_name: m
-            .run_name
-            .clone()
-            .unwrap_or_else(|| telemetry::run_name(run_dir)),
-        run_file: run_dir.join("mlflow.json"),
-        resume,
-        params: telemetry::flat_params(&resolved.to_json()),
-        tags,
-    }))
 }
 
 #[cfg(test)]

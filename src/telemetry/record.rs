@@ -1,0 +1,140 @@
+//! One `metrics.jsonl` record and its named series: the schema telemetry owns. The trainer's
+//! recorder fills a [`MetricsRecord`]; metrics.jsonl is its JSON, and TensorBoard, W&B and
+//! MLflow show its [`MetricsRecord::series`] (one list, so the three agree); `lockstep
+//! wandb-sync` reads metrics.jsonl back into it.
+//!
+//! ```text
+//! {"step": 120, "loss": 3.21, "lr": 2.9e-4, "grad_norm": 0.81, "tokens_per_s": 51234.0,
+//!  "samples_consumed": 3840, "val_loss": null, "rss_gb": 1.52, "guard_events": 0,
+//!  "mfu": 0.41, "val_time_s": …, "gpu_used_gb": …, "guard": {"spike": 1},
+//!  "tokens_by_source": {"web": …}, "val_loss_by_source": {"web": …}}
+//! ```
+//! `val_loss` and `mfu` are always there (null: no validation at this step; the device's peak
+//! is unknown); the keys after them only where they apply.
+
+use indexmap::IndexMap;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MetricsRecord {
+    /// The optimizer step the record is of.
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
+    /// Tokens per second over all ranks, since the previous record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<f64>,
+    /// Samples consumed globally (all ranks) so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_consumed: Option<u64>,
+    /// The validation loss (null: none at this step).
+    #[serde(default)]
+    pub val_loss: Option<f64>,
+    /// Rank 0's resident memory in GB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss_gb: Option<f64>,
+    /// Guard events (skips, rollbacks) so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guard_events: Option<u64>,
+    /// Model FLOPs utilisation (null where the device's peak is unknown).
+    #[serde(default)]
+    pub mfu: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_time_s: Option<f64>,
+    /// What NVML says rank 0's GPU has in use, GB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_used_gb: Option<f64>,
+    /// Guard events since the previous record, by kind (nonfinite, spike).
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub guard: IndexMap<String, u64>,
+    /// A mixture's tokens so far, by source.
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub tokens_by_source: IndexMap<String, u64>,
+    /// A mixture's validation loss, by source (with `val_loss`).
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub val_loss_by_source: IndexMap<String, Option<f64>>,
+}
+
+impl MetricsRecord {
+    /// The named series, as TensorBoard, W&B and MLflow show them: `train/loss`, `train/lr`,
+    /// `train/grad_norm`, `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/time_s`,
+    /// `val/ppl`, `val/loss/<source>`, `data/tokens/<source>`, `guard/<kind>`,
+    /// `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`, `guard/events`. An
+    /// absent value gives no point.
+    pub fn series(&self) -> Vec<(String, f64)> {
+        let mut out = Vec::new();
+        let mut put = |name: String, v: Option<f64>| {
+            if let Some(v) = v {
+                out.push((name, v));
+            }
+        };
+        let count = |n: Option<u64>| n.map(|n| n as f64);
+        put("train/loss".into(), self.loss);
+        put("train/lr".into(), self.lr);
+        put("train/grad_norm".into(), self.grad_norm);
+        put("perf/tokens_per_s".into(), self.tokens_per_s);
+        put("perf/mfu".into(), self.mfu);
+        put("val/loss".into(), self.val_loss);
+        put("val/time_s".into(), self.val_time_s);
+        put("val/ppl".into(), self.val_loss.map(f64::exp));
+        for (name, v) in &self.val_loss_by_source {
+            put(format!("val/loss/{name}"), *v);
+        }
+        for (name, n) in &self.tokens_by_source {
+            put(format!("data/tokens/{name}"), Some(*n as f64));
+        }
+        for (kind, n) in &self.guard {
+            put(format!("guard/{kind}"), Some(*n as f64));
+        }
+        put("data/samples_consumed".into(), count(self.samples_consumed));
+        put("memory/rss_gb".into(), self.rss_gb);
+        put("memory/gpu_used_gb".into(), self.gpu_used_gb);
+        put("guard/events".into(), count(self.guard_events));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_gives_its_named_series_and_round_trips_through_its_json() {
+        let line = r#"{"step":7,"loss":2.5,"lr":0.0001,"grad_norm":0.5,"tokens_per_s":1000.0,"samples_consumed":56,"val_loss":0.0,"rss_gb":1.5,"guard_events":0,"mfu":null,"tokens_by_source":{"web":10,"code":20},"val_loss_by_source":{"web":0.0,"code":null}}"#;
+        let record: MetricsRecord = serde_json::from_str(line).unwrap();
+        let names: Vec<String> = record.series().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "train/loss",
+                "train/lr",
+                "train/grad_norm",
+                "perf/tokens_per_s",
+                "val/loss",
+                "val/ppl",
+                "val/loss/web",
+                "data/tokens/web",
+                "data/tokens/code",
+                "data/samples_consumed",
+                "memory/rss_gb",
+                "guard/events"
+            ]
+        );
+        assert_eq!(record.series()[5].1, 1.0); // ppl = exp(0)
+                                               // metrics.jsonl's line is the record's JSON, key for key.
+        assert_eq!(serde_json::to_string(&record).unwrap(), line);
+        // A step without validation or a known peak says so with nulls.
+        let bare = MetricsRecord {
+            step: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&bare).unwrap(),
+            r#"{"step":1,"val_loss":null,"mfu":null}"#
+        );
+    }
+}
