@@ -7,16 +7,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use clap::Args;
 use serde_json::json;
 use tch::{Device, Tensor};
 
-use super::{find_tokenizer, model_dir, parse_compute, parse_device, TrainedWith};
+use super::{Inference, TrainedWith};
 use crate::data::sources::{list_files, read_documents};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokfile::{is_token_file, TokenFile};
-use crate::model::{hf, AttentionBackend, Llama};
+use crate::model::Llama;
 
 #[derive(Args, Debug, Clone)]
 pub struct EvalArgs {
@@ -210,13 +210,16 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         args.max_batches != Some(0),
         "--max-batches 0 evaluates nothing; leave it out to evaluate the whole file"
     );
-    let device = parse_device(&args.device)?;
-    let compute = parse_compute(&args.dtype)?;
-    let dir = model_dir(&args.model)?;
-    let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
-        .with_context(|| format!("--model {}", args.model.display()))?;
-    let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
-    if let Some(t) = &tok {
+    let opened = Inference::open(
+        &args.model,
+        args.tokenizer.as_deref(),
+        &args.device,
+        &args.dtype,
+    )?;
+    let Inference {
+        dir, shape, tok, ..
+    } = &opened;
+    if let Some(t) = tok {
         ensure!(
             t.vocab_size() <= shape.vocab_size,
             "the tokenizer {} has {} ids but the model {} only {}; pass the --tokenizer it was \
@@ -232,7 +235,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         crate::data::check_file_ids_fit(&args.data, file, shape.vocab_size)?;
     }
     let n = stream.len();
-    let trained = TrainedWith::read(&dir)?;
+    let trained = TrainedWith::read(dir)?;
     let mut ctx = args
         .context_length
         .or(trained.context_length)
@@ -257,7 +260,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         );
         ctx = short;
     }
-    let (_vs, model) = hf::load_model(&dir, device, compute, ctx, AttentionBackend::Sdpa)?;
+    let (_vs, model) = opened.load(ctx)?;
     let max_windows = args
         .max_batches
         .map_or(u64::MAX, |b| (b * args.batch_size) as u64);
@@ -267,7 +270,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         batch_size: args.batch_size,
         max: max_windows,
     };
-    let (loss, windows) = evaluate_windows(&model, n, &fill, spec, device, &args.data)?;
+    let (loss, windows) = evaluate_windows(&model, n, &fill, spec, opened.device, &args.data)?;
     Ok(EvalResult {
         loss,
         perplexity: loss.exp(),

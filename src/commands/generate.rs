@@ -5,14 +5,14 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use clap::Args;
 use serde_json::json;
 
-use super::{find_tokenizer, model_dir, parse_compute, parse_device};
+use super::Inference;
 use crate::data::tokenizer::Tokenizer;
 use crate::model::generate::{generate, generate_uncached, GenerateOptions};
-use crate::model::{hf, AttentionBackend};
+use crate::model::hf;
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
@@ -83,12 +83,20 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         eos: Vec::new(),
     };
     opts.validate()?;
-    let device = parse_device(&args.device)?;
-    let compute = parse_compute(&args.dtype)?;
-    let dir = model_dir(&args.model)?;
-    let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
-        .with_context(|| format!("--model {}", args.model.display()))?;
-    let tok = find_tokenizer(&dir, args.tokenizer.as_deref())?;
+    let opened = Inference::open(
+        &args.model,
+        args.tokenizer.as_deref(),
+        &args.device,
+        &args.dtype,
+    )?;
+    let Inference {
+        dir,
+        shape,
+        tok,
+        device,
+        ..
+    } = &opened;
+    let device = *device;
     let prompt: Vec<i64> = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
@@ -123,12 +131,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         shape.max_position_embeddings
     );
     if !args.ignore_eos {
-        opts.eos = match hf::eos_token_ids(&dir)? {
+        opts.eos = match hf::eos_token_ids(dir)? {
             Some(ids) => ids,
             None => tok.iter().map(|t| t.eos_id() as i64).collect(),
         };
     }
-    let (_vs, model) = hf::load_model(&dir, device, compute, total, AttentionBackend::Sdpa)?;
+    let (_vs, model) = opened.load(total)?;
     let out = if args.no_kv_cache {
         generate_uncached(&model, &prompt, &opts, device)?
     } else {

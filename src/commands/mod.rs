@@ -1,8 +1,9 @@
 //! The Hugging Face interop and inference commands: `export` (checkpoint → transformers
 //! directory), `eval` (loss and perplexity of a model directory on a file) and `generate`
 //! (KV-cached sampling); `plan` (what a config needs per rank, before it runs); `wandb-sync`
-//! (a run's metrics into W&B afterwards); `env` (what a bug report needs). Shared here: what a model directory says about how
-//! it was trained, and the device/dtype flags.
+//! (a run's metrics into W&B afterwards); `env` (what a bug report needs). Shared here: what a
+//! model directory says about how it was trained, the device/dtype flags, and opening a model
+//! for inference ([`Inference`], for eval and generate).
 
 pub mod env;
 pub mod eval;
@@ -18,8 +19,51 @@ use serde_json::Value;
 use tch::{Device, Kind};
 
 use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
+use crate::model::{hf, AttentionBackend, Llama, LlamaShape};
 use crate::run::checkpoints;
 use crate::sys::cuda::{cuda_available, load_cuda_backend};
+
+/// A model opened for inference (`eval`, `generate`): its directory (a checkpoint verified,
+/// a Hub id resolved), shape, tokenizer, and the device and dtype it runs on; the weights are
+/// read by [`Inference::load`] once the context is known.
+pub struct Inference {
+    pub dir: PathBuf,
+    pub shape: LlamaShape,
+    /// The tokenizer `--tokenizer` names or the directory records (None: ids only).
+    pub tok: Option<Tokenizer>,
+    pub device: Device,
+    pub compute: Kind,
+}
+
+impl Inference {
+    /// `--model`, `--tokenizer`, `--device`, `--dtype` as both commands take them.
+    pub fn open(model: &Path, tokenizer: Option<&str>, device: &str, dtype: &str) -> Result<Self> {
+        let device = parse_device(device)?;
+        let compute = parse_compute(dtype)?;
+        let dir = model_dir(model)?;
+        let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
+            .with_context(|| format!("--model {}", model.display()))?;
+        let tok = find_tokenizer(&dir, tokenizer)?;
+        Ok(Inference {
+            dir,
+            shape,
+            tok,
+            device,
+            compute,
+        })
+    }
+
+    /// The model's weights on the device, for sequences of up to `context` tokens.
+    pub fn load(&self, context: usize) -> Result<(tch::nn::VarStore, Llama)> {
+        hf::load_model(
+            &self.dir,
+            self.device,
+            self.compute,
+            context,
+            AttentionBackend::Sdpa,
+        )
+    }
+}
 
 /// Written by `export` next to the weights: where they came from and what a later `eval` or
 /// `generate` needs that transformers' files do not say (a built-in tokenizer's name, the
