@@ -308,165 +308,46 @@ fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
 }
 
 /// A rank's peak memory during a step: a micro-batch's backward, with the staging buffers of
-/// `checkpoint.async` on a CPU rank that saves before the last step.
+/// `checkpoint.async` on a CPU rank that saves before the last step. The peak is at the LM
+/// head or in a layer's backward, whichever phase's own buffers are larger.
 pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     let m = Dims::of(s);
-    let c = s.compute_bytes();
-    let bf16 = c < 4.0;
-    // Sharded state is divided among the shard group (all ranks, or system.shard_degree).
-    let world = s.shard_ranks(s.world).max(1) as f64;
-    let stage = l.zero_stage;
-    let gathering = stage.shards_parameters();
-    let shard = |bytes: f64| {
-        if stage.shards_optimizer() {
-            bytes / world
-        } else {
-            bytes
-        }
-    };
-
-    let weights = match stage {
-        ZeroStage::Replicated => 4.0 * m.params,
-        ZeroStage::Optimizer | ZeroStage::Gradients => c * m.params,
-        ZeroStage::Parameters => 0.0,
-    };
-    // With fp32 compute at stages 1 and 2 the working parameters are their own masters.
-    let master_weights = if gathering || (stage.shards_optimizer() && bf16) {
-        4.0 * m.params / world
-    } else {
-        0.0
-    };
-    let moments = shard(8.0 * m.params);
-    // Gradients are dropped after every update (set to none), so during a step's backward they
-    // build up unit by unit: at the LM head only the head's own exists (none when it is the
-    // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient
-    // until the update; stages 2 and 3 reduce-scatter each unit as backward leaves it and drop
-    // it, so they hold the fp32 slice, one unit's gradients and their send buffer
-    // (train/optim/reduce.rs).
-    // A gradient has its parameter's dtype: fp32 at stage 0 (fp32 weights, cast per op), the
-    // compute dtype at stage 1 (its working weights are bf16 with bf16 compute).
-    let grad_bytes = if stage == ZeroStage::Optimizer {
-        c
-    } else {
-        4.0
-    };
-    let head_gradient = if s.shape.tie_word_embeddings {
-        0.0
-    } else {
-        grad_bytes * m.vocab * m.d
-    };
-    let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
-    // Gradient accumulation (train/optim/reduce.rs): with several micro-batches a step's
-    // earlier ones outlive their backward: in the full fp32 gradients at stages 0 and 1 (and 2
-    // with fp32 parameters), which add each micro-batch in place, or in fp32 sums of bf16
-    // gradients (stages 1 and 2, whose bf16 gradients leave a unit at a time); stage 3
-    // reduce-scatters every micro-batch into its slice.
-    let carried = match stage {
-        _ if l.grad_accum <= 1 => 0.0,
-        ZeroStage::Parameters => 0.0,
-        _ => 4.0 * m.params,
-    };
-    let all_gradients = if stage.shards_gradients() {
-        4.0 * m.params / world + 2.0 * 4.0 * largest_unit + carried
-    } else if grad_bytes < 4.0 {
-        // bf16 gradients beside the fp32 sums of the earlier micro-batches.
-        grad_bytes * m.params + carried
-    } else {
-        // The sums are these gradients.
-        grad_bytes * m.params
-    };
-
-    // Per token of the micro-batch.
-    let n = (l.batch * s.context) as f64;
-    let LayerBytes {
-        input,
-        attention,
-        mlp,
-        in_flight,
-        embedded,
-    } = layer_bytes(s, &m);
-    let whole_layer = input + attention + mlp;
-    // Kept from the forward until the layer's backward (all layers), and what one layer adds
-    // while its backward runs (recomputed tensors; the layer input is already kept).
-    let (kept, working) = match l.activation_checkpointing {
-        ActivationCheckpointing::None => (m.layers * whole_layer, 0.0),
-        ActivationCheckpointing::Full => (m.layers * input, whole_layer - input),
-        ActivationCheckpointing::Selective => (m.layers * (input + attention), mlp),
-    };
-    // bf16 casts of the fp32 weights that autograd keeps until the layer's backward (at
-    // stages 1 to 3 the working weights are bf16 already): kept for every layer whose graph
-    // is kept, for the recomputed part of one layer otherwise.
-    let (casts_kept, casts_working) = if bf16 && stage == ZeroStage::Replicated {
-        let (a, f) = (2.0 * m.attn_params, 2.0 * m.mlp_params);
-        match l.activation_checkpointing {
-            ActivationCheckpointing::None => (m.layers * (a + f), 0.0),
-            ActivationCheckpointing::Full => (0.0, a + f),
-            ActivationCheckpointing::Selective => (m.layers * a, f),
-        }
-    } else {
-        (0.0, 0.0)
-    };
-    let layer_phase = n * (working + in_flight) + casts_working;
-
-    let chunk = match l.loss_chunk_tokens {
-        0 => n,
-        c => (c as f64).min(n),
-    };
-    // The final hidden states and their gradient, and one fp32 buffer per chunk (the logits,
-    // then their gradient in place), with bf16 also the chunk's bf16 logits and gradient.
-    let head_logits = n * 2.0 * 4.0 * m.d + chunk * m.vocab * if bf16 { 6.0 } else { 4.0 };
-    // With bf16: the head weight's bf16 copy (stage 0) and a chunk's bf16 weight gradient
-    // before it is added into the fp32 one (fp32 adds it in place). The embedding's dense
-    // gradient comes after the head and the layers have freed theirs: not part of the peak.
-    let head_temp = match (bf16, stage) {
-        (false, _) => 0.0,
-        (true, ZeroStage::Replicated) => 4.0 * m.vocab * m.d,
-        (true, _) => 2.0 * m.vocab * m.d,
-    };
-    let gathered = if gathering {
-        gathered_at_stage_3(s, l, &m)
-    } else {
-        Gathered::default()
-    };
+    let state = StepState::of(s, l, &m);
+    let p = Phases::of(s, l, &m);
     // The kept activations (and at stage 3 the weights their graphs hold) live through both
     // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
-    let head_peak = head_logits + head_temp + gathered.head >= layer_phase + gathered.layer;
-    let activations =
-        n * (kept + embedded) + casts_kept + if head_peak { 0.0 } else { layer_phase };
-    let gathered_units = gathered.saved
+    let head_peak = p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.gathered.layer;
+    let activations = p.kept + if head_peak { 0.0 } else { p.layer };
+    let gathered_units = p.gathered.saved
         + if head_peak {
-            gathered.head
+            p.gathered.head
         } else {
-            gathered.layer
+            p.gathered.layer
         };
-    let gradients = if head_peak && !stage.shards_gradients() {
-        head_gradient + carried
+    let gradients = if head_peak && !l.zero_stage.shards_gradients() {
+        state.head_gradient + state.carried
     } else {
-        all_gradients
+        state.all_gradients
     };
-    let logits = if head_peak { head_logits } else { 0.0 };
-    let runtime = runtime(s);
-    let buckets = buckets(s, l);
     // glibc serves allocations below its mmap threshold (raised dynamically up to 32 MiB)
     // from its arenas and keeps the freed blocks there: while a layer's [tokens, FFN] tensors
     // are that small, the churn of its backward leaves about as much again in holes
     // (calibrated on the runs of tests/plan_memory.rs). Larger tensors are mapped and
     // unmapped whole, and GPU memory has its own caching allocator.
     let allocator_slack = match s.device {
-        Device::Cpu if n * 4.0 * m.f < GLIBC_MMAP_MAX => layer_phase,
+        Device::Cpu if p.tokens * 4.0 * m.f < GLIBC_MMAP_MAX => p.layer,
         _ => 0.0,
     };
-    let workspace = runtime + buckets + allocator_slack + if head_peak { head_temp } else { 0.0 };
-
+    let head_temp = if head_peak { p.head_temp } else { 0.0 };
     Memory {
-        weights,
-        master_weights,
-        moments,
+        weights: state.weights,
+        master_weights: state.master_weights,
+        moments: state.moments,
         gradients,
         gathered_units,
         activations,
-        logits,
-        workspace,
+        logits: if head_peak { p.head_logits } else { 0.0 },
+        workspace: runtime(s) + buckets(s, l) + allocator_slack + head_temp,
         staging: if s.saves_between_steps() {
             staging_in_rank_memory(s)
         } else {
@@ -477,6 +358,182 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
         } else {
             PeakPhase::DecoderBackward
         },
+    }
+}
+
+/// A rank's training state during a step's backward, by zero stage.
+struct StepState {
+    weights: f64,
+    master_weights: f64,
+    moments: f64,
+    /// The gradients held once backward has been through every layer.
+    all_gradients: f64,
+    /// The LM head's gradient: all that exists at the head (stages 0 and 1).
+    head_gradient: f64,
+    /// Earlier micro-batches' gradients that outlive their backward (accumulation).
+    carried: f64,
+}
+
+impl StepState {
+    fn of(s: &Setting, l: &Layout, m: &Dims) -> StepState {
+        let c = s.compute_bytes();
+        let bf16 = c < 4.0;
+        // Sharded state is divided among the shard group (all ranks, or system.shard_degree).
+        let world = s.shard_ranks(s.world).max(1) as f64;
+        let stage = l.zero_stage;
+        let gathering = stage.shards_parameters();
+        let shard = |bytes: f64| {
+            if stage.shards_optimizer() {
+                bytes / world
+            } else {
+                bytes
+            }
+        };
+
+        let weights = match stage {
+            ZeroStage::Replicated => 4.0 * m.params,
+            ZeroStage::Optimizer | ZeroStage::Gradients => c * m.params,
+            ZeroStage::Parameters => 0.0,
+        };
+        // With fp32 compute at stages 1 and 2 the working parameters are their own masters.
+        let master_weights = if gathering || (stage.shards_optimizer() && bf16) {
+            4.0 * m.params / world
+        } else {
+            0.0
+        };
+        let moments = shard(8.0 * m.params);
+        // Gradients are dropped after every update (set to none), so during a step's backward they
+        // build up unit by unit: at the LM head only the head's own exists (none when it is the
+        // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient
+        // until the update; stages 2 and 3 reduce-scatter each unit as backward leaves it and drop
+        // it, so they hold the fp32 slice, one unit's gradients and their send buffer
+        // (train/optim/reduce.rs).
+        // A gradient has its parameter's dtype: fp32 at stage 0 (fp32 weights, cast per op), the
+        // compute dtype at stage 1 (its working weights are bf16 with bf16 compute).
+        let grad_bytes = if stage == ZeroStage::Optimizer {
+            c
+        } else {
+            4.0
+        };
+        let head_gradient = if s.shape.tie_word_embeddings {
+            0.0
+        } else {
+            grad_bytes * m.vocab * m.d
+        };
+        let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
+        // Gradient accumulation (train/optim/reduce.rs): with several micro-batches a step's
+        // earlier ones outlive their backward: in the full fp32 gradients at stages 0 and 1 (and 2
+        // with fp32 parameters), which add each micro-batch in place, or in fp32 sums of bf16
+        // gradients (stages 1 and 2, whose bf16 gradients leave a unit at a time); stage 3
+        // reduce-scatters every micro-batch into its slice.
+        let carried = match stage {
+            _ if l.grad_accum <= 1 => 0.0,
+            ZeroStage::Parameters => 0.0,
+            _ => 4.0 * m.params,
+        };
+        let all_gradients = if stage.shards_gradients() {
+            4.0 * m.params / world + 2.0 * 4.0 * largest_unit + carried
+        } else if grad_bytes < 4.0 {
+            // bf16 gradients beside the fp32 sums of the earlier micro-batches.
+            grad_bytes * m.params + carried
+        } else {
+            // The sums are these gradients.
+            grad_bytes * m.params
+        };
+        StepState {
+            weights,
+            master_weights,
+            moments,
+            all_gradients,
+            head_gradient,
+            carried,
+        }
+    }
+}
+
+/// The activation side of a step's peak: what lives through the whole backward, and what each
+/// of its two candidate peaks (the LM head, one layer's backward) adds.
+struct Phases {
+    /// Tokens of the micro-batch.
+    tokens: f64,
+    /// Kept from the forward until each layer's backward (all layers), the embedding's output
+    /// and the bf16 weight casts autograd keeps included.
+    kept: f64,
+    /// What one layer's backward adds (recomputed tensors, tensors in flight, casts).
+    layer: f64,
+    /// The final hidden states and their gradient, and the loss chunks' logits.
+    head_logits: f64,
+    /// The head weight's bf16 copy and a chunk's bf16 weight gradient (bf16 compute).
+    head_temp: f64,
+    /// Stage 3's gathered units at each phase.
+    gathered: Gathered,
+}
+
+impl Phases {
+    fn of(s: &Setting, l: &Layout, m: &Dims) -> Phases {
+        let c = s.compute_bytes();
+        let bf16 = c < 4.0;
+        let stage = l.zero_stage;
+        // Per token of the micro-batch.
+        let n = (l.batch * s.context) as f64;
+        let LayerBytes {
+            input,
+            attention,
+            mlp,
+            in_flight,
+            embedded,
+        } = layer_bytes(s, m);
+        let whole_layer = input + attention + mlp;
+        // Kept from the forward until the layer's backward (all layers), and what one layer adds
+        // while its backward runs (recomputed tensors; the layer input is already kept).
+        let (kept, working) = match l.activation_checkpointing {
+            ActivationCheckpointing::None => (m.layers * whole_layer, 0.0),
+            ActivationCheckpointing::Full => (m.layers * input, whole_layer - input),
+            ActivationCheckpointing::Selective => (m.layers * (input + attention), mlp),
+        };
+        // bf16 casts of the fp32 weights that autograd keeps until the layer's backward (at
+        // stages 1 to 3 the working weights are bf16 already): kept for every layer whose graph
+        // is kept, for the recomputed part of one layer otherwise.
+        let (casts_kept, casts_working) = if bf16 && stage == ZeroStage::Replicated {
+            let (a, f) = (2.0 * m.attn_params, 2.0 * m.mlp_params);
+            match l.activation_checkpointing {
+                ActivationCheckpointing::None => (m.layers * (a + f), 0.0),
+                ActivationCheckpointing::Full => (0.0, a + f),
+                ActivationCheckpointing::Selective => (m.layers * a, f),
+            }
+        } else {
+            (0.0, 0.0)
+        };
+        let layer_phase = n * (working + in_flight) + casts_working;
+
+        let chunk = match l.loss_chunk_tokens {
+            0 => n,
+            c => (c as f64).min(n),
+        };
+        // The final hidden states and their gradient, and one fp32 buffer per chunk (the logits,
+        // then their gradient in place), with bf16 also the chunk's bf16 logits and gradient.
+        let head_logits = n * 2.0 * 4.0 * m.d + chunk * m.vocab * if bf16 { 6.0 } else { 4.0 };
+        // With bf16: the head weight's bf16 copy (stage 0) and a chunk's bf16 weight gradient
+        // before it is added into the fp32 one (fp32 adds it in place). The embedding's dense
+        // gradient comes after the head and the layers have freed theirs: not part of the peak.
+        let head_temp = match (bf16, stage) {
+            (false, _) => 0.0,
+            (true, ZeroStage::Replicated) => 4.0 * m.vocab * m.d,
+            (true, _) => 2.0 * m.vocab * m.d,
+        };
+        let gathered = if stage.shards_parameters() {
+            gathered_at_stage_3(s, l, m)
+        } else {
+            Gathered::default()
+        };
+        Phases {
+            tokens: n,
+            kept: n * (kept + embedded) + casts_kept,
+            layer: layer_phase,
+            head_logits,
+            head_temp,
+            gathered,
+        }
     }
 }
 
