@@ -232,43 +232,8 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
         {
             "none: freed between steps".into()
         }
-        Part::GatheredUnits => {
-            let in_use = match peak {
-                PeakPhase::LmHead => "final norm + LM head",
-                // A save's gathered units are none, said above.
-                PeakPhase::DecoderBackward | PeakPhase::CheckpointSave => "layer",
-            };
-            let saved = match l.activation_checkpointing {
-                ActivationCheckpointing::None => ", every layer's matrices held by its graph",
-                ActivationCheckpointing::Selective => {
-                    ", every layer's attention matrices held by its graph"
-                }
-                ActivationCheckpointing::Full => "",
-            };
-            format!(
-                "{dtype}: {} unit buffers (the one in use + {} prefetched), the {in_use} in use{saved}",
-                1 + s.prefetch_units,
-                s.prefetch_units
-            )
-        }
-        Part::Activations => format!(
-            "{}, {} layers × {} tokens{}",
-            match l.activation_checkpointing {
-                ActivationCheckpointing::None => "no checkpointing: every saved tensor",
-                ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
-                ActivationCheckpointing::Selective =>
-                    "selective: attention halves + one MLP recomputed",
-            },
-            s.shape.num_layers,
-            l.batch * s.context,
-            match (t, s.splits_sequence()) {
-                (1, _) => String::new(),
-                (_, true) => format!(", 1/{t} per rank (sequence parallel between the blocks)"),
-                (_, false) => format!(
-                    ", 1/{t} per rank inside the blocks, whole between them (no sequence parallelism)"
-                ),
-            }
-        ),
+        Part::GatheredUnits => gathered_text(s, l, peak, dtype),
+        Part::Activations => activations_text(s, l),
         Part::Logits => format!(
             "{chunk} × vocab {}: fp32{}, hidden states and their gradient",
             if t > 1 {
@@ -278,29 +243,7 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             },
             if s.bf16 { " + bf16" } else { "" }
         ),
-        Part::Workspace => {
-            let mut w = match s.device {
-                super::Device::Cpu if peak == PeakPhase::CheckpointSave => {
-                    "libtorch runtime".to_string()
-                }
-                super::Device::Cpu => "libtorch runtime, allocator slack".to_string(),
-                super::Device::Cuda => "CUDA context".to_string(),
-            };
-            if peak == PeakPhase::CheckpointSave && checkpoint::gathers_masters(s, stage) {
-                w.push_str(", the full fp32 parameters this rank writes, gathered for the save");
-            }
-            if s.bf16 && peak == PeakPhase::LmHead {
-                w.push_str(if stage == ZeroStage::Replicated {
-                    ", bf16 LM-head weight and gradient"
-                } else {
-                    ", a chunk's bf16 LM-head gradient"
-                });
-            }
-            if s.world > 1 && !stage.shards_parameters() {
-                w.push_str(", two gradient buckets");
-            }
-            w
-        }
+        Part::Workspace => workspace_text(s, stage, peak),
         Part::Staging => {
             let writers = checkpoint::writing_ranks(s);
             let kept = if peak == PeakPhase::CheckpointSave {
@@ -314,6 +257,73 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             )
         }
     }
+}
+
+/// The gathered units' line of the breakdown (stage 3).
+fn gathered_text(s: &Setting, l: &Layout, peak: PeakPhase, dtype: &str) -> String {
+    let in_use = match peak {
+        PeakPhase::LmHead => "final norm + LM head",
+        // A save's gathered units are none, said above.
+        PeakPhase::DecoderBackward | PeakPhase::CheckpointSave => "layer",
+    };
+    let saved = match l.activation_checkpointing {
+        ActivationCheckpointing::None => ", every layer's matrices held by its graph",
+        ActivationCheckpointing::Selective => {
+            ", every layer's attention matrices held by its graph"
+        }
+        ActivationCheckpointing::Full => "",
+    };
+    format!(
+        "{dtype}: {} unit buffers (the one in use + {} prefetched), the {in_use} in use{saved}",
+        1 + s.prefetch_units,
+        s.prefetch_units
+    )
+}
+
+/// The activations' line of the breakdown.
+fn activations_text(s: &Setting, l: &Layout) -> String {
+    let t = s.tensor_parallel;
+    format!(
+        "{}, {} layers × {} tokens{}",
+        match l.activation_checkpointing {
+            ActivationCheckpointing::None => "no checkpointing: every saved tensor",
+            ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
+            ActivationCheckpointing::Selective =>
+                "selective: attention halves + one MLP recomputed",
+        },
+        s.shape.num_layers,
+        l.batch * s.context,
+        match (t, s.splits_sequence()) {
+            (1, _) => String::new(),
+            (_, true) => format!(", 1/{t} per rank (sequence parallel between the blocks)"),
+            (_, false) => format!(
+                ", 1/{t} per rank inside the blocks, whole between them (no sequence parallelism)"
+            ),
+        }
+    )
+}
+
+/// The workspace's line of the breakdown.
+fn workspace_text(s: &Setting, stage: ZeroStage, peak: PeakPhase) -> String {
+    let mut w = match s.device {
+        super::Device::Cpu if peak == PeakPhase::CheckpointSave => "libtorch runtime".to_string(),
+        super::Device::Cpu => "libtorch runtime, allocator slack".to_string(),
+        super::Device::Cuda => "CUDA context".to_string(),
+    };
+    if peak == PeakPhase::CheckpointSave && checkpoint::gathers_masters(s, stage) {
+        w.push_str(", the full fp32 parameters this rank writes, gathered for the save");
+    }
+    if s.bf16 && peak == PeakPhase::LmHead {
+        w.push_str(if stage == ZeroStage::Replicated {
+            ", bf16 LM-head weight and gradient"
+        } else {
+            ", a chunk's bf16 LM-head gradient"
+        });
+    }
+    if s.world > 1 && !stage.shards_parameters() {
+        w.push_str(", two gradient buckets");
+    }
+    w
 }
 
 /// Seconds with three significant-ish digits.

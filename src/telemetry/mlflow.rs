@@ -264,92 +264,99 @@ impl MlflowSink {
                 };
                 fail(None, error)
             }),
-            Err(ureq::Error::Status(status, resp)) => {
-                let text = resp.into_string().unwrap_or_default();
-                let parsed = serde_json::from_str::<Value>(&text).ok();
-                let field = |k: &str| {
-                    parsed
-                        .as_ref()
-                        .and_then(|v| v.get(k))
-                        .and_then(Value::as_str)
-                        .map(str::to_string)
-                };
-                let code = field("error_code");
-                let said = match (&code, field("message")) {
-                    (Some(c), Some(m)) => format!(": {c}: {}", first_line(&m)),
-                    (Some(c), None) => format!(": {c}"),
-                    (None, Some(m)) => format!(": {}", first_line(&m)),
-                    (None, None) => String::new(),
-                };
-                let error = match status {
-                    401 | 403 => SinkError::lasting(format!(
-                        "MLflow at {at} refused {what} (HTTP {status}{said}); {}",
-                        if self.auth.is_some() {
-                            "check the credentials in MLFLOW_TRACKING_TOKEN or \
-                             MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
-                        } else {
-                            "it needs credentials: set MLFLOW_TRACKING_TOKEN, or \
-                             MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
-                        }
-                    )),
-                    429 => SinkError::passing(format!(
-                        "MLflow at {at} is limiting requests (HTTP 429 to {what}{said})"
-                    )),
-                    500.. => SinkError::passing(format!(
-                        "MLflow at {at} failed {what} (HTTP {status}{said}); the server (or \
-                         a proxy before it) is failing or restarting; its log says why"
-                    )),
-                    404 if code.is_none() => SinkError::lasting(format!(
-                        "{at} has no {path} (HTTP 404); is it the address of an MLflow tracking \
-                         server, with its path prefix if it has one? {URI_HINT}"
-                    )),
-                    _ => SinkError::lasting(format!(
-                        "MLflow at {at} rejected {what} (HTTP {status}{said})"
-                    )),
-                };
-                Err(fail(code, error))
-            }
-            Err(ureq::Error::Transport(t)) => {
-                use std::io::ErrorKind as Io;
-                use ureq::ErrorKind as K;
-                let io =
-                    std::error::Error::source(&t).and_then(|s| s.downcast_ref::<std::io::Error>());
-                let unreachable = |why: &str| {
-                    SinkError::passing(format!(
-                        "MLflow at {at} unreachable ({why}); is the server running? {URI_HINT}"
-                    ))
-                };
-                let error = match (t.kind(), io.map(std::io::Error::kind)) {
-                    (K::InvalidUrl | K::UnknownScheme, _) => SinkError::lasting(format!(
-                        "MLflow's address {at:?} is not an http(s) URL ({t}); {URI_HINT}"
-                    )),
-                    (kind, Some(Io::TimedOut | Io::WouldBlock)) => SinkError::passing(format!(
-                        "MLflow at {at} did not answer {what} in time ({}); is the server \
-                         overloaded or the network down? {URI_HINT}",
-                        match kind {
-                            K::ConnectionFailed => "no connection within 5 s",
-                            _ => "no answer within 10 s",
-                        }
-                    )),
-                    (K::Dns, _) => unreachable("its host name does not resolve"),
-                    (_, Some(Io::ConnectionRefused)) => unreachable("connection refused"),
-                    (
-                        _,
-                        Some(
-                            Io::ConnectionReset
-                            | Io::ConnectionAborted
-                            | Io::BrokenPipe
-                            | Io::UnexpectedEof,
-                        ),
-                    ) => unreachable("the connection was dropped"),
-                    (_, Some(_)) => unreachable(&io.map(|e| e.to_string()).unwrap_or_default()),
-                    (kind, None) => unreachable(&match t.message() {
-                        Some(m) => format!("{kind}: {m}"),
-                        None => kind.to_string(),
-                    }),
-                };
-                Err(fail(None, error))
-            }
+            Err(ureq::Error::Status(status, resp)) => Err(self.refused(status, resp, &what, path)),
+            Err(ureq::Error::Transport(t)) => Err(fail(None, self.unreachable(&t, &what))),
+        }
+    }
+
+    /// A request the server answered with an error status: the failure, with MLflow's error
+    /// code when it gave one.
+    fn refused(&self, status: u16, resp: ureq::Response, what: &str, path: &str) -> Failure {
+        let at = &self.base;
+        let text = resp.into_string().unwrap_or_default();
+        let parsed = serde_json::from_str::<Value>(&text).ok();
+        let field = |k: &str| {
+            parsed
+                .as_ref()
+                .and_then(|v| v.get(k))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
+        let code = field("error_code");
+        let said = match (&code, field("message")) {
+            (Some(c), Some(m)) => format!(": {c}: {}", first_line(&m)),
+            (Some(c), None) => format!(": {c}"),
+            (None, Some(m)) => format!(": {}", first_line(&m)),
+            (None, None) => String::new(),
+        };
+        let error = match status {
+            401 | 403 => SinkError::lasting(format!(
+                "MLflow at {at} refused {what} (HTTP {status}{said}); {}",
+                if self.auth.is_some() {
+                    "check the credentials in MLFLOW_TRACKING_TOKEN or \
+                     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+                } else {
+                    "it needs credentials: set MLFLOW_TRACKING_TOKEN, or \
+                     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+                }
+            )),
+            429 => SinkError::passing(format!(
+                "MLflow at {at} is limiting requests (HTTP 429 to {what}{said})"
+            )),
+            500.. => SinkError::passing(format!(
+                "MLflow at {at} failed {what} (HTTP {status}{said}); the server (or \
+                 a proxy before it) is failing or restarting; its log says why"
+            )),
+            404 if code.is_none() => SinkError::lasting(format!(
+                "{at} has no {path} (HTTP 404); is it the address of an MLflow tracking \
+                 server, with its path prefix if it has one? {URI_HINT}"
+            )),
+            _ => SinkError::lasting(format!(
+                "MLflow at {at} rejected {what} (HTTP {status}{said})"
+            )),
+        };
+        Failure { code, error }
+    }
+
+    /// A request that got no answer: the connection or the network failed.
+    fn unreachable(&self, t: &ureq::Transport, what: &str) -> SinkError {
+        use std::io::ErrorKind as Io;
+        use ureq::ErrorKind as K;
+        let at = &self.base;
+        let io = std::error::Error::source(t).and_then(|s| s.downcast_ref::<std::io::Error>());
+        let unreachable = |why: &str| {
+            SinkError::passing(format!(
+                "MLflow at {at} unreachable ({why}); is the server running? {URI_HINT}"
+            ))
+        };
+        match (t.kind(), io.map(std::io::Error::kind)) {
+            (K::InvalidUrl | K::UnknownScheme, _) => SinkError::lasting(format!(
+                "MLflow's address {at:?} is not an http(s) URL ({t}); {URI_HINT}"
+            )),
+            (kind, Some(Io::TimedOut | Io::WouldBlock)) => SinkError::passing(format!(
+                "MLflow at {at} did not answer {what} in time ({}); is the server \
+                 overloaded or the network down? {URI_HINT}",
+                match kind {
+                    K::ConnectionFailed => "no connection within 5 s",
+                    _ => "no answer within 10 s",
+                }
+            )),
+            (K::Dns, _) => unreachable("its host name does not resolve"),
+            (_, Some(Io::ConnectionRefused)) => unreachable("connection refused"),
+            (
+                _,
+                Some(
+                    Io::ConnectionReset
+                    | Io::ConnectionAborted
+                    | Io::BrokenPipe
+                    | Io::UnexpectedEof,
+                ),
+            ) => unreachable("the connection was dropped"),
+            (_, Some(_)) => unreachable(&io.map(|e| e.to_string()).unwrap_or_default()),
+            (kind, None) => unreachable(&match t.message() {
+                Some(m) => format!("{kind}: {m}"),
+                None => kind.to_string(),
+            }),
         }
     }
 
