@@ -89,36 +89,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     let (node, slurm_gpus) = node_place(la)?;
     let devices = choose_devices(la, slurm_gpus)?;
     let resolved = for_workers(resolved, &devices)?;
-    let run_dir = resolved.run_dir();
-    let run_id = format!(
-        "{}-{}",
-        run_dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("run"),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-    );
-    let checkpoints = run::checkpoint_dir(&resolved);
-    let plan = LaunchPlan {
-        devices,
-        node,
-        rendezvous_timeout: std::time::Duration::from_secs(
-            resolved.config.system.collective_timeout_s.max(1),
-        ),
-        restart: RestartPolicy {
-            max_restarts: la.max_restarts,
-            checkpoints: Some(checkpoints.clone()),
-            resume_fallback: match &opts.resume {
-                Some(Resume::Dir(d)) => Some(d.clone()),
-                _ => None,
-            },
-        },
-        log_dir: PathBuf::from("logs").join(run_id),
-        grace: std::time::Duration::from_secs(la.grace_s),
-        log_ranks: la.log_ranks,
-    };
+    let plan = launch_plan(la, opts, &resolved, devices, node);
     // The rules that need the number of ranks, before anything is prepared or started.
     crate::config::check_world(
         &resolved.config,
@@ -129,32 +100,9 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     if plan.node.node_rank == 0 {
         // Rank 0 takes the lock when it starts; a run already in this directory is reported
         // now, before any tokenizing or worker start.
-        RunDir::check_free(&run_dir, &checkpoints)?;
+        RunDir::check_free(&resolved.run_dir(), &run::checkpoint_dir(&resolved))?;
     }
-    // Tokenize before any worker starts, so no rank waits on it under a collective timeout.
-    run::data::prepare_data(&resolved.config, "[launcher]")?;
-    // Likewise a Hub model missing from the cache is downloaded once, here, not by the ranks.
-    if let Some(model) = &resolved.config.model.model_path {
-        crate::data::hub::resolve_model(model)?;
-    }
-    if let Devices::Cpu(n) = plan.devices {
-        // Before any worker starts: N CPU workers share this host's memory.
-        if let Ok(shape) = crate::plan::shape(&resolved.config) {
-            crate::plan::start::check_cpu_workers(&resolved.config, &shape, n, plan.node.nnodes)?;
-        }
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        if n > cores {
-            eprintln!(
-                "[launcher] Warning: --nproc {n} CPU workers on {cores} cores: each gets a \
-                 fraction of a core and every collective waits for the slowest; --nproc {cores} \
-                 or fewer runs faster"
-            );
-        }
-        // N CPU workers share the cores; libtorch would otherwise give each all of them.
-        if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
-        }
-    }
+    before_workers(&resolved, &plan)?;
     std::fs::create_dir_all(&plan.log_dir)
         .with_context(|| format!("creating log directory {}", plan.log_dir.display()))?;
     // Launchers of several nodes may share the log directory (a shared filesystem, the same
@@ -204,6 +152,76 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         restart_args: Some(&restart_args),
     };
     Ok(super::launch_in(rendezvous, &plan, &job, &Sinks::stdio())?.exit_code)
+}
+
+/// What this node's launcher starts, and how: its devices and place, the rendezvous timeout,
+/// the restart policy, and the log directory (`logs/<run>-<unix time>`).
+fn launch_plan(
+    la: &LaunchArgs,
+    opts: &RunOptions,
+    resolved: &Resolved,
+    devices: Devices,
+    node: NodePlace,
+) -> LaunchPlan {
+    let run_dir = resolved.run_dir();
+    let run_id = format!(
+        "{}-{}",
+        run_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("run"),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    );
+    LaunchPlan {
+        devices,
+        node,
+        rendezvous_timeout: std::time::Duration::from_secs(
+            resolved.config.system.collective_timeout_s.max(1),
+        ),
+        restart: RestartPolicy {
+            max_restarts: la.max_restarts,
+            checkpoints: Some(run::checkpoint_dir(resolved)),
+            resume_fallback: match &opts.resume {
+                Some(Resume::Dir(d)) => Some(d.clone()),
+                _ => None,
+            },
+        },
+        log_dir: PathBuf::from("logs").join(run_id),
+        grace: std::time::Duration::from_secs(la.grace_s),
+        log_ranks: la.log_ranks,
+    }
+}
+
+/// What is done once per node before any worker starts, so no rank waits on it under a
+/// collective timeout: the data tokenized, a Hub model missing from the cache downloaded, and
+/// CPU workers checked against this host's memory and cores.
+fn before_workers(resolved: &Resolved, plan: &LaunchPlan) -> Result<()> {
+    run::data::prepare_data(&resolved.config, "[launcher]")?;
+    // A Hub model missing from the cache is downloaded once, here, not by each rank.
+    if let Some(model) = &resolved.config.model.model_path {
+        crate::data::hub::resolve_model(model)?;
+    }
+    if let Devices::Cpu(n) = plan.devices {
+        // Before any worker starts: N CPU workers share this host's memory.
+        if let Ok(shape) = crate::plan::shape(&resolved.config) {
+            crate::plan::start::check_cpu_workers(&resolved.config, &shape, n, plan.node.nnodes)?;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if n > cores {
+            eprintln!(
+                "[launcher] Warning: --nproc {n} CPU workers on {cores} cores: each gets a \
+                 fraction of a core and every collective waits for the slowest; --nproc {cores} \
+                 or fewer runs faster"
+            );
+        }
+        // N CPU workers share the cores; libtorch would otherwise give each all of them.
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            std::env::set_var("OMP_NUM_THREADS", (cores / n).max(1).to_string());
+        }
+    }
+    Ok(())
 }
 
 fn worker_args(spec: &Path) -> Vec<String> {
