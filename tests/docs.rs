@@ -20,8 +20,9 @@
 //!   `WANDB_MODE=offline`, an empty `HF_HOME` of its own, and none of the launchers' variables
 //!   (RANK, SLURM_*, …) of the shell that started the test.
 //! - A block fails the test when it exits non-zero (or runs past 10 minutes); the failure names
-//!   the file, the fence's line, the commands and the output. The rest of that file's blocks
-//!   are not run (they build on it); the other files still are.
+//!   the file, the fence's line, the commands and the output, and that file's directory is
+//!   kept for a look. The rest of that file's blocks are not run (they build on it); the other
+//!   files still are.
 //! - Every command that trains uses `--preset tiny` and a few steps (`--max-steps 20` at most),
 //!   so the whole test stays within a few minutes on two cores.
 //!
@@ -307,6 +308,7 @@ fn every_bash_block_of_the_docs_runs() {
         let work = tempfile::tempdir().unwrap();
         let scripts = tempfile::tempdir().unwrap();
         seed(work.path());
+        let mut failed = false;
         for (n, block) in blocks.iter().enumerate().filter(|(_, b)| b.tag == "bash") {
             let at = format!("{name}:{}", block.line);
             if let Some(reason) = &block.skip {
@@ -327,12 +329,16 @@ fn every_bash_block_of_the_docs_runs() {
             };
             say(&format!("doc test: {at} FAILED ({how}, {secs:.1} s)"));
             failures.push(format!(
-                "{at}: the ```bash block failed ({how}) in {}:\n{}--- its output (last 60 lines) ---\n{}\n(the rest of {name} was not run)",
+                "{at}: the ```bash block failed ({how}) in {} (kept for a look):\n{}--- its output (last 60 lines) ---\n{}\n(the rest of {name} was not run)",
                 work.path().display(),
                 block.code,
                 tail(&output, 60)
             ));
+            failed = true;
             break;
+        }
+        if failed {
+            let _ = work.keep();
         }
     }
     say(&format!(
