@@ -222,9 +222,8 @@ fn resuming_a_checkpoint_of_another_shape_names_the_difference_and_keeps_it() {
     assert!(fs::read(tmp.path().join("runs/tiny/metrics.jsonl")).unwrap() == metrics);
 }
 
-/// Known issue (src/train/trainer.rs, not fixed here): the run's `config.json` is written
-/// before the checkpoint is loaded, so a resume that fails on the shape check replaces the
-/// run's config with the rejected one. Un-ignore once the write follows the load.
+/// A resume refused on the shape check leaves the run's `config.json` as it was: the trainer
+/// writes into the run directory only once the start is accepted.
 #[test]
 fn failed_resume_keeps_the_runs_config_json() {
     let tmp = tempfile::tempdir().unwrap();

@@ -161,7 +161,7 @@ impl Setting {
             world: t.world.max(1),
             tensor_parallel,
             sequence_parallel: cfg.system.sequence_parallel,
-            bucket_bytes: cfg.system.bucket_mb * 1e6,
+            bucket_bytes: crate::dist::buckets::cap_bytes(cfg.system.bucket_mb) as f64,
             prefetch_units,
             shard_degree: cfg.system.shard_degree,
             reduce_bytes: match cfg.system.reduce_dtype {
