@@ -1,0 +1,346 @@
+//! The shape of the code, checked: layers point down only (folder by folder: cli → launch,
+//! commands → train → run → plan → model, dist, data, telemetry → config, sys, tensor_io), and
+//! no source files import each other through a cycle (a child using its parent `mod.rs`
+//! aside). The arrows are read from the source as text: every `crate::…`, `super::…` and
+//! `self::…` path (in `use` items, braces expanded, and inline), and a `mod.rs` using its own
+//! children by name; `#[cfg(test)] mod tests` blocks and comments are left out.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Each top-level module's level: an arrow must go to a higher number.
+fn level(top: &str) -> usize {
+    match top {
+        "cli" | "main" | "lib" => 0,
+        "launch" | "commands" => 1,
+        "train" => 2,
+        "run" => 3,
+        "plan" => 4,
+        "model" | "dist" | "data" | "telemetry" => 5,
+        "config" | "sys" | "tensor_io" => 6,
+        other => panic!("src/{other}: a top-level module without a layer; add it to tests/layers.rs and docs/layout.md"),
+    }
+}
+
+/// A source file as a module path (`["train", "checkpoint"]` for train/checkpoint/mod.rs).
+fn module_of(rel: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = rel
+        .with_extension("")
+        .iter()
+        .map(|s| s.to_string_lossy().into_owned())
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The code of a file that counts: without comments and without its trailing unit tests.
+fn code(text: &str) -> String {
+    let text = match text.find("#[cfg(test)]\nmod tests") {
+        Some(at) => &text[..at],
+        None => text,
+    };
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `a::b::{c, d::{e, f}}` → `a::b::c`, `a::b::d::e`, `a::b::d::f` (each as segments).
+fn expand(path: &str) -> Vec<Vec<String>> {
+    let Some(open) = path.find('{') else {
+        let path = path.split(['#', ' ']).next().unwrap_or(path);
+        return vec![path
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()];
+    };
+    let head: Vec<String> = path[..open]
+        .split("::")
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    let inner = &path[open + 1..path.rfind('}').unwrap_or(path.len())];
+    let (mut items, mut depth, mut cur) = (Vec::new(), 0, String::new());
+    for ch in inner.chars() {
+        match ch {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(std::mem::take(&mut cur));
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(ch);
+    }
+    items.push(cur);
+    items
+        .iter()
+        .filter(|i| !i.trim().is_empty())
+        .flat_map(|i| expand(i.trim()))
+        .map(|tail| head.iter().cloned().chain(tail).collect())
+        .collect()
+}
+
+/// The paths a file names that start at `crate`, `super` or `self`.
+fn paths(code: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let squashed: String = code.split_whitespace().collect::<Vec<_>>().join(" ");
+    for item in squashed.split("use ").skip(1) {
+        let Some(end) = item.find(';') else { continue };
+        // `x as y` keeps `x`: the renaming is marked before the spaces go.
+        let item = item[..end].replace(" as ", "#").replace(' ', "");
+        if ["crate::", "super::", "self::"]
+            .iter()
+            .any(|p| item.starts_with(p))
+        {
+            out.extend(expand(&item));
+        }
+    }
+    let text = code;
+    for start in ["crate::", "super::"] {
+        let mut from = 0;
+        while let Some(at) = text[from..].find(start) {
+            let at = from + at;
+            from = at + start.len();
+            let before = text[..at].chars().last();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            let path: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                .collect();
+            out.push(
+                path.split("::")
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+struct Tree {
+    /// Module path → file (relative to src/).
+    files: BTreeMap<Vec<String>, PathBuf>,
+    /// File → the files it uses.
+    arrows: BTreeMap<PathBuf, BTreeSet<PathBuf>>,
+}
+
+fn tree() -> Tree {
+    let src = common::root().join("src");
+    let mut rels = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                rels.push(p.strip_prefix(&src).unwrap().to_path_buf());
+            }
+        }
+    }
+    let files: BTreeMap<Vec<String>, PathBuf> =
+        rels.iter().map(|r| (module_of(r), r.clone())).collect();
+    // The file of the longest prefix of `path` that is a module.
+    let resolve = |path: &[String]| {
+        (1..=path.len())
+            .rev()
+            .find_map(|n| files.get(&path[..n]).cloned())
+    };
+    let mut arrows: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
+    for rel in &rels {
+        let code = code(&std::fs::read_to_string(src.join(rel)).unwrap());
+        let me = module_of(rel);
+        let is_mod = matches!(
+            rel.file_name().and_then(|n| n.to_str()),
+            Some("mod.rs" | "lib.rs" | "main.rs")
+        );
+        let mut targets = Vec::new();
+        for p in paths(&code) {
+            let (base, rest): (Vec<String>, &[String]) = match p.first().map(String::as_str) {
+                Some("crate") => (Vec::new(), &p[1..]),
+                Some("self") => (me.clone(), &p[1..]),
+                Some("super") => {
+                    let ups = p.iter().take_while(|s| *s == "super").count();
+                    (me[..me.len().saturating_sub(ups)].to_vec(), &p[ups..])
+                }
+                _ => continue,
+            };
+            let full: Vec<String> = base.into_iter().chain(rest.iter().cloned()).collect();
+            targets.extend(resolve(&full));
+        }
+        // A mod.rs that uses its children by name (`pub use writer::Writer;`).
+        if is_mod {
+            for line in code.lines() {
+                let line = line.trim_start().trim_start_matches("pub ");
+                if let Some(child) = line.strip_prefix("use ").and_then(|l| l.split("::").next()) {
+                    let mut path = me.clone();
+                    path.push(child.to_string());
+                    targets.extend(files.get(&path).cloned());
+                }
+            }
+        }
+        let set = arrows.entry(rel.clone()).or_default();
+        set.extend(targets.into_iter().filter(|t| t != rel));
+    }
+    Tree { files, arrows }
+}
+
+/// The top-level module a file is in.
+fn top(rel: &Path) -> String {
+    module_of(rel)
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "lib".into())
+}
+
+/// `parent` is a `mod.rs` (or lib.rs) whose folder holds `child`.
+fn is_ancestor_mod(child: &Path, parent: &Path) -> bool {
+    let name = parent.file_name().and_then(|n| n.to_str());
+    matches!(name, Some("mod.rs" | "lib.rs"))
+        && child.starts_with(parent.parent().unwrap_or(Path::new("")))
+}
+
+#[test]
+fn layers_point_down_only() {
+    let t = tree();
+    assert!(t.files.len() > 100, "read {} files", t.files.len());
+    let mut up = Vec::new();
+    for (from, tos) in &t.arrows {
+        for to in tos {
+            let (a, b) = (top(from), top(to));
+            if a != b && level(&b) <= level(&a) {
+                up.push(format!(
+                    "src/{} uses src/{} ({a} → {b})",
+                    from.display(),
+                    to.display()
+                ));
+            }
+        }
+    }
+    assert!(
+        up.is_empty(),
+        "arrows that do not point down:\n{}",
+        up.join("\n")
+    );
+    // The launcher supervises processes and never imports the trainer.
+    assert!(t
+        .arrows
+        .iter()
+        .all(|(from, tos)| top(from) != "launch" || tos.iter().all(|to| top(to) != "train")));
+}
+
+#[test]
+fn no_source_files_import_each_other_in_a_cycle() {
+    let t = tree();
+    // Arrows from a child to its own parent mod.rs (its re-exports) are not cycles of concern.
+    let graph: BTreeMap<&PathBuf, Vec<&PathBuf>> = t
+        .arrows
+        .iter()
+        .map(|(f, tos)| (f, tos.iter().filter(|to| !is_ancestor_mod(f, to)).collect()))
+        .collect();
+    // Tarjan's strongly connected components.
+    struct State<'a> {
+        graph: &'a BTreeMap<&'a PathBuf, Vec<&'a PathBuf>>,
+        index: BTreeMap<&'a PathBuf, usize>,
+        low: BTreeMap<&'a PathBuf, usize>,
+        stack: Vec<&'a PathBuf>,
+        on: BTreeSet<&'a PathBuf>,
+        cycles: Vec<Vec<String>>,
+    }
+    fn visit<'a>(s: &mut State<'a>, v: &'a PathBuf) {
+        let i = s.index.len();
+        s.index.insert(v, i);
+        s.low.insert(v, i);
+        s.stack.push(v);
+        s.on.insert(v);
+        for &w in s.graph.get(v).into_iter().flatten() {
+            if !s.index.contains_key(w) {
+                visit(s, w);
+                let l = s.low[w].min(s.low[v]);
+                s.low.insert(v, l);
+            } else if s.on.contains(w) {
+                let l = s.index[w].min(s.low[v]);
+                s.low.insert(v, l);
+            }
+        }
+        if s.low[v] == s.index[v] {
+            let mut comp = Vec::new();
+            loop {
+                let w = s.stack.pop().unwrap();
+                s.on.remove(w);
+                comp.push(format!("src/{}", w.display()));
+                if w == v {
+                    break;
+                }
+            }
+            if comp.len() > 1 {
+                comp.sort();
+                s.cycles.push(comp);
+            }
+        }
+    }
+    let mut s = State {
+        graph: &graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        cycles: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !s.index.contains_key(v) {
+            visit(&mut s, v);
+        }
+    }
+    let shown: Vec<String> = s.cycles.iter().map(|c| c.join(" ⇄ ")).collect();
+    assert!(
+        shown.is_empty(),
+        "files that import each other in a cycle:\n{}",
+        shown.join("\n")
+    );
+}
+
+/// The reader finds what it must: the arrows of a file that uses `super::`, braces and inline
+/// paths (so the two checks above cannot pass by reading nothing).
+#[test]
+fn the_arrows_are_read() {
+    let t = tree();
+    let of = |f: &str| t.arrows[&PathBuf::from(f)].clone();
+    let run = of("launch/run.rs");
+    for want in ["run/mod.rs", "plan/start.rs", "config/mod.rs"] {
+        assert!(
+            run.contains(&PathBuf::from(want)),
+            "launch/run.rs → {want}: {run:?}"
+        );
+    }
+    let writer = of("train/checkpoint/writer.rs");
+    assert!(
+        writer.contains(&PathBuf::from("run/checkpoints/mod.rs")),
+        "{writer:?}"
+    );
+    assert!(
+        writer.contains(&PathBuf::from("train/checkpoint/mod.rs")),
+        "{writer:?}"
+    );
+    let expanded: Vec<String> = expand("crate::a::{b,c::{d,e#f}}")
+        .iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(
+        expanded,
+        ["crate::a::b", "crate::a::c::d", "crate::a::c::e"]
+    );
+}
