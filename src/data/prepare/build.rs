@@ -1,39 +1,95 @@
 //! An entry prepared in one go: the corpus tokenized into `train.tok`, whose tail becomes
-//! `val.tok`, with `meta.json`, in a staging directory that becomes the entry whole.
+//! `val.tok`, with `meta.json`, in a staging directory of this process's own
+//! (`<short>.tmp-<pid>`) that becomes the entry whole ([`AtomicDir`]), and the staging
+//! directories killed runs left.
 
 use std::fs;
 use std::path::Path;
 
-use anyhow::{Context, Result};
-use serde_json::{json, Value};
+use anyhow::Result;
+use serde_json::json;
 
-use super::super::sources::Dataset;
 use super::super::tokenizer::Tokenizer;
-use super::super::tokfile::{dtype_for_vocab, TokFileWriter};
-use super::cache::{file_part, now_unix_s};
+use super::super::tokfile::{dtype_for_vocab, TokFileWriter, TokenPrefix};
+use super::cache::{file_part, now_unix_s, Entry};
 use super::encode::tokenize_corpus;
 use super::room::{check_room, out_of_room};
 use super::split::{check_splittable, choose_cut};
-use super::PrepareSpec;
+use super::{PrepareSpec, Prepared};
+use crate::sys::durable::{write_synced, AtomicDir};
 
-/// Token counts and largest ids of a new cache entry.
-pub(super) struct Built {
-    pub(super) train_tokens: u64,
-    pub(super) val_tokens: u64,
-    pub(super) train_max_id: Option<u32>,
-    pub(super) val_max_id: Option<u32>,
+/// What a staging directory's name adds to its entry's (`<short>.tmp-<pid>`).
+const STAGING: &str = ".tmp-";
+
+/// Prepares `entry` in one go. Killed runs' staging directories are removed first; the new
+/// one becomes the entry only once complete and fsynced, replacing a leftover invalid entry
+/// (or one a concurrent run just finished, which holds identical data); on an error it is
+/// removed and the cache is left as it was.
+pub(super) fn build_entry(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry) -> Result<Prepared> {
+    remove_stale_builds(&spec.cache_dir, entry.short());
+    let staging = AtomicDir::begin_own(&entry.dir, &format!("{STAGING}{}", std::process::id()))?;
+    let built = match build(spec, tok, entry, staging.path()) {
+        Ok(b) => b,
+        Err(e) => {
+            staging.abandon();
+            return Err(e);
+        }
+    };
+    let dir = staging.commit()?;
+    Ok(Prepared {
+        train: vec![TokenPrefix::whole(
+            dir.join("train.tok"),
+            built.train_tokens,
+        )],
+        val: (spec.val_fraction > 0.0).then(|| dir.join("val.tok")),
+        dir,
+        cache_hit: false,
+        engine: Some(tok.engine()),
+        tokenizer_id: tok.id(),
+        vocab_size: tok.vocab_size(),
+        eos_id: tok.eos_id(),
+        train_tokens: built.train_tokens,
+        val_tokens: built.val_tokens,
+        train_max_id: built.train_max_id,
+        val_max_id: built.val_max_id,
+    })
 }
 
-/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`: the tokens
-/// stream into `train.tok`, whose tail then becomes `val.tok` ([`TokFileWriter::finish_split`]).
-pub(super) fn build(
-    spec: &PrepareSpec,
-    tok: &Tokenizer,
-    dataset: &Dataset,
-    tmp: &Path,
-    key: &str,
-    inputs: Value,
-) -> Result<Built> {
+/// Removes `<short>.tmp-<pid>` directories left by crashed runs (and the `.replaced` entry
+/// one may have moved aside); directories of processes still alive (a concurrent prepare) are
+/// left alone.
+fn remove_stale_builds(cache_dir: &Path, short: &str) {
+    let Ok(entries) = fs::read_dir(cache_dir) else {
+        return;
+    };
+    let prefix = format!("{short}{STAGING}");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let pid = pid.strip_suffix(".replaced").unwrap_or(pid);
+        let have_proc = Path::new("/proc/self").exists();
+        let alive = have_proc && Path::new("/proc").join(pid).exists();
+        if !alive || pid == std::process::id().to_string() {
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Token counts and largest ids of a new cache entry.
+struct Built {
+    train_tokens: u64,
+    val_tokens: u64,
+    train_max_id: Option<u32>,
+    val_max_id: Option<u32>,
+}
+
+/// Tokenizes and writes `train.tok`, `val.tok` and `meta.json` into `tmp`, each fsynced: the
+/// tokens stream into `train.tok`, whose tail then becomes `val.tok`
+/// ([`TokFileWriter::finish_split`]).
+fn build(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, tmp: &Path) -> Result<Built> {
+    let dataset = &entry.dataset;
     let want_val = spec.val_fraction > 0.0;
     let dtype = dtype_for_vocab(tok.vocab_size());
     // At least this much: every tokenizer here packs fewer than 8 bytes of text into a token
@@ -66,8 +122,8 @@ pub(super) fn build(
     let at_boundary = train.num_tokens + val.as_ref().map_or(0, |v| v.num_tokens) == total;
 
     let meta = json!({
-        "key": key,
-        "inputs": inputs,
+        "key": entry.key,
+        "inputs": entry.inputs,
         "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
         "dtype_bytes": dtype,
         "documents": corpus.documents,
@@ -77,9 +133,7 @@ pub(super) fn build(
         "val": val.as_ref().map(file_part).transpose()?,
         "created_unix_s": now_unix_s(),
     });
-    let meta_path = tmp.join("meta.json");
-    fs::write(&meta_path, serde_json::to_vec_pretty(&meta)?)
-        .with_context(|| format!("{}: cannot write", meta_path.display()))?;
+    write_synced(&tmp.join("meta.json"), &serde_json::to_vec_pretty(&meta)?)?;
     Ok(Built {
         train_tokens: train.num_tokens,
         val_tokens: val.as_ref().map_or(0, |v| v.num_tokens),

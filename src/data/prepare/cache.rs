@@ -1,7 +1,6 @@
 //! A cache entry: what identifies it (the inputs hashed into its key) and where it lives, the
 //! files in it (`train.tok`/`val.tok`, or the parts `part-IIIII-of-NNNNN.tok` with their
-//! records), its `meta.json`, whether it is complete and intact ([`cached`], [`damaged`]), and
-//! the leftovers of killed builds.
+//! records), its `meta.json`, and whether it is complete and intact ([`cached`], [`damaged`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -219,26 +218,6 @@ fn damaged(dir: &Path, meta: &Value, want_val: bool) -> Result<Option<String>> {
         }
     }
     Ok(None)
-}
-
-/// Removes `<short>.tmp-<pid>` directories left by crashed runs; directories
-/// of processes still alive (a concurrent prepare) are left alone.
-pub(super) fn remove_stale_builds(cache_dir: &Path, short: &str) {
-    let Ok(entries) = fs::read_dir(cache_dir) else {
-        return;
-    };
-    let prefix = format!("{short}.tmp-");
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
-            continue;
-        };
-        let have_proc = Path::new("/proc/self").exists();
-        let alive = have_proc && Path::new("/proc").join(pid).exists();
-        if !alive || pid == std::process::id().to_string() {
-            let _ = fs::remove_dir_all(entry.path());
-        }
-    }
 }
 
 /// A token file's record in `meta.json`: counts, the largest id, and the file's stamp and

@@ -26,11 +26,9 @@ use serde_json::Value;
 use super::hub::resolve_tokenizer;
 use super::ids::{check_max_id, max_token_id};
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
-use super::tokfile::{is_token_file, sync_parent_dir, TokenFile, TokenPrefix};
-use build::build;
-use cache::{
-    cached, missing_parts, part_name, part_record, parts_present, remove_stale_builds, Entry,
-};
+use super::tokfile::{is_token_file, TokenFile, TokenPrefix};
+use build::build_entry;
+use cache::{cached, missing_parts, part_name, part_record, parts_present, Entry};
 use parts::{complete, write_part};
 
 /// Bumped whenever the cache contents for the same inputs would change (2: the validation
@@ -207,47 +205,7 @@ pub fn prepare(spec: &PrepareSpec) -> Result<Prepared> {
         );
     }
 
-    let short = entry.short().to_string();
-    remove_stale_builds(&spec.cache_dir, &short);
-    let tmp = spec
-        .cache_dir
-        .join(format!("{short}.tmp-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
-    let built = build(spec, &tok, &entry.dataset, &tmp, &entry.key, entry.inputs);
-    let built = match built {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-    };
-    // A leftover invalid entry (or one a concurrent run just finished, which
-    // holds identical data) is replaced: rename cannot overwrite a non-empty
-    // directory.
-    if dir.exists() {
-        fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot replace", dir.display()))?;
-    }
-    fs::rename(&tmp, &dir)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
-    sync_parent_dir(&dir);
-    Ok(Prepared {
-        train: vec![TokenPrefix::whole(
-            dir.join("train.tok"),
-            built.train_tokens,
-        )],
-        val: (spec.val_fraction > 0.0).then(|| dir.join("val.tok")),
-        dir,
-        cache_hit: false,
-        engine: Some(tok.engine()),
-        tokenizer_id: tok.id(),
-        vocab_size: tok.vocab_size(),
-        eos_id: tok.eos_id(),
-        train_tokens: built.train_tokens,
-        val_tokens: built.val_tokens,
-        train_max_id: built.train_max_id,
-        val_max_id: built.val_max_id,
-    })
+    build_entry(spec, &tok, &entry)
 }
 
 /// Prepares part `shard` of `spec`'s data into the shared cache entry

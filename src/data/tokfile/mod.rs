@@ -396,16 +396,14 @@ impl Drop for TokFileWriter {
 
 /// Makes a rename durable. Best effort: some filesystems refuse to fsync a
 /// directory, and the data itself is already synced.
-pub(crate) fn sync_parent_dir(path: &Path) {
+fn sync_parent_dir(path: &Path) {
     if let Some(dir) = path.parent() {
         let dir = if dir.as_os_str().is_empty() {
             Path::new(".")
         } else {
             dir
         };
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
+        let _ = crate::sys::durable::sync_dir(dir);
     }
 }
 
