@@ -7,11 +7,10 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::Result;
-use serde_json::json;
 
 use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::{dtype_for_vocab, TokFileWriter, TokenPrefix};
-use super::cache::{file_part, now_unix_s, Entry};
+use super::cache::{file_part, Entry};
 use super::encode::tokenize_corpus;
 use super::room::{check_room, out_of_room};
 use super::split::{check_splittable, choose_cut};
@@ -121,18 +120,14 @@ fn build(spec: &PrepareSpec, tok: &Tokenizer, entry: &Entry, tmp: &Path) -> Resu
     // The split document's head got an EOS of its own: one token more than the stream.
     let at_boundary = train.num_tokens + val.as_ref().map_or(0, |v| v.num_tokens) == total;
 
-    let meta = json!({
-        "key": entry.key,
-        "inputs": entry.inputs,
-        "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
-        "dtype_bytes": dtype,
-        "documents": corpus.documents,
-        "input_bytes": corpus.input_bytes,
-        "split_at_document_boundary": at_boundary,
-        "train": file_part(&train)?,
-        "val": val.as_ref().map(file_part).transpose()?,
-        "created_unix_s": now_unix_s(),
-    });
+    let meta = entry.meta(
+        tok,
+        &corpus,
+        at_boundary,
+        None,
+        file_part(&train)?,
+        val.as_ref().map(file_part).transpose()?.into(),
+    );
     write_synced(&tmp.join("meta.json"), &serde_json::to_vec_pretty(&meta)?)?;
     Ok(Built {
         train_tokens: train.num_tokens,

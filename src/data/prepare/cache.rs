@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 use super::super::ids::{max_token_id, FileStamp, MaxIdRecord};
 use super::super::sources::{resolve_dataset, Dataset};
 use super::super::tokenizer::Tokenizer;
-use super::super::tokfile::{TokFileInfo, TokenFile, TokenPrefix};
+use super::super::tokfile::{dtype_for_vocab, TokFileInfo, TokenFile, TokenPrefix};
+use super::encode::Tokenized;
 use super::{PrepareSpec, Prepared, CACHE_FORMAT_VERSION};
 use crate::sys::durable::file_blake3;
 
@@ -62,6 +63,36 @@ impl Entry {
 
     pub(super) fn short(&self) -> &str {
         &self.key[..16]
+    }
+
+    /// The entry's `meta.json`: its key and inputs, the tokenizer, what was `read`, whether the
+    /// validation split is at a document boundary, the `parts` of an entry prepared in parts,
+    /// and the `train` and `val` records.
+    pub(super) fn meta(
+        &self,
+        tok: &Tokenizer,
+        read: &Tokenized,
+        at_boundary: bool,
+        parts: Option<&[String]>,
+        train: Value,
+        val: Value,
+    ) -> Value {
+        let mut meta = json!({
+            "key": self.key,
+            "inputs": self.inputs,
+            "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
+            "dtype_bytes": dtype_for_vocab(tok.vocab_size()),
+            "documents": read.documents,
+            "input_bytes": read.input_bytes,
+            "split_at_document_boundary": at_boundary,
+        });
+        if let Some(parts) = parts {
+            meta["parts"] = json!(parts);
+        }
+        meta["train"] = train;
+        meta["val"] = val;
+        meta["created_unix_s"] = json!(now_unix_s());
+        meta
     }
 }
 
@@ -233,7 +264,7 @@ pub(super) fn file_part(info: &TokFileInfo) -> Result<Value> {
     }))
 }
 
-pub(super) fn now_unix_s() -> u64 {
+fn now_unix_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())

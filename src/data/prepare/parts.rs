@@ -11,10 +11,11 @@ use serde_json::{json, Value};
 use super::super::ids::MaxIdRecord;
 use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::{
-    dtype_for_vocab, partition_point, TokFileWriter, TokenFile, TokenPrefix,
+    dtype_for_vocab, partition_point, TokFileInfo, TokFileWriter, TokenFile, TokenPrefix,
 };
-use super::cache::{file_part, now_unix_s, part_name, part_record, Entry};
+use super::cache::{file_part, part_name, part_record, Entry};
 use super::encode::tokenize_corpus;
+use super::encode::Tokenized;
 use super::room::out_of_room;
 use super::split::{check_splittable, choose_cut};
 use super::{PrepareSpec, Prepared, Shard};
@@ -93,21 +94,14 @@ pub(super) fn complete(
 ) -> Result<Prepared> {
     let dir = &entry.dir;
     let names: Vec<String> = (0..count).map(|i| part_name(i, count)).collect();
-    let records: Vec<Value> = names
-        .iter()
-        .map(|n| {
-            part_record(dir, n, &entry.key)
-                .ok_or_else(|| anyhow!("{}: part {n} vanished while completing", dir.display()))
-        })
-        .collect::<Result<_>>()?;
-    let tokens: Vec<u64> = records
-        .iter()
-        .map(|r| r["tokens"].as_u64().unwrap_or(0))
-        .collect();
+    let records = part_records(entry, &names)?;
     let whole: Vec<TokenPrefix> = names
         .iter()
-        .zip(&tokens)
-        .map(|(n, &t)| TokenPrefix::whole(dir.join(format!("{n}.tok")), t))
+        .zip(&records)
+        .map(|(n, r)| {
+            let tokens = r["tokens"].as_u64().unwrap_or(0);
+            TokenPrefix::whole(dir.join(format!("{n}.tok")), tokens)
+        })
         .collect();
     let stream = TokenFile::open_prefixes(&whole)?;
     let (total, docs) = (stream.num_tokens(), stream.num_docs());
@@ -118,83 +112,43 @@ pub(super) fn complete(
     } else {
         (total, true)
     };
-    // The training tokens: every part up to the cut, the one it falls in up to there (its cut
-    // document closed with an EOS, as a preparation in one go closes it).
-    let (mut train, mut base, mut train_max) = (Vec::new(), 0u64, None);
-    for ((prefix, rec), &t) in whole.iter().zip(&records).zip(&tokens) {
-        if base >= cut {
-            break;
-        }
-        let last = base + t >= cut;
-        let keep = if last { cut - base } else { t };
-        let eos = (last && !at_boundary).then_some(tok.eos_id());
-        train.push(TokenPrefix {
-            path: prefix.path.clone(),
-            tokens: keep,
-            eos,
-        });
-        train_max = train_max
-            .max(rec["max_token_id"].as_u64().map(|m| m as u32))
-            .max(eos);
-        base += t;
-    }
-    let val = if want_val {
-        let path = dir.join("val.tok");
-        let mut w = TokFileWriter::create(
-            &path,
-            dtype_for_vocab(tok.vocab_size()),
-            tok.definition_hash(),
-        )?;
-        // The document holding the cut: the last one starting at or before it.
-        let first = partition_point(docs, |i| stream.doc_offset(i) <= cut).saturating_sub(1);
-        let mut buf: Vec<i64> = Vec::new();
-        let mut doc: Vec<u32> = Vec::new();
-        for i in first..docs {
-            let end = if i + 1 < docs {
-                stream.doc_offset(i + 1)
-            } else {
-                total
-            };
-            let start = stream.doc_offset(i).max(cut);
-            buf.resize((end - start) as usize, 0);
-            stream.copy_window(start, buf.len(), &mut buf);
-            doc.clear();
-            doc.extend(buf.iter().map(|&t| t as u32));
-            w.push_document(&doc)
-                .map_err(|e| out_of_room(spec, dir, (total - cut) * 4, e))?;
-        }
-        Some(w.finish()?)
-    } else {
-        None
+    let (train, train_max) = train_up_to(
+        &whole,
+        &records,
+        cut,
+        (!at_boundary).then_some(tok.eos_id()),
+    );
+    let val = match want_val {
+        true => Some(write_val(spec, tok, dir, &stream, cut)?),
+        false => None,
     };
     let train_tokens: u64 = train
         .iter()
         .map(|p| p.tokens + u64::from(p.eos.is_some()))
         .sum();
-    let mut meta = json!({
-        "key": entry.key,
-        "inputs": entry.inputs,
-        "tokenizer": { "id": tok.id(), "vocab_size": tok.vocab_size(), "eos_id": tok.eos_id() },
-        "dtype_bytes": dtype_for_vocab(tok.vocab_size()),
-        "documents": records.iter().map(|r| r["documents"].as_u64().unwrap_or(0)).sum::<u64>(),
-        "input_bytes": records.iter().map(|r| r["input_bytes"].as_u64().unwrap_or(0)).sum::<u64>(),
-        "split_at_document_boundary": at_boundary,
-        "parts": names,
-        "train": {
-            "tokens": train_tokens,
-            "max_token_id": train_max,
-            "prefixes": train.iter().map(|p| json!({
-                "file": p.path.file_name().map(|f| f.to_string_lossy().into_owned()),
-                "tokens": p.tokens,
-                "eos": p.eos,
-            })).collect::<Vec<_>>(),
-        },
-        "val": match &val {
-            Some(info) => file_part(info)?,
-            None => Value::Null,
-        },
-        "created_unix_s": now_unix_s(),
+    let sum = |field: &str| records.iter().map(|r| r[field].as_u64().unwrap_or(0)).sum();
+    let read = Tokenized {
+        documents: sum("documents"),
+        input_bytes: sum("input_bytes"),
+    };
+    let train_record = json!({
+        "tokens": train_tokens,
+        "max_token_id": train_max,
+        "prefixes": train.iter().map(|p| json!({
+            "file": p.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "tokens": p.tokens,
+            "eos": p.eos,
+        })).collect::<Vec<_>>(),
     });
+    let val_record = val.as_ref().map(file_part).transpose()?.into();
+    let mut meta = entry.meta(
+        tok,
+        &read,
+        at_boundary,
+        Some(&names),
+        train_record,
+        val_record,
+    );
     for (n, rec) in names.iter().zip(&records) {
         meta[n] = rec.clone();
     }
@@ -213,4 +167,85 @@ pub(super) fn complete(
         train_max_id: train_max,
         val_max_id: val.and_then(|v| v.max_token_id),
     })
+}
+
+/// The records of the parts `names` of `entry`, each still valid.
+fn part_records(entry: &Entry, names: &[String]) -> Result<Vec<Value>> {
+    let dir = &entry.dir;
+    names
+        .iter()
+        .map(|n| {
+            part_record(dir, n, &entry.key)
+                .ok_or_else(|| anyhow!("{}: part {n} vanished while completing", dir.display()))
+        })
+        .collect()
+}
+
+/// The training tokens of the parts (`whole`, with their `records`) read as one stream cut at
+/// token `cut`: every part up to the cut, the one it falls in up to there, its cut document
+/// closed with `eos` when the cut is inside one (as a preparation in one go closes it); and
+/// their largest id.
+fn train_up_to(
+    whole: &[TokenPrefix],
+    records: &[Value],
+    cut: u64,
+    eos: Option<u32>,
+) -> (Vec<TokenPrefix>, Option<u32>) {
+    let (mut train, mut base, mut train_max) = (Vec::new(), 0u64, None);
+    for (prefix, rec) in whole.iter().zip(records) {
+        if base >= cut {
+            break;
+        }
+        let t = prefix.tokens;
+        let last = base + t >= cut;
+        let keep = if last { cut - base } else { t };
+        let eos = if last { eos } else { None };
+        train.push(TokenPrefix {
+            path: prefix.path.clone(),
+            tokens: keep,
+            eos,
+        });
+        train_max = train_max
+            .max(rec["max_token_id"].as_u64().map(|m| m as u32))
+            .max(eos);
+        base += t;
+    }
+    (train, train_max)
+}
+
+/// Writes `<dir>/val.tok`: the documents of `stream` from token `cut` on (the one holding the
+/// cut from there).
+fn write_val(
+    spec: &PrepareSpec,
+    tok: &Tokenizer,
+    dir: &Path,
+    stream: &TokenFile,
+    cut: u64,
+) -> Result<TokFileInfo> {
+    let (total, docs) = (stream.num_tokens(), stream.num_docs());
+    let path = dir.join("val.tok");
+    let mut w = TokFileWriter::create(
+        &path,
+        dtype_for_vocab(tok.vocab_size()),
+        tok.definition_hash(),
+    )?;
+    // The document holding the cut: the last one starting at or before it.
+    let first = partition_point(docs, |i| stream.doc_offset(i) <= cut).saturating_sub(1);
+    let mut buf: Vec<i64> = Vec::new();
+    let mut doc: Vec<u32> = Vec::new();
+    for i in first..docs {
+        let end = if i + 1 < docs {
+            stream.doc_offset(i + 1)
+        } else {
+            total
+        };
+        let start = stream.doc_offset(i).max(cut);
+        buf.resize((end - start) as usize, 0);
+        stream.copy_window(start, buf.len(), &mut buf);
+        doc.clear();
+        doc.extend(buf.iter().map(|&t| t as u32));
+        w.push_document(&doc)
+            .map_err(|e| out_of_room(spec, dir, (total - cut) * 4, e))?;
+    }
+    w.finish()
 }
