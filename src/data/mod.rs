@@ -9,6 +9,15 @@
 //! each source the same way and a [`Mixture`] says which source (and which of
 //! its samples) every global sample is; [`TokenFile::document_pieces`] gives
 //! the documents inside a window for document masking.
+//!
+//! Layout: `sources/` resolves `data.path` into a [`Dataset`] (`files.rs` lists a
+//! directory's data files and fingerprints them, and depends on nothing else here, so `hub/`
+//! can use it; `read.rs` hands each file to its reader, `text.rs`, `jsonl.rs` or
+//! `parquet.rs`); `hub/` finds models, tokenizers and datasets in the Hugging Face cache;
+//! `prepare/` is the tokenize-once cache (`mod.rs` the entry points, `cache.rs` an entry,
+//! `build.rs` one go, `parts.rs` in parts, `encode.rs` the parallel tokenizer); `tokfile/` the
+//! token file formats; `ids.rs` the largest token ids; `sampler.rs` and `mixture.rs` the order
+//! of the samples.
 
 pub mod builtin;
 pub mod hub;

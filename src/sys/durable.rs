@@ -1,8 +1,9 @@
 //! Files that survive a crash: fsync a file or a directory, write a file durably, a file's
-//! checksum, and the atomic directory that checkpoints (`train::checkpoint`) and exports
-//! (`commands::export`) are written as: everything goes into `<dest>.tmp/`, every file is
-//! fsynced, then one rename makes `<dest>` appear complete, so a directory of that name is
-//! never half-written.
+//! checksum, and the atomic directory that checkpoints (`train::checkpoint`), exports
+//! (`commands::export`) and data cache entries (`data::prepare`) are written as: everything
+//! goes into `<dest>.tmp/` (or a staging name of the writer's own), every file is fsynced,
+//! then one rename makes `<dest>` appear complete, so a directory of that name is never
+//! half-written.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -93,6 +94,8 @@ pub fn sibling(path: &Path, suffix: &str) -> PathBuf {
 pub struct AtomicDir {
     dest: PathBuf,
     tmp: PathBuf,
+    /// Where [`AtomicDir::commit`] moves an existing `dest` while the new one takes its name.
+    replaced: PathBuf,
 }
 
 impl AtomicDir {
@@ -105,7 +108,22 @@ impl AtomicDir {
     /// Starts writing `dest`: creates an empty `<dest>.tmp/`, removing one a crash left. The
     /// errors are the file system's; callers add which setting to change.
     pub fn begin(dest: &Path) -> Result<AtomicDir> {
-        let tmp = Self::staging_of(dest);
+        let replaced = sibling(dest, ".replaced.tmp");
+        Self::start(dest, Self::staging_of(dest), replaced)
+    }
+
+    /// Like [`AtomicDir::begin`], staged in `<dest><suffix>`, a name of the caller's own (its
+    /// process id in it, say): processes writing the same `dest` at once (two runs preparing
+    /// one data cache entry) then never share the staging directory, nor the name an existing
+    /// `dest` is moved aside to (`<dest><suffix>.replaced`). Leftovers of a killed writer are
+    /// the caller's to recognize by the suffix and remove.
+    pub fn begin_own(dest: &Path, suffix: &str) -> Result<AtomicDir> {
+        let tmp = sibling(dest, suffix);
+        let replaced = sibling(&tmp, ".replaced");
+        Self::start(dest, tmp, replaced)
+    }
+
+    fn start(dest: &Path, tmp: PathBuf, replaced: PathBuf) -> Result<AtomicDir> {
         if tmp.exists() {
             fs::remove_dir_all(&tmp).with_context(|| {
                 format!("{}: cannot remove a stale partial write", tmp.display())
@@ -115,6 +133,7 @@ impl AtomicDir {
         Ok(AtomicDir {
             dest: dest.to_path_buf(),
             tmp,
+            replaced,
         })
     }
 
@@ -133,13 +152,13 @@ impl AtomicDir {
     /// The files inside must already be fsynced.
     pub fn commit(self) -> Result<PathBuf> {
         sync_dir(&self.tmp)?;
-        let replaced = sibling(&self.dest, ".replaced.tmp");
+        let replaced = &self.replaced;
         if self.dest.exists() {
             if replaced.exists() {
-                fs::remove_dir_all(&replaced)
+                fs::remove_dir_all(replaced)
                     .with_context(|| format!("{}: cannot remove", replaced.display()))?;
             }
-            fs::rename(&self.dest, &replaced)
+            fs::rename(&self.dest, replaced)
                 .with_context(|| format!("{}: cannot move aside", self.dest.display()))?;
         }
         fs::rename(&self.tmp, &self.dest)
@@ -150,7 +169,7 @@ impl AtomicDir {
         };
         sync_dir(parent)?;
         if replaced.exists() {
-            fs::remove_dir_all(&replaced)
+            fs::remove_dir_all(replaced)
                 .with_context(|| format!("{}: cannot delete", replaced.display()))?;
         }
         Ok(self.dest)
@@ -185,6 +204,34 @@ mod tests {
         fs::write(dir.path().join("partial"), b"x")?;
         dir.abandon();
         assert!(dest.join("new").is_file() && !root.path().join("out.tmp").exists());
+        Ok(())
+    }
+
+    /// A staging directory of the caller's own name replaces `dest` the same way, moving the
+    /// old one aside under that name too.
+    #[test]
+    fn a_directory_staged_under_its_own_name_replaces_the_old_one() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dest = root.path().join("entry");
+        fs::create_dir(&dest)?;
+        fs::write(dest.join("old"), b"old")?;
+        fs::create_dir(root.path().join("entry.tmp-7"))?;
+        fs::write(root.path().join("entry.tmp-7/stale"), b"x")?;
+        let dir = AtomicDir::begin_own(&dest, ".tmp-7")?;
+        assert_eq!(dir.path(), root.path().join("entry.tmp-7"));
+        assert!(
+            !dir.path().join("stale").exists(),
+            "a leftover staging dir is emptied"
+        );
+        assert_eq!(dir.replaced, root.path().join("entry.tmp-7.replaced"));
+        write_synced(&dir.path().join("new"), b"new")?;
+        dir.commit()?;
+        assert!(dest.join("new").is_file() && !dest.join("old").exists());
+        let left: Vec<_> = fs::read_dir(root.path())?
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, ["entry"]);
         Ok(())
     }
 
