@@ -177,6 +177,19 @@ pub fn run(cli: Cli) -> Result<()> {
     if !matches!(cli.command, Command::Env) {
         crate::sys::libtorch::check().map_err(|e| ConfigError(format!("{e:#}")))?;
     }
+    // The commands that only print end quietly when their reader goes (`lockstep config
+    // --keys | head`), as a shell tool does. Training keeps Rust's default (a write to a closed
+    // pipe is an error, not a signal), so a W&B sidecar that dies cannot kill a run.
+    if matches!(
+        cli.command,
+        Command::Config { .. }
+            | Command::Plan { .. }
+            | Command::Env
+            | Command::Eval(_)
+            | Command::Generate(_)
+    ) {
+        crate::sys::die_on_closed_pipe();
+    }
     match cli.command {
         Command::Prepare { config, shard } => {
             let resolved = config.resolve()?;

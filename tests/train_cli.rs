@@ -538,3 +538,30 @@ fn default_corpus_is_built_in_and_works_from_any_directory() {
         .join("runs/tiny/checkpoints/step_2/trainer.json")
         .is_file());
 }
+
+/// A printing command whose reader is gone (`lockstep config --keys | head`) ends quietly by
+/// SIGPIPE, as a shell tool does, not with a panic (exit 101) about a failed print.
+#[test]
+fn a_printing_command_ends_quietly_when_its_reader_goes() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    for args in [&["config", "--keys"][..], &["plan", "--preset", "tiny"]] {
+        let mut child = common::lockstep(tmp.path())
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes before anything is printed.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

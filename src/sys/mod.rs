@@ -24,6 +24,15 @@ pub mod nvml;
 pub mod oom;
 pub mod phase;
 
+/// A write to a closed pipe ends the process quietly (SIGPIPE's default action), as it does a
+/// shell tool, instead of failing the write: for commands whose output is all they do.
+pub fn die_on_closed_pipe() {
+    // SAFETY: restores a signal's default disposition; no handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Makes the calling thread a background writer: CPU priority nice 10 (a tenth of a normal
 /// thread's share when they compete: not idle-only, which would starve it on a host whose
 /// cores training keeps busy) and the lowest best-effort I/O priority, so a checkpoint written
