@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::json;
 use tch::{Device, Tensor};
 
-use super::{Inference, TrainedWith};
+use super::{Inference, ModelFlags, TrainedWith};
 use crate::data::sources::{list_files, read_documents};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokfile::{is_token_file, TokenFile};
@@ -20,11 +20,8 @@ use crate::model::Llama;
 
 #[derive(Args, Debug, Clone)]
 pub struct EvalArgs {
-    /// A Hugging Face Llama directory: an export (`lockstep export --hf`), a checkpoint's
-    /// step_N directory, or a run directory (or its checkpoints/), which stands for its newest
-    /// complete checkpoint; or a Hub id.
-    #[arg(long, value_name = "DIR")]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub open: ModelFlags,
     /// A .txt/.jsonl file (or a directory of them), or a token file (.tok, nanoGPT .bin,
     /// llm.c shard).
     #[arg(long, value_name = "FILE")]
@@ -39,22 +36,12 @@ pub struct EvalArgs {
     /// (lockstep.json / trainer.json), else min(max_position_embeddings, 2048).
     #[arg(long, value_name = "T")]
     pub context_length: Option<usize>,
-    /// Tokenizer for text data; default: the built-in encoding the model was trained with, else
-    /// DIR/tokenizer.json, else the tokenizer file it was trained with.
-    #[arg(long, value_name = "NAME|PATH")]
-    pub tokenizer: Option<String>,
     /// Evaluate only the first N batches.
     #[arg(long, value_name = "N")]
     pub max_batches: Option<usize>,
     /// JSON key holding the text in .jsonl files.
     #[arg(long, value_name = "KEY", default_value = "text")]
     pub text_field: String,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
-    /// Dtype of the forward pass.
-    #[arg(long, value_name = "fp32|bf16", default_value = "fp32")]
-    pub dtype: String,
 }
 
 /// The result of an evaluation.
@@ -137,7 +124,7 @@ fn load_stream(args: &EvalArgs, tok: Option<&Tokenizer>) -> Result<Stream> {
             "--data {} is text, and {} names no tokenizer (no tokenizer.json, lockstep.json or \
              trainer.json); pass --tokenizer NAME|PATH",
             data.display(),
-            args.model.display()
+            args.open.model.display()
         );
     };
     Ok(Stream::Memory(tokenize_text(data, tok, &args.text_field)?))
@@ -210,12 +197,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         args.max_batches != Some(0),
         "--max-batches 0 evaluates nothing; leave it out to evaluate the whole file"
     );
-    let opened = Inference::open(
-        &args.model,
-        args.tokenizer.as_deref(),
-        &args.device,
-        &args.dtype,
-    )?;
+    let opened = Inference::open(&args.open)?;
     let Inference {
         dir, shape, tok, ..
     } = &opened;
@@ -226,7 +208,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
              trained with",
             t.id(),
             t.vocab_size(),
-            args.model.display(),
+            args.open.model.display(),
             shape.vocab_size
         );
     }
@@ -289,7 +271,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         println!(
             "{}",
             json!({
-                "model": args.model.display().to_string(),
+                "model": args.open.model.display().to_string(),
                 "data": args.data.display().to_string(),
                 "loss": r.loss,
                 "perplexity": r.perplexity,
@@ -304,7 +286,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     } else {
         println!(
             "[eval] {} on {}: loss {:.6} | perplexity {:.4} | {} tokens ({} windows x {}) | {:.1}s",
-            args.model.display(),
+            args.open.model.display(),
             args.data.display(),
             r.loss,
             r.perplexity,

@@ -3,24 +3,19 @@
 //! stops at the end-of-sequence id (generation_config.json, else the tokenizer's) or after
 //! `--max-new-tokens`.
 
-use std::path::PathBuf;
-
 use anyhow::{bail, ensure, Result};
 use clap::Args;
 use serde_json::json;
 
-use super::Inference;
+use super::{Inference, ModelFlags};
 use crate::data::tokenizer::Tokenizer;
 use crate::model::generate::{generate, generate_uncached, GenerateOptions};
 use crate::model::hf;
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// A Hugging Face Llama directory: an export (`lockstep export --hf`), a checkpoint's
-    /// step_N directory, or a run directory (or its checkpoints/), which stands for its newest
-    /// complete checkpoint; or a Hub id.
-    #[arg(long, value_name = "DIR")]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub open: ModelFlags,
     /// Text to continue (tokenized with the model's tokenizer, no BOS added).
     #[arg(long, value_name = "TEXT", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
@@ -52,10 +47,6 @@ pub struct GenerateArgs {
     pub top_p: f64,
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Tokenizer; default: the built-in encoding the model was trained with, else
-    /// DIR/tokenizer.json, else the tokenizer file it was trained with.
-    #[arg(long, value_name = "NAME|PATH")]
-    pub tokenizer: Option<String>,
     /// Keep going past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -65,12 +56,6 @@ pub struct GenerateArgs {
     /// Print one JSON object (prompt and new token ids, text, stop reason, timings).
     #[arg(long)]
     pub json: bool,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
-    /// Dtype of the forward pass.
-    #[arg(long, value_name = "fp32|bf16", default_value = "fp32")]
-    pub dtype: String,
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
@@ -83,12 +68,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         eos: Vec::new(),
     };
     opts.validate()?;
-    let opened = Inference::open(
-        &args.model,
-        args.tokenizer.as_deref(),
-        &args.device,
-        &args.dtype,
-    )?;
+    let opened = Inference::open(&args.open)?;
     let Inference {
         dir,
         shape,
@@ -104,7 +84,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 bail!(
                     "{} names no tokenizer (no tokenizer.json, lockstep.json or trainer.json) to \
                      encode --prompt; pass --tokenizer NAME|PATH, or --prompt-ids",
-                    args.model.display()
+                    args.open.model.display()
                 );
             };
             let ids: Vec<i64> = t.try_encode(text)?.into_iter().map(i64::from).collect();

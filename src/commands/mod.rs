@@ -15,6 +15,7 @@ pub mod wandb_sync;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use serde_json::Value;
 use tch::{Device, Kind};
 
@@ -22,6 +23,26 @@ use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use crate::model::{hf, AttentionBackend, Llama, LlamaShape};
 use crate::run::checkpoints;
 use crate::sys::cuda::{cuda_available, load_cuda_backend};
+
+/// The flags `eval` and `generate` open a model with.
+#[derive(Args, Debug, Clone)]
+pub struct ModelFlags {
+    /// A Hugging Face Llama directory: an export (`lockstep export --hf`), a checkpoint's
+    /// step_N directory, or a run directory (or its checkpoints/), which stands for its newest
+    /// complete checkpoint; or a Hub id.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Tokenizer (text to ids, ids to text); default: the built-in encoding the model was
+    /// trained with, else DIR/tokenizer.json, else the tokenizer file it was trained with.
+    #[arg(long, value_name = "NAME|PATH")]
+    pub tokenizer: Option<String>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
+    /// Dtype of the forward pass.
+    #[arg(long, value_name = "fp32|bf16", default_value = "fp32")]
+    pub dtype: String,
+}
 
 /// A model opened for inference (`eval`, `generate`): its directory (a checkpoint verified,
 /// a Hub id resolved), shape, tokenizer, and the device and dtype it runs on; the weights are
@@ -36,14 +57,13 @@ pub struct Inference {
 }
 
 impl Inference {
-    /// `--model`, `--tokenizer`, `--device`, `--dtype` as both commands take them.
-    pub fn open(model: &Path, tokenizer: Option<&str>, device: &str, dtype: &str) -> Result<Self> {
-        let device = parse_device(device)?;
-        let compute = parse_compute(dtype)?;
-        let dir = model_dir(model)?;
+    pub fn open(flags: &ModelFlags) -> Result<Self> {
+        let device = parse_device(&flags.device)?;
+        let compute = parse_compute(&flags.dtype)?;
+        let dir = model_dir(&flags.model)?;
         let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
-            .with_context(|| format!("--model {}", model.display()))?;
-        let tok = find_tokenizer(&dir, tokenizer)?;
+            .with_context(|| format!("--model {}", flags.model.display()))?;
+        let tok = find_tokenizer(&dir, flags.tokenizer.as_deref())?;
         Ok(Inference {
             dir,
             shape,
