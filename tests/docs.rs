@@ -426,12 +426,37 @@ fn summary(path: &Path) -> String {
         }
         para.push_str(doc);
     }
+    let para = plain(&para);
     let end = para
         .match_indices(". ")
         .map(|(i, _)| i + 1)
         .find(|&i| !para[..i].ends_with("e.g.") && !para[..i].ends_with("i.e."))
         .unwrap_or(para.len());
     para[..end].to_string()
+}
+
+/// Rustdoc's links as their text: `[`Tracker`](super::tracker::Tracker)` and `[`Tracker`]`
+/// become `` `Tracker` `` (their targets are Rust paths, not files a page can link to).
+fn plain(doc: &str) -> String {
+    let mut out = String::new();
+    let mut rest = doc;
+    while let Some(open) = rest.find('[') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let Some(close) = after.find(']') else {
+            out.push_str(&rest[open..]);
+            return out;
+        };
+        out.push_str(&after[..close]);
+        rest = &after[close + 1..];
+        if rest.starts_with('(') {
+            if let Some(end) = rest.find(')') {
+                rest = &rest[end + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `name` then `text` wrapped at 100 columns, continued under the text's first column.
