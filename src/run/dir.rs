@@ -88,16 +88,15 @@ impl RunDir {
             .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
             .map(Path::to_path_buf)
             .collect();
-        fs::create_dir_all(path).with_context(|| match kind {
-            Kind::Run => format!(
-                "logging.dir: cannot create run directory {}; choose a writable logging.dir",
-                path.display()
-            ),
-            Kind::Checkpoints => format!(
-                "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
-                path.display()
-            ),
-        })?;
+        match kind {
+            Kind::Run => fs::create_dir_all(path).with_context(|| {
+                format!(
+                    "logging.dir: cannot create run directory {}; choose a writable logging.dir",
+                    path.display()
+                )
+            })?,
+            Kind::Checkpoints => super::checkpoints::create_root(path)?,
+        }
         let lock_path = path.join(kind.lock_file());
         let mut lock = File::options()
             .read(true)

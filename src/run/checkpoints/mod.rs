@@ -137,16 +137,21 @@ pub fn trainer_json(state: &TrainerState, files: &FileSums) -> Result<Vec<u8>> {
     Ok(serde_json::to_vec_pretty(&v)?)
 }
 
-/// Fails, with the fix, when `root` cannot hold checkpoints: creates it and a probe directory
-/// in it (removed again), with the errors `save` would give. Called before the first step, it
-/// reports an unwritable checkpoint.dir at start-up instead of at the first save.
-pub fn check_writable(root: &Path) -> Result<()> {
+/// Creates `root`, the checkpoint directory (and its parents), or says which setting to change.
+pub fn create_root(root: &Path) -> Result<()> {
     fs::create_dir_all(root).with_context(|| {
         format!(
             "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
             root.display()
         )
-    })?;
+    })
+}
+
+/// Fails, with the fix, when `root` cannot hold checkpoints: creates it and a probe directory
+/// in it (removed again), with the errors `save` would give. Called before the first step, it
+/// reports an unwritable checkpoint.dir at start-up instead of at the first save.
+pub fn check_writable(root: &Path) -> Result<()> {
+    create_root(root)?;
     let probe = root.join("step_write_test.tmp");
     fs::create_dir(&probe)
         .or_else(|e| match e.kind() {

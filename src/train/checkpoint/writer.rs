@@ -408,12 +408,7 @@ fn host_buffer(t: &Tensor) -> Tensor {
 /// Rank 0: creates `root` and the staging directory of `dest`, after removing what
 /// interrupted saves left.
 fn begin_save(root: &Path, dest: &Path) -> Result<AtomicDir> {
-    fs::create_dir_all(root).with_context(|| {
-        format!(
-            "checkpoint.dir {}: cannot create the directory; choose a writable checkpoint.dir",
-            root.display()
-        )
-    })?;
+    checkpoints::create_root(root)?;
     let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("");
     remove_stale(root, name)?;
     AtomicDir::begin(dest).with_context(|| {
