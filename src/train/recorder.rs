@@ -77,14 +77,19 @@ pub struct About<'a> {
 
 impl About<'_> {
     /// The trackers' `lockstep` config entry (and MLflow's `lockstep.*` tags).
-    fn describe(&self, resolved: &Resolved, rank: &Rank, run_dir: &Path) -> serde_json::Value {
-        let t = &resolved.config.training;
+    fn describe(
+        &self,
+        resolved: &Resolved,
+        rank: &Rank,
+        run_dir: &Path,
+        tokens_per_step: usize,
+    ) -> serde_json::Value {
         json!({
             "version": env!("CARGO_PKG_VERSION"),
             "world_size": rank.place.world,
             "preset": resolved.preset,
             "parameters": self.shape.num_parameters(),
-            "tokens_per_step": t.batch_size * t.grad_accum_nums * rank.mesh.data() * t.context_length,
+            "tokens_per_step": tokens_per_step,
             "device": format!("{:?}", rank.device),
             "data": self.data,
             "run_dir": std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
@@ -129,6 +134,9 @@ impl Recorder {
     ) -> Result<Recorder> {
         let cfg = &resolved.config;
         let t = &cfg.training;
+        // Tokens per step: the data ranks' (a tensor-parallel group shares its micro-batches).
+        let tokens_per_step =
+            t.batch_size * t.grad_accum_nums * rank.mesh.data() * t.context_length;
         let records = if rank.lead() {
             let tensorboard = if cfg.logging.tensorboard {
                 let tb_dir = run_dir.join("tensorboard");
@@ -168,7 +176,7 @@ impl Recorder {
                 resolved,
                 &rank.tag,
                 run_dir,
-                about.describe(resolved, rank, run_dir),
+                about.describe(resolved, rank, run_dir, tokens_per_step),
                 resumed_at > 0,
             );
             Some(Records {
@@ -183,8 +191,6 @@ impl Recorder {
             None
         };
         let world = rank.place.world;
-        // Tokens per step: the data ranks' (a tensor-parallel group shares its micro-batches).
-        let data = rank.mesh.data();
         Ok(Recorder {
             tag: rank.tag.clone(),
             device: rank.device,
@@ -194,7 +200,7 @@ impl Recorder {
             verbose: cfg.logging.verbose,
             world,
             max_steps: t.max_steps,
-            tokens_per_step: (t.batch_size * t.grad_accum_nums * data * t.context_length) as f64,
+            tokens_per_step: tokens_per_step as f64,
             mfu_basis: mfu_basis.map(|(flops, peak)| (flops, peak * world as f64)),
             records,
             window: Window::new(),
