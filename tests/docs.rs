@@ -481,43 +481,22 @@ fn entry(name: &str, text: &str, out: &mut String) {
     out.push('\n');
 }
 
-/// Every source file under `dir` (relative to it), sorted, a folder's mod.rs first.
-fn rust_files(dir: &Path, rel: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort_by_key(|p| (p.file_name().unwrap() != "mod.rs", p.is_dir(), p.clone()));
-    for p in entries {
-        let name = rel.join(p.file_name().unwrap());
-        if p.is_dir() {
-            rust_files(&p, &name, out);
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            out.push(name);
-        }
-    }
-}
-
 /// The tree of src/, folder by folder in layer order, each file with the first sentence of its
 /// module docs.
 fn layout() -> String {
     let src = common::root().join("src");
     let mut out = String::new();
     for layer in LAYERS {
-        let mut files = Vec::new();
-        if layer.is_empty() {
-            let mut top: Vec<PathBuf> = std::fs::read_dir(&src)
-                .unwrap()
-                .map(|e| e.unwrap().path())
-                .filter(|p| p.is_file())
-                .map(|p| PathBuf::from(p.file_name().unwrap()))
-                .collect();
-            top.sort();
-            files = top;
+        let files: Vec<PathBuf> = if layer.is_empty() {
+            // The files beside the folders: those without a folder in their path.
+            common::rust_files(&src)
+                .into_iter()
+                .filter(|f| f.parent() == Some(Path::new("")))
+                .collect()
         } else {
-            rust_files(&src.join(layer), Path::new(""), &mut files);
             out.push_str(&format!("\nsrc/{layer}/\n"));
-        }
+            common::rust_files(&src.join(layer))
+        };
         let base = src.join(layer);
         for f in files {
             let name = if layer.is_empty() {

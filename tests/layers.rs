@@ -139,18 +139,7 @@ struct Tree {
 
 fn tree() -> Tree {
     let src = common::root().join("src");
-    let mut rels = Vec::new();
-    let mut stack = vec![src.clone()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                rels.push(p.strip_prefix(&src).unwrap().to_path_buf());
-            }
-        }
-    }
+    let rels = common::rust_files(&src);
     let files: BTreeMap<Vec<String>, PathBuf> =
         rels.iter().map(|r| (module_of(r), r.clone())).collect();
     // The file of the longest prefix of `path` that is a module.

@@ -488,3 +488,25 @@ pub fn assert_bitwise_equal_checkpoints(a: &Path, b: &Path) {
         );
     }
 }
+
+/// Every Rust source file under `dir`, relative to it: sorted, a folder's mod.rs first.
+pub fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    fn walk(dir: &Path, rel: &Path, out: &mut Vec<PathBuf>) {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        entries.sort_by_key(|p| (p.file_name().unwrap() != "mod.rs", p.is_dir(), p.clone()));
+        for p in entries {
+            let name = rel.join(p.file_name().unwrap());
+            if p.is_dir() {
+                walk(&p, &name, out);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(name);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, Path::new(""), &mut out);
+    out
+}
