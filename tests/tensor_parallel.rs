@@ -607,7 +607,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         .collect();
     let world = c.tp * c.data;
     let runs = each_rank(world, |pg| {
-        let mesh = Mesh::new(pg.rank(), world, c.tp, c.shard);
+        let mesh = Mesh::new(pg.rank(), world, c.tp, 1, c.shard);
         let groups = mesh.groups(&mut *pg).unwrap();
         let (tensor, data) = (groups.tensor.unwrap(), groups.data.unwrap());
         let comm = GroupComm::new(tensor.clone()).unwrap();

@@ -8,6 +8,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut bad = |msg: String| problems.push(msg);
     check_shape(c, &mut bad);
     check_tensor_parallel_static(c, &mut bad);
+    check_context_parallel_static(c, &mut bad);
     check_ranges(c, &mut bad);
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
@@ -99,6 +100,46 @@ fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
              system.sequence_parallel = false",
             t.context_length,
             t.context_length.next_multiple_of(tp)
+        ));
+    }
+}
+
+/// Context parallelism against the context (the world is checked by `check_world`): 2C chunks
+/// of equal length per sequence, and with sequence parallelism a rank's tokens split by T.
+fn check_context_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
+    let (s, t) = (&c.system, &c.training);
+    let cp = s.context_parallel;
+    if cp <= 1 {
+        return;
+    }
+    let ctx = t.context_length;
+    if !ctx.is_multiple_of(2 * cp) {
+        let valid: Vec<String> = (2..=ctx.min(64))
+            .filter(|c| ctx.is_multiple_of(2 * c))
+            .map(|c| c.to_string())
+            .collect();
+        bad(format!(
+            "system.context_parallel = {cp} cuts every sequence into 2 × {cp} = {} chunks, and \
+             training.context_length = {ctx} is not a multiple of {}: use a context of a \
+             multiple of {} (e.g. {}), or a context_parallel whose double divides {ctx}: {}",
+            2 * cp,
+            2 * cp,
+            2 * cp,
+            ctx.next_multiple_of(2 * cp),
+            if valid.is_empty() { "none".to_string() } else { valid.join(", ") }
+        ));
+        return;
+    }
+    let tp = s.tensor_parallel.max(1);
+    if tp > 1 && s.sequence_parallel && !(ctx / cp).is_multiple_of(tp) {
+        bad(format!(
+            "system.sequence_parallel splits each rank's {} tokens per sequence \
+             (training.context_length = {ctx} over system.context_parallel = {cp}) among \
+             system.tensor_parallel = {tp} ranks, which does not divide them: use a context of \
+             a multiple of {} (e.g. {}), or set system.sequence_parallel = false",
+            ctx / cp,
+            cp * tp,
+            ctx.next_multiple_of(2 * cp * tp),
         ));
     }
 }
@@ -389,7 +430,32 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
             valid.join(", ")
         )));
     }
-    // The ranks the state is sharded and replicated over: one per TP group.
+    let cp = c.system.context_parallel.max(1);
+    let ranks = world / tp;
+    if cp > 1 && (world == 1 || !ranks.is_multiple_of(cp)) {
+        let ctx = c.training.context_length;
+        let valid: Vec<String> = (1..=ranks)
+            .filter(|c| ranks.is_multiple_of(*c) && ctx.is_multiple_of(2 * c))
+            .map(|c| c.to_string())
+            .collect();
+        let over = if tp > 1 {
+            format!("the {ranks} ranks left over system.tensor_parallel = {tp} (of {world})")
+        } else {
+            format!("the number of ranks, {world}")
+        };
+        let one = if world == 1 {
+            "; one rank has no group to split a sequence over: launch several ranks \
+             (`lockstep run --nproc 2`) or set system.context_parallel = 1"
+        } else {
+            ""
+        };
+        return Err(ConfigError(format!(
+            "system.context_parallel = {cp}: must divide {over}; valid here: {}{one}",
+            valid.join(", ")
+        )));
+    }
+    // The ranks the state is sharded and replicated over: one per TP group (data × context:
+    // the C ranks of a CP group hold the same parameters).
     let data = world / tp;
     let degree = match c.system.shard_degree {
         0 => data,

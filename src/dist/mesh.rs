@@ -1,10 +1,13 @@
-//! The parallel mesh: world = data × tensor ranks, tensor parallelism innermost.
+//! The parallel mesh: world = data × context × tensor ranks, tensor parallelism innermost,
+//! then context parallelism.
 //!
-//! Rank r sits at (data index r / T, tensor index r % T): the T consecutive ranks of one
-//! data index share every layer (keep them inside a node), and the D = world / T ranks with
-//! the same tensor index hold the same parts of the layers and are what data parallelism —
-//! ZeRO stages, hybrid sharding, gradient averaging — works across. [`Mesh::groups`] forms
-//! this rank's groups (subgroups of the world group, through the same store).
+//! Rank r sits at (data index r / (C·T), context index (r / T) % C, tensor index r % T): the T
+//! consecutive ranks of one (data, context) index share every layer (keep them inside a
+//! node); the C ranks of one data and tensor index split every sequence between them and read
+//! the same samples; the D·C ranks with the same tensor index — the replicas — hold the same
+//! parts of the layers and are what data parallelism (ZeRO stages, hybrid sharding, gradient
+//! averaging) works across. [`Mesh::groups`] forms this rank's groups (subgroups of the world
+//! group, through the same store).
 
 use std::sync::{Arc, Mutex};
 
@@ -19,8 +22,10 @@ pub struct Mesh {
     pub world: usize,
     /// T: ranks per tensor-parallel group.
     pub tensor: usize,
-    /// Hybrid sharding: data-parallel ranks per shard group (`system.shard_degree`, resolved:
-    /// all of them when it is 0).
+    /// C: ranks per context-parallel group.
+    pub context: usize,
+    /// Hybrid sharding: replicas per shard group (`system.shard_degree`, resolved: all of them
+    /// when it is 0).
     pub shard: usize,
 }
 
@@ -29,38 +34,47 @@ pub struct Mesh {
 pub struct MeshGroups {
     /// The T ranks that split the layers with this one (T > 1).
     pub tensor: Option<SharedGroup>,
-    /// The ranks data parallelism works across (T > 1: the D ranks of this tensor index).
+    /// The C ranks that split the sequences with this one (C > 1).
+    pub context: Option<SharedGroup>,
+    /// The replicas data parallelism works across (T > 1: the D·C ranks of this tensor index).
     pub data: Option<SharedGroup>,
-    /// Hybrid sharding (shard < D): the shard group and the replica group inside the data
-    /// ranks, and which shard group this rank is in.
+    /// Hybrid sharding (shard < D·C): the shard group and the replica group inside the
+    /// replicas, and which shard group this rank is in.
     pub hybrid: Option<(SharedGroup, SharedGroup, usize)>,
 }
 
 impl Mesh {
-    /// `tensor` must divide `world`, and `shard` the data ranks (`config::check_world`
-    /// checks both with the keys named).
-    pub fn new(rank: usize, world: usize, tensor: usize, shard: usize) -> Mesh {
-        let tensor = tensor.max(1);
+    /// `tensor` × `context` must divide `world`, and `shard` the replicas
+    /// (`config::check_world` checks them with the keys named).
+    pub fn new(rank: usize, world: usize, tensor: usize, context: usize, shard: usize) -> Mesh {
+        let (tensor, context) = (tensor.max(1), context.max(1));
         assert!(
-            world.is_multiple_of(tensor) && rank < world,
-            "internal: mesh of {world} ranks with T = {tensor}"
+            world.is_multiple_of(tensor * context) && rank < world,
+            "internal: mesh of {world} ranks with T = {tensor}, C = {context}"
         );
-        let data = world / tensor;
-        let shard = if shard == 0 { data } else { shard };
+        let replicas = world / tensor;
+        let shard = if shard == 0 { replicas } else { shard };
         assert!(
-            data.is_multiple_of(shard),
-            "internal: shard groups of {shard} among {data} data ranks"
+            replicas.is_multiple_of(shard),
+            "internal: shard groups of {shard} among {replicas} replicas"
         );
         Mesh {
             rank,
             world,
             tensor,
+            context,
             shard,
         }
     }
 
-    /// D: the data-parallel ranks.
+    /// D: the data-parallel ranks, each reading its own samples.
     pub fn data(&self) -> usize {
+        self.world / (self.tensor * self.context)
+    }
+
+    /// D·C: the ranks that hold the same parameters as this one (one per TP group), which
+    /// ZeRO stages shard the state over and gradients are averaged across.
+    pub fn replicas(&self) -> usize {
         self.world / self.tensor
     }
 
@@ -69,31 +83,52 @@ impl Mesh {
         self.rank % self.tensor
     }
 
+    /// This rank's position in its context-parallel group: which chunks of a sequence it holds.
+    pub fn context_rank(&self) -> usize {
+        (self.rank / self.tensor) % self.context
+    }
+
     /// This rank's position among the data-parallel ranks (what the sampler deals to).
     pub fn data_rank(&self) -> usize {
+        self.rank / (self.tensor * self.context)
+    }
+
+    /// This rank's position among the replicas.
+    pub fn replica_rank(&self) -> usize {
         self.rank / self.tensor
+    }
+
+    /// Whether this rank speaks for its samples: the first of its TP and CP groups, whose
+    /// ranks all compute the same loss.
+    pub fn leads_its_samples(&self) -> bool {
+        self.tensor_rank() == 0 && self.context_rank() == 0
     }
 
     /// World ranks of this rank's tensor-parallel group.
     pub fn tensor_members(&self) -> Vec<usize> {
-        let first = self.data_rank() * self.tensor;
+        let first = self.replica_rank() * self.tensor;
         (first..first + self.tensor).collect()
     }
 
-    /// World ranks of the data-parallel ranks at data indices `indices`, at this rank's
-    /// tensor index.
-    fn at_data(&self, indices: impl Iterator<Item = usize>) -> Vec<usize> {
+    /// World ranks of this rank's context-parallel group.
+    pub fn context_members(&self) -> Vec<usize> {
+        let first = self.data_rank() * self.context * self.tensor + self.tensor_rank();
+        (0..self.context).map(|c| first + c * self.tensor).collect()
+    }
+
+    /// World ranks of the replicas at replica indices `indices`, at this rank's tensor index.
+    fn at_replicas(&self, indices: impl Iterator<Item = usize>) -> Vec<usize> {
         indices
             .map(|d| d * self.tensor + self.tensor_rank())
             .collect()
     }
 
     /// World ranks data parallelism works across with this one.
-    pub fn data_members(&self) -> Vec<usize> {
-        self.at_data(0..self.data())
+    pub fn replica_members(&self) -> Vec<usize> {
+        self.at_replicas(0..self.replicas())
     }
 
-    /// A hybrid-sharding group's tag: `shard1`, or `shard1.3` at tensor index 3.
+    /// A group's tag: `shard1`, or `shard1.3` at tensor index 3.
     fn tag(&self, kind: &str, index: usize) -> String {
         if self.tensor == 1 {
             format!("{kind}{index}")
@@ -103,7 +138,8 @@ impl Mesh {
     }
 
     /// Forms this rank's groups, every rank of `pg` (the world group) together: the tensor
-    /// groups, the data groups, then hybrid sharding's shard and replica groups.
+    /// groups, the replica groups, the context groups, then hybrid sharding's shard and
+    /// replica groups.
     pub fn groups(&self, pg: &mut dyn ProcessGroup) -> Result<MeshGroups> {
         anyhow::ensure!(
             pg.world_size() == self.world && pg.rank() == self.rank,
@@ -114,22 +150,28 @@ impl Mesh {
             pg.world_size()
         );
         let shared = |g: Box<dyn ProcessGroup>| -> SharedGroup { Arc::new(Mutex::new(g)) };
-        let (data_rank, tensor_rank) = (self.data_rank(), self.tensor_rank());
+        let (replica_rank, tensor_rank) = (self.replica_rank(), self.tensor_rank());
         let (tensor, data) = if self.tensor > 1 {
-            let t = pg.subgroup(&self.tensor_members(), &format!("tp{data_rank}"))?;
-            let d = pg.subgroup(&self.data_members(), &format!("dp{tensor_rank}"))?;
+            let t = pg.subgroup(&self.tensor_members(), &format!("tp{replica_rank}"))?;
+            let d = pg.subgroup(&self.replica_members(), &format!("dp{tensor_rank}"))?;
             (Some(shared(t)), Some(shared(d)))
         } else {
             (None, None)
         };
-        let hybrid = if self.shard < self.data() {
-            let index = data_rank / self.shard;
+        let context = if self.context > 1 {
+            let tag = self.tag("cp", self.data_rank());
+            Some(shared(pg.subgroup(&self.context_members(), &tag)?))
+        } else {
+            None
+        };
+        let hybrid = if self.shard < self.replicas() {
+            let index = replica_rank / self.shard;
             let first = index * self.shard;
-            let members = self.at_data(first..first + self.shard);
+            let members = self.at_replicas(first..first + self.shard);
             let shard = pg.subgroup(&members, &self.tag("shard", index))?;
-            let position = data_rank % self.shard;
-            let groups = self.data() / self.shard;
-            let members = self.at_data((0..groups).map(|g| g * self.shard + position));
+            let position = replica_rank % self.shard;
+            let groups = self.replicas() / self.shard;
+            let members = self.at_replicas((0..groups).map(|g| g * self.shard + position));
             let replica = pg.subgroup(&members, &self.tag("replica", position))?;
             Some((shared(shard), shared(replica), index))
         } else {
@@ -137,6 +179,7 @@ impl Mesh {
         };
         Ok(MeshGroups {
             tensor,
+            context,
             data,
             hybrid,
         })
@@ -150,21 +193,40 @@ mod tests {
     #[test]
     fn tensor_parallelism_is_innermost() {
         // 8 ranks = 2 data × 4 tensor.
-        let m = Mesh::new(6, 8, 4, 0);
+        let m = Mesh::new(6, 8, 4, 1, 0);
         assert_eq!((m.data_rank(), m.tensor_rank()), (1, 2));
         assert_eq!(m.tensor_members(), [4, 5, 6, 7]);
-        assert_eq!(m.data_members(), [2, 6]);
+        assert_eq!(m.replica_members(), [2, 6]);
         assert_eq!((m.data(), m.shard), (2, 2));
         // 16 ranks = 4 data × 4 tensor, shard groups of 2 data ranks.
-        let m = Mesh::new(13, 16, 4, 2);
+        let m = Mesh::new(13, 16, 4, 1, 2);
         assert_eq!((m.data_rank(), m.tensor_rank()), (3, 1));
-        assert_eq!(m.data_members(), [1, 5, 9, 13]);
+        assert_eq!(m.replica_members(), [1, 5, 9, 13]);
     }
 
     #[test]
     fn without_tensor_parallelism_the_data_ranks_are_the_world() {
-        let m = Mesh::new(3, 4, 1, 0);
-        assert_eq!(m.data_members(), [0, 1, 2, 3]);
+        let m = Mesh::new(3, 4, 1, 1, 0);
+        assert_eq!(m.replica_members(), [0, 1, 2, 3]);
         assert_eq!(m.tensor_members(), [3]);
+        assert_eq!(m.context_members(), [3]);
+    }
+
+    #[test]
+    fn context_parallelism_sits_between_data_and_tensor() {
+        // 16 ranks = 2 data × 2 context × 4 tensor: rank 13 = data 1, context 1, tensor 1.
+        let m = Mesh::new(13, 16, 4, 2, 0);
+        assert_eq!((m.data_rank(), m.context_rank(), m.tensor_rank()), (1, 1, 1));
+        assert_eq!(m.tensor_members(), [12, 13, 14, 15]);
+        assert_eq!(m.context_members(), [9, 13]);
+        // The replicas: every rank of tensor index 1, across data and context.
+        assert_eq!(m.replica_members(), [1, 5, 9, 13]);
+        assert_eq!((m.data(), m.replicas(), m.shard), (2, 4, 4));
+        assert!(!m.leads_its_samples());
+        assert!(Mesh::new(8, 16, 4, 2, 0).leads_its_samples());
+        // Without tensor parallelism a CP group is C consecutive ranks.
+        let m = Mesh::new(5, 8, 1, 4, 0);
+        assert_eq!((m.data_rank(), m.context_rank()), (1, 1));
+        assert_eq!(m.context_members(), [4, 5, 6, 7]);
     }
 }

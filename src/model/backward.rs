@@ -56,7 +56,7 @@ use torch_sys::C_tensor;
 
 use super::documents::DocumentMask;
 use super::llama::Llama;
-use super::units::{chunks, counted_targets, wide, GradUnit, UnitEvents};
+use super::units::{chunks, wide, GradUnit, UnitEvents};
 pub use crate::config::ActivationCheckpointing;
 use crate::sys::phase::{self, Phase};
 
@@ -91,12 +91,19 @@ pub(super) fn leaf(x: &Tensor) -> Tensor {
 /// Back-propagates `grad` from `root` (whose graph is then freed), accumulating into the
 /// `.grad` of the leaves behind it.
 pub(super) fn backward_from(root: &Tensor, grad: &Tensor) -> Result<()> {
-    let roots = [root.as_ptr() as *mut C_tensor];
-    let grads = [grad.as_ptr() as *mut C_tensor];
-    // SAFETY: both pointers are live tch tensor handles (`at::Tensor*`) borrowed for the call;
+    backward_from_many(&[root], &[grad])
+}
+
+/// [`backward_from`] of several roots of one graph at once (each with its gradient), so that
+/// what they share is back-propagated once, with the sum of what reaches it.
+pub(super) fn backward_from_many(roots: &[&Tensor], grads: &[&Tensor]) -> Result<()> {
+    assert_eq!(roots.len(), grads.len(), "internal: a gradient per root");
+    let roots: Vec<*mut C_tensor> = roots.iter().map(|t| t.as_ptr() as *mut C_tensor).collect();
+    let grads: Vec<*mut C_tensor> = grads.iter().map(|t| t.as_ptr() as *mut C_tensor).collect();
+    // SAFETY: every pointer is a live tch tensor handle (`at::Tensor*`) borrowed for the call;
     // the shim catches every C++ exception.
     crate::sys::ffi::call(|err| unsafe {
-        lockstep_backward(roots.as_ptr(), grads.as_ptr(), 1, err)
+        lockstep_backward(roots.as_ptr(), grads.as_ptr(), roots.len(), err)
     })
     .map_err(|e| anyhow::anyhow!("backward failed: {e}"))
 }
@@ -119,7 +126,30 @@ impl Llama {
     /// gradients for this micro-batch are complete, in the order of the module docs; an error
     /// from it stops the pass; `units.before`/`after` bracket every use of a unit's parameters.
     /// Returns the unscaled mean loss (0-dim fp32, no graph).
+    ///
+    /// With context parallelism every rank of the group passes the same rows and computes on
+    /// its chunks of them: the loss is the whole sequence's mean, and each rank's gradients are
+    /// C times its tokens' part of that mean's, so that the group's mean is the gradient (as
+    /// for data-parallel ranks, which the optimizer averages over together with them).
     pub fn forward_backward(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+        loss_scale: f64,
+        units: &mut dyn UnitEvents,
+    ) -> Result<Tensor> {
+        if let Some(cp) = &self.cp {
+            let (inputs, targets) = cp.begin(inputs, targets, docs)?;
+            let loss = self.forward_backward_local(&inputs, &targets, None, loss_scale, units)?;
+            cp.end()?;
+            return Ok(loss);
+        }
+        self.forward_backward_local(inputs, targets, docs, loss_scale, units)
+    }
+
+    /// [`Llama::forward_backward`] of the tokens this rank holds.
+    fn forward_backward_local(
         &self,
         inputs: &Tensor,
         targets: &Tensor,
@@ -138,7 +168,7 @@ impl Llama {
         let mut kept = Vec::with_capacity(self.num_layers());
         for i in 0..self.num_layers() {
             units.before(GradUnit::Layer(i))?;
-            let (k, out) = self.layer_forward(&x, i, docs);
+            let (k, out) = self.layer_forward(&x, i, docs)?;
             units.after(GradUnit::Layer(i))?;
             kept.push(k);
             x = out;
@@ -189,29 +219,37 @@ impl Llama {
 
     /// Layer `i`'s forward on the residual stream `x` (no history): what it keeps for its
     /// backward, and its output (no history).
-    fn layer_forward(&self, x: &Tensor, i: usize, docs: Option<&DocumentMask>) -> (Kept, Tensor) {
-        match self.activation_memory().checkpointing {
+    fn layer_forward(
+        &self,
+        x: &Tensor,
+        i: usize,
+        docs: Option<&DocumentMask>,
+    ) -> Result<(Kept, Tensor)> {
+        Ok(match self.activation_memory().checkpointing {
             ActivationCheckpointing::None => {
                 let input = leaf(x);
-                let output = self.decoder_layer(&input, i, docs);
+                let output = self.decoder_layer(&input, i, docs)?;
                 let next = output.detach();
                 (Kept::Graph { input, output }, next)
             }
             ActivationCheckpointing::Full => {
-                let next = tch::no_grad(|| self.decoder_layer(x, i, docs));
+                let next = tch::no_grad(|| self.decoder_layer(x, i, docs))?;
                 (Kept::Input(x.shallow_clone()), next)
             }
             ActivationCheckpointing::Selective => {
                 let input = leaf(x);
-                let middle = self.attention_block(&input, i, docs);
+                let middle = self.attention_block(&input, i, docs)?;
                 let next = tch::no_grad(|| self.mlp_block(&middle, i));
                 (Kept::Attention { input, middle }, next)
             }
-        }
+        })
     }
 
     /// Layer `i`'s backward: the gradient w.r.t. its output in, w.r.t. its input out; its
-    /// parameters' gradients accumulate on the way (recomputing what was not kept).
+    /// parameters' gradients accumulate on the way (recomputing what was not kept). With
+    /// context parallelism the graph from the input ends at the attention output and the
+    /// attention's own backward (`finish_attention`) continues it from there; the input's
+    /// gradient is complete after both.
     fn layer_backward(
         &self,
         kept: Kept,
@@ -222,12 +260,14 @@ impl Llama {
         match kept {
             Kept::Graph { input, output } => {
                 backward_from(&output, grad)?;
+                self.finish_attention()?;
                 grad_of(&input)
             }
             Kept::Input(x) => {
                 let input = leaf(&x);
-                let output = self.decoder_layer(&input, i, docs);
+                let output = self.decoder_layer(&input, i, docs)?;
                 backward_from(&output, grad)?;
+                self.finish_attention()?;
                 grad_of(&input)
             }
             Kept::Attention { input, middle } => {
@@ -235,6 +275,7 @@ impl Llama {
                 let output = self.mlp_block(&mid, i);
                 backward_from(&output, grad)?;
                 backward_from(&middle, &grad_of(&mid)?)?;
+                self.finish_attention()?;
                 grad_of(&input)
             }
         }
@@ -263,11 +304,11 @@ impl Llama {
         let normed = self.final_norm(&top);
         let hidden = normed.detach().view([-1, normed.size()[2]]);
         let targets = targets.reshape([-1]);
-        let count = counted_targets(&targets);
+        let count = self.counted_targets(&targets)?;
         // d(loss_scale · Σ chunk sums / count) / d(chunk sum).
         let compute = self.compute();
         let kind = wide(compute);
-        let grad_scale = (loss_scale / &count).to_kind(kind);
+        let grad_scale = (loss_scale * self.gradient_share() / &count).to_kind(kind);
         let weight = self.head_weight();
         let grad_hidden = hidden.empty_like();
         let mut head_grad = HeadGradient::new(weight, kind);
@@ -299,7 +340,7 @@ impl Llama {
         backward_from(&normed, &grad_hidden.view_as(&normed))?;
         units.grads_final(GradUnit::FinalNorm)?;
         units.after(GradUnit::FinalNorm)?;
-        Ok((loss_sum, grad_of(&top)?))
+        Ok((self.sequence_loss(loss_sum)?, grad_of(&top)?))
     }
 }
 

@@ -92,6 +92,12 @@ impl DocumentMask {
         })
     }
 
+    /// Document number of every token within its row: [batch, seq] int64 (context parallelism
+    /// builds its blocks' masks from it).
+    pub fn doc_ids(&self) -> &Tensor {
+        &self.doc_ids
+    }
+
     /// Cumulative piece lengths over the flattened batch (int32) and the longest piece: the
     /// `cu_seqlens` / `max_seqlen` of variable-length attention.
     pub fn cu_seqlens(&self) -> (&Tensor, i64) {

@@ -10,6 +10,7 @@
 use tch::nn::{Init, Path};
 use tch::{Kind, Reduction, Tensor};
 
+use super::context_parallel::ContextParallel;
 use super::documents::DocumentMask;
 use super::flash;
 use super::rope::Rope;
@@ -48,6 +49,9 @@ pub struct Llama {
     kv_heads: usize,
     /// Tensor parallelism: this rank's place in its group and the group's collectives.
     pub(super) tp: Option<TensorParallel>,
+    /// Context parallelism: this rank's place in its group, the group's collectives and the
+    /// micro-batch in flight.
+    pub(super) cp: Option<ContextParallel>,
 }
 
 /// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
@@ -226,6 +230,7 @@ impl Llama {
             heads: s.num_heads / parts,
             kv_heads: s.num_kv_heads / parts,
             tp,
+            cp: None,
             shape: s.clone(),
             embed_tokens,
             layers,
@@ -245,6 +250,10 @@ impl Llama {
     /// `forward` of packed rows whose documents attend only within themselves and/or restart
     /// their positions, as `docs` says (None = plain causal rows).
     pub fn forward_with(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
+        assert!(
+            self.cp.is_none(),
+            "internal: logits of a context-parallel rank (its loss is `loss_with`)"
+        );
         let hidden = self.hidden(tokens, docs, &mut NoEvents);
         self.lm_head(&hidden.expect("no events, no errors"))
     }
@@ -266,7 +275,7 @@ impl Llama {
         units.after(GradUnit::Embedding)?;
         for i in 0..self.layers.len() {
             units.before(GradUnit::Layer(i))?;
-            x = self.decoder_layer(&x, i, docs);
+            x = self.decoder_layer(&x, i, docs)?;
             units.after(GradUnit::Layer(i))?;
         }
         units.before(GradUnit::FinalNorm)?;
@@ -293,8 +302,8 @@ impl Llama {
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
-    ) -> Tensor {
-        self.mlp_block(&self.attention_block(x, i, docs), i)
+    ) -> anyhow::Result<Tensor> {
+        Ok(self.mlp_block(&self.attention_block(x, i, docs)?, i))
     }
 
     /// `x` + attention(RMSNorm(x)) of layer `i`: the first half of a decoder layer.
@@ -303,12 +312,12 @@ impl Llama {
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
-    ) -> Tensor {
+    ) -> anyhow::Result<Tensor> {
         let layer = &self.layers[i];
         let h = self.rms_norm(x, &layer.input_layernorm);
         // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor autograd
         // saved for backward.
-        x + self.attention(&h, layer, docs)
+        Ok(x + self.attention(&h, layer, docs)?)
     }
     /// `x` + SwiGLU(RMSNorm(x)) of layer `i`: the second half of a decoder layer.
     pub(super) fn mlp_block(&self, x: &Tensor, i: usize) -> Tensor {
@@ -409,6 +418,22 @@ impl Llama {
         docs: Option<&DocumentMask>,
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
+        if let Some(cp) = &self.cp {
+            let (inputs, targets) = cp.begin(inputs, targets, docs)?;
+            return self.loss_local(&inputs, &targets, None, units);
+        }
+        self.loss_local(inputs, targets, docs, units)
+    }
+
+    /// `loss_units` of the tokens this rank holds (with context parallelism, its chunks: the
+    /// mean is still the whole sequence's).
+    fn loss_local(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<Tensor> {
         if self.tp.is_some() {
             return self.loss_split(inputs, targets, docs, units);
         }
@@ -416,7 +441,7 @@ impl Llama {
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
         let targets = targets.reshape([-1]);
-        let count = counted_targets(&targets);
+        let count = self.counted_targets(&targets)?;
         let mut total: Option<Tensor> = None;
         units.before(self.head_unit())?;
         for (start, len) in chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
@@ -428,7 +453,34 @@ impl Llama {
             });
         }
         units.after(self.head_unit())?;
-        Ok(total.expect("at least one token") / count)
+        self.sequence_loss(total.expect("at least one token") / count)
+    }
+
+    /// The targets a mean divides by (not -100), as an fp32 tensor: this rank's, or with
+    /// context parallelism the whole sequence's (the group's sum).
+    pub(super) fn counted_targets(&self, targets: &Tensor) -> anyhow::Result<Tensor> {
+        let count = counted_targets(targets);
+        match &self.cp {
+            Some(cp) => cp.sum(&count),
+            None => Ok(count),
+        }
+    }
+
+    /// What a rank's loss gradient is scaled by so that the gradients averaged over the ranks
+    /// that hold the same parameters are the step's: with context parallelism each rank's
+    /// tokens give a 1/C part of its sequence's gradient, so C × that part (the CP group's
+    /// mean is then its sum); 1 otherwise.
+    pub(super) fn gradient_share(&self) -> f64 {
+        self.cp.as_ref().map_or(1.0, |cp| cp.size as f64)
+    }
+
+    /// The mean loss of the whole sequence from this rank's part of it (its tokens' sum over
+    /// the whole count): itself, or with context parallelism the group's sum.
+    pub(super) fn sequence_loss(&self, part: Tensor) -> anyhow::Result<Tensor> {
+        match &self.cp {
+            Some(cp) => cp.sum(&part),
+            None => Ok(part),
+        }
     }
 
     /// Summed cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n].
@@ -445,6 +497,22 @@ impl Llama {
 
     pub fn set_activation_memory(&mut self, memory: ActivationMemory) {
         self.memory = memory;
+    }
+
+    /// Makes this model one rank of a context-parallel group: from here its training pass and
+    /// its loss take the group's same rows and compute on this rank's chunks of them
+    /// (context_parallel.rs).
+    pub fn set_context_parallel(&mut self, cp: ContextParallel) {
+        self.cp = Some(cp);
+    }
+
+    /// Finishes the backward of layer attention whose forward was cut out of the graph
+    /// (context parallelism; nothing otherwise): call after the graph above it has run.
+    pub(super) fn finish_attention(&self) -> anyhow::Result<()> {
+        match &self.cp {
+            Some(cp) => cp.finish(),
+            None => Ok(()),
+        }
     }
 
     pub(super) fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
@@ -501,7 +569,7 @@ impl Llama {
         docs: Option<&DocumentMask>,
     ) -> Tensor {
         let s = &self.shape;
-        let (b, t) = (q.size()[0], q.size()[2]);
+        let t = q.size()[2];
         let total = past as i64 + t;
         // Query head h reads kv head h / group. SDPA does the grouping itself (enable_gqa, as
         // transformers asks for it), which saves materialising repeated keys and values.
@@ -555,10 +623,7 @@ impl Llama {
                 math_attention(q, &repeat(k), &repeat(v), &masked)
             }
         };
-        let y = y
-            .transpose(1, 2)
-            .reshape([b, t, self.heads as i64 * s.head_dim() as i64]);
-        self.linear(&y, &layer.o_proj)
+        self.project(&y, layer)
     }
 
     pub(super) fn attention(
@@ -566,9 +631,25 @@ impl Llama {
         h: &Tensor,
         layer: &Layer,
         docs: Option<&DocumentMask>,
-    ) -> Tensor {
+    ) -> anyhow::Result<Tensor> {
+        if let Some(cp) = &self.cp {
+            // This rank's chunks of the sequence: positions and documents come from the
+            // micro-batch in flight (`ContextParallel::begin`).
+            let (q, k, v) = self.qkv(h, layer, 0, Some(&cp.positions()?));
+            let y = cp.attend(&q, &k, &v)?;
+            return Ok(self.project(&y, layer));
+        }
         let (q, k, v) = self.qkv(h, layer, 0, docs.and_then(DocumentMask::positions));
-        self.attend(&q, &k, &v, 0, layer, docs)
+        Ok(self.attend(&q, &k, &v, 0, layer, docs))
+    }
+
+    /// The output projection of attention heads `y` [b, heads, t, head_dim].
+    fn project(&self, y: &Tensor, layer: &Layer) -> Tensor {
+        let (b, t) = (y.size()[0], y.size()[2]);
+        let y = y
+            .transpose(1, 2)
+            .reshape([b, t, self.heads as i64 * self.shape.head_dim() as i64]);
+        self.linear(&y, &layer.o_proj)
     }
 
     /// `attention` for new tokens at positions pos..pos + t: their keys and values are written

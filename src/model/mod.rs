@@ -1,8 +1,10 @@
 //! The LLaMA model: shape, RoPE, the decoder (with packed-document attention), the training
-//! pass (forward + backward a layer at a time, activation checkpointing, the chunked LM head),
+//! pass (forward + backward a layer at a time, activation checkpointing, the chunked LM head,
+//! tensor and context parallelism),
 //! Hugging Face directories (load and write), and KV-cached generation.
 
 pub mod backward;
+mod context_parallel;
 #[cfg(test)]
 mod device_tests;
 pub mod documents;
@@ -17,6 +19,7 @@ mod tensor_parallel;
 pub mod units;
 
 pub use backward::ActivationCheckpointing;
+pub use context_parallel::ContextParallel;
 pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
 pub use shape::{AttentionBackend, LlamaShape};

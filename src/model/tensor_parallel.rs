@@ -50,7 +50,7 @@ use super::backward::{backward_from, grad_of, leaf, HeadGradient};
 use super::documents::DocumentMask;
 use super::llama::{Layer, Llama};
 use super::split::{padded, TensorParallel};
-use super::units::{chunks, counted_targets, GradUnit, UnitEvents};
+use super::units::{chunks, GradUnit, UnitEvents};
 use crate::sys::phase::{self, Phase};
 
 /// Which decoder half.
@@ -63,6 +63,7 @@ enum Half {
 /// A half's graph kept for its backward: its input (a leaf) and normed output, the gathered
 /// input of its matmuls (a leaf) and their partial output.
 struct HalfGraph {
+    half: Half,
     input: Tensor,
     normed: Tensor,
     gathered: Tensor,
@@ -135,15 +136,15 @@ impl Llama {
         layer: &Layer,
         docs: Option<&DocumentMask>,
         rows: Rows,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let d = gathered.size()[1];
-        match half {
+        Ok(match half {
             Half::Attention => {
                 let h = gathered.view([rows.batch, rows.seq, d]);
-                self.attention(&h, layer, docs).view([-1, d])
+                self.attention(&h, layer, docs)?.view([-1, d])
             }
             Half::Mlp => self.mlp(gathered, layer),
-        }
+        })
     }
 
     fn half_norm<'a>(&self, half: Half, layer: &'a Layer) -> &'a Tensor {
@@ -171,7 +172,7 @@ impl Llama {
             return tch::no_grad(|| {
                 let normed = self.rms_norm(x, self.half_norm(half, layer));
                 let gathered = tp.enter(&normed.to_kind(compute))?;
-                let partial = self.half_matmuls(half, &gathered, layer, docs, rows);
+                let partial = self.half_matmuls(half, &gathered, layer, docs, rows)?;
                 Ok((None, x + tp.leave(&partial)?))
             });
         }
@@ -180,9 +181,10 @@ impl Llama {
             .rms_norm(&input, self.half_norm(half, layer))
             .to_kind(compute);
         let gathered = leaf(&tp.enter(&normed.detach())?);
-        let partial = self.half_matmuls(half, &gathered, layer, docs, rows);
+        let partial = self.half_matmuls(half, &gathered, layer, docs, rows)?;
         let out = x + tp.leave(&partial.detach())?;
         let kept = HalfGraph {
+            half,
             input,
             normed,
             gathered,
@@ -198,6 +200,10 @@ impl Llama {
         // makes too, before the gather rather than after it, so bf16 travels.
         let d_partial = tp.leave_grad(&grad.to_kind(g.partial.kind()))?;
         backward_from(&g.partial, &d_partial)?;
+        if g.half == Half::Attention {
+            // Context parallelism: the graph above ended at the attention output.
+            self.finish_attention()?;
+        }
         let d_normed = tp.enter_grad(&grad_of(&g.gathered)?)?;
         backward_from(&g.normed, &d_normed.to_kind(g.normed.kind()))?;
         Ok(grad_of(&g.input)? + grad)
@@ -350,8 +356,9 @@ impl Llama {
         // All the micro-batch's tokens [n, hidden] (fp32), on every rank of the group.
         let hidden = tp.enter(&normed.detach())?;
         let targets = targets.reshape([-1]);
-        let count = counted_targets(&targets);
-        let grad_scale = (loss_scale.unwrap_or(0.0) / &count).to_kind(Kind::Float);
+        let count = self.counted_targets(&targets)?;
+        let share = self.gradient_share();
+        let grad_scale = (loss_scale.unwrap_or(0.0) * share / &count).to_kind(Kind::Float);
         let weight = self.head_weight();
         let compute = self.compute();
         let (start, real) = self.vocab_rows();
@@ -388,6 +395,7 @@ impl Llama {
             }
             Ok(())
         })?;
+        let loss_sum = self.sequence_loss(loss_sum)?;
         if !train {
             units.after(self.head_unit())?;
             units.after(GradUnit::FinalNorm)?;

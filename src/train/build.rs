@@ -1,8 +1,10 @@
 //! The model and its optimizer on this rank's place of the mesh: the parameters made (drawn
 //! from the seeded RNG in `Llama::new`'s order, so every rank draws the numbers one rank would,
 //! or read from `model.model_path`), split among the tensor-parallel ranks
-//! (`system.tensor_parallel`), and the optimizer over the data-parallel ranks
-//! (`system.zero_stage`, `system.shard_degree`, `system.reduce_dtype`).
+//! (`system.tensor_parallel`), the sequences split among the context-parallel ranks
+//! (`system.context_parallel`), and the optimizer over the replicas, the data × context ranks
+//! that hold the same parameters (`system.zero_stage`, `system.shard_degree`,
+//! `system.reduce_dtype`).
 
 use std::collections::HashMap;
 
@@ -19,7 +21,9 @@ use crate::config::Config;
 use crate::dist::buckets::broadcast_parameters;
 use crate::dist::{MeshGroups, ProcessGroup, SharedGroup};
 use crate::model::llama::{init_parameter, MakeParameter};
-use crate::model::{hf, ActivationMemory, Llama, LlamaShape, Split, TensorParallel};
+use crate::model::{
+    hf, ActivationMemory, ContextParallel, Llama, LlamaShape, Split, TensorParallel,
+};
 use crate::sys::phase::{self, Phase};
 
 /// A model, its parameters by name, and their optimizer.
@@ -57,7 +61,8 @@ pub fn build(
     faults::arm_model_build_oom(cfg, rank.device);
     phase::enter(Phase::ModelBuild);
     tch::manual_seed(cfg.system.seed as i64);
-    let groups = rank.mesh.groups(pg)?;
+    let mut groups = rank.mesh.groups(pg)?;
+    let context = groups.context.take();
     let part = groups.tensor.as_ref().map(|g| Part {
         group: g.clone(),
         rank: rank.mesh.tensor_rank(),
@@ -73,6 +78,11 @@ pub fn build(
         build_whole(cfg, shape, vs, compute, rank, pg, (groups, part))?
     };
     model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
+    if let Some(group) = context {
+        let comm = GroupComm::new(group)?;
+        let (at, size) = (rank.mesh.context_rank(), rank.mesh.context);
+        model.set_context_parallel(ContextParallel::new(at, size, Box::new(comm)));
+    }
     Ok(Built {
         model,
         params,

@@ -151,7 +151,7 @@ impl Validator {
                 Ok(())
             })?;
             counts.push(n);
-            sums.push(if mesh.tensor_rank() == 0 {
+            sums.push(if mesh.leads_its_samples() {
                 total as f32
             } else {
                 0.0

@@ -315,7 +315,7 @@ mod tests {
                     local_rank: r,
                     local_world: world,
                 },
-                mesh: crate::dist::Mesh::new(r, world, 1, 0),
+                mesh: crate::dist::Mesh::new(r, world, 1, 1, 0),
                 device: Device::Cpu,
                 tag: format!("[CPU{r}]"),
             };
@@ -390,7 +390,7 @@ mod tests {
         .config;
         let rank = Rank {
             place: Place::SINGLE,
-            mesh: crate::dist::Mesh::new(0, 1, 1, 0),
+            mesh: crate::dist::Mesh::new(0, 1, 1, 1, 0),
             device: Device::Cpu,
             tag: "[CPU0]".into(),
         };

@@ -48,5 +48,11 @@ impl Rank {
 /// ranks), checked against the world (`config::check_world`: a config error, exit 2).
 pub fn mesh(cfg: &Config, rank: usize, world: usize) -> Result<Mesh, ConfigError> {
     let degree = crate::config::check_world(cfg, world)?;
-    Ok(Mesh::new(rank, world, cfg.system.tensor_parallel, degree))
+    Ok(Mesh::new(
+        rank,
+        world,
+        cfg.system.tensor_parallel,
+        cfg.system.context_parallel,
+        degree,
+    ))
 }

@@ -771,7 +771,7 @@ mod tests {
                 local_rank: 0,
                 local_world,
             },
-            mesh: crate::dist::Mesh::new(0, local_world, 1, 0),
+            mesh: crate::dist::Mesh::new(0, local_world, 1, 1, 0),
             device: if cuda {
                 tch::Device::Cuda(0)
             } else {

@@ -1,0 +1,546 @@
+//! Context parallelism (`system.context_parallel` = C): the C ranks of a group split every
+//! sequence between them, so that a context whose activations do not fit on one rank trains.
+//!
+//! ## The split (Megatron's and PyTorch's load-balanced layout)
+//! A sequence of s tokens is cut into 2C chunks of m = s / 2C tokens; rank i holds chunks i and
+//! 2C−1−i, in that order: its 2m tokens (a rank's "local" tokens below). Under the causal
+//! mask chunk j attends to j + 1 chunks' keys, so every rank gets (i + 1) + (2C − i) = 2C + 1
+//! chunk-blocks of work: the same share. Everything but attention — the embedding, the norms,
+//! the MLP, the LM head and the loss — runs on the local tokens alone, unchanged. RoPE rotates
+//! each token for its position in the whole sequence (or in its document, with
+//! `data.reset_position_ids`). The loss is the mean over the whole sequence's targets: each
+//! rank divides its tokens' sum by the group's count, and the group adds the parts.
+//!
+//! ## Attention
+//! Forward: the group all-gathers K and V ([2, batch, kv_heads, 2m, head_dim] per rank, put
+//! back in sequence order), and each local query chunk j attends to its visible keys in two
+//! blocks: the chunks before it (all visible, or within the same document) and its own chunk
+//! (causal). Each block is one call of a fused attention kernel that also returns the
+//! log-sum-exp of its rows (libtorch's flash attention on CPU, memory-efficient attention on
+//! CUDA); the blocks are merged exactly: lse = log(e^lse₁ + e^lse₂), out = Σ e^(lseᵢ − lse)·outᵢ.
+//!
+//! Backward: each block's kernel backward is called with the merged output and log-sum-exp,
+//! which makes its dQ, dK and dV that block's exact share of the whole gradient (what ring
+//! attention's backward does). dK and dV of the whole sequence are summed into one buffer and
+//! reduce-scattered to the ranks that hold those tokens; K and V are gathered again rather
+//! than kept (a layer's graph then holds its local 2m tokens only, not the group's s).
+//!
+//! Per layer and micro-batch: one all-gather forward, one all-gather and one reduce-scatter
+//! backward, each (C − 1)/C · 2 · kv_heads · head_dim values per token; full recomputation
+//! (`activation_checkpointing = full`) runs the forward's again.
+//!
+//! ## All-gather, not a ring
+//! A ring passes K/V blocks to the next rank while computing on the current one, so the
+//! exchange hides behind compute; the all-gather waits for it. With GQA the exchanged K/V are
+//! small next to a layer's compute at long context (8B at 128k, C = 8: 16 MiB per rank per
+//! layer in bf16 against ~0.4 TFLOP of attention), the all-gather is one NCCL call instead of
+//! 2(C − 1) point-to-point calls, and it is the layout torchtitan uses today. The block merge
+//! is the ring's, so a ring is a change of who sends what, not of the arithmetic.
+//!
+//! ## Where the explicit backward runs
+//! The training pass (backward.rs, tensor_parallel.rs) goes backward a decoder layer (half) at
+//! a time and runs no collective inside libtorch's autograd engine. Attention here is cut out of
+//! the graph: its output is a leaf (so the graph above ends there), and what its backward needs
+//! waits in `pending` until the layer's backward reaches it ([`ContextParallel::finish`]), which
+//! then sends dQ, dK and dV on into the graph below (the projections, RoPE, the norm).
+
+use std::sync::Mutex;
+
+use anyhow::{Context, Result};
+use tch::{Kind, Tensor};
+
+use super::backward::{backward_from_many, grad_of, leaf};
+use super::documents::DocumentMask;
+use super::split::TpComm;
+
+/// This rank's place in its context-parallel group, and the group's collectives.
+pub struct ContextParallel {
+    pub rank: usize,
+    pub size: usize,
+    comm: Mutex<Box<dyn TpComm>>,
+    /// The micro-batch in flight, as this rank holds it (set by [`ContextParallel::begin`]).
+    batch: Mutex<Option<Chunks>>,
+    /// Attention whose backward is still to run, the last layer's last.
+    pending: Mutex<Vec<Segment>>,
+}
+
+/// The micro-batch in flight as this rank holds it.
+struct Chunks {
+    /// m: tokens per chunk (the sequence over 2C).
+    chunk: i64,
+    /// RoPE positions of this rank's tokens: [batch, 2m] int64.
+    positions: Tensor,
+    /// With document masking, the document number of every token of the whole rows: [batch,
+    /// s] int64.
+    doc_ids: Option<Tensor>,
+}
+
+/// One layer's attention between its forward and its backward.
+struct Segment {
+    /// Rotated queries [b, heads, 2m, hd], keys and values [b, kv_heads, 2m, hd]: the roots of
+    /// the graph below attention.
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// The attention output [b, heads, 2m, hd] (compute dtype): a leaf, the end of the graph
+    /// above.
+    out: Tensor,
+    /// Its rows' log-sum-exp [b, heads, 2m] fp32 (natural log, scores scaled by 1/√hd).
+    lse: Tensor,
+}
+
+/// Which keys a block of queries sees.
+enum Visible {
+    /// Every key (an earlier chunk, no documents).
+    All,
+    /// Query i sees keys 0..=i (a chunk against itself).
+    Causal,
+    /// [b, 1, m, n] bool, true where a query may see a key (documents).
+    Mask(Tensor),
+}
+
+impl ContextParallel {
+    pub fn new(rank: usize, size: usize, comm: Box<dyn TpComm>) -> Self {
+        assert!(rank < size, "internal: CP rank {rank} of {size}");
+        ContextParallel {
+            rank,
+            size,
+            comm: Mutex::new(comm),
+            batch: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn comm<T>(&self, f: impl FnOnce(&mut dyn TpComm) -> Result<T>) -> Result<T> {
+        let mut c = self
+            .comm
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a context-parallel collective panicked earlier"))?;
+        f(&mut **c)
+    }
+
+    /// The chunk of the sequence this rank's `half` (0 or 1) of its tokens is.
+    fn chunk_of(&self, half: usize) -> i64 {
+        if half == 0 {
+            self.rank as i64
+        } else {
+            (2 * self.size - 1 - self.rank) as i64
+        }
+    }
+
+    /// Where this rank's 2m tokens sit in a sequence of `seq`: [2m] int64.
+    pub fn local_positions(&self, seq: i64) -> Tensor {
+        let m = seq / (2 * self.size as i64);
+        let starts = [self.chunk_of(0) * m, self.chunk_of(1) * m];
+        let idx: Vec<i64> = starts.iter().flat_map(|&s| s..s + m).collect();
+        Tensor::from_slice(&idx)
+    }
+
+    /// Starts a micro-batch: rows `inputs` and `targets` [b, s] (the group's same samples),
+    /// `docs` their documents. Returns this rank's tokens of both, [b, 2m].
+    pub(super) fn begin(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&DocumentMask>,
+    ) -> Result<(Tensor, Tensor)> {
+        let seq = inputs.size()[1];
+        let parts = 2 * self.size as i64;
+        anyhow::ensure!(
+            seq % parts == 0,
+            "context parallelism over {} ranks cuts a sequence into {parts} chunks, and this \
+             batch's rows have {seq} tokens (training.context_length must be a multiple of \
+             {parts})",
+            self.size
+        );
+        let device = inputs.device();
+        let idx = self.local_positions(seq).to_device(device);
+        let local = |t: &Tensor| t.index_select(1, &idx);
+        let b = inputs.size()[0];
+        let positions = match docs.and_then(DocumentMask::positions) {
+            Some(p) => local(p),
+            None => idx.unsqueeze(0).expand([b, -1], false).contiguous(),
+        };
+        let doc_ids = docs
+            .filter(|d| d.masks_attention())
+            .map(|d| d.doc_ids().shallow_clone());
+        *self.lock_batch()? = Some(Chunks {
+            chunk: seq / parts,
+            positions,
+            doc_ids,
+        });
+        self.lock_pending()?.clear();
+        Ok((local(inputs), local(targets)))
+    }
+
+    /// Ends a training pass: every attention's backward has run.
+    pub(super) fn end(&self) -> Result<()> {
+        let left = self.lock_pending()?.len();
+        anyhow::ensure!(
+            left == 0,
+            "internal: {left} context-parallel attention backward(s) never ran"
+        );
+        Ok(())
+    }
+
+    fn lock_batch(&self) -> Result<std::sync::MutexGuard<'_, Option<Chunks>>> {
+        self.batch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("context-parallel state poisoned by an earlier panic"))
+    }
+
+    fn lock_pending(&self) -> Result<std::sync::MutexGuard<'_, Vec<Segment>>> {
+        self.pending
+            .lock()
+            .map_err(|_| anyhow::anyhow!("context-parallel state poisoned by an earlier panic"))
+    }
+
+    /// RoPE positions of this rank's tokens in the micro-batch in flight: [b, 2m] int64.
+    pub(super) fn positions(&self) -> Result<Tensor> {
+        let batch = self.lock_batch()?;
+        let chunks = batch
+            .as_ref()
+            .context("internal: context-parallel attention outside a pass")?;
+        Ok(chunks.positions.shallow_clone())
+    }
+
+    /// The group's sum of `t` (a per-rank count or partial loss), in place.
+    pub(super) fn sum(&self, t: &Tensor) -> Result<Tensor> {
+        let t = t.contiguous();
+        self.comm(|c| c.all_reduce_sum(&t))?;
+        Ok(t)
+    }
+
+    /// Attention of this rank's rotated queries `q` [b, heads, 2m, hd] over the group's keys and
+    /// values (this rank's: `k`, `v` [b, kv_heads, 2m, hd]): [b, heads, 2m, hd] in q's dtype.
+    /// When `q` has a graph the result is a leaf and the backward waits for [`Self::finish`].
+    pub(super) fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let graph = q.requires_grad() || k.requires_grad() || v.requires_grad();
+        let (out, lse) = tch::no_grad(|| self.attend_forward(&q.detach(), &k.detach(), &v.detach()))?;
+        if !graph {
+            return Ok(out);
+        }
+        let out = leaf(&out);
+        self.lock_pending()?.push(Segment {
+            q: q.shallow_clone(),
+            k: k.shallow_clone(),
+            v: v.shallow_clone(),
+            out: out.shallow_clone(),
+            lse,
+        });
+        Ok(out)
+    }
+
+    /// K and V of the whole sequence in order, [b, kv_heads, s, hd] each, from this rank's.
+    fn gather(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let local = Tensor::stack(&[k, v], 0).contiguous();
+        let all = self.comm(|c| c.all_gather(&local))?;
+        let size = local.size();
+        let (c, two_m) = (self.size as i64, size[3]);
+        let m = two_m / 2;
+        let mut shape = vec![c];
+        shape.extend(&size);
+        let all = all.view(shape.as_slice());
+        // Chunk j of the sequence: rank j's first half, or rank 2C−1−j's second.
+        let chunks: Vec<Tensor> = (0..2 * c)
+            .map(|j| {
+                let (owner, half) = if j < c { (j, 0) } else { (2 * c - 1 - j, 1) };
+                all.get(owner).narrow(3, half * m, m)
+            })
+            .collect();
+        let whole = Tensor::cat(&chunks, 3);
+        Ok((whole.get(0), whole.get(1)))
+    }
+
+    /// The blocks query chunk `chunk` attends to: (first key, keys, what is visible).
+    fn blocks(&self, chunk: i64) -> Result<Vec<(i64, i64, Visible)>> {
+        let batch = self.lock_batch()?;
+        let b = batch
+            .as_ref()
+            .context("internal: context-parallel attention outside a pass")?;
+        let m = b.chunk;
+        let own = chunk * m;
+        let mask = |start: i64, len: i64, causal: bool| -> Option<Visible> {
+            let ids = b.doc_ids.as_ref()?;
+            let q = ids.narrow(1, own, m).unsqueeze(2);
+            let k = ids.narrow(1, start, len).unsqueeze(1);
+            let mut same = q.eq_tensor(&k);
+            if causal {
+                let tril = Tensor::ones([m, m], (Kind::Bool, ids.device())).tril(0);
+                same = same.logical_and(&tril);
+            }
+            Some(Visible::Mask(same.unsqueeze(1)))
+        };
+        let mut blocks = Vec::with_capacity(2);
+        if chunk > 0 {
+            blocks.push((0, own, mask(0, own, false).unwrap_or(Visible::All)));
+        }
+        blocks.push((own, m, mask(own, m, true).unwrap_or(Visible::Causal)));
+        Ok(blocks)
+    }
+
+    /// The forward without a graph: the output [b, heads, 2m, hd] and its log-sum-exp
+    /// [b, heads, 2m] fp32.
+    fn attend_forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (keys, values) = self.gather(k, v)?;
+        let m = q.size()[2] / 2;
+        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        for half in 0..2 {
+            let chunk = self.chunk_of(half);
+            let qc = q.narrow(2, half as i64 * m, m);
+            let mut merged: Option<(Tensor, Tensor)> = None;
+            for (start, len, visible) in self.blocks(chunk)? {
+                let kb = keys.narrow(2, start, len);
+                let vb = values.narrow(2, start, len);
+                let (o, l) = kernel::forward(&qc, &kb, &vb, &visible)?;
+                let o = o.to_kind(Kind::Float);
+                merged = Some(match merged {
+                    None => (o, l),
+                    Some((o0, l0)) => merge(&o0, &l0, &o, &l),
+                });
+            }
+            let (o, l) = merged.expect("a chunk sees at least itself");
+            outs.push(o.to_kind(q.kind()));
+            lses.push(l);
+        }
+        Ok((Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)))
+    }
+
+    /// The backward of the latest attention whose forward kept a graph: its output's gradient
+    /// (in the leaf) sent on into the graph below as dQ, dK, dV. Call it where that layer's
+    /// backward has passed its attention output (after the graph above it).
+    pub(super) fn finish(&self) -> Result<()> {
+        let seg = self
+            .lock_pending()?
+            .pop()
+            .context("internal: a context-parallel backward without its forward")?;
+        let d_out = grad_of(&seg.out)?;
+        let (q, k, v) = (seg.q.detach(), seg.k.detach(), seg.v.detach());
+        let (dq, dk, dv) = tch::no_grad(|| self.attend_backward(&d_out, &q, &k, &v, &seg))?;
+        backward_from_many(&[&seg.q, &seg.k, &seg.v], &[&dq, &dk, &dv])
+    }
+
+    fn attend_backward(
+        &self,
+        d_out: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seg: &Segment,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (keys, values) = self.gather(k, v)?;
+        let m = q.size()[2] / 2;
+        let c = self.size as i64;
+        let out = seg.out.detach();
+        // dK and dV of the whole sequence, in order: [2, b, kv_heads, s, hd] fp32.
+        let mut dkv_shape = vec![2];
+        dkv_shape.extend(keys.size());
+        let dkv = Tensor::zeros(dkv_shape.as_slice(), (Kind::Float, q.device()));
+        let mut dqs = Vec::with_capacity(2);
+        for half in 0..2 {
+            let chunk = self.chunk_of(half);
+            let at = half as i64 * m;
+            let (qc, oc) = (q.narrow(2, at, m), out.narrow(2, at, m));
+            let (gc, lc) = (d_out.narrow(2, at, m), seg.lse.narrow(2, at, m));
+            let mut dq = Tensor::zeros(qc.size(), (Kind::Float, q.device()));
+            for (start, len, visible) in self.blocks(chunk)? {
+                let kb = keys.narrow(2, start, len);
+                let vb = values.narrow(2, start, len);
+                let (dqb, dkb, dvb) = kernel::backward(&gc, &qc, &kb, &vb, &oc, &lc, &visible)?;
+                dq += dqb.to_kind(Kind::Float);
+                let _ = dkv.get(0).narrow(2, start, len).g_add_(&dkb.to_kind(Kind::Float));
+                let _ = dkv.get(1).narrow(2, start, len).g_add_(&dvb.to_kind(Kind::Float));
+            }
+            dqs.push(dq);
+        }
+        // Back to the ranks' layout ([C·2, b, kv_heads, 2m, hd]: rank r's chunks r and
+        // 2C−1−r) and summed into the ranks that hold those tokens.
+        let by_rank: Vec<Tensor> = (0..c)
+            .map(|r| {
+                Tensor::cat(
+                    &[dkv.narrow(3, r * m, m), dkv.narrow(3, (2 * c - 1 - r) * m, m)],
+                    3,
+                )
+            })
+            .collect();
+        let by_rank = Tensor::cat(&by_rank, 0).contiguous();
+        let mine = self.comm(|cm| cm.reduce_scatter(&by_rank))?;
+        let dq = Tensor::cat(&dqs, 2).to_kind(q.kind());
+        Ok((dq, mine.get(0).to_kind(k.kind()), mine.get(1).to_kind(v.kind())))
+    }
+}
+
+/// Two blocks' outputs (fp32) and log-sum-exps merged into those of their union of keys. A
+/// row that saw no key in a block has lse −∞ there and weight 0.
+fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> (Tensor, Tensor) {
+    let lse = l1.logaddexp(l2);
+    let w1 = (l1 - &lse).exp().unsqueeze(-1);
+    let w2 = (l2 - &lse).exp().unsqueeze(-1);
+    (o1 * w1 + o2 * w2, lse)
+}
+
+/// One block's fused attention, forward (with the rows' log-sum-exp) and backward (given the
+/// merged output and log-sum-exp), on the device's kernel. GQA: keys and values are repeated
+/// to the query heads, and their gradients summed back.
+mod kernel {
+    use anyhow::Result;
+    use tch::{Kind, Tensor};
+
+    use super::Visible;
+
+    fn repeat(x: &Tensor, group: i64) -> Tensor {
+        if group > 1 {
+            x.repeat_interleave_self_int(group, 1, None)
+        } else {
+            x.shallow_clone()
+        }
+    }
+
+    /// [b, heads, n, hd] → [b, kv_heads, n, hd]: the repeated heads' gradients summed.
+    fn fold(x: &Tensor, group: i64) -> Tensor {
+        if group == 1 {
+            return x.shallow_clone();
+        }
+        let s = x.size();
+        x.view([s[0], s[1] / group, group, s[2], s[3]])
+            .sum_dim_intlist([2].as_slice(), false, x.kind())
+    }
+
+    /// An additive mask in `kind` (0 where visible, −∞ elsewhere) of a bool one.
+    fn additive(mask: &Tensor, kind: Kind) -> Tensor {
+        Tensor::zeros(mask.size(), (kind, mask.device()))
+            .masked_fill(&mask.logical_not(), f64::NEG_INFINITY)
+    }
+
+    fn failed(e: tch::TchError) -> anyhow::Error {
+        anyhow::anyhow!("context-parallel attention kernel failed: {e}")
+    }
+
+    /// The output [b, heads, m, hd] (q's dtype) and log-sum-exp [b, heads, m] fp32 of `q` over
+    /// the block `k`, `v` [b, kv_heads, n, hd].
+    pub(super) fn forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        visible: &Visible,
+    ) -> Result<(Tensor, Tensor)> {
+        let group = q.size()[1] / k.size()[1];
+        let (k, v) = (repeat(k, group), repeat(v, group));
+        let (causal, mask) = match visible {
+            Visible::All => (false, None),
+            Visible::Causal => (true, None),
+            Visible::Mask(m) => (false, Some(m)),
+        };
+        let m = q.size()[2];
+        let (out, lse) = if q.device().is_cuda() {
+            let bias = mask.map(|b| additive(b, q.kind()).expand([-1, q.size()[1], -1, -1], false));
+            let (out, lse, _, _) = Tensor::f_internal_scaled_dot_product_efficient_attention(
+                q,
+                &k,
+                &v,
+                bias.as_ref(),
+                true,
+                0.0,
+                causal,
+                None,
+            )
+            .map_err(failed)?;
+            // The kernel pads the rows of its log-sum-exp to a multiple of 32.
+            (out, lse.narrow(2, 0, m))
+        } else {
+            let bias = mask.map(|b| additive(b, q.kind()));
+            Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+                q,
+                &k,
+                &v,
+                0.0,
+                causal,
+                bias.as_ref(),
+                None,
+            )
+            .map_err(failed)?
+        };
+        let mut lse = lse.to_kind(Kind::Float);
+        if let Visible::Mask(m) = visible {
+            // A row that sees no key of the block: the kernels give lse 0 and output 0; it
+            // must weigh nothing in the merge.
+            let seen = m.any_dim(-1, false);
+            lse = lse.masked_fill(&seen.logical_not(), f64::NEG_INFINITY);
+        }
+        Ok((out, lse))
+    }
+
+    /// dQ [b, heads, m, hd], dK and dV [b, kv_heads, n, hd] of the block, from the gradient
+    /// `d_out` of the merged output `out` [b, heads, m, hd] and its log-sum-exp `lse` [b, heads,
+    /// m] fp32.
+    pub(super) fn backward(
+        d_out: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        visible: &Visible,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let group = q.size()[1] / k.size()[1];
+        let (ke, ve) = (repeat(k, group), repeat(v, group));
+        let (causal, mask) = match visible {
+            Visible::All => (false, None),
+            Visible::Causal => (true, None),
+            Visible::Mask(m) => (false, Some(m)),
+        };
+        let d_out = d_out.to_kind(q.kind()).contiguous();
+        let (dq, dk, dv) = if q.device().is_cuda() {
+            let heads = q.size()[1];
+            let bias = mask.map(|b| additive(b, q.kind()).expand([-1, heads, -1, -1], false));
+            // [b, h, n, d] → [b, n, h, d], the kernel's layout; its log-sum-exp rows padded to
+            // a multiple of 32 as its forward gives them.
+            let t = |x: &Tensor| x.transpose(1, 2);
+            let (m, n) = (q.size()[2], ke.size()[2]);
+            let padded = (m + 31) / 32 * 32;
+            let lse_p = Tensor::zeros([lse.size()[0], heads, padded], (Kind::Float, q.device()));
+            lse_p.narrow(2, 0, m).copy_(lse);
+            let seed = Tensor::zeros([], (Kind::Int64, q.device()));
+            let (dq, dk, dv, _) = Tensor::f_internal_efficient_attention_backward(
+                &t(&d_out),
+                &t(q),
+                &t(&ke),
+                &t(&ve),
+                bias.as_ref(),
+                &t(out),
+                None::<&Tensor>,
+                None::<&Tensor>,
+                m,
+                n,
+                &lse_p,
+                0.0,
+                &seed,
+                &seed,
+                i64::from(causal),
+                false,
+                None,
+                None,
+                None,
+                false,
+            )
+            .map_err(failed)?;
+            (t(&dq), t(&dk), t(&dv))
+        } else {
+            let bias = mask.map(|b| additive(b, q.kind()));
+            Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                &d_out,
+                q,
+                &ke,
+                &ve,
+                out,
+                lse,
+                0.0,
+                causal,
+                bias.as_ref(),
+                None,
+            )
+            .map_err(failed)?
+        };
+        Ok((dq, fold(&dk, group), fold(&dv, group)))
+    }
+}
