@@ -126,7 +126,11 @@ fn check_context_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
             2 * cp,
             2 * cp,
             ctx.next_multiple_of(2 * cp),
-            if valid.is_empty() { "none".to_string() } else { valid.join(", ") }
+            if valid.is_empty() {
+                "none".to_string()
+            } else {
+                valid.join(", ")
+            }
         ));
         return;
     }

@@ -216,7 +216,10 @@ mod tests {
     fn context_parallelism_sits_between_data_and_tensor() {
         // 16 ranks = 2 data × 2 context × 4 tensor: rank 13 = data 1, context 1, tensor 1.
         let m = Mesh::new(13, 16, 4, 2, 0);
-        assert_eq!((m.data_rank(), m.context_rank(), m.tensor_rank()), (1, 1, 1));
+        assert_eq!(
+            (m.data_rank(), m.context_rank(), m.tensor_rank()),
+            (1, 1, 1)
+        );
         assert_eq!(m.tensor_members(), [12, 13, 14, 15]);
         assert_eq!(m.context_members(), [9, 13]);
         // The replicas: every rank of tensor index 1, across data and context.

@@ -216,7 +216,8 @@ impl ContextParallel {
     /// When `q` has a graph the result is a leaf and the backward waits for [`Self::finish`].
     pub(super) fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let graph = q.requires_grad() || k.requires_grad() || v.requires_grad();
-        let (out, lse) = tch::no_grad(|| self.attend_forward(&q.detach(), &k.detach(), &v.detach()))?;
+        let (out, lse) =
+            tch::no_grad(|| self.attend_forward(&q.detach(), &k.detach(), &v.detach()))?;
         if !graph {
             return Ok(out);
         }
@@ -348,8 +349,14 @@ impl ContextParallel {
                 let vb = values.narrow(2, start, len);
                 let (dqb, dkb, dvb) = kernel::backward(&gc, &qc, &kb, &vb, &oc, &lc, &visible)?;
                 dq += dqb.to_kind(Kind::Float);
-                let _ = dkv.get(0).narrow(2, start, len).g_add_(&dkb.to_kind(Kind::Float));
-                let _ = dkv.get(1).narrow(2, start, len).g_add_(&dvb.to_kind(Kind::Float));
+                let _ = dkv
+                    .get(0)
+                    .narrow(2, start, len)
+                    .g_add_(&dkb.to_kind(Kind::Float));
+                let _ = dkv
+                    .get(1)
+                    .narrow(2, start, len)
+                    .g_add_(&dvb.to_kind(Kind::Float));
             }
             dqs.push(dq);
         }
@@ -358,7 +365,10 @@ impl ContextParallel {
         let by_rank: Vec<Tensor> = (0..c)
             .map(|r| {
                 Tensor::cat(
-                    &[dkv.narrow(3, r * m, m), dkv.narrow(3, (2 * c - 1 - r) * m, m)],
+                    &[
+                        dkv.narrow(3, r * m, m),
+                        dkv.narrow(3, (2 * c - 1 - r) * m, m),
+                    ],
                     3,
                 )
             })
@@ -366,7 +376,11 @@ impl ContextParallel {
         let by_rank = Tensor::cat(&by_rank, 0).contiguous();
         let mine = self.comm(|cm| cm.reduce_scatter(&by_rank))?;
         let dq = Tensor::cat(&dqs, 2).to_kind(q.kind());
-        Ok((dq, mine.get(0).to_kind(k.kind()), mine.get(1).to_kind(v.kind())))
+        Ok((
+            dq,
+            mine.get(0).to_kind(k.kind()),
+            mine.get(1).to_kind(v.kind()),
+        ))
     }
 }
 

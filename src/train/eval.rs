@@ -97,8 +97,8 @@ impl Validator {
     /// (`ceil(ceil(n / world) / batch_size)`), and a rank whose windows ran out evaluates the
     /// first window again without counting it.
     ///
-    /// The windows are dealt to the data ranks (`mesh`): a tensor-parallel group evaluates the
-    /// same ones together, and only its first rank's sums count.
+    /// The windows are dealt to the data ranks (`mesh`): a tensor- or context-parallel group
+    /// evaluates the same ones together, and only its first rank's sums count.
     pub fn run(
         &self,
         model: &Llama,

@@ -139,7 +139,8 @@ impl Loader {
             packing,
             context_length: t.context_length,
             batch_size: t.batch_size,
-            // The data ranks: a tensor-parallel group trains on the same micro-batches.
+            // The data ranks: a tensor- or context-parallel group trains on the same
+            // micro-batches.
             global_batch: (t.batch_size * t.grad_accum_nums * rank.mesh.data()) as u64,
             rank: rank.mesh.data_rank() as u64,
             world: rank.mesh.data() as u64,

@@ -676,20 +676,26 @@ fn print_summary(
     } else {
         "fp32"
     };
-    // With tensor parallelism: the mesh, and the data ranks that share out the batch.
+    // With tensor or context parallelism: the mesh, and the data ranks that share out the
+    // batch.
     let mesh = &rank.mesh;
-    let (ranks, data) = if mesh.tensor > 1 {
-        let sp = if cfg.system.sequence_parallel {
-            "with"
-        } else {
-            "without"
-        };
-        let ranks = format!(
-            "{world} ranks = {} data × {} tensor-parallel ({sp} sequence parallelism)",
-            mesh.data(),
-            mesh.tensor
-        );
-        (ranks, mesh.data())
+    let (ranks, data) = if mesh.tensor > 1 || mesh.context > 1 {
+        let mut dims = vec![format!("{} data", mesh.data())];
+        if mesh.context > 1 {
+            dims.push(format!("{} context-parallel", mesh.context));
+        }
+        if mesh.tensor > 1 {
+            let sp = if cfg.system.sequence_parallel {
+                "with"
+            } else {
+                "without"
+            };
+            dims.push(format!(
+                "{} tensor-parallel ({sp} sequence parallelism)",
+                mesh.tensor
+            ));
+        }
+        (format!("{world} ranks = {}", dims.join(" × ")), mesh.data())
     } else {
         let s = if world == 1 { "" } else { "s" };
         (format!("{world} rank{s}"), world)
@@ -715,7 +721,11 @@ fn print_summary(
         t.batch_size,
         t.context_length,
         t.grad_accum_nums,
-        if mesh.tensor > 1 { "data " } else { "" },
+        if mesh.tensor > 1 || mesh.context > 1 {
+            "data "
+        } else {
+            ""
+        },
         if data == 1 { "" } else { "s" },
         t.batch_size * t.context_length * t.grad_accum_nums * data,
         t.max_steps,

@@ -3,6 +3,7 @@
 
 pub mod fetch;
 pub mod mlflow;
+pub mod ranks;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
