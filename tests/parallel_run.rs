@@ -1,7 +1,8 @@
-//! Tensor parallelism through real `lockstep run` workers on loopback: a TP run trains like one
-//! rank, TP × data-parallel at stage 3 like data parallelism, a TP checkpoint resumes on other
-//! layouts (TP 2 → 1 rank, 1 rank → TP 4, TP 2 × data 2 → TP 4) with the same losses, its
-//! export loads in transformers with the same loss, and bad layouts exit 2 naming the key.
+//! Tensor and context parallelism through real `lockstep run` workers on loopback: a TP or CP
+//! run trains like one rank, TP or CP × data-parallel at stage 3 like data parallelism, their
+//! checkpoints resume on other layouts (TP 2 → 1 rank, 1 rank → TP 4, TP 2 × data 2 → TP 4;
+//! CP 2 → 1 rank, 1 rank → CP 4) with the same losses, their exports load in transformers with
+//! the same loss, and bad layouts exit 2 naming the key.
 
 mod common;
 
@@ -62,15 +63,23 @@ fn train(
         args.extend(["--resume".to_string(), r.display().to_string()]);
     }
     let out = ok(dir, &args);
-    let tensor = sets
-        .iter()
-        .find_map(|s| s.strip_prefix("system.tensor_parallel="))
-        .unwrap_or("1");
-    if tensor != "1" {
-        let mesh = format!(
-            "{nproc} ranks = {} data × {tensor} tensor-parallel",
-            nproc / tensor.parse::<usize>().unwrap()
-        );
+    let dim = |key: &str| -> usize {
+        sets.iter()
+            .find_map(|s| s.strip_prefix(key))
+            .map_or(1, |v| v.parse().unwrap())
+    };
+    let (tensor, context) = (
+        dim("system.tensor_parallel="),
+        dim("system.context_parallel="),
+    );
+    if tensor * context > 1 {
+        let mut mesh = format!("{nproc} ranks = {} data", nproc / (tensor * context));
+        if context > 1 {
+            mesh += &format!(" × {context} context-parallel");
+        }
+        if tensor > 1 {
+            mesh += &format!(" × {tensor} tensor-parallel");
+        }
         assert!(out.contains(&mesh), "{name}: no `{mesh}` in:\n{out}");
     }
     dir.join("runs").join(name)
@@ -205,12 +214,17 @@ fn tensor_parallel_runs_train_like_one_rank_and_resume_on_any_layout() {
     );
 
     // The TP run's export loads in transformers, whose loss over a text is `lockstep eval`'s.
-    let ckpt = tp2.join("checkpoints/step_6");
+    export_loads_in_transformers(dir, &base, &tp2.join("checkpoints/step_6"));
+}
+
+/// The export of checkpoint `ckpt` loads in transformers, whose loss over a text is
+/// `lockstep eval`'s of the checkpoint.
+fn export_loads_in_transformers(dir: &Path, base: &[String], ckpt: &Path) {
     let hf = dir.join("hf");
     ok(
         dir,
         &with(
-            &base,
+            base,
             &["export"],
             &["--hf", "hf", "--checkpoint", ckpt.to_str().unwrap()],
         ),
@@ -269,8 +283,77 @@ fn tensor_parallel_runs_train_like_one_rank_and_resume_on_any_layout() {
     let loss = got["loss"].as_f64().unwrap();
     assert!(
         rel(loss, want) < 1e-5,
-        "eval of the TP checkpoint {loss} vs transformers on its export {want}"
+        "eval of {} {loss} vs transformers on its export {want}",
+        ckpt.display()
     );
+}
+
+#[test]
+fn context_parallel_runs_train_like_one_rank_and_resume_at_another_c() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = base(dir);
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let cp = |c: usize| format!("system.context_parallel={c}");
+
+    // One rank and CP 2 (each rank 2 chunks of 16 of the 64 tokens): the same steps, the same
+    // weights.
+    let one = train(dir, &base, ("one", 1, 6), &[], None);
+    let l1 = losses(&one.join("metrics.jsonl"));
+    assert!(l1[0].1 - l1[5].1 > 0.05, "real training: {l1:?}");
+    let cp2 = train(dir, &base, ("cp2", 2, 6), &[&cp(2)], None);
+    close(
+        &losses(&cp2.join("metrics.jsonl")),
+        &l1,
+        1e-5,
+        "CP 2 vs one rank",
+    );
+    let w1 = weights(&one.join("checkpoints/step_6"));
+    let err = worst(&weights(&cp2.join("checkpoints/step_6")), &w1);
+    eprintln!("CP 2 vs one rank after 6 steps: weights within {err:e} per tensor");
+    assert!(err < 2e-5, "CP 2 weights differ from one rank's by {err:e}");
+
+    // Packed documents attend within themselves across the chunk edges: CP 4 (chunks of 8)
+    // with activation checkpointing against one rank.
+    let masked = [
+        "data.document_masking=true",
+        "training.activation_checkpointing=full",
+    ];
+    let one_d = train(dir, &base, ("one_d", 1, 6), &masked, None);
+    let cp4_sets = [masked[0], masked[1], &cp(4)];
+    let cp4_d = train(dir, &base, ("cp4_d", 4, 6), &cp4_sets, None);
+    close(
+        &losses(&cp4_d.join("metrics.jsonl")),
+        &losses(&one_d.join("metrics.jsonl")),
+        1e-5,
+        "CP 4 with documents",
+    );
+
+    // CP 2 × data 2 at stage 3 against data 2 at stage 0.
+    let dp2 = train(dir, &base, ("dp2", 2, 6), &[], None);
+    let mesh = train(
+        dir,
+        &base,
+        ("cp2dp2", 4, 6),
+        &[&cp(2), "system.zero_stage=3"],
+        None,
+    );
+    close(
+        &losses(&mesh.join("metrics.jsonl")),
+        &losses(&dp2.join("metrics.jsonl")),
+        1e-5,
+        "CP 2 × DP 2 stage 3",
+    );
+
+    // A CP checkpoint resumes on one rank, and one rank's at CP 4: the same steps 4-6.
+    let from = |run: &Path| run.join("checkpoints/step_3");
+    let tail = l1[3..].to_vec();
+    let r = train(dir, &base, ("cp2to1", 1, 6), &[], Some(&from(&cp2)));
+    close(&losses(&r.join("metrics.jsonl")), &tail, 1e-5, "CP 2 → 1");
+    let r = train(dir, &base, ("1tocp4", 4, 6), &[&cp(4)], Some(&from(&one)));
+    close(&losses(&r.join("metrics.jsonl")), &tail, 1e-5, "1 → CP 4");
+
+    export_loads_in_transformers(dir, &base, &cp2.join("checkpoints/step_6"));
 }
 
 /// Layouts that cannot be: exit 2 before any worker trains, naming the key, the value and the
@@ -325,6 +408,41 @@ fn bad_tensor_parallel_layouts_exit_2_naming_the_key() {
             &[&format!("system.tensor_parallel={bad}"), "integer >= 1"],
         );
     }
+    // Context parallelism: C must divide the ranks over T, 2C the context, and one rank has
+    // no group.
+    fails(
+        &go(3, &["system.context_parallel=2"]),
+        2,
+        &["system.context_parallel = 2: must divide the number of ranks, 3; valid here: 1"],
+    );
+    fails(
+        &go(
+            4,
+            &["system.context_parallel=2", "system.tensor_parallel=4"],
+        ),
+        2,
+        &["system.context_parallel = 2: must divide the 1 ranks left over system.tensor_parallel = 4 (of 4)"],
+    );
+    fails(
+        &go(3, &["system.context_parallel=3"]),
+        2,
+        &[
+            "system.context_parallel = 3 cuts every sequence into 2 × 3 = 6 chunks",
+            "training.context_length = 64 is not a multiple of 6",
+            "e.g. 66",
+        ],
+    );
+    let mut one = vec!["train".to_string()];
+    one.extend(base.iter().cloned());
+    one.extend(["--set".to_string(), "system.context_parallel=2".to_string()]);
+    fails(
+        &run(dir, &one),
+        2,
+        &[
+            "system.context_parallel = 2",
+            "one rank has no group to split a sequence over",
+        ],
+    );
     // Sequence parallelism splits every batch's tokens: a context of 63 over T = 2 does not.
     fails(
         &go(
