@@ -24,6 +24,7 @@
 #                   memory: c6-default, c6-variants (activation checkpointing / loss chunking /
 #                   zero stage)
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
+#                (data parallelism at every zero stage, tensor and context parallelism)
 #                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16; tensor
 #                   parallelism: TP 2, and TP 2 x data 2 at stage 3 (4+ GPUs; SKIP with fewer)
 #   all          correctness perf scale multi (more than one device command's 10 minutes)
@@ -807,24 +808,28 @@ check_c8() {
           --set training.batch_size=1 --set system.zero_stage=${z%h} "${hybrid[@]}" --set logging.run_name="w2-z$z-$dt"
         c8_verdict "w2-z$z-$dt" $? $dt "2 ranks x 1 vs 1 rank x 2, zero stage $z"
       done
-      # Tensor parallelism (NCCL subgroups for the layers' collectives): TP 2 on 2 ranks (one
-      # data rank, so 2 sequences a micro-batch: the same global batch), and on 4 ranks TP 2
-      # x data 2 at stage 3 (the units' gathers on the data group, the layers' collectives on
-      # the tensor group).
-      for tp in tp2 tp2z3; do
-        if [ "$tp" = tp2 ]; then
-          W=("${W2[@]}") extra=(--set training.batch_size=2)
-        elif [ "$DRY" = 0 ] && [ "$ngpu" -lt 4 ]; then
-          result SKIP "c8-$tp-$dt" "needs 4 GPUs (TP 2 x data 2); this machine has $ngpu"
+      # Tensor and context parallelism (NCCL subgroups for the layers' collectives; the same
+      # global batch of 2 sequences): TP 2 and CP 2 on 2 ranks (one data rank), and on 4 ranks
+      # TP 2 x data 2 at stage 3 (the units' gathers on the data group, the layers'
+      # collectives on the tensor group) and CP 2 x TP 2 (the K/V all-gathers and their
+      # gradients' reduce-scatters on the context group, the efficient-attention kernel with
+      # its log-sum-exp on CUDA).
+      for mesh in tp2 tp2z3 cp2 cp2tp2; do
+        case $mesh in
+          tp2) n=2 sets=(--set system.tensor_parallel=2 --set training.batch_size=2) ;;
+          tp2z3) n=4 sets=(--set system.tensor_parallel=2 --set training.batch_size=1 --set system.zero_stage=3) ;;
+          cp2) n=2 sets=(--set system.context_parallel=2 --set training.batch_size=2) ;;
+          cp2tp2) n=4 sets=(--set system.context_parallel=2 --set system.tensor_parallel=2 --set training.batch_size=2) ;;
+        esac
+        if [ "$DRY" = 0 ] && [ "$ngpu" -lt "$n" ]; then
+          result SKIP "c8-$mesh-$dt" "needs $n GPUs; this machine has $ngpu"
           continue
-        else
-          if [ "$DRY" = 1 ]; then W=(--cpu --nproc 4); else W=(--gpus 0,1,2,3); fi
-          extra=(--set training.batch_size=1 --set system.zero_stage=3)
         fi
-        time_for 30 "c8-$tp-$dt" || break
-        run_logged "c8-$tp-$dt" 180 "$BIN" run "${W[@]}" -- "${M[@]}" --set training.dtype=$dt \
-          --set system.tensor_parallel=2 "${extra[@]}" --set logging.run_name="$tp-$dt"
-        c8_verdict "$tp-$dt" $? $dt "${W[*]}, tensor_parallel 2 ($tp) vs 1 rank x 2"
+        if [ "$DRY" = 1 ]; then W=(--cpu --nproc "$n"); else W=(--gpus "$(seq -s, 0 $((n - 1)))"); fi
+        time_for 30 "c8-$mesh-$dt" || break
+        run_logged "c8-$mesh-$dt" 180 "$BIN" run "${W[@]}" -- "${M[@]}" --set training.dtype=$dt \
+          "${sets[@]}" --set logging.run_name="$mesh-$dt"
+        c8_verdict "$mesh-$dt" $? $dt "${W[*]}, ${sets[*]} vs 1 rank x 2"
       done
       rm -rf "$RUNS/w1-$dt"
     done
