@@ -16,7 +16,7 @@ use lockstep::model::{
     Llama, LlamaShape, NoEvents, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
-use lockstep::train::optim::{AdamWParams, Optimizer, Sharding, TensorGroups};
+use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
 use lockstep::train::tensor_parallel::GroupComm;
 use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::{nn::VarStore, Device, Kind, Tensor};
@@ -349,6 +349,8 @@ struct Layout {
     cp: usize,
     tp: usize,
     stage: ZeroStage,
+    /// Hybrid sharding: replicas per shard group (0 = all of them).
+    shard: usize,
 }
 
 const STEPS: usize = 3;
@@ -441,7 +443,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         .collect();
     let world = c.data * c.cp * c.tp;
     let runs = each_rank(world, |pg| {
-        let mesh = Mesh::new(pg.rank(), world, c.tp, c.cp, 0);
+        let mesh = Mesh::new(pg.rank(), world, c.tp, c.cp, c.shard);
         let vs = VarStore::new(Device::Cpu);
         let stage3 = c.stage.shards_parameters();
         let (model, groups) = mesh_model(&vs, &mesh, pg, &params, stage3);
@@ -464,7 +466,11 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         };
         let sharding = Sharding {
             stage: c.stage,
-            hybrid: None,
+            hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
+                shard,
+                replica,
+                index,
+            }),
             reduce: Kind::Float,
             tensor,
         };
@@ -550,19 +556,24 @@ fn check_steps(c: Layout) {
 }
 
 /// 4 ranks = data 2 × C 2 at zero stage 3 against data 2 (one rank accumulating both data
-/// ranks' samples); and C 2 × T 2 at stage 0 against one rank.
+/// ranks' samples), also with hybrid sharding in groups of 2 replicas (a CP group shards one
+/// copy of the state); and C 2 × T 2 at stage 0 against one rank.
 #[test]
 fn cp_steps_at_stage_3_and_with_tp_equal_the_single_dimension_runs() {
-    check_steps(Layout {
-        data: 2,
-        cp: 2,
-        tp: 1,
-        stage: ZeroStage::Parameters,
-    });
+    for shard in [0, 2] {
+        check_steps(Layout {
+            data: 2,
+            cp: 2,
+            tp: 1,
+            stage: ZeroStage::Parameters,
+            shard,
+        });
+    }
     check_steps(Layout {
         data: 1,
         cp: 2,
         tp: 2,
         stage: ZeroStage::Replicated,
+        shard: 0,
     });
 }
