@@ -6,11 +6,13 @@
 //! differ, an fp64 computation of the same model says the split is as close to exact as one
 //! rank is.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+mod common;
 
+use std::sync::{Arc, Mutex};
+
+use common::ranks::{each_rank, rel_tensor as rel, Plain};
 use lockstep::config::{self, ZeroStage};
-use lockstep::dist::{self, Backend, DistEnv, Mesh, Place, ProcessGroup, SingleProcess};
+use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Llama, LlamaShape,
     NoEvents, Split, TensorParallel,
@@ -37,40 +39,6 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
     }
-}
-
-/// Runs `f(group)` on one thread per rank of a loopback world of `world`, then a barrier: rank
-/// 0 hosts the store, which must outlive the others' collectives.
-fn each_rank<T: Send>(world: usize, f: impl Fn(&mut dyn ProcessGroup) -> T + Sync) -> Vec<T> {
-    let port = dist::free_port();
-    let f = &f;
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let env = DistEnv {
-                        place: Place {
-                            rank,
-                            world,
-                            local_rank: rank,
-                            local_world: world,
-                        },
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        agent_store: false,
-                        restart_count: 0,
-                        lockstep_launcher: false,
-                        note: None,
-                    };
-                    let mut pg = dist::init(&env, Duration::from_secs(60), Backend::Ring).unwrap();
-                    let out = f(&mut *pg);
-                    pg.barrier().unwrap();
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// One case: the model's shape and how the pass runs.
@@ -117,20 +85,9 @@ fn documents(c: &Case) -> Option<DocumentMask> {
 const BATCH: i64 = 2;
 const SEQ: i64 = 16;
 
-/// [BATCH, SEQ] token ids below `vocab` from `seed` (splitmix64): not libtorch's global RNG,
-/// which the tests running at the same time in this process share.
+/// [BATCH, SEQ] token ids below `vocab` from `seed`.
 fn token_ids(seed: u64, vocab: usize) -> Tensor {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let ids: Vec<i64> = (0..BATCH * SEQ)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % vocab as u64) as i64
-        })
-        .collect();
-    Tensor::from_slice(&ids).view([BATCH, SEQ])
+    common::ranks::token_ids(seed, vocab, BATCH, SEQ)
 }
 
 /// The micro-batches (inputs, targets) of a case, some targets ignored (-100).
@@ -226,22 +183,6 @@ struct RankRun {
     counts: (usize, usize, usize),
 }
 
-/// A tensor as plain data, to hand to the rank threads (tch tensors are not `Sync`).
-struct Plain(Vec<i64>, Vec<f64>, Kind);
-
-impl Plain {
-    fn of(t: &Tensor) -> Plain {
-        let data = Vec::<f64>::try_from(t.to_kind(Kind::Double).reshape(-1)).unwrap();
-        Plain(t.size(), data, t.kind())
-    }
-
-    fn tensor(&self) -> Tensor {
-        Tensor::from_slice(&self.1)
-            .to_kind(self.2)
-            .view(self.0.as_slice())
-    }
-}
-
 fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
     let micro: Vec<(Plain, Plain)> = batches(&c)
         .iter()
@@ -301,13 +242,6 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
             counts,
         })
         .collect()
-}
-
-/// ‖a − b‖ / ‖b‖ in fp64.
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-    let diff = (&a - &b).norm().double_value(&[]);
-    diff / b.norm().double_value(&[]).max(1e-30)
 }
 
 /// Checks a case against the whole model; returns the worst relative error.
