@@ -1047,3 +1047,148 @@ fn the_plan_and_the_start_check_agree_on_a_ranks_budget_and_estimate() {
         "plan {planned} GB, train {gb} GB: {line}"
     );
 }
+
+/// Llama-3.1-8B's shape at context 131,072, one sequence per data-parallel rank.
+const LLAMA_8B_128K: [&str; 8] = [
+    "--set",
+    "model.num_layers=32",
+    "--set",
+    "model.vocab_size=128256",
+    "--set",
+    "training.context_length=131072",
+    "--set",
+    "training.batch_size=1",
+];
+
+/// 8B at 131,072 tokens on 32 × 80 GB: no layout of 32 data-parallel ranks holds one sequence;
+/// the plan proposes the smallest context parallelism that does (C = 2), which fits when
+/// applied. At C = 8 the mesh is 4 × 8 × 1, a rank keeps an eighth of the activations, the
+/// zero stages shard over all 32 ranks, and the CP group's K/V traffic is the hand formula.
+#[test]
+fn context_parallelism_splits_each_sequence_and_the_plan_shows_the_mesh() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_8B_128K.to_vec();
+    args.extend(["--gpus", "32", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let p = plan_json(tmp.path(), &args);
+    assert!(!p["fits"].as_bool().unwrap());
+    assert!(p["advice"].is_null(), "{}", p["advice"]);
+    assert_eq!(p["context_parallel"], 1);
+    let cp = &p["context_parallel_advice"];
+    assert_eq!(cp["context_parallel"], 2, "{cp}");
+    assert_eq!(cp["tensor_parallel"], 1);
+    assert_eq!(cp["data_parallel_ranks"], 16);
+    let sets = advised_sets(&cp["change"]);
+    assert_eq!(sets[0], "system.context_parallel=2");
+    let q = plan_json(tmp.path(), &with_sets(&args, &sets));
+    assert!(q["fits"].as_bool().unwrap(), "{}", q["configured"]);
+    assert_eq!(q["configured"]["total_bytes"], cp["change"]["total_bytes"]);
+    assert_eq!(
+        (
+            &q["context_parallel"],
+            &q["data_parallel_ranks"],
+            &q["replica_ranks"]
+        ),
+        (&2.into(), &16.into(), &32.into())
+    );
+    let layout = &q["configured"]["layout"];
+    let sequences = layout["batch"].as_u64().unwrap() * layout["grad_accum"].as_u64().unwrap();
+    assert_eq!(16 * sequences, 32, "the world's tokens per step: {layout}");
+
+    // C = 8 at zero stage 3 with full checkpointing, against C = 1.
+    let fixed = [
+        "--set",
+        "system.zero_stage=3",
+        "--set",
+        "training.activation_checkpointing=full",
+    ];
+    let one = plan_json(tmp.path(), &[args.as_slice(), &fixed].concat());
+    let eight = plan_json(
+        tmp.path(),
+        &[
+            args.as_slice(),
+            &fixed,
+            &["--set", "system.context_parallel=8"],
+        ]
+        .concat(),
+    );
+    let bytes = |p: &Value, k: &str| p["configured"]["memory"][k].as_f64().unwrap();
+    assert_eq!(eight["data_parallel_ranks"], 4);
+    assert_eq!(eight["replica_ranks"], 32);
+    assert_eq!(eight["shard_ranks"], 32);
+    assert!(eight["fits"].as_bool().unwrap());
+    let ratio = bytes(&one, "activations") / bytes(&eight, "activations");
+    assert!((ratio - 8.0).abs() < 1e-9, "{ratio}");
+    assert_eq!(bytes(&one, "moments"), bytes(&eight, "moments"));
+    assert_eq!(bytes(&one, "context_parallel"), 0.0);
+    assert!(bytes(&eight, "context_parallel") > 0.0);
+    // Per step: 32 layers × 131,072 tokens × 7/8 × 2 × 8 KV heads × 128 × (3 bf16 all-gathers
+    // with full recomputation × 2 B + one fp32 reduce-scatter × 4 B).
+    let expected = 32.0 * 131_072.0 * 7.0 / 8.0 * 2.0 * 1024.0 * (3.0 * 2.0 + 4.0);
+    let sent = eight["context_parallel_bytes_per_step"].as_f64().unwrap();
+    assert!((sent - expected).abs() < 1e-6 * expected, "{sent}");
+    assert_eq!(eight["context_parallel_link"], "intra_node");
+    // A rank computes an eighth of the sequence's FLOPs.
+    let compute = |p: &Value| p["configured"]["time"]["compute_seconds"].as_f64().unwrap();
+    assert!((compute(&one) / compute(&eight) - 8.0).abs() < 1e-9);
+
+    let mut text_args = vec!["plan".to_string()];
+    text_args.extend(args.iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &text_args);
+    assert!(
+        text.contains(
+            "With context parallelism (each sequence split among 2 ranks): --set system.context_parallel=2 "
+        ),
+        "{text}"
+    );
+    text_args.extend(
+        [&fixed[..], &["--set", "system.context_parallel=8"]]
+            .concat()
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    let text = ok(tmp.path(), &text_args);
+    for part in [
+        "Layout: 32 GPUs = mesh 4 data-parallel × 8 context-parallel × 1 tensor-parallel |",
+        "32 layers × 16384 tokens (1/8 of each sequence: context parallel)",
+        "  cp buffers ",
+        "1/8 of it on each rank of a context-parallel group",
+        "Communication per step per rank among 32 data × context ranks",
+        "Context parallelism: ",
+        "per step per rank in each group of 8",
+        "CP time",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+}
+
+#[test]
+fn a_context_parallel_degree_the_ranks_or_the_context_do_not_allow_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (extra, expected) in [
+        (
+            vec!["--gpus", "6", "--set", "system.context_parallel=4"],
+            "system.context_parallel = 4: must divide the number of ranks, 6",
+        ),
+        (
+            vec![
+                "--gpus",
+                "8",
+                "--set",
+                "system.context_parallel=8",
+                "--set",
+                "training.context_length=200",
+            ],
+            "system.context_parallel = 8 cuts every sequence into 2 × 8 = 16 chunks",
+        ),
+    ] {
+        let mut args = vec!["plan", "--device", "cuda"];
+        args.extend(extra);
+        let out = run(
+            tmp.path(),
+            &args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        );
+        let text = output_text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(expected), "expected `{expected}` in:\n{text}");
+    }
+}

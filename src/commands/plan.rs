@@ -1,9 +1,9 @@
 //! `lockstep plan`: what a configuration needs per rank — memory by buffer for every zero stage
 //! and activation checkpointing mode, FLOPs, step time, communication (data-parallel and, with
-//! `system.tensor_parallel`, inside the TP groups), scaling — and whether it fits, with the
-//! tensor parallelism to switch to where data parallelism alone falls short, before anything
-//! is prepared or allocated; and what a checkpoint save writes, stages in
-//! host memory and stalls at a stated storage bandwidth. The estimate is `crate::plan`'s, the
+//! `system.tensor_parallel` and `system.context_parallel`, inside the TP and CP groups),
+//! scaling — and whether it fits, with the tensor or context parallelism to switch to where
+//! data parallelism alone falls short, before anything is prepared or allocated; and what a
+//! checkpoint save writes, stages in host memory and stalls at a stated storage bandwidth. The estimate is `crate::plan`'s, the
 //! same one `train` checks at start.
 
 use anyhow::Result;
@@ -20,8 +20,8 @@ pub enum PlanDevice {
 
 #[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
-    /// Ranks in all (GPUs, or CPU processes with --device cpu): system.tensor_parallel × the
-    /// data-parallel ranks.
+    /// Ranks in all (GPUs, or CPU processes with --device cpu): the data-parallel ranks ×
+    /// system.context_parallel × system.tensor_parallel.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub gpus: usize,
     /// Memory per rank in GB. Default: what `train` checks against on this machine —

@@ -14,6 +14,17 @@
 //! data-parallel ranks each trains T times as many tokens per step. At the new T every layout
 //! of the knobs above is a candidate, the lower zero stages and lighter checkpointing included:
 //! the TP share is what makes them fit.
+//!
+//! And context parallelism on GPUs ([`context_parallel`]): when one sequence does not fit a
+//! rank of the current mesh at any zero stage, checkpointing mode, micro-batch or LM-head
+//! chunking, the smallest C above the configured one (a multiple of it that divides the ranks
+//! over T, with 2C dividing the context) at which a layout fits at the configured T; where no
+//! C is enough alone, the smallest TP degree the TP advice could propose and the smallest C
+//! with it. It is proposed beside the TP advice, not instead of it: a TP group can make a
+//! long sequence fit too (it divides the activations inside the blocks, and with sequence
+//! parallelism those between them), and the two say what each needs and costs. Both keep the
+//! world's tokens per step (the D data-parallel ranks left each train C·T/(C₀·T₀) times as
+//! many sequences), so their steps compare.
 use serde::Serialize;
 
 use super::{estimate, Device, Estimate, Layout, Setting};
@@ -60,6 +71,20 @@ pub struct TensorParallelChange {
     pub change: Change,
 }
 
+/// A change of `system.context_parallel` (and where needed `system.tensor_parallel`) with the
+/// layout that goes with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ContextParallelChange {
+    /// The new C and T, and the data-parallel ranks they leave.
+    pub context_parallel: usize,
+    pub tensor_parallel: usize,
+    pub data_parallel_ranks: usize,
+    /// `system.context_parallel=C`, `system.tensor_parallel=T` where it changes, and the
+    /// layout's `--set`s; `slowdown` is against the current layout's step (the same tokens in
+    /// all).
+    pub change: Change,
+}
+
 /// Charged per halving of the micro-batch.
 const SMALLER_GEMM_PENALTY: f64 = 0.03;
 
@@ -97,8 +122,8 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     .filter(|m| strength(*m) >= strength(current.activation_checkpointing))
     .collect();
     // Sharding only saves memory across ranks: alone, a rank keeps the stage it has.
-    let data = s.data_ranks(s.world);
-    let stages: Vec<ZeroStage> = if data > 1 {
+    let replicas = s.replica_ranks(s.world);
+    let stages: Vec<ZeroStage> = if replicas > 1 {
         ZeroStage::ALL
             .into_iter()
             .filter(|z| *z >= current.zero_stage)
@@ -108,9 +133,11 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     };
     let batches: Vec<usize> = (1..=current.batch)
         .filter(|b| current.batch.is_multiple_of(*b))
-        .filter(|b| !s.splits_sequence() || (b * s.context).is_multiple_of(s.tensor_parallel))
+        .filter(|b| {
+            !s.splits_sequence() || (b * s.tokens_per_sequence()).is_multiple_of(s.tensor_parallel)
+        })
         .collect();
-    let hybrid = s.shard_ranks(s.world) < data;
+    let hybrid = s.shard_ranks(s.world) < replicas;
     let mut out = Vec::new();
     for &loss_chunk_tokens in &chunks {
         for &activation_checkpointing in &modes {
@@ -193,9 +220,9 @@ fn cheapest(s: &Setting, from: &Layout, current: &Layout, limit: f64) -> Option<
 /// Tensor parallelism to propose on GPUs (None elsewhere, or when the data-parallel layouts
 /// already fit at [`EFFICIENCY_TARGET`], or when no T helps): of 2, 4, 8, the multiples of the
 /// configured T above it that divide the heads, the KV heads, the FFN width (as
-/// `config::check_tensor_parallel` requires), the GPUs per node and the ranks, the smallest
-/// whose cheapest fitting layout reaches the target; else the most efficient fitting one, if
-/// the data-parallel layouts do not fit or are less efficient.
+/// `config::check_tensor_parallel` requires), the GPUs per node and the ranks over C, the
+/// smallest whose cheapest fitting layout reaches the target; else the most efficient fitting
+/// one, if the data-parallel layouts do not fit or are less efficient.
 pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelChange> {
     if s.device != Device::Cuda {
         return None;
@@ -209,22 +236,9 @@ pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelCh
     if data_only.is_some_and(|e| e >= EFFICIENCY_TARGET) {
         return None;
     }
-    let sh = &s.shape;
-    let options: Vec<TensorParallelChange> = TENSOR_PARALLEL_DEGREES
+    let options: Vec<TensorParallelChange> = tensor_degrees(s, s.context_parallel)
         .into_iter()
-        .filter(|&t| {
-            t > s.tensor_parallel
-                && t.is_multiple_of(s.tensor_parallel)
-                && [
-                    sh.num_heads,
-                    sh.num_kv_heads,
-                    sh.intermediate_size,
-                    s.node_size,
-                    s.world,
-                ]
-                .iter()
-                .all(|n| n.is_multiple_of(t))
-        })
+        .filter(|&t| t > s.tensor_parallel)
         .filter_map(|t| at_degree(s, current, t, now.step_seconds))
         .collect();
     if let Some(first) = options
@@ -239,19 +253,62 @@ pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelCh
         .filter(|best| data_only.is_none_or(|e| best.change.efficiency > e))
 }
 
+/// The TP degrees a mesh with CP groups of `c` may use: the configured T and those of 2, 4, 8
+/// that are multiples of it and divide the heads, the KV heads, the FFN width (as
+/// `config::check_tensor_parallel` requires), the GPUs per node and the ranks over `c`; with
+/// sequence parallelism also a rank's tokens of a sequence (s/c, as the config checks
+/// require).
+fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
+    let sh = &s.shape;
+    std::iter::once(s.tensor_parallel)
+        .chain(TENSOR_PARALLEL_DEGREES.into_iter().filter(|&t| {
+            t > s.tensor_parallel
+                && t.is_multiple_of(s.tensor_parallel)
+                && [
+                    sh.num_heads,
+                    sh.num_kv_heads,
+                    sh.intermediate_size,
+                    s.node_size,
+                    s.world / c,
+                ]
+                .iter()
+                .all(|n| n.is_multiple_of(t))
+                && (!s.sequence_parallel || (s.context / c).is_multiple_of(t))
+        }))
+        .collect()
+}
+
 /// The cheapest fitting layout at T = `t` that trains the world's tokens per step: each of the
 /// fewer data-parallel ranks k = t / T times as many sequences (in micro-batches of up to k
 /// times the current one, the rest as accumulation), at any zero stage and checkpointing mode.
 /// `base` is the current layout's step time. None when nothing fits, or hybrid sharding's
-/// groups do not divide the data-parallel ranks left.
+/// groups do not divide the replica ranks left.
 fn at_degree(s: &Setting, current: &Layout, t: usize, base: f64) -> Option<TensorParallelChange> {
-    let k = t / s.tensor_parallel;
+    let (mesh, e) = at_mesh(s, current, s.context_parallel, t)?;
+    let mut change = Change::to(current, &e, e.step_seconds, base);
+    change.sets.insert(0, format!("system.tensor_parallel={t}"));
+    Some(TensorParallelChange {
+        tensor_parallel: t,
+        data_parallel_ranks: mesh.data_ranks(mesh.world),
+        change,
+    })
+}
+
+/// The mesh of CP groups of `c` and TP groups of `t` (multiples of the configured C and T),
+/// and its cheapest layout within the budget that trains the world's tokens per step: each of
+/// the fewer data-parallel ranks k = c·t / (C·T) times as many sequences (in micro-batches of
+/// up to k times the current one, the rest as accumulation), at any zero stage and
+/// checkpointing mode. None when nothing fits, or hybrid sharding's groups do not divide the
+/// replica ranks left.
+fn at_mesh(s: &Setting, current: &Layout, c: usize, t: usize) -> Option<(Setting, Estimate)> {
+    let k = (c * t) / (s.context_parallel * s.tensor_parallel);
     let mesh = Setting {
         tensor_parallel: t,
+        context_parallel: c,
         ..s.clone()
     };
-    let data = mesh.data_ranks(mesh.world);
-    if mesh.shard_degree > 0 && !data.is_multiple_of(mesh.shard_degree) {
+    let replicas = mesh.replica_ranks(mesh.world);
+    if mesh.shard_degree > 0 && !replicas.is_multiple_of(mesh.shard_degree) {
         return None;
     }
     let from = Layout {
@@ -261,11 +318,51 @@ fn at_degree(s: &Setting, current: &Layout, t: usize, base: f64) -> Option<Tenso
         ..*current
     };
     let (e, _) = cheapest(&mesh, &from, current, s.budget)?;
-    let mut change = Change::to(current, &e, e.step_seconds, base);
-    change.sets.insert(0, format!("system.tensor_parallel={t}"));
-    Some(TensorParallelChange {
-        tensor_parallel: t,
-        data_parallel_ranks: data,
+    Some((mesh, e))
+}
+
+/// Context parallelism to propose on GPUs (None elsewhere, when a layout of the current mesh
+/// fits, or when no C helps; see the module's notes): the smallest C above the configured one
+/// — a multiple of it that divides the ranks over T, with 2C dividing the context — at which
+/// a layout fits at the configured T; else the smallest TP degree the TP advice may use with
+/// the smallest C that fits with it.
+pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallelChange> {
+    if s.device != Device::Cuda {
+        return None;
+    }
+    let now = estimate(s, current);
+    if now.fits || cheapest_within(s, current, s.budget).is_some() {
+        return None;
+    }
+    let ranks = s.world / s.tensor_parallel;
+    let degrees: Vec<usize> = (s.context_parallel + 1..=ranks)
+        .filter(|&c| {
+            c.is_multiple_of(s.context_parallel)
+                && ranks.is_multiple_of(c)
+                && s.context.is_multiple_of(2 * c)
+        })
+        .collect();
+    let (mesh, e) = tensor_degrees(s, 1).into_iter().find_map(|t| {
+        degrees
+            .iter()
+            .filter(|&&c| tensor_degrees(s, c).contains(&t))
+            .find_map(|&c| at_mesh(s, current, c, t))
+    })?;
+    let mut change = Change::to(current, &e, e.step_seconds, now.step_seconds);
+    if mesh.tensor_parallel != s.tensor_parallel {
+        change.sets.insert(
+            0,
+            format!("system.tensor_parallel={}", mesh.tensor_parallel),
+        );
+    }
+    change.sets.insert(
+        0,
+        format!("system.context_parallel={}", mesh.context_parallel),
+    );
+    Some(ContextParallelChange {
+        context_parallel: mesh.context_parallel,
+        tensor_parallel: mesh.tensor_parallel,
+        data_parallel_ranks: mesh.data_ranks(mesh.world),
         change,
     })
 }
@@ -375,5 +472,80 @@ mod tests {
         let e = estimate(&s, &l);
         assert!(e.fits && e.efficiency >= EFFICIENCY_TARGET, "{e:?}");
         assert!(tensor_parallel(&s, &l).is_none());
+    }
+
+    /// Llama-3.1-8B (32 layers) at 131,072 tokens, one sequence per GPU, on `world` GPUs of
+    /// 80 GB.
+    fn llama_8b_128k(world: usize) -> (Setting, Layout) {
+        test_setting(
+            &[
+                "model.num_layers=32",
+                "model.vocab_size=128256",
+                "training.context_length=131072",
+                "training.batch_size=1",
+                "training.grad_accum_nums=1",
+            ],
+            world,
+        )
+    }
+
+    #[test]
+    fn context_parallelism_is_proposed_where_one_sequence_fits_no_rank() {
+        for (world, c) in [(8, 4), (16, 2), (32, 2)] {
+            let (s, l) = llama_8b_128k(world);
+            assert!(!estimate(&s, &l).fits);
+            assert!(cheapest_within(&s, &l, s.budget).is_none(), "{world} GPUs");
+            let cp = context_parallel(&s, &l).expect("a C fits");
+            assert_eq!(
+                (
+                    cp.context_parallel,
+                    cp.tensor_parallel,
+                    cp.data_parallel_ranks
+                ),
+                (c, 1, world / c),
+                "{world} GPUs"
+            );
+            assert_eq!(cp.change.sets[0], format!("system.context_parallel={c}"));
+            assert!(!cp
+                .change
+                .sets
+                .iter()
+                .any(|s| s.starts_with("system.tensor")));
+            // Applied, it fits in what it says, and the world trains the same tokens per step.
+            let mesh = Setting {
+                context_parallel: c,
+                ..s.clone()
+            };
+            let to = cp.change.layout;
+            let e = estimate(&mesh, &to);
+            assert!(e.fits);
+            assert_eq!(e.total_bytes, cp.change.total_bytes);
+            assert_eq!(e.step_seconds, cp.change.step_seconds);
+            assert_eq!(
+                world / c * to.batch * to.grad_accum,
+                world * l.batch * l.grad_accum
+            );
+            // The smallest: a smaller C fits no layout.
+            for smaller in (2..c).filter(|d| c.is_multiple_of(*d)) {
+                assert!(at_mesh(&s, &l, smaller, 1).is_none(), "C = {smaller}");
+            }
+        }
+        // Not where one sequence fits a rank (8B at 8192 tokens on 8 GPUs), nor on CPU ranks.
+        let (s, l) = test_setting(
+            &[
+                "model.num_layers=32",
+                "model.vocab_size=128256",
+                "training.context_length=8192",
+            ],
+            8,
+        );
+        assert!(cheapest_within(&s, &l, s.budget).is_some());
+        assert!(context_parallel(&s, &l).is_none());
+        let (s, l) = llama_8b_128k(32);
+        let cpu = Setting {
+            device: Device::Cpu,
+            ..s
+        };
+        assert!(context_parallel(&cpu, &l).is_none());
     }
 }

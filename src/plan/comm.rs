@@ -18,6 +18,11 @@
 //! (`tensor::share`) among the data-parallel ranks with the same TP position: D = N/T of them,
 //! every T-th rank, so a group of S of them spans S·T consecutive ranks, in a node only when
 //! that fits in one. The TP group's own traffic is `tensor.rs`'s.
+//!
+//! With context parallelism (C) the ranks that hold the same parameters are the D × C ranks
+//! with the same TP position (the C ranks of a CP group train parts of the same sequences, so
+//! their gradients are summed like those of data-parallel ranks): everything above runs among
+//! those, still every T-th rank. The CP group's own traffic is `context.rs`'s.
 
 use serde::Serialize;
 
@@ -30,13 +35,13 @@ pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -
     inside + across
 }
 
-/// Bytes one rank sends per step among the data-parallel ranks of `world` ranks: (inside its
-/// shard group, across the shard groups). Without hybrid sharding the shard group is all D
-/// data-parallel ranks and everything counts as inside. With it (`system.shard_degree` = S < D),
-/// the reduce-scatters and all-gathers run inside the group and the gradient slice (4P/S) is
-/// all-reduced across the D/S groups. P is the rank's TP share.
+/// Bytes one rank sends per step among the replica ranks of `world` ranks (D × C with the same
+/// TP position): (inside its shard group, across the shard groups). Without hybrid sharding
+/// the shard group is all R = D × C replica ranks and everything counts as inside. With it
+/// (`system.shard_degree` = S < R), the reduce-scatters and all-gathers run inside the group and
+/// the gradient slice (4P/S) is all-reduced across the R/S groups. P is the rank's TP share.
 pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64, f64) {
-    let data = s.data_ranks(world);
+    let data = s.replica_ranks(world);
     if data <= 1 {
         return (0.0, 0.0);
     }
@@ -92,8 +97,8 @@ pub fn bandwidth(s: &Setting, span: usize) -> f64 {
     }
 }
 
-/// The collective bandwidth of a ring of `ranks` data-parallel ranks (one per TP group: they
-/// span `ranks` · T consecutive ranks).
+/// The collective bandwidth of a ring of `ranks` replica ranks (one per TP group: they span
+/// `ranks` · T consecutive ranks).
 pub fn data_parallel_bandwidth(s: &Setting, ranks: usize) -> f64 {
     bandwidth(s, ranks * s.tensor_parallel)
 }
@@ -106,7 +111,7 @@ pub fn seconds_per_step(s: &Setting, l: &Layout, world: usize) -> f64 {
     inside / data_parallel_bandwidth(s, s.shard_ranks(world)) + across / bandwidth(s, world)
 }
 
-/// Weak scaling (same batch per data-parallel rank, same TP group) at one world size.
+/// Weak scaling (same batch per data-parallel rank, same CP and TP groups) at one world size.
 #[derive(Debug, Clone, Serialize)]
 pub struct Scaling {
     /// Ranks in all (T × the data-parallel ranks).
@@ -116,6 +121,8 @@ pub struct Scaling {
     pub comm_seconds: f64,
     /// The TP group's collectives per step (0 at T = 1).
     pub tensor_parallel_seconds: f64,
+    /// The CP group's collectives per step (0 at C = 1).
+    pub context_parallel_seconds: f64,
     /// compute / (compute + communication): the step as it runs today.
     pub efficiency: f64,
     /// compute / (max(compute, data-parallel communication) + TP communication): with the
@@ -130,6 +137,7 @@ pub fn scaling(s: &Setting, l: &Layout, world: usize) -> Scaling {
         bytes_per_rank: bytes_per_step(s, l, l.zero_stage, world),
         comm_seconds: time.data_parallel_seconds,
         tensor_parallel_seconds: time.tensor_parallel_seconds,
+        context_parallel_seconds: time.context_parallel_seconds,
         efficiency: time.efficiency(),
         efficiency_overlapped: time.efficiency_overlapped(),
     }

@@ -34,11 +34,24 @@
 //! which also lists the few [tokens, hidden] tensors a TP rank keeps whole).
 //! The TP group's collectives are counted whole in the step time; the data-parallel ones as
 //! before (`StepTime`).
+//!
+//! Context parallelism (`system.context_parallel` = C, `context.rs`) makes the mesh D × C × T
+//! (tensor innermost, then context, then data). The C ranks of a CP group read the same
+//! samples and split every sequence: each holds s/C of its tokens, for which it keeps every
+//! activation the model keeps per token, and does 1/C of the sequence's FLOPs (attention's
+//! included: the zigzag chunks give every rank the same share of the causal mask's work). A
+//! rank's attention briefly holds the whole sequence's keys and values and, in backward, their
+//! fp32 gradients (`memory.rs`'s "cp buffers"), and the group all-gathers K/V and
+//! reduce-scatters dK/dV every layer (`context.rs`). Only the D data-parallel ranks bring
+//! their own samples (tokens per step), while the D·C ranks with the same TP position hold the
+//! same parameters: the zero stages, `system.shard_degree` and the gradient reductions act on
+//! those ([`Setting::replica_ranks`]).
 
 pub mod advice;
 pub mod budget;
 pub mod checkpoint;
 pub mod comm;
+pub mod context;
 pub mod memory;
 pub mod report;
 pub mod start;
@@ -68,11 +81,15 @@ pub struct Setting {
     /// bf16 matmuls (master weights and moments stay fp32).
     pub bf16: bool,
     pub device: Device,
-    /// Ranks in all (GPUs, or CPU processes): `tensor_parallel` × the data-parallel ranks.
+    /// Ranks in all (GPUs, or CPU processes): the data-parallel ranks × `context_parallel` ×
+    /// `tensor_parallel`.
     pub world: usize,
     /// `system.tensor_parallel`: ranks that split every layer between them (T, innermost in the
     /// mesh).
     pub tensor_parallel: usize,
+    /// `system.context_parallel`: ranks that split every sequence between them (C, between the
+    /// data-parallel and the tensor-parallel dimension).
+    pub context_parallel: usize,
     /// `system.sequence_parallel`: with T > 1, the activations between the layers' matmuls are
     /// split along the tokens among the TP group (`splits_sequence`).
     pub sequence_parallel: bool,
@@ -132,19 +149,31 @@ impl Setting {
         self.sequence_parallel && self.tensor_parallel > 1
     }
 
-    /// Data-parallel ranks among `world` ranks: one per TP group.
+    /// Data-parallel ranks among `world` ranks (D): one per CP × TP group, each with its own
+    /// samples.
     pub fn data_ranks(&self, world: usize) -> usize {
+        (world / (self.tensor_parallel * self.context_parallel)).max(1)
+    }
+
+    /// Ranks among `world` that hold the same parameters (one per TP group: D × C): what the
+    /// zero stages shard and the gradient reductions run over.
+    pub fn replica_ranks(&self, world: usize) -> usize {
         (world / self.tensor_parallel).max(1)
     }
 
-    /// Data-parallel ranks that shard one copy of the state among `world` ranks: all of them, or
+    /// Replica ranks that shard one copy of the state among `world` ranks: all of them, or
     /// the hybrid-sharding group size (`system.shard_degree`).
     pub fn shard_ranks(&self, world: usize) -> usize {
-        let data = self.data_ranks(world);
+        let replicas = self.replica_ranks(world);
         match self.shard_degree {
-            0 => data,
-            d => d.min(data),
+            0 => replicas,
+            d => d.min(replicas),
         }
+    }
+
+    /// Tokens of each sequence on one rank: the context over C.
+    pub fn tokens_per_sequence(&self) -> usize {
+        self.context / self.context_parallel
     }
 
     pub fn new(cfg: &Config, shape: LlamaShape, t: Target) -> Setting {
@@ -153,6 +182,7 @@ impl Setting {
         let (peak_flops, peak_source) = budget::peak_flops(t.device, bf16, t.cpu_threads);
         let (intra_bw, inter_bw, node_size) = budget::links(t.device, t.world);
         let tensor_parallel = cfg.system.tensor_parallel.max(1);
+        let context_parallel = cfg.system.context_parallel.max(1);
         Setting {
             shape,
             context: cfg.training.context_length,
@@ -160,6 +190,7 @@ impl Setting {
             device: t.device,
             world: t.world.max(1),
             tensor_parallel,
+            context_parallel,
             sequence_parallel: cfg.system.sequence_parallel,
             bucket_bytes: crate::dist::buckets::cap_bytes(cfg.system.bucket_mb) as f64,
             prefetch_units,
@@ -205,8 +236,8 @@ pub struct Layout {
     pub zero_stage: ZeroStage,
     pub activation_checkpointing: ActivationCheckpointing,
     pub loss_chunk_tokens: usize,
-    /// Sequences per micro-batch and micro-batches per step, of each data-parallel rank (a TP
-    /// group trains its micro-batch together).
+    /// Sequences per micro-batch and micro-batches per step, of each data-parallel rank (a CP
+    /// × TP group trains its micro-batch together).
     pub batch: usize,
     pub grad_accum: usize,
 }
@@ -223,7 +254,7 @@ impl Layout {
         }
     }
 
-    /// Tokens one data-parallel rank (the ranks of its TP group together) trains per step.
+    /// Tokens one data-parallel rank (the ranks of its CP × TP group together) trains per step.
     pub fn tokens_per_step(&self, context: usize) -> usize {
         self.batch * self.grad_accum * context
     }
@@ -283,11 +314,12 @@ pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
 }
 
 /// Seconds of computation of one step on one rank at the assumed utilisation: the tokens of
-/// its TP group's step, 1/T of every matmul of each.
+/// its CP × TP group's step, 1/T of every matmul of each, and 1/C of them (its own tokens'
+/// matmuls, and 1/C of each sequence's causal attention: the zigzag chunks share it evenly).
 pub fn compute_seconds(s: &Setting, l: &Layout) -> f64 {
     let f = flops_per_token(s, l);
-    l.tokens_per_step(s.context) as f64 * (f.model + f.recomputed)
-        / (s.tensor_parallel as f64 * s.peak_flops * s.mfu)
+    let split = (s.tensor_parallel * s.context_parallel) as f64;
+    l.tokens_per_step(s.context) as f64 * (f.model + f.recomputed) / (split * s.peak_flops * s.mfu)
 }
 
 /// One rank's step among `world` ranks, by what takes the time.
@@ -300,6 +332,9 @@ pub struct StepTime {
     pub data_parallel_seconds: f64,
     /// The TP group's collectives (`tensor.rs`), on the critical path.
     pub tensor_parallel_seconds: f64,
+    /// The CP group's K/V all-gathers and dK/dV reduce-scatters (`context.rs`), on the
+    /// critical path.
+    pub context_parallel_seconds: f64,
 }
 
 impl StepTime {
@@ -309,12 +344,18 @@ impl StepTime {
             compute_seconds: compute_seconds(s, l),
             data_parallel_seconds: comm::seconds_per_step(s, l, world),
             tensor_parallel_seconds: tensor::seconds_per_step(s, l),
+            context_parallel_seconds: context::seconds_per_step(s, l),
         }
     }
 
     /// Seconds per step: computation plus every collective, none overlapped.
     pub fn total(&self) -> f64 {
-        self.compute_seconds + self.data_parallel_seconds + self.tensor_parallel_seconds
+        self.compute_seconds + self.data_parallel_seconds + self.exposed_seconds()
+    }
+
+    /// The TP and CP groups' collectives: on the critical path.
+    fn exposed_seconds(&self) -> f64 {
+        self.tensor_parallel_seconds + self.context_parallel_seconds
     }
 
     /// Scaling efficiency: the computation's share of the step.
@@ -322,11 +363,11 @@ impl StepTime {
         self.compute_seconds / self.total()
     }
 
-    /// The same with the data-parallel collectives hidden behind the computation (the TP
-    /// group's stay on the critical path).
+    /// The same with the data-parallel collectives hidden behind the computation (the TP and
+    /// CP groups' stay on the critical path).
     pub fn efficiency_overlapped(&self) -> f64 {
         self.compute_seconds
-            / (self.compute_seconds.max(self.data_parallel_seconds) + self.tensor_parallel_seconds)
+            / (self.compute_seconds.max(self.data_parallel_seconds) + self.exposed_seconds())
     }
 }
 

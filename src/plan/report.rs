@@ -4,9 +4,10 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::advice::{self, Change, TensorParallelChange};
+use super::advice::{self, Change, ContextParallelChange, TensorParallelChange};
 use super::checkpoint::{self, Checkpoint};
 use super::comm::{self, Scaling};
+use super::context;
 use super::memory::{self, Part, PeakPhase};
 use super::tensor::{self, Link};
 use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
@@ -21,12 +22,17 @@ pub struct Report {
     pub model: ModelSummary,
     pub device: super::Device,
     pub compute_dtype: &'static str,
-    /// Ranks in all: `tensor_parallel` × `data_parallel_ranks`.
+    /// Ranks in all: `data_parallel_ranks` × `context_parallel` × `tensor_parallel`.
     pub ranks: usize,
-    /// The mesh: ranks per TP group (`system.tensor_parallel`), data-parallel ranks, and whether
+    /// The mesh: ranks per TP group (`system.tensor_parallel`), per CP group
+    /// (`system.context_parallel`), data-parallel ranks (each with its own samples), and whether
     /// sequence parallelism is in effect.
     pub tensor_parallel: usize,
+    pub context_parallel: usize,
     pub data_parallel_ranks: usize,
+    /// Ranks that hold the same parameters (data × context): what the zero stages shard and
+    /// the gradient reductions run over.
+    pub replica_ranks: usize,
     pub sequence_parallel: bool,
     /// The vocabulary as the TP group splits it (rounded up to a multiple of T).
     pub padded_vocab_size: usize,
@@ -44,10 +50,10 @@ pub struct Report {
     pub peak_source: String,
     pub mfu: f64,
     pub step_seconds: f64,
-    /// Tokens per second of one rank (its TP group's over T), and of all ranks.
+    /// Tokens per second of one rank (its CP × TP group's over C·T), and of all ranks.
     pub tokens_per_second: f64,
     pub tokens_per_second_total: f64,
-    /// Bytes one rank sends per step at each zero stage (index = stage) among the data-parallel
+    /// Bytes one rank sends per step at each zero stage (index = stage) among the replica
     /// ranks.
     pub comm_bytes_per_step: [f64; 4],
     /// Bytes one rank sends to its TP group per step (0 at T = 1), the link that carries them
@@ -55,9 +61,14 @@ pub struct Report {
     pub tensor_parallel_bytes_per_step: f64,
     pub tensor_parallel_link: Link,
     pub tensor_parallel_bandwidth: f64,
+    /// Bytes one rank sends to its CP group per step (0 at C = 1): K/V all-gathered and dK/dV
+    /// reduce-scattered (`context.rs`), the link that carries them and its bandwidth.
+    pub context_parallel_bytes_per_step: f64,
+    pub context_parallel_link: Link,
+    pub context_parallel_bandwidth: f64,
     /// `system.prefetch_units`: at zero stage 3, unit gathers issued ahead of the unit in use.
     pub prefetch_units: usize,
-    /// Data-parallel ranks that shard one copy of the state (all of them, or
+    /// Replica ranks that shard one copy of the state (all of them, or
     /// `system.shard_degree`).
     pub shard_ranks: usize,
     /// The dtype gradients travel in (`system.reduce_dtype`).
@@ -74,6 +85,9 @@ pub struct Report {
     /// On GPUs, when no data-parallel layout fits at `advice::EFFICIENCY_TARGET`: the tensor
     /// parallelism that does best (`advice::tensor_parallel`).
     pub tensor_parallel_advice: Option<TensorParallelChange>,
+    /// On GPUs, when one sequence fits no layout of the current mesh: the smallest context
+    /// parallelism that fits (`advice::context_parallel`), beside the TP advice.
+    pub context_parallel_advice: Option<ContextParallelChange>,
     /// When the configured layout does not fit with `checkpoint.async`'s staging copy in the
     /// rank's memory (CPU) and fits without it: what it needs with `checkpoint.async=false`.
     pub fits_without_staging: Option<f64>,
@@ -118,6 +132,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         .flatten();
     let smallest = (!fits && advice.is_none()).then(|| advice::smallest(s, l));
     let tensor_parallel_advice = advice::tensor_parallel(s, l);
+    let context_parallel_advice = advice::context_parallel(s, l);
     let fits_without_staging = (!fits && configured.memory.staging > 0.0)
         .then(|| {
             let sync = Setting {
@@ -144,7 +159,9 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         compute_dtype: if s.bf16 { "bf16" } else { "fp32" },
         ranks: s.world,
         tensor_parallel: s.tensor_parallel,
+        context_parallel: s.context_parallel,
         data_parallel_ranks: s.data_ranks(s.world),
+        replica_ranks: s.replica_ranks(s.world),
         sequence_parallel: s.splits_sequence(),
         padded_vocab_size: tensor::padded_vocab(s),
         context_length: s.context,
@@ -155,12 +172,16 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         peak_source: s.peak_source.clone(),
         mfu: s.mfu,
         step_seconds: configured.step_seconds,
-        tokens_per_second: tokens / (s.tensor_parallel as f64 * configured.step_seconds),
+        tokens_per_second: tokens
+            / ((s.tensor_parallel * s.context_parallel) as f64 * configured.step_seconds),
         tokens_per_second_total: tokens * s.data_ranks(s.world) as f64 / configured.step_seconds,
         comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
         tensor_parallel_bytes_per_step: tensor::bytes_per_step(s, l),
         tensor_parallel_link: tensor::link(s),
         tensor_parallel_bandwidth: tensor::bandwidth(s),
+        context_parallel_bytes_per_step: context::bytes_per_step(s, l),
+        context_parallel_link: context::link(s),
+        context_parallel_bandwidth: context::bandwidth(s),
         prefetch_units: s.prefetch_units,
         shard_ranks: s.shard_ranks(s.world),
         reduce_dtype: if s.reduce_bytes < 4.0 { "bf16" } else { "fp32" },
@@ -169,7 +190,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         node_size: s.node_size,
         scaling: SCALING_RANKS
             .iter()
-            .filter(|&&n| n.is_multiple_of(s.tensor_parallel))
+            .filter(|&&n| n.is_multiple_of(s.tensor_parallel * s.context_parallel))
             .map(|&n| comm::scaling(s, l, n))
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
@@ -180,13 +201,17 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         advice,
         smallest,
         tensor_parallel_advice,
+        context_parallel_advice,
     }
 }
 
 fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
     let chunk = match l.loss_chunk_tokens {
         0 => "one chunk of the micro-batch".to_string(),
-        c => format!("chunks of {} tokens", c.min(l.batch * s.context)),
+        c => format!(
+            "chunks of {} tokens",
+            c.min(l.batch * s.tokens_per_sequence())
+        ),
     };
     let dtype = if s.bf16 { "bf16" } else { "fp32" };
     let stage = l.zero_stage;
@@ -227,13 +252,14 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             format!("{dtype}, as the working parameters")
         }
         Part::Gradients => "fp32".into(),
-        Part::Activations | Part::Logits | Part::GatheredUnits
+        Part::Activations | Part::Logits | Part::GatheredUnits | Part::ContextParallel
             if peak == PeakPhase::CheckpointSave =>
         {
             "none: freed between steps".into()
         }
         Part::GatheredUnits => gathered_text(s, l, peak, dtype),
         Part::Activations => activations_text(s, l),
+        Part::ContextParallel => context_text(s, l, peak, dtype),
         Part::Logits => format!(
             "{chunk} × vocab {}: fp32{}, hidden states and their gradient",
             if t > 1 {
@@ -280,11 +306,45 @@ fn gathered_text(s: &Setting, l: &Layout, peak: PeakPhase, dtype: &str) -> Strin
     )
 }
 
+/// The context-parallel buffers' line of the breakdown.
+fn context_text(s: &Setting, l: &Layout, peak: PeakPhase, dtype: &str) -> String {
+    if peak == PeakPhase::LmHead {
+        return "below the peak: an LM-head chunk needs more than a layer's backward".into();
+    }
+    let b = context::buffers(s, l);
+    let t = s.tensor_parallel;
+    let heads = if t > 1 {
+        format!("kv_heads/{t}")
+    } else {
+        "kv_heads".into()
+    };
+    format!(
+        "a layer's attention backward: K/V of the whole sequence gathered ({dtype} [2, {}, {heads}, {}, hd], {}) and their fp32 gradients ({}), dQ ({}), then {}",
+        l.batch,
+        s.context,
+        gb(b.gathered),
+        gb(b.gradients),
+        gb(b.queries),
+        if b.block >= b.scatter {
+            format!(
+                "the largest block's K/V repeated to the query heads and their gradients ({})",
+                gb(b.block)
+            )
+        } else {
+            format!(
+                "the fp32 copies the reduce-scatter makes ({})",
+                gb(b.scatter)
+            )
+        }
+    )
+}
+
 /// The activations' line of the breakdown.
 fn activations_text(s: &Setting, l: &Layout) -> String {
     let t = s.tensor_parallel;
+    let c = s.context_parallel;
     format!(
-        "{}, {} layers × {} tokens{}",
+        "{}, {} layers × {} tokens{}{}",
         match l.activation_checkpointing {
             ActivationCheckpointing::None => "no checkpointing: every saved tensor",
             ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
@@ -292,7 +352,12 @@ fn activations_text(s: &Setting, l: &Layout) -> String {
                 "selective: attention halves + one MLP recomputed",
         },
         s.shape.num_layers,
-        l.batch * s.context,
+        l.batch * s.tokens_per_sequence(),
+        if c > 1 {
+            format!(" (1/{c} of each sequence: context parallel)")
+        } else {
+            String::new()
+        },
         match (t, s.splits_sequence()) {
             (1, _) => String::new(),
             (_, true) => format!(", 1/{t} per rank (sequence parallel between the blocks)"),
@@ -523,15 +588,22 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
         (super::Device::Cpu, _) => "CPU processe",
         (super::Device::Cuda, _) => "GPU",
     };
-    let mesh = if r.tensor_parallel > 1 {
-        format!(
-            " = mesh {} tensor-parallel × {} data-parallel, sequence parallel {}",
-            r.tensor_parallel,
+    let sequence = if r.sequence_parallel { "on" } else { "off" };
+    let mesh = match (r.context_parallel, r.tensor_parallel) {
+        (1, 1) => String::new(),
+        (1, t) => format!(
+            " = mesh {t} tensor-parallel × {} data-parallel, sequence parallel {sequence}",
             r.data_parallel_ranks,
-            if r.sequence_parallel { "on" } else { "off" }
-        )
-    } else {
-        String::new()
+        ),
+        (c, t) => format!(
+            " = mesh {} data-parallel × {c} context-parallel × {t} tensor-parallel{}",
+            r.data_parallel_ranks,
+            if t > 1 {
+                format!(", sequence parallel {sequence}")
+            } else {
+                String::new()
+            }
+        ),
     };
     let _ = writeln!(
         o,
@@ -542,7 +614,7 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
         l.batch,
         r.context_length,
         l.grad_accum,
-        if r.tensor_parallel > 1 {
+        if r.tensor_parallel > 1 || r.context_parallel > 1 {
             " per data-parallel rank"
         } else {
             ""
@@ -558,11 +630,11 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
             } else {
                 String::new()
             },
-            if r.shard_ranks < r.data_parallel_ranks {
+            if r.shard_ranks < r.replica_ranks {
                 format!(
                     ", hybrid: sharded in groups of {}, replicated across {}",
                     r.shard_ranks,
-                    r.data_parallel_ranks / r.shard_ranks
+                    r.replica_ranks / r.shard_ranks
                 )
             } else {
                 String::new()
@@ -597,6 +669,7 @@ fn memory_text(o: &mut String, r: &Report, s: &Setting) {
     let peak = r.configured.memory.peak_during;
     for (part, bytes) in r.configured.memory.parts() {
         if (part == Part::GatheredUnits && !l.zero_stage.shards_parameters())
+            || (part == Part::ContextParallel && r.context_parallel == 1)
             || (part == Part::Staging && bytes == 0.0)
         {
             continue;
@@ -647,7 +720,37 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
     let l = &r.configured.layout;
     let f = &r.flops_per_token;
     let t = r.tensor_parallel;
+    let cp = r.context_parallel;
     let time = &r.configured.time;
+    let split = match (cp, t) {
+        (1, 1) => String::new(),
+        (1, t) => format!(", 1/{t} of it on each rank of a tensor-parallel group"),
+        (c, 1) => format!(
+            ", 1/{c} of it on each rank of a context-parallel group (its s/{c} tokens of each sequence, and 1/{c} of its causal attention)"
+        ),
+        (c, t) => format!(
+            ", 1/{} of it on each rank of a context-parallel × tensor-parallel group ({c} × {t})",
+            c * t
+        ),
+    };
+    let parts = match (cp, t) {
+        (1, 1) => String::new(),
+        (1, _) => format!(
+            " (compute {:.3} s + tensor-parallel {:.3} s + data-parallel {:.3} s)",
+            time.compute_seconds, time.tensor_parallel_seconds, time.data_parallel_seconds
+        ),
+        (_, 1) => format!(
+            " (compute {:.3} s + context-parallel {:.3} s + data-parallel {:.3} s)",
+            time.compute_seconds, time.context_parallel_seconds, time.data_parallel_seconds
+        ),
+        _ => format!(
+            " (compute {:.3} s + tensor-parallel {:.3} s + context-parallel {:.3} s + data-parallel {:.3} s)",
+            time.compute_seconds,
+            time.tensor_parallel_seconds,
+            time.context_parallel_seconds,
+            time.data_parallel_seconds
+        ),
+    };
     let _ = writeln!(
         o,
         "\nCompute: {:.2} GFLOP per token ({:.2} model{}){}; at {:.0}% of {:.1} TFLOP/s ({}): step {:.3} s{}, {:.0} tokens/s per rank, {:.0} in all",
@@ -658,32 +761,25 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
         } else {
             String::new()
         },
-        if t > 1 {
-            format!(", 1/{t} of it on each rank of a tensor-parallel group")
-        } else {
-            String::new()
-        },
+        split,
         r.mfu * 100.0,
         r.peak_flops / 1e12,
         r.peak_source,
         r.step_seconds,
-        if t > 1 {
-            format!(
-                " (compute {:.3} s + tensor-parallel {:.3} s + data-parallel {:.3} s)",
-                time.compute_seconds, time.tensor_parallel_seconds, time.data_parallel_seconds
-            )
-        } else {
-            String::new()
-        },
+        parts,
         r.tokens_per_second,
         r.tokens_per_second_total
     );
     let _ = writeln!(
         o,
         "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
-        r.data_parallel_ranks,
-        if t > 1 { "data-parallel " } else { "" },
-        if r.data_parallel_ranks == 1 { "" } else { "s" },
+        r.replica_ranks,
+        match (cp, t) {
+            (1, 1) => "",
+            (1, _) => "data-parallel ",
+            _ => "data × context ",
+        },
+        if r.replica_ranks == 1 { "" } else { "s" },
         r.reduce_dtype,
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
@@ -710,39 +806,76 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
             time.tensor_parallel_seconds
         );
     }
+    if cp > 1 {
+        let _ = writeln!(
+            o,
+            "Context parallelism: {} per step per rank in each group of {cp} (per layer and micro-batch, K and V all-gathered {} and dK/dV reduce-scattered in fp32 once: {}/{cp} × 2 × {} kv_heads × {} hd × ({} × {} B + 4 B) per token of the sequence), over {} at {:.0} GB/s: {:.3} s, not overlapped",
+            gb(r.context_parallel_bytes_per_step),
+            match l.activation_checkpointing {
+                ActivationCheckpointing::Full => "3 times (forward, the recomputed forward, backward)",
+                _ => "twice (forward, backward)",
+            },
+            cp - 1,
+            if t > 1 {
+                format!("{}/{t}", r.model.kv_heads)
+            } else {
+                r.model.kv_heads.to_string()
+            },
+            r.model.hidden_size / r.model.heads,
+            context::gathers_per_layer(l),
+            if r.compute_dtype == "bf16" { 2 } else { 4 },
+            match r.context_parallel_link {
+                Link::IntraNode => "a node's links",
+                Link::InterNode => "the network (the group spans nodes)",
+            },
+            r.context_parallel_bandwidth / 1e9,
+            time.context_parallel_seconds
+        );
+    }
     let _ = writeln!(
         o,
         "Scaling at zero stage {} (same batch per {}rank{}; {:.0} GB/s within a node of {}, {:.0} GB/s across nodes):",
         l.zero_stage,
-        if t > 1 { "data-parallel " } else { "" },
-        if t > 1 {
-            format!(", tensor_parallel {t}")
-        } else {
-            String::new()
-        },
+        if t > 1 || cp > 1 { "data-parallel " } else { "" },
+        [
+            if cp > 1 {
+                format!(", context_parallel {cp}")
+            } else {
+                String::new()
+            },
+            if t > 1 {
+                format!(", tensor_parallel {t}")
+            } else {
+                String::new()
+            },
+        ]
+        .concat(),
         r.intra_node_bandwidth / 1e9,
         r.node_size,
         r.inter_node_bandwidth / 1e9
     );
     let tp_column = |x: String| if t > 1 { x } else { String::new() };
+    let cp_column = |x: String| if cp > 1 { x } else { String::new() };
     let _ = writeln!(
         o,
-        "  {:>6} {:>14} {:>12}{} {:>22} {:>22}",
+        "  {:>6} {:>14} {:>12}{}{} {:>22} {:>22}",
         "ranks",
         "sent per rank",
         "comm time",
         tp_column(format!(" {:>12}", "TP time")),
+        cp_column(format!(" {:>12}", "CP time")),
         "efficiency (today)",
         "(reductions overlapped)"
     );
     for sc in &r.scaling {
         let _ = writeln!(
             o,
-            "  {:>6} {:>14} {:>10.3} s{} {:>21.1}% {:>21.1}%",
+            "  {:>6} {:>14} {:>10.3} s{}{} {:>21.1}% {:>21.1}%",
             sc.ranks,
             gb(sc.bytes_per_rank),
             sc.comm_seconds,
             tp_column(format!(" {:>10.3} s", sc.tensor_parallel_seconds)),
+            cp_column(format!(" {:>10.3} s", sc.context_parallel_seconds)),
             sc.efficiency * 100.0,
             sc.efficiency_overlapped * 100.0
         );
@@ -750,8 +883,8 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
 }
 
 /// When the configured layout does not fit: the cheapest change that does, or what even the
-/// most frugal layout needs, and the tensor parallelism to switch to when there is one. Empty
-/// when it fits.
+/// most frugal layout needs, and the tensor and context parallelism to switch to when there
+/// are. Empty when it fits.
 pub fn advice_text(r: &Report) -> String {
     if r.fits {
         return String::new();
@@ -802,8 +935,37 @@ pub fn advice_text(r: &Report) -> String {
         ),
         (None, None, None) => String::new(),
     };
-    match tensor_parallel_text(r) {
-        Some(t) => format!("{advice} {t}"),
-        None => advice,
-    }
+    [
+        Some(advice),
+        tensor_parallel_text(r),
+        context_parallel_text(r),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|t| !t.is_empty())
+    .collect::<Vec<_>>()
+    .join(" ")
+}
+
+/// The context parallelism to switch to, with what it needs and costs (None when there is
+/// none to propose).
+fn context_parallel_text(r: &Report) -> Option<String> {
+    let cp = r.context_parallel_advice.as_ref()?;
+    let c = &cp.change;
+    Some(format!(
+        "With context parallelism (each sequence split among {} ranks): {} (mesh {} data-parallel × {} context-parallel × {} tensor-parallel, the same tokens per step; needs {}, step {} ({:+.0}%), scaling efficiency {:.0}%).",
+        cp.context_parallel,
+        c.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        cp.data_parallel_ranks,
+        cp.context_parallel,
+        cp.tensor_parallel,
+        gb(c.total_bytes),
+        secs(c.step_seconds),
+        c.slowdown * 100.0,
+        c.efficiency * 100.0
+    ))
 }

@@ -25,7 +25,8 @@
 //! (2·(T−1)/T·8 B). The norms' weight gradients are reduced over the group once per step (a few
 //! vectors: not counted). Only the bandwidth term is counted, as for the data-parallel
 //! collectives. These collectives are on the critical path: this first version counts them
-//! whole in the step time, never overlapped with computation.
+//! whole in the step time, never overlapped with computation. With context parallelism (C) a
+//! rank's tokens are s/C of each sequence: its TP group sends for those.
 
 use serde::Serialize;
 
@@ -110,14 +111,16 @@ fn bytes_per_token_outside_layers(s: &Setting) -> f64 {
     hidden + cross_entropy
 }
 
-/// Bytes one rank sends to its TP group per step (0 at T = 1).
+/// Bytes one rank sends to its TP group per step (0 at T = 1): for its tokens, s/C of each
+/// sequence its data-parallel rank trains.
 pub fn bytes_per_step(s: &Setting, l: &Layout) -> f64 {
     if s.tensor_parallel <= 1 {
         return 0.0;
     }
     let layers = s.shape.num_layers as f64;
     let per_layer = bytes_per_layer_token(s) * (8.0 + recomputed_collectives(l)) / 8.0;
-    l.tokens_per_step(s.context) as f64 * (layers * per_layer + bytes_per_token_outside_layers(s))
+    let tokens = l.tokens_per_step(s.tokens_per_sequence()) as f64;
+    tokens * (layers * per_layer + bytes_per_token_outside_layers(s))
 }
 
 /// Where the group's collectives run: a node's links when T divides the GPUs per node.

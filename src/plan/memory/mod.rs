@@ -38,6 +38,15 @@
 //! d] each. The LM head's hidden states and their gradient are every token's on every rank (the
 //! vocabulary-parallel head needs them all); a chunk's logits are [C, V_pad/T].
 //!
+//! With context parallelism (C ranks, `plan/context.rs`; the attention is
+//! `model/context_parallel.rs`) a rank holds s/C tokens of each sequence, and every
+//! per-token term above counts those: the layers' kept and recomputed tensors, the gradients in
+//! flight, the LM head's hidden states and logits. A layer's backward adds its attention's
+//! whole-sequence buffers ("cp buffers": the gathered K/V, their fp32 gradients and what the
+//! largest block or the reduce-scatter adds, `context::buffers`), in the same phase as the
+//! layer's recomputed tensors. The model state is the replica's: the zero stages shard it over
+//! the D × C ranks with the same TP position.
+//!
 //! Zero stage 3 (`train/optim/sharded.rs`) keeps no working parameters between uses: a rank
 //! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute
 //! dtype), the moments and the fp32 gradient slice [P/N] each. A unit (a decoder layer, the
@@ -90,6 +99,9 @@ pub struct Memory {
     /// What the decoder layers keep for backward (per the checkpointing mode), the layer being
     /// recomputed, and the gradients flowing between layers.
     pub activations: f64,
+    /// With context parallelism, at a decoder layer's backward: its attention's buffers of the
+    /// whole sequence (`context::buffers`). Zero at C = 1 and at the LM head.
+    pub context_parallel: f64,
     /// The LM head + cross-entropy: the final hidden states and their gradient, one chunk's
     /// logits and their gradients.
     pub logits: f64,
@@ -129,13 +141,14 @@ impl Memory {
             + self.gradients
             + self.gathered_units
             + self.activations
+            + self.context_parallel
             + self.logits
             + self.workspace
             + self.staging
     }
 
     /// (part, bytes) in the order of the report.
-    pub fn parts(&self) -> [(Part, f64); 9] {
+    pub fn parts(&self) -> [(Part, f64); 10] {
         [
             (Part::Weights, self.weights),
             (Part::MasterWeights, self.master_weights),
@@ -143,6 +156,7 @@ impl Memory {
             (Part::Gradients, self.gradients),
             (Part::GatheredUnits, self.gathered_units),
             (Part::Activations, self.activations),
+            (Part::ContextParallel, self.context_parallel),
             (Part::Logits, self.logits),
             (Part::Workspace, self.workspace),
             (Part::Staging, self.staging),
@@ -159,6 +173,7 @@ pub enum Part {
     Gradients,
     GatheredUnits,
     Activations,
+    ContextParallel,
     Logits,
     Workspace,
     Staging,
@@ -174,6 +189,7 @@ impl Part {
             Part::Gradients => "gradients",
             Part::GatheredUnits => "gathered units",
             Part::Activations => "activations",
+            Part::ContextParallel => "cp buffers",
             Part::Logits => "logits",
             Part::Workspace => "workspace",
             Part::Staging => "staging",
@@ -258,7 +274,7 @@ fn runtime(s: &Setting) -> f64 {
 /// The two gradient buckets of stages 0 to 2 with several data-parallel ranks (stage 3 has no
 /// bucketed collective: its gathers and reduce-scatters go a unit at a time).
 fn buckets(s: &Setting, l: &Layout) -> f64 {
-    if s.data_ranks(s.world) > 1 && !l.zero_stage.shards_parameters() {
+    if s.replica_ranks(s.world) > 1 && !l.zero_stage.shards_parameters() {
         2.0 * s.bucket_bytes
     } else {
         0.0
@@ -300,6 +316,7 @@ fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
         gradients,
         gathered_units: 0.0,
         activations: 0.0,
+        context_parallel: 0.0,
         logits: 0.0,
         workspace: runtime(s) + buckets(s, l) + gathered_masters,
         staging: staging_in_rank_memory(s),
@@ -316,7 +333,8 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     let p = Phases::of(s, l, &m);
     // The kept activations (and at stage 3 the weights their graphs hold) live through both
     // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
-    let head_peak = p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.gathered.layer;
+    let head_peak =
+        p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.context + p.gathered.layer;
     let activations = p.kept + if head_peak { 0.0 } else { p.layer };
     let gathered_units = p.gathered.saved
         + if head_peak {
@@ -346,6 +364,7 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
         gradients,
         gathered_units,
         activations,
+        context_parallel: if head_peak { 0.0 } else { p.context },
         logits: if head_peak { p.head_logits } else { 0.0 },
         workspace: runtime(s) + buckets(s, l) + allocator_slack + head_temp,
         staging: if s.saves_between_steps() {
@@ -454,13 +473,15 @@ impl StepState {
 /// The activation side of a step's peak: what lives through the whole backward, and what each
 /// of its two candidate peaks (the LM head, one layer's backward) adds.
 struct Phases {
-    /// Tokens of the micro-batch.
+    /// Tokens of the micro-batch on this rank.
     tokens: f64,
     /// Kept from the forward until each layer's backward (all layers), the embedding's output
     /// and the bf16 weight casts autograd keeps included.
     kept: f64,
     /// What one layer's backward adds (recomputed tensors, tensors in flight, casts).
     layer: f64,
+    /// What one layer's context-parallel attention backward adds (0 at C = 1).
+    context: f64,
     /// The final hidden states and their gradient, and the loss chunks' logits.
     head_logits: f64,
     /// The head weight's bf16 copy and a chunk's bf16 weight gradient (bf16 compute).
@@ -474,8 +495,8 @@ impl Phases {
         let c = s.compute_bytes();
         let bf16 = c < 4.0;
         let stage = l.zero_stage;
-        // Per token of the micro-batch.
-        let n = (l.batch * s.context) as f64;
+        // Per token of the micro-batch on this rank (s/C of each sequence).
+        let n = (l.batch * s.tokens_per_sequence()) as f64;
         let LayerBytes {
             input,
             attention,
@@ -530,6 +551,7 @@ impl Phases {
             tokens: n,
             kept: n * (kept + embedded) + casts_kept,
             layer: layer_phase,
+            context: super::context::buffers(s, l).peak(),
             head_logits,
             head_temp,
             gathered,

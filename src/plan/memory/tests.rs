@@ -373,3 +373,62 @@ fn stages_0_to_2_gather_nothing() {
         assert_eq!(estimate(&s, &l).gathered_units, 0.0);
     }
 }
+
+/// Llama-3.1-8B (32 layers) at 131,072 tokens, one sequence per micro-batch, zero stage 3
+/// with full checkpointing, on 32 GPUs split into CP groups of `c`.
+fn long_context(c: usize) -> (Setting, Layout) {
+    let cp = format!("system.context_parallel={c}");
+    test_setting(
+        &[
+            "model.num_layers=32",
+            "model.vocab_size=128256",
+            "training.context_length=131072",
+            "training.batch_size=1",
+            "system.zero_stage=3",
+            "training.activation_checkpointing=full",
+            &cp,
+        ],
+        32,
+    )
+}
+
+#[test]
+fn a_ranks_activations_fall_c_fold_with_context_parallelism_and_its_cp_buffers_do_not() {
+    let (s1, l) = long_context(1);
+    let one = estimate(&s1, &l);
+    assert_eq!(one.context_parallel, 0.0);
+    let mut previous = one;
+    for c in [2, 4, 8] {
+        let (s, l) = long_context(c);
+        let m = estimate(&s, &l);
+        assert_eq!(m.peak_during, PeakPhase::DecoderBackward, "C = {c}");
+        // Every kept and recomputed tensor, and the gradients in flight, are per token: a
+        // rank holds s/C of each sequence.
+        assert!(close(m.activations * c as f64, one.activations), "C = {c}");
+        // The state is sharded over the same 32 ranks (data × context) at every C.
+        assert_eq!(
+            (m.master_weights, m.moments, m.gradients, m.gathered_units),
+            (
+                one.master_weights,
+                one.moments,
+                one.gradients,
+                one.gathered_units
+            )
+        );
+        // The attention's whole-sequence buffers: counted at the layer's backward, about
+        // the same at every C (the largest block grows from 3/4 to 15/16 of the sequence).
+        assert!(close(
+            m.context_parallel,
+            super::super::context::buffers(&s, &l).peak()
+        ));
+        assert!(
+            m.context_parallel > 5e9 && m.context_parallel < 7e9,
+            "{m:?}"
+        );
+        assert!(m.total() < previous.total(), "C = {c}");
+        previous = m;
+    }
+    // 8 ranks per sequence fit 8B at 131,072 tokens in 80 GB; one rank does not.
+    assert!(one.total() > 80e9);
+    assert!(previous.total() < 40e9, "{previous:?}");
+}
