@@ -5,7 +5,9 @@
 //! bytes per parameter) is allocated then, with the model state alone, which for this small
 //! model can be the peak; saving every step keeps the copy through the later steps' peaks, and
 //! a synchronous save has none. A larger set is #[ignore]d (minutes on 2 cores); its figures
-//! are in BENCHMARKS.md section 6.
+//! are in BENCHMARKS.md section 6. A context-parallel run on 2 CPU ranks (`lockstep run
+//! --nproc 2 --cpu`) is checked the same way: rank 0's peak RSS against the plan of one of 2
+//! ranks, each holding half of every sequence's tokens.
 
 mod common;
 
@@ -15,8 +17,9 @@ use common::{ok, output_text, run};
 
 /// (estimated, measured) peak bytes of a 2-step run with these `--set`s on the tiny preset
 /// (both `plan` and `train` see `training.max_steps` = 2, so they agree on whether a save comes
-/// before the last step).
-fn estimate_and_measure(dir: &Path, name: &str, sets: &[&str]) -> (f64, f64) {
+/// before the last step), on `ranks` CPU ranks (several: `lockstep run --nproc`, rank 0's
+/// peak against the plan's `--gpus ranks`).
+fn estimate_and_measure(dir: &Path, name: &str, sets: &[&str], ranks: usize) -> (f64, f64) {
     let mut args: Vec<String> = ["--preset", "tiny"].iter().map(|s| s.to_string()).collect();
     for s in [
         "system.num_threads=2",
@@ -34,12 +37,23 @@ fn estimate_and_measure(dir: &Path, name: &str, sets: &[&str]) -> (f64, f64) {
         "--device".into(),
         "cpu".into(),
         "--json".into(),
+        "--gpus".into(),
+        ranks.to_string(),
     ];
     plan.extend(args.iter().cloned());
     let p: serde_json::Value = serde_json::from_str(&ok(dir, &plan)).unwrap();
     let estimated = p["configured"]["total_bytes"].as_f64().unwrap();
 
-    let mut train = vec!["train".to_string()];
+    let mut train = if ranks > 1 {
+        vec![
+            "run".to_string(),
+            "--nproc".into(),
+            ranks.to_string(),
+            "--cpu".into(),
+        ]
+    } else {
+        vec!["train".to_string()]
+    };
     train.extend(args);
     train.extend(["--set".to_string(), format!("logging.run_name={name}")]);
     let out = run(dir, &train);
@@ -55,11 +69,16 @@ fn estimate_and_measure(dir: &Path, name: &str, sets: &[&str]) -> (f64, f64) {
 }
 
 fn check(configs: &[(&str, &[&str])]) {
+    check_on(1, configs)
+}
+
+/// [`check`] on `ranks` CPU ranks.
+fn check_on(ranks: usize, configs: &[(&str, &[&str])]) {
     let tmp = tempfile::tempdir().unwrap();
     let mut report = String::new();
     let mut worst: f64 = 0.0;
     for (name, sets) in configs {
-        let (est, meas) = estimate_and_measure(tmp.path(), name, sets);
+        let (est, meas) = estimate_and_measure(tmp.path(), name, sets, ranks);
         let err = est / meas - 1.0;
         report.push_str(&format!(
             "{name:<28} estimated {:.3} GB, measured {:.3} GB: {:+.1}%\n",
@@ -126,6 +145,25 @@ fn the_estimate_is_within_15_percent_of_the_peak_rss() {
             ],
         ),
     ]);
+}
+
+/// CP 2 at context 8,192: each rank keeps the activations of 4,096 tokens per sequence, plus at
+/// a layer's backward its attention's whole-sequence buffers (`plan/context.rs`).
+#[test]
+fn the_estimate_holds_for_a_context_parallel_rank() {
+    check_on(
+        2,
+        &[(
+            "cp2_ctx8192_none",
+            &[
+                "system.context_parallel=2",
+                "system.num_threads=1",
+                "training.context_length=8192",
+                "model.max_position_embeddings=8192",
+                "training.batch_size=1",
+            ],
+        )],
+    );
 }
 
 #[test]
