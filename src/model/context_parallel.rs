@@ -32,10 +32,11 @@
 //! ## All-gather, not a ring
 //! A ring passes K/V blocks to the next rank while computing on the current one, so the
 //! exchange hides behind compute; the all-gather waits for it. With GQA the exchanged K/V are
-//! small next to a layer's compute at long context (8B at 128k, C = 8: 16 MiB per rank per
-//! layer in bf16 against ~0.4 TFLOP of attention), the all-gather is one NCCL call instead of
-//! 2(C − 1) point-to-point calls, and it is the layout torchtitan uses today. The block merge
-//! is the ring's, so a ring is a change of who sends what, not of the arithmetic.
+//! small next to a layer's attention at long context — Llama-3.1-8B at 131,072 tokens, C = 8:
+//! a rank receives 7 × 64 MiB of bf16 K/V per layer (~1.5 ms over NVLink at ~300 GB/s) for
+//! ~18 TFLOP of attention forward (~45 ms at 400 TFLOP/s) — the all-gather is one NCCL call
+//! instead of 2(C − 1) point-to-point ones, and it is the layout torchtitan uses today. The
+//! block merge is the ring's, so a ring is a change of who sends what, not of the arithmetic.
 //!
 //! ## Where the explicit backward runs
 //! The training pass (backward.rs, tensor_parallel.rs) goes backward a decoder layer (half) at
@@ -232,67 +233,76 @@ impl ContextParallel {
         Ok(out)
     }
 
-    /// K and V of the whole sequence in order, [b, kv_heads, s, hd] each, from this rank's.
-    fn gather(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The group's K and V: [C, 2, b, kv_heads, 2m, hd], rank r's (k, v) at r (its chunks r and
+    /// 2C−1−r), from this rank's `k`, `v` [b, kv_heads, 2m, hd].
+    fn gather(&self, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let local = Tensor::stack(&[k, v], 0).contiguous();
         let all = self.comm(|c| c.all_gather(&local))?;
-        let size = local.size();
-        let (c, two_m) = (self.size as i64, size[3]);
-        let m = two_m / 2;
-        let mut shape = vec![c];
-        shape.extend(&size);
-        let all = all.view(shape.as_slice());
-        // Chunk j of the sequence: rank j's first half, or rank 2C−1−j's second.
-        let chunks: Vec<Tensor> = (0..2 * c)
-            .map(|j| {
-                let (owner, half) = if j < c { (j, 0) } else { (2 * c - 1 - j, 1) };
-                all.get(owner).narrow(3, half * m, m)
-            })
-            .collect();
-        let whole = Tensor::cat(&chunks, 3);
-        Ok((whole.get(0), whole.get(1)))
+        let mut shape = vec![self.size as i64];
+        shape.extend(local.size());
+        Ok(all.view(shape.as_slice()))
     }
 
-    /// The blocks query chunk `chunk` attends to: (first key, keys, what is visible).
-    fn blocks(&self, chunk: i64) -> Result<Vec<(i64, i64, Visible)>> {
+    /// Where chunk `j` of the sequence sits in the group's layout: its rank and which of the
+    /// rank's two halves.
+    fn owner(&self, j: i64) -> (i64, i64) {
+        let c = self.size as i64;
+        if j < c {
+            (j, 0)
+        } else {
+            (2 * c - 1 - j, 1)
+        }
+    }
+
+    /// Chunk `j`'s (k, v) [b, kv_heads, m, hd] each in the group's layout `kv` ([C, 2, b,
+    /// kv_heads, 2m, hd]: the gathered K/V, or their gradients' buffer): views, no copies.
+    fn chunk(&self, kv: &Tensor, j: i64, m: i64) -> (Tensor, Tensor) {
+        let (rank, half) = self.owner(j);
+        let at = kv.get(rank).narrow(3, half * m, m);
+        (at.get(0), at.get(1))
+    }
+
+    /// What query chunk `chunk` sees of each key chunk `0..=chunk`: every key of an earlier
+    /// chunk, its own causally, and with documents only its documents' keys.
+    fn visible(&self, chunk: i64) -> Result<Vec<(i64, Visible)>> {
         let batch = self.lock_batch()?;
         let b = batch
             .as_ref()
             .context("internal: context-parallel attention outside a pass")?;
         let m = b.chunk;
-        let own = chunk * m;
-        let mask = |start: i64, len: i64, causal: bool| -> Option<Visible> {
-            let ids = b.doc_ids.as_ref()?;
-            let q = ids.narrow(1, own, m).unsqueeze(2);
-            let k = ids.narrow(1, start, len).unsqueeze(1);
-            let mut same = q.eq_tensor(&k);
-            if causal {
-                let tril = Tensor::ones([m, m], (Kind::Bool, ids.device())).tril(0);
-                same = same.logical_and(&tril);
-            }
-            Some(Visible::Mask(same.unsqueeze(1)))
-        };
-        let mut blocks = Vec::with_capacity(2);
-        if chunk > 0 {
-            blocks.push((0, own, mask(0, own, false).unwrap_or(Visible::All)));
-        }
-        blocks.push((own, m, mask(own, m, true).unwrap_or(Visible::Causal)));
-        Ok(blocks)
+        Ok((0..=chunk)
+            .map(|j| {
+                let causal = j == chunk;
+                match &b.doc_ids {
+                    None if causal => (j, Visible::Causal),
+                    None => (j, Visible::All),
+                    Some(ids) => {
+                        let q = ids.narrow(1, chunk * m, m).unsqueeze(2);
+                        let k = ids.narrow(1, j * m, m).unsqueeze(1);
+                        let mut same = q.eq_tensor(&k);
+                        if causal {
+                            let tril = Tensor::ones([m, m], (Kind::Bool, ids.device())).tril(0);
+                            same = same.logical_and(&tril);
+                        }
+                        (j, Visible::Mask(same.unsqueeze(1)))
+                    }
+                }
+            })
+            .collect())
     }
 
     /// The forward without a graph: the output [b, heads, 2m, hd] and its log-sum-exp
-    /// [b, heads, 2m] fp32.
+    /// [b, heads, 2m] fp32. Each local query chunk attends to each key chunk it sees in one
+    /// kernel call, the calls merged as they come.
     fn attend_forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (keys, values) = self.gather(k, v)?;
+        let kv = self.gather(k, v)?;
         let m = q.size()[2] / 2;
         let (mut outs, mut lses) = (Vec::new(), Vec::new());
         for half in 0..2 {
-            let chunk = self.chunk_of(half);
             let qc = q.narrow(2, half as i64 * m, m);
             let mut merged: Option<(Tensor, Tensor)> = None;
-            for (start, len, visible) in self.blocks(chunk)? {
-                let kb = keys.narrow(2, start, len);
-                let vb = values.narrow(2, start, len);
+            for (j, visible) in self.visible(self.chunk_of(half))? {
+                let (kb, vb) = self.chunk(&kv, j, m);
                 let (o, l) = kernel::forward(&qc, &kb, &vb, &visible)?;
                 let o = o.to_kind(Kind::Float);
                 merged = Some(match merged {
@@ -329,52 +339,34 @@ impl ContextParallel {
         v: &Tensor,
         seg: &Segment,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (keys, values) = self.gather(k, v)?;
+        let kv = self.gather(k, v)?;
         let m = q.size()[2] / 2;
-        let c = self.size as i64;
         let out = seg.out.detach();
-        // dK and dV of the whole sequence, in order: [2, b, kv_heads, s, hd] fp32.
-        let mut dkv_shape = vec![2];
-        dkv_shape.extend(keys.size());
-        let dkv = Tensor::zeros(dkv_shape.as_slice(), (Kind::Float, q.device()));
+        // dK and dV of the whole sequence in the group's layout ([C, 2, b, kv_heads, 2m, hd]
+        // fp32), so that the reduce-scatter hands each rank its own chunks' sums.
+        let dkv = Tensor::zeros(kv.size(), (Kind::Float, q.device()));
         let mut dqs = Vec::with_capacity(2);
         for half in 0..2 {
-            let chunk = self.chunk_of(half);
             let at = half as i64 * m;
             let (qc, oc) = (q.narrow(2, at, m), out.narrow(2, at, m));
             let (gc, lc) = (d_out.narrow(2, at, m), seg.lse.narrow(2, at, m));
             let mut dq = Tensor::zeros(qc.size(), (Kind::Float, q.device()));
-            for (start, len, visible) in self.blocks(chunk)? {
-                let kb = keys.narrow(2, start, len);
-                let vb = values.narrow(2, start, len);
+            for (j, visible) in self.visible(self.chunk_of(half))? {
+                let (kb, vb) = self.chunk(&kv, j, m);
                 let (dqb, dkb, dvb) = kernel::backward(&gc, &qc, &kb, &vb, &oc, &lc, &visible)?;
                 dq += dqb.to_kind(Kind::Float);
-                let _ = dkv
-                    .get(0)
-                    .narrow(2, start, len)
-                    .g_add_(&dkb.to_kind(Kind::Float));
-                let _ = dkv
-                    .get(1)
-                    .narrow(2, start, len)
-                    .g_add_(&dvb.to_kind(Kind::Float));
+                let (mut dk, mut dv) = self.chunk(&dkv, j, m);
+                dk += dkb.to_kind(Kind::Float);
+                dv += dvb.to_kind(Kind::Float);
             }
             dqs.push(dq);
         }
-        // Back to the ranks' layout ([C·2, b, kv_heads, 2m, hd]: rank r's chunks r and
-        // 2C−1−r) and summed into the ranks that hold those tokens.
-        let by_rank: Vec<Tensor> = (0..c)
-            .map(|r| {
-                Tensor::cat(
-                    &[
-                        dkv.narrow(3, r * m, m),
-                        dkv.narrow(3, (2 * c - 1 - r) * m, m),
-                    ],
-                    3,
-                )
-            })
+        let size = dkv.size();
+        let flat: Vec<i64> = [size[0] * size[1]]
+            .into_iter()
+            .chain(size[2..].iter().copied())
             .collect();
-        let by_rank = Tensor::cat(&by_rank, 0).contiguous();
-        let mine = self.comm(|cm| cm.reduce_scatter(&by_rank))?;
+        let mine = self.comm(|c| c.reduce_scatter(&dkv.view(flat.as_slice())))?;
         let dq = Tensor::cat(&dqs, 2).to_kind(q.kind());
         Ok((
             dq,
@@ -385,22 +377,39 @@ impl ContextParallel {
 }
 
 /// Two blocks' outputs (fp32) and log-sum-exps merged into those of their union of keys. A
-/// row that saw no key in a block has lse −∞ there and weight 0.
+/// row that saw no key of a block has lse −∞ there and weighs 0 (its output, whatever the
+/// kernel left, is not read); a row that saw no key of either stays at lse −∞, output 0.
 fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> (Tensor, Tensor) {
     let lse = l1.logaddexp(l2);
-    let w1 = (l1 - &lse).exp().unsqueeze(-1);
-    let w2 = (l2 - &lse).exp().unsqueeze(-1);
-    (o1 * w1 + o2 * w2, lse)
+    let unseen = lse.isneginf();
+    let shift = lse.masked_fill(&unseen, 0.0);
+    let part = |o: &Tensor, l: &Tensor| {
+        let w = (l - &shift).exp().unsqueeze(-1);
+        o.masked_fill(&l.isneginf().unsqueeze(-1), 0.0) * w
+    };
+    (part(o1, l1) + part(o2, l2), lse)
 }
 
 /// One block's fused attention, forward (with the rows' log-sum-exp) and backward (given the
-/// merged output and log-sum-exp), on the device's kernel. GQA: keys and values are repeated
-/// to the query heads, and their gradients summed back.
+/// merged output and log-sum-exp), on the device's kernel: libtorch's flash attention on CPU
+/// (which reads KV head h / group itself), memory-efficient attention on CUDA (whose keys and
+/// values are repeated to the query heads, one chunk at a time, and their gradients summed
+/// back).
 mod kernel {
     use anyhow::Result;
     use tch::{Kind, Tensor};
 
     use super::Visible;
+
+    /// How many times each KV head is repeated for the kernel: the query heads per KV head on
+    /// CUDA, 1 on CPU (whose kernel reads KV head h / group itself).
+    fn gqa_repeat(q: &Tensor, k: &Tensor) -> i64 {
+        if q.device().is_cuda() {
+            q.size()[1] / k.size()[1]
+        } else {
+            1
+        }
+    }
 
     fn repeat(x: &Tensor, group: i64) -> Tensor {
         if group > 1 {
@@ -438,7 +447,7 @@ mod kernel {
         v: &Tensor,
         visible: &Visible,
     ) -> Result<(Tensor, Tensor)> {
-        let group = q.size()[1] / k.size()[1];
+        let group = gqa_repeat(q, k);
         let (k, v) = (repeat(k, group), repeat(v, group));
         let (causal, mask) = match visible {
             Visible::All => (false, None),
@@ -496,7 +505,7 @@ mod kernel {
         lse: &Tensor,
         visible: &Visible,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let group = q.size()[1] / k.size()[1];
+        let group = gqa_repeat(q, k);
         let (ke, ve) = (repeat(k, group), repeat(v, group));
         let (causal, mask) = match visible {
             Visible::All => (false, None),
@@ -653,7 +662,7 @@ mod tests {
                         let cp = ContextParallel::new(rank, c, Box::new(comm));
                         let docs = pieces.map(|p| DocumentMask::new(p, true, false, Device::Cpu));
                         let ids = Tensor::zeros([B, SEQ], (Kind::Int64, Device::Cpu));
-                        cp.begin(&ids, &ids, docs.as_ref()).unwrap();
+                        let _local = cp.begin(&ids, &ids, docs.as_ref()).unwrap();
                         let idx = cp.local_positions(SEQ);
                         let d = inputs();
                         let local = |v: &[f32], h: i64| {

@@ -19,13 +19,14 @@
 //! log-sum-exp: what a rank without CP keeps per token), but its backward holds, per
 //! micro-batch of b sequences, the gathered K/V of the whole sequence [2, b, kv_heads/T, s,
 //! head_dim] in the compute dtype, dK/dV of the whole sequence in an fp32 buffer of that shape,
-//! the two chunks' fp32 dQ, and then the larger of two moments' buffers: at the largest block
-//! (the s − m keys before chunk 2C−1, on rank 0) K and V repeated to the query heads (GQA) and
-//! the kernel's dK and dV in that repeated shape, with their sums over the repeats; or at the
-//! reduce-scatter three more fp32 copies of the dK/dV buffer (the ranks' chunks, their
-//! concatenation in rank order, and the collective's send copy). Below the backward's, the
-//! forward's peak (the gathered K/V and one block's repeated K/V) is not counted. These
-//! buffers scale with the whole sequence, not with s/C: they are the floor C cannot lower.
+//! the two chunks' fp32 dQ, and then the larger of two moments' buffers: at a block (one query
+//! chunk against one key chunk, m keys; on CUDA the kernel takes K and V repeated to the query
+//! heads with GQA, and gives dK and dV in that repeated shape, summed over the repeats) that
+//! block's K/V and gradients; or at the reduce-scatter one more fp32 copy of the dK/dV buffer
+//! (the collective's send copy; the buffer is already in the ranks' order). Below the
+//! backward's, the forward's peak (the gathered K/V and one block's repeated K/V) is not
+//! counted. The whole-sequence buffers scale with s, not with s/C: they are the floor C cannot
+//! lower (T can: they hold the rank's KV heads only).
 
 use serde::Serialize;
 
@@ -34,9 +35,9 @@ use super::{Layout, Setting};
 use crate::model::ActivationCheckpointing;
 
 /// Fp32 copies of the whole sequence's dK/dV buffer that exist at the reduce-scatter besides
-/// the buffer itself (`attend_backward`): the rank-major chunks, their concatenation, and the
+/// the buffer itself (`attend_backward`, which accumulates it in the ranks' order): the
 /// collective's send copy (`TpComm::reduce_scatter` copies its input).
-pub const SCATTER_COPIES: f64 = 3.0;
+pub const SCATTER_COPIES: f64 = 1.0;
 
 /// The ring's share of a collective among the C ranks of a group: (C−1)/C.
 fn ring(s: &Setting) -> f64 {
@@ -108,8 +109,8 @@ pub struct Buffers {
     pub gradients: f64,
     /// The two local chunks' fp32 dQ.
     pub queries: f64,
-    /// At the largest block: K and V repeated to the query heads (with GQA), the kernel's dK
-    /// and dV in that shape, and their sums over the repeats (compute dtype).
+    /// At a block (one key chunk): K and V repeated to the query heads (with GQA, on CUDA),
+    /// the kernel's dK and dV in that shape, and their sums over the repeats (compute dtype).
     pub block: f64,
     /// At the reduce-scatter: the fp32 copies of the dK/dV buffer ([`SCATTER_COPIES`]).
     pub scatter: f64,
@@ -135,8 +136,8 @@ pub fn buffers(s: &Setting, l: &Layout) -> Buffers {
     let heads = sh.num_heads as f64 / t;
     let kv = kv_width(s);
     let chunk = seq / (2.0 * s.context_parallel as f64);
-    // The largest block: chunk 2C−1's prefix, the s − m keys before it.
-    let keys = seq - chunk;
+    // A block: one key chunk of m keys.
+    let keys = chunk;
     let whole = 2.0 * b * kv * seq;
     let repeated = if sh.num_heads > sh.num_kv_heads {
         2.0
@@ -245,21 +246,23 @@ mod tests {
         let whole = 2.0 * 1024.0 * 131_072.0;
         assert!(close(b.gathered, 2.0 * whole), "bf16");
         assert!(close(b.gradients, 4.0 * whole));
-        assert!(close(b.scatter, 3.0 * 4.0 * whole));
-        // 32 query heads of 128 over the 122,880 keys before the last chunk (8192 tokens):
-        // K, V and their gradients repeated (GQA), and the gradients summed back to 8 heads.
-        let keys = 131_072.0 - 8192.0;
+        assert!(close(b.scatter, 4.0 * whole));
+        // A block: 32 query heads of 128 over one chunk of 8192 keys: K, V and their gradients
+        // repeated (GQA), and the gradients summed back to 8 heads.
+        let keys = 8192.0;
         assert!(close(b.block, 2.0 * keys * (4.0 * 4096.0 + 2.0 * 1024.0)));
         assert!(close(b.queries, 4.0 * 4096.0 * 16_384.0));
+        // Here the reduce-scatter's send copy is the larger moment.
+        assert!(b.scatter > b.block);
         assert!(close(
             b.peak(),
-            b.gathered + b.gradients + b.queries + b.block
+            b.gathered + b.gradients + b.queries + b.scatter
         ));
-        // The floor C cannot lower: at C = 2 the largest block is 3/4 of the sequence instead
-        // of 15/16, the rest the same.
+        // The floor C cannot lower: at C = 2 the whole-sequence buffers are the same, a chunk
+        // (and so a block) 4× as long.
         let (two, l2) = llama_8b_128k(&["system.context_parallel=2"]);
         let b2 = buffers(&two, &l2);
         assert_eq!((b2.gathered, b2.gradients), (b.gathered, b.gradients));
-        assert!(close(b2.block, 0.8 * b.block));
+        assert!(close(b2.block, 4.0 * b.block));
     }
 }

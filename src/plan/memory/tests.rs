@@ -415,14 +415,15 @@ fn a_ranks_activations_fall_c_fold_with_context_parallelism_and_its_cp_buffers_d
                 one.gathered_units
             )
         );
-        // The attention's whole-sequence buffers: counted at the layer's backward, about
-        // the same at every C (the largest block grows from 3/4 to 15/16 of the sequence).
+        // The attention's whole-sequence buffers: counted at the layer's backward, of the
+        // same order at every C (the whole sequence's K/V and dK/dV; the chunks, and with them
+        // a block and the dQ, shrink with C).
         assert!(close(
             m.context_parallel,
             super::super::context::buffers(&s, &l).peak()
         ));
         assert!(
-            m.context_parallel > 5e9 && m.context_parallel < 7e9,
+            m.context_parallel > 2.5e9 && m.context_parallel < 4.5e9,
             "{m:?}"
         );
         assert!(m.total() < previous.total(), "C = {c}");
