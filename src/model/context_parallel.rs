@@ -91,7 +91,7 @@ struct Segment {
 }
 
 /// Which keys a block of queries sees.
-enum Visible {
+pub(super) enum Visible {
     /// Every key (an earlier chunk, no documents).
     All,
     /// Query i sees keys 0..=i (a chunk against itself).
@@ -379,7 +379,7 @@ impl ContextParallel {
 /// Two blocks' outputs (fp32) and log-sum-exps merged into those of their union of keys. A
 /// row that saw no key of a block has lse −∞ there and weighs 0 (its output, whatever the
 /// kernel left, is not read); a row that saw no key of either stays at lse −∞, output 0.
-fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> (Tensor, Tensor) {
+pub(super) fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> (Tensor, Tensor) {
     let lse = l1.logaddexp(l2);
     let unseen = lse.isneginf();
     let shift = lse.masked_fill(&unseen, 0.0);
@@ -395,7 +395,7 @@ fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> (Tensor, Tensor)
 /// (which reads KV head h / group itself), memory-efficient attention on CUDA (whose keys and
 /// values are repeated to the query heads, one chunk at a time, and their gradients summed
 /// back).
-mod kernel {
+pub(super) mod kernel {
     use anyhow::Result;
     use tch::{Kind, Tensor};
 
@@ -441,7 +441,7 @@ mod kernel {
 
     /// The output [b, heads, m, hd] (q's dtype) and log-sum-exp [b, heads, m] fp32 of `q` over
     /// the block `k`, `v` [b, kv_heads, n, hd].
-    pub(super) fn forward(
+    pub(in crate::model) fn forward(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -496,7 +496,7 @@ mod kernel {
     /// dQ [b, heads, m, hd], dK and dV [b, kv_heads, n, hd] of the block, from the gradient
     /// `d_out` of the merged output `out` [b, heads, m, hd] and its log-sum-exp `lse` [b, heads,
     /// m] fp32.
-    pub(super) fn backward(
+    pub(in crate::model) fn backward(
         d_out: &Tensor,
         q: &Tensor,
         k: &Tensor,

@@ -10,6 +10,9 @@
 //! - KV-cached greedy decoding on the device against uncached decoding and the CPU's tokens;
 //! - variable-length flash attention (packed documents, CUDA bf16 only) against SDPA with the
 //!   block-diagonal mask, forward and backward;
+//! - context parallelism's block kernels (flash on CPU, memory-efficient attention on CUDA):
+//!   queries against two key chunks merged by log-sum-exp, and each block's backward given the
+//!   merged output, against SDPA over both chunks (GQA, causal and within documents);
 //! - parity with transformers on the device (ignored unless `LOCKSTEP_PARITY_DIR` names the
 //!   directory benches/gpu/hf_parity_device.py wrote).
 
@@ -395,4 +398,88 @@ fn matches_transformers_on_the_device() {
     }
     println!("PARITY on {device:?}: {}", lines.join(" | "));
     assert!(failures.is_empty(), "{failures:?}");
+}
+
+/// Context parallelism's attention blocks on the device: the second of two chunks of queries
+/// against the first chunk (all visible, or within documents) and against itself (causal),
+/// merged by log-sum-exp, forward and backward, against SDPA over the whole sequence.
+#[test]
+fn context_parallel_blocks_equal_sdpa_on_the_device() {
+    use super::context_parallel::{kernel, merge, Visible};
+    let device = test_device();
+    let (b, heads, kv, m, hd) = (2, 8, 2, 64, 32);
+    for (kind, bound) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+        for docs in [false, true] {
+            tch::manual_seed(11);
+            let draw = |h: i64| Tensor::randn([b, h, 2 * m, hd], (Kind::Float, device));
+            let (q, k, v, g) = (draw(heads), draw(kv), draw(kv), draw(heads));
+            // Documents: row 0 breaks at 40 and 100, row 1 at 64 (the chunk edge).
+            let pieces = [vec![40, 60, 28], vec![64, 64]];
+            let mask = DocumentMask::new(&pieces, true, false, device);
+            let allowed = mask.attention_mask().shallow_clone();
+            // The reference in fp32 on the device: the second chunk's rows.
+            let (qr, kr, vr) = (
+                q.set_requires_grad(true),
+                k.set_requires_grad(true),
+                v.set_requires_grad(true),
+            );
+            let cast = |t: &Tensor| t.to_kind(kind).to_kind(Kind::Float);
+            let out = Tensor::scaled_dot_product_attention(
+                &cast(&qr),
+                &cast(&kr),
+                &cast(&vr),
+                docs.then_some(&allowed),
+                0.0,
+                !docs,
+                None,
+                true,
+            );
+            let tail = |t: &Tensor| t.narrow(2, m, m);
+            (tail(&out) * tail(&g)).sum(Kind::Float).backward();
+            let (want, dq_want) = (tail(&out).detach(), tail(&qr.grad()));
+            let (dk_want, dv_want) = (kr.grad(), vr.grad());
+            // The blocks, in `kind`.
+            let qc = tail(&q).to_kind(kind);
+            let (k, v) = (k.to_kind(kind), v.to_kind(kind));
+            let visible = |j: i64| -> Visible {
+                if !docs {
+                    return if j == 1 {
+                        Visible::Causal
+                    } else {
+                        Visible::All
+                    };
+                }
+                let block = allowed.narrow(2, m, m).narrow(3, j * m, m);
+                Visible::Mask(block.contiguous())
+            };
+            let key = |t: &Tensor, j: i64| t.narrow(2, j * m, m);
+            let (o0, l0) = kernel::forward(&qc, &key(&k, 0), &key(&v, 0), &visible(0)).unwrap();
+            let (o1, l1) = kernel::forward(&qc, &key(&k, 1), &key(&v, 1), &visible(1)).unwrap();
+            let (o, l) = merge(&o0.to_kind(Kind::Float), &l0, &o1.to_kind(Kind::Float), &l1);
+            let e = rel(&o, &want);
+            assert!(e < bound, "{kind:?} documents {docs}: output off by {e:e}");
+            let (o, gc) = (o.to_kind(kind), tail(&g).to_kind(kind));
+            let mut dq = Tensor::zeros_like(&want);
+            let (mut dks, mut dvs) = (Vec::new(), Vec::new());
+            for j in 0..2 {
+                let (dqj, dkj, dvj) =
+                    kernel::backward(&gc, &qc, &key(&k, j), &key(&v, j), &o, &l, &visible(j))
+                        .unwrap();
+                dq += dqj.to_kind(Kind::Float);
+                dks.push(dkj.to_kind(Kind::Float));
+                dvs.push(dvj.to_kind(Kind::Float));
+            }
+            // The first chunk's keys get gradient from the second chunk's queries only here.
+            let dk = Tensor::cat(&dks, 2);
+            let dv = Tensor::cat(&dvs, 2);
+            for (name, got, want) in [
+                ("dq", &dq, &dq_want),
+                ("dk", &dk, &dk_want),
+                ("dv", &dv, &dv_want),
+            ] {
+                let e = rel(got, want);
+                assert!(e < bound, "{kind:?} documents {docs}: {name} off by {e:e}");
+            }
+        }
+    }
 }
