@@ -327,12 +327,12 @@ fn context_text(s: &Setting, l: &Layout, peak: PeakPhase, dtype: &str) -> String
         gb(b.queries),
         if b.block >= b.scatter {
             format!(
-                "the largest block's K/V repeated to the query heads and their gradients ({})",
+                "a block's K/V (one key chunk) repeated to the query heads and their gradients ({})",
                 gb(b.block)
             )
         } else {
             format!(
-                "the fp32 copies the reduce-scatter makes ({})",
+                "the fp32 send copy the reduce-scatter makes ({})",
                 gb(b.scatter)
             )
         }

@@ -42,8 +42,8 @@
 //! `model/context_parallel.rs`) a rank holds s/C tokens of each sequence, and every
 //! per-token term above counts those: the layers' kept and recomputed tensors, the gradients in
 //! flight, the LM head's hidden states and logits. A layer's backward adds its attention's
-//! whole-sequence buffers ("cp buffers": the gathered K/V, their fp32 gradients and what the
-//! largest block or the reduce-scatter adds, `context::buffers`), in the same phase as the
+//! whole-sequence buffers ("cp buffers": the gathered K/V, their fp32 gradients, dQ, and what a
+//! block of one key chunk or the reduce-scatter adds, `context::buffers`), in the same phase as the
 //! layer's recomputed tensors. The model state is the replica's: the zero stages shard it over
 //! the D × C ranks with the same TP position.
 //!
