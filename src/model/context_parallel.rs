@@ -12,18 +12,21 @@
 //! rank divides its tokens' sum by the group's count, and the group adds the parts.
 //!
 //! ## Attention
-//! Forward: the group all-gathers K and V ([2, batch, kv_heads, 2m, head_dim] per rank, put
-//! back in sequence order), and each local query chunk j attends to its visible keys in two
-//! blocks: the chunks before it (all visible, or within the same document) and its own chunk
-//! (causal). Each block is one call of a fused attention kernel that also returns the
+//! Forward: the group all-gathers K and V ([2, batch, kv_heads, 2m, head_dim] per rank; kept
+//! in the ranks' order, each chunk read where it lies), and each local query chunk j attends to
+//! each key chunk 0..=j in one call of a fused attention kernel that also returns the
 //! log-sum-exp of its rows (libtorch's flash attention on CPU, memory-efficient attention on
-//! CUDA); the blocks are merged exactly: lse = log(e^lse₁ + e^lse₂), out = Σ e^(lseᵢ − lse)·outᵢ.
+//! CUDA): the earlier chunks all visible (or within the same documents), its own causally. The
+//! blocks are merged exactly as they come: lse = log(e^lse₁ + e^lse₂), out = Σ e^(lseᵢ −
+//! lse)·outᵢ. A block is one chunk of keys, so what a call needs beyond the gathered K/V (on
+//! CUDA, K and V repeated to the query heads with GQA) is chunk-sized, not sequence-sized.
 //!
 //! Backward: each block's kernel backward is called with the merged output and log-sum-exp,
 //! which makes its dQ, dK and dV that block's exact share of the whole gradient (what ring
-//! attention's backward does). dK and dV of the whole sequence are summed into one buffer and
-//! reduce-scattered to the ranks that hold those tokens; K and V are gathered again rather
-//! than kept (a layer's graph then holds its local 2m tokens only, not the group's s).
+//! attention's backward does). dK and dV of the whole sequence are summed into one fp32 buffer
+//! in the ranks' order and reduce-scattered to the ranks that hold those tokens; K and V are
+//! gathered again rather than kept (a layer's graph then holds its local 2m tokens only, not the
+//! group's s).
 //!
 //! Per layer and micro-batch: one all-gather forward, one all-gather and one reduce-scatter
 //! backward, each (C − 1)/C · 2 · kv_heads · head_dim values per token; full recomputation
