@@ -115,8 +115,8 @@ fn check_context_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
     let ctx = t.context_length;
     if !ctx.is_multiple_of(2 * cp) {
         let valid: Vec<String> = (2..=ctx.min(64))
-            .filter(|c| ctx.is_multiple_of(2 * c))
-            .map(|c| c.to_string())
+            .filter(|n| ctx.is_multiple_of(2 * n))
+            .map(|n| n.to_string())
             .collect();
         bad(format!(
             "system.context_parallel = {cp} cuts every sequence into 2 × {cp} = {} chunks, and \
@@ -439,8 +439,8 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
     if cp > 1 && (world == 1 || !ranks.is_multiple_of(cp)) {
         let ctx = c.training.context_length;
         let valid: Vec<String> = (1..=ranks)
-            .filter(|c| ranks.is_multiple_of(*c) && ctx.is_multiple_of(2 * c))
-            .map(|c| c.to_string())
+            .filter(|n| ranks.is_multiple_of(*n) && ctx.is_multiple_of(2 * n))
+            .map(|n| n.to_string())
             .collect();
         let over = if tp > 1 {
             format!("the {ranks} ranks left over system.tensor_parallel = {tp} (of {world})")
