@@ -53,7 +53,7 @@ use std::sync::Mutex;
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
-use super::backward::{backward_from_many, grad_of, leaf};
+use super::autograd::{backward_from_many, grad_of, leaf};
 use super::documents::DocumentMask;
 use super::split::TpComm;
 

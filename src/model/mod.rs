@@ -3,6 +3,7 @@
 //! tensor and context parallelism),
 //! Hugging Face directories (load and write), and KV-cached generation.
 
+mod autograd;
 pub mod backward;
 mod context_parallel;
 #[cfg(test)]

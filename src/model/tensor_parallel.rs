@@ -46,7 +46,8 @@
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
-use super::backward::{backward_from, grad_of, leaf, HeadGradient};
+use super::autograd::{backward_from, grad_of, leaf};
+use super::backward::HeadGradient;
 use super::documents::DocumentMask;
 use super::llama::{Layer, Llama};
 use super::split::{padded, TensorParallel};
