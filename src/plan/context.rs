@@ -78,20 +78,12 @@ pub fn bytes_per_step(s: &Setting, l: &Layout) -> f64 {
 /// Where the group's collectives run: a node's links when C·T divides the GPUs per node (the
 /// group's C ranks lie among C·T consecutive ones).
 pub fn link(s: &Setting) -> Link {
-    let span = s.context_parallel * s.tensor_parallel;
-    if span <= s.node_size && s.node_size.is_multiple_of(span) {
-        Link::IntraNode
-    } else {
-        Link::InterNode
-    }
+    Link::spanning(s, s.context_parallel * s.tensor_parallel)
 }
 
 /// Bytes/s per rank of the group's collectives.
 pub fn bandwidth(s: &Setting) -> f64 {
-    match link(s) {
-        Link::IntraNode => s.intra_bw,
-        Link::InterNode => s.inter_bw,
-    }
+    link(s).bandwidth(s)
 }
 
 /// Seconds per step of the group's collectives, all exposed.

@@ -798,10 +798,7 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
                 ActivationCheckpointing::Selective => ", +25% for the MLP's recomputed forward",
                 ActivationCheckpointing::Full => ", +50% for the recomputed forward",
             },
-            match r.tensor_parallel_link {
-                Link::IntraNode => "a node's links",
-                Link::InterNode => "the network (the group spans nodes)",
-            },
+            r.tensor_parallel_link.describe(),
             r.tensor_parallel_bandwidth / 1e9,
             time.tensor_parallel_seconds
         );
@@ -824,10 +821,7 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
             r.model.hidden_size / r.model.heads,
             context::gathers_per_layer(l),
             if r.compute_dtype == "bf16" { 2 } else { 4 },
-            match r.context_parallel_link {
-                Link::IntraNode => "a node's links",
-                Link::InterNode => "the network (the group spans nodes)",
-            },
+            r.context_parallel_link.describe(),
             r.context_parallel_bandwidth / 1e9,
             time.context_parallel_seconds
         );

@@ -33,14 +33,42 @@ use serde::Serialize;
 use super::{Layout, Setting};
 use crate::model::ActivationCheckpointing;
 
-/// Where a TP group's collectives run.
+/// Where a group's collectives run (a TP group's, a CP group's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Link {
-    /// The group is inside a node (T divides the GPUs per node): NVLink.
+    /// The group is inside a node: NVLink.
     IntraNode,
     /// The group spans nodes: the network.
     InterNode,
+}
+
+impl Link {
+    /// The link of a group whose ranks lie among `span` consecutive ones: a node's links when
+    /// `span` divides the GPUs per node.
+    pub fn spanning(s: &Setting, span: usize) -> Link {
+        if span <= s.node_size && s.node_size.is_multiple_of(span) {
+            Link::IntraNode
+        } else {
+            Link::InterNode
+        }
+    }
+
+    /// Bytes/s per rank of a collective on this link.
+    pub fn bandwidth(self, s: &Setting) -> f64 {
+        match self {
+            Link::IntraNode => s.intra_bw,
+            Link::InterNode => s.inter_bw,
+        }
+    }
+
+    /// The link in the report's words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Link::IntraNode => "a node's links",
+            Link::InterNode => "the network (the group spans nodes)",
+        }
+    }
 }
 
 /// The vocabulary as the TP group splits it: rounded up to a multiple of T.
@@ -125,19 +153,12 @@ pub fn bytes_per_step(s: &Setting, l: &Layout) -> f64 {
 
 /// Where the group's collectives run: a node's links when T divides the GPUs per node.
 pub fn link(s: &Setting) -> Link {
-    if s.tensor_parallel <= s.node_size && s.node_size.is_multiple_of(s.tensor_parallel) {
-        Link::IntraNode
-    } else {
-        Link::InterNode
-    }
+    Link::spanning(s, s.tensor_parallel)
 }
 
 /// Bytes/s per rank of the group's collectives.
 pub fn bandwidth(s: &Setting) -> f64 {
-    match link(s) {
-        Link::IntraNode => s.intra_bw,
-        Link::InterNode => s.inter_bw,
-    }
+    link(s).bandwidth(s)
 }
 
 /// Seconds per step of the group's collectives, all exposed.
