@@ -70,13 +70,11 @@ pub struct ContextParallel {
 
 /// The micro-batch in flight as this rank holds it.
 struct Chunks {
-    /// m: tokens per chunk (the sequence over 2C).
-    chunk: i64,
     /// RoPE positions of this rank's tokens: [batch, 2m] int64.
     positions: Tensor,
-    /// With document masking, the document number of every token of the whole rows: [batch,
-    /// s] int64.
-    doc_ids: Option<Tensor>,
+    /// For each of this rank's two query chunks, what it sees of each key chunk: made once
+    /// per micro-batch (with documents, its masks), read by every layer's forward and backward.
+    visible: [Vec<(i64, Visible)>; 2],
 }
 
 /// One layer's attention between its forward and its backward.
@@ -101,6 +99,41 @@ pub(super) enum Visible {
     Causal,
     /// [b, 1, m, n] bool, true where a query may see a key (documents).
     Mask(Tensor),
+}
+
+impl Visible {
+    fn shallow_clone(&self) -> Visible {
+        match self {
+            Visible::All => Visible::All,
+            Visible::Causal => Visible::Causal,
+            Visible::Mask(m) => Visible::Mask(m.shallow_clone()),
+        }
+    }
+
+    /// What query chunk `chunk` (m tokens) sees of each key chunk `0..=chunk`: every key of an
+    /// earlier chunk, its own causally, and with documents (`doc_ids` [b, s], the document
+    /// number of every token of the whole rows) only its documents' keys.
+    fn blocks(chunk: i64, m: i64, doc_ids: Option<&Tensor>) -> Vec<(i64, Visible)> {
+        (0..=chunk)
+            .map(|j| {
+                let causal = j == chunk;
+                match doc_ids {
+                    None if causal => (j, Visible::Causal),
+                    None => (j, Visible::All),
+                    Some(ids) => {
+                        let q = ids.narrow(1, chunk * m, m).unsqueeze(2);
+                        let k = ids.narrow(1, j * m, m).unsqueeze(1);
+                        let mut same = q.eq_tensor(&k);
+                        if causal {
+                            let tril = Tensor::ones([m, m], (Kind::Bool, ids.device())).tril(0);
+                            same = same.logical_and(&tril);
+                        }
+                        (j, Visible::Mask(same.unsqueeze(1)))
+                    }
+                }
+            })
+            .collect()
+    }
 }
 
 impl ContextParallel {
@@ -167,12 +200,9 @@ impl ContextParallel {
         };
         let doc_ids = docs
             .filter(|d| d.masks_attention())
-            .map(|d| d.doc_ids().shallow_clone());
-        *self.lock_batch()? = Some(Chunks {
-            chunk: seq / parts,
-            positions,
-            doc_ids,
-        });
+            .map(DocumentMask::doc_ids);
+        let visible = [0, 1].map(|half| Visible::blocks(self.chunk_of(half), seq / parts, doc_ids));
+        *self.lock_batch()? = Some(Chunks { positions, visible });
         self.lock_pending()?.clear();
         Ok((local(inputs), local(targets)))
     }
@@ -265,32 +295,16 @@ impl ContextParallel {
         (at.get(0), at.get(1))
     }
 
-    /// What query chunk `chunk` sees of each key chunk `0..=chunk`: every key of an earlier
-    /// chunk, its own causally, and with documents only its documents' keys.
-    fn visible(&self, chunk: i64) -> Result<Vec<(i64, Visible)>> {
+    /// What this rank's query chunk `half` (0 or 1) sees of each key chunk, as
+    /// [`ContextParallel::begin`] made it for the micro-batch in flight.
+    fn visible(&self, half: usize) -> Result<Vec<(i64, Visible)>> {
         let batch = self.lock_batch()?;
         let b = batch
             .as_ref()
             .context("internal: context-parallel attention outside a pass")?;
-        let m = b.chunk;
-        Ok((0..=chunk)
-            .map(|j| {
-                let causal = j == chunk;
-                match &b.doc_ids {
-                    None if causal => (j, Visible::Causal),
-                    None => (j, Visible::All),
-                    Some(ids) => {
-                        let q = ids.narrow(1, chunk * m, m).unsqueeze(2);
-                        let k = ids.narrow(1, j * m, m).unsqueeze(1);
-                        let mut same = q.eq_tensor(&k);
-                        if causal {
-                            let tril = Tensor::ones([m, m], (Kind::Bool, ids.device())).tril(0);
-                            same = same.logical_and(&tril);
-                        }
-                        (j, Visible::Mask(same.unsqueeze(1)))
-                    }
-                }
-            })
+        Ok(b.visible[half]
+            .iter()
+            .map(|(j, v)| (*j, v.shallow_clone()))
             .collect())
     }
 
@@ -304,7 +318,7 @@ impl ContextParallel {
         for half in 0..2 {
             let qc = q.narrow(2, half as i64 * m, m);
             let mut merged: Option<(Tensor, Tensor)> = None;
-            for (j, visible) in self.visible(self.chunk_of(half))? {
+            for (j, visible) in self.visible(half)? {
                 let (kb, vb) = self.chunk(&kv, j, m);
                 let (o, l) = kernel::forward(&qc, &kb, &vb, &visible)?;
                 let o = o.to_kind(Kind::Float);
@@ -354,7 +368,7 @@ impl ContextParallel {
             let (qc, oc) = (q.narrow(2, at, m), out.narrow(2, at, m));
             let (gc, lc) = (d_out.narrow(2, at, m), seg.lse.narrow(2, at, m));
             let mut dq = Tensor::zeros(qc.size(), (Kind::Float, q.device()));
-            for (j, visible) in self.visible(self.chunk_of(half))? {
+            for (j, visible) in self.visible(half)? {
                 let (kb, vb) = self.chunk(&kv, j, m);
                 let (dqb, dkb, dvb) = kernel::backward(&gc, &qc, &kb, &vb, &oc, &lc, &visible)?;
                 dq += dqb.to_kind(Kind::Float);
