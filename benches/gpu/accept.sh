@@ -8,7 +8,7 @@
 # usage: bash benches/gpu/accept.sh [--dry-run] [GROUP|STEP]...   (default: lease)
 #   lease        what one 15-minute GPU session runs in one device call, most needed first:
 #                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7
-#                c6-default c5-compile (budget 420 s; c5 at micro-batches 8 and 16)
+#                c6-default c5-compile c9-wheel (budget 420 s; c5 at micro-batches 8 and 16)
 #   rest         every step lease leaves out: c1-all c3-auto-free c6-variants c8
 #   correctness  c1 unit tests on CUDA: c1-nccl (the NCCL group of one rank), c1-model (the
 #                   model on CUDA against the CPU), c1-all (the whole unit suite)
@@ -17,6 +17,9 @@
 #                   checkpoint), c3-resume, c3-auto-free (--gpus auto-free)
 #                c4 c4-nan (the NaN guard on CUDA), c4-docmask (packed documents: variable-
 #                   length flash attention), c4-eval (eval and generate on CUDA against the CPU)
+#                c9 c9-wheel: the pip wheel (scripts/wheel.sh's manylinux binary and launcher)
+#                   installed beside this machine's torch, then env, train and generate on the
+#                   GPU from a clean environment
 #   perf         c5 throughput of the 1B config: c5-speed (lockstep and PyTorch eager),
 #                   c5-compile (torch.compile; the goal)
 #                c7 one step profiled: per-phase times, host synchronisations per step
@@ -28,7 +31,7 @@
 #                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16; tensor
 #                   parallelism: TP 2, and TP 2 x data 2 at stage 3 (4+ GPUs; SKIP with fewer)
 #   all          correctness perf scale multi (more than one device command's 10 minutes)
-#   c1..c8, or one step by its name (c3-resume): that check alone; steps run in the order named
+#   c1..c9, or one step by its name (c3-resume): that check alone; steps run in the order named
 #                (c3-resume and c4-eval need c3-run earlier in the same call, c5-compile c5-speed)
 #   --dry-run    here, on the CPU, with tiny shapes: every check's logic runs (the device
 #                switched to the CPU; what needs a GPU is a SKIP that says so)
@@ -48,11 +51,11 @@ DRY=0
 LEASE=0
 # Every step, grouped by check, in the order `all` runs them.
 C1=(c1-nccl c1-model c1-all) C2=(c2) C3=(c3-run c3-resume c3-auto-free)
-C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7) C8=(c8)
-ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
+C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7) C8=(c8) C9=(c9-wheel)
+ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C9[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
 # A GPU session's one call (15 minutes of device time, the machine's start included): every
 # figure the CUDA issue requires, cheapest first within what matters most.
-LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7 c6-default c5-compile)
+LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7 c6-default c5-compile c9-wheel)
 STEPS=()
 among() { [[ " ${*:2} " == *" $1 "* ]]; } # among WORD LIST...: whether WORD is in LIST
 add() {                                   # add STEP...: appended once each, in order
@@ -64,12 +67,12 @@ for arg in "$@"; do
     --dry-run) DRY=1 ;;
     lease) LEASE=1 && add "${LEASE_STEPS[@]}" ;;
     rest) for s in "${ALL_STEPS[@]}"; do among "$s" "${LEASE_STEPS[@]}" || add "$s"; done ;;
-    correctness) add "${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" ;;
+    correctness) add "${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C9[@]}" ;;
     perf) add "${C5[@]}" "${C7[@]}" ;;
     scale) add "${C6[@]}" ;;
     multi) add "${C8[@]}" ;;
     all) add "${ALL_STEPS[@]}" ;;
-    c[1-8]) group="${arg^^}[@]" && add "${!group}" ;;
+    c[1-9]) group="${arg^^}[@]" && add "${!group}" ;;
     -h | --help)
       sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
       exit 0
@@ -78,7 +81,7 @@ for arg in "$@"; do
       if among "$arg" "${ALL_STEPS[@]}"; then
         add "$arg"
       else
-        echo "accept.sh: unknown argument '$arg' (lease|rest|correctness|perf|scale|multi|all|c1..c8|a step: ${ALL_STEPS[*]}; --dry-run)" >&2
+        echo "accept.sh: unknown argument '$arg' (lease|rest|correctness|perf|scale|multi|all|c1..c9|a step: ${ALL_STEPS[*]}; --dry-run)" >&2
         exit 2
       fi
       ;;
@@ -247,6 +250,8 @@ else
 fi
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# The caller's library path, before torch's lib goes first on it (c9 runs the wheel without it).
+LDP_CALLER=${LD_LIBRARY_PATH-unset}
 TORCH_LIB=$($PY -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 BIN=$WORK/bin/lockstep
@@ -850,6 +855,90 @@ c8_verdict() {
     result FAIL "c8-$name" "exit $rc; missing steps: ${MISSING:-none}; max rel ${MAXREL:-?} (tol $tol); $(why "c8-$name")"
   fi
   rm -rf "${RUNS:?}/$name"
+}
+
+# c9: the pip wheel on this machine (issue 34's `pip install lockstep-*.whl`, docs/install.md):
+# scripts/wheel.sh's manylinux binary, not the release build the other checks run. pip judges its
+# pin (torch==2.11.*) against this machine's CUDA torch, installs it into a folder of its own
+# beside a link to that torch (site-packages' layout, nothing of the machine's Python changed),
+# and it runs from an empty directory in the caller's environment, without the torch lib this
+# script puts on LD_LIBRARY_PATH: the launcher (`python -m lockstep`, the `lockstep` console
+# script) and the binary alone through its RUNPATH ($ORIGIN/../../torch/lib) each find torch's
+# libraries and load its CUDA backend; a short bf16 run trains on the GPU and samples.
+check_c9_wheel() {
+  section "c9 the pip wheel beside this machine's torch"
+  time_for 60 c9-wheel || return 0
+  local whl site=$WORK/wheel-site dir=$WORK/wheel-work
+  whl=$(ls "$WORK"/bin/lockstep-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then
+    result SKIP c9-wheel "no wheel in .carry (prepare.sh --no-wheel): bash benches/gpu/prepare.sh packs one"
+    return 0
+  fi
+  rm -rf "$site" "$dir" && mkdir -p "$dir"
+  # The caller's environment with no libtorch on LD_LIBRARY_PATH (each folder holding one
+  # dropped); the wheel's folder on PYTHONPATH, as site-packages would be. Run from $dir
+  # (subshells: the `cd` stays there).
+  local ldp="" part parts=()
+  [ "$LDP_CALLER" = unset ] || IFS=: read -ra parts <<<"$LDP_CALLER"
+  for part in "${parts[@]}"; do [ -e "$part/libtorch_cpu.so" ] || ldp="${ldp:+$ldp:}$part"; done
+  local as_user=(env -u LD_LIBRARY_PATH PYTHONPATH="$site")
+  [ -n "$ldp" ] && as_user=(env LD_LIBRARY_PATH="$ldp" PYTHONPATH="$site")
+  local fail=""
+  local pip=("$PY" -m pip install --disable-pip-version-check --no-index) pin
+  run_logged c9-pip-resolve 120 "${pip[@]}" --dry-run "$whl" &&
+    run_logged c9-pip-install 120 "${pip[@]}" --no-deps --no-compile --target "$site" "$whl" ||
+    fail="pip: $(cat "$LOGS"/c9-pip-*.log | grep -aiE 'error|requires|conflict' | head -2 | tr '\n' ' ')"
+  pin=$(grep -ao "Requirement already satisfied: torch==2.11.* in .* (from lockstep.*) ([^)]*)" "$LOGS/c9-pip-resolve.log" |
+    head -1 | sed 's/.*(\([^)]*\))$/torch \1 for its torch==2.11.*/')
+  if [ -z "$fail" ] && { [ -z "$pin" ] || ! grep -q "Would install lockstep-" "$LOGS/c9-pip-resolve.log"; }; then
+    fail="pip --dry-run did not take torch $($PY -c 'import torch; print(torch.__version__)' 2>&1) for the wheel's pin: $(grep -a 'torch' "$LOGS/c9-pip-resolve.log" | head -2 | tr '\n' ' ')"
+  fi
+  if [ -z "$fail" ]; then
+    # Control: without torch beside it, the binary alone finds no libtorch (so LD_LIBRARY_PATH
+    # really lacks it, and what finds it below is the RUNPATH).
+    (cd "$dir" && run_logged c9-env-alone 60 "${as_user[@]}" "$site/lockstep/bin/lockstep" --version) &&
+      fail="the binary started with no torch beside it (LD_LIBRARY_PATH=$ldp): what finds libtorch is not its RUNPATH"
+    ln -s "$(dirname "$TORCH_LIB")" "$site/torch"
+    # env through the launcher and through the binary's RUNPATH alone: the same libtorch, and
+    # on a GPU the CUDA backend loaded (runtime, NCCL, GPU 0).
+    (cd "$dir" && run_logged c9-env-launcher 60 "${as_user[@]}" "$PY" -m lockstep env) || fail="python -m lockstep env: exit $?"
+    (cd "$dir" && run_logged c9-env-runpath 60 "${as_user[@]}" "$site/lockstep/bin/lockstep" env) ||
+      fail="${fail:+$fail; }lockstep/bin/lockstep env: exit $?"
+    # (`lockstep env` names the library's canonical path: the link's target.)
+    local want
+    want=$(realpath "$TORCH_LIB")/libtorch_cpu.so
+    for how in launcher runpath; do
+      local L=$LOGS/c9-env-$how.log
+      grep -qF "(CUDA" "$L" && grep -q "^libtorch   2\.11\.[0-9]* (.*) from $want" "$L" ||
+        fail="${fail:+$fail; }$how: not the torch beside it: $(grep -a '^libtorch' "$L")"
+      if [ "$DRY" = 0 ] && { ! grep -q "^CUDA       runtime [0-9]" "$L" || ! grep -q '^GPU        0: ' "$L" || grep -q PROBLEM "$L"; }; then
+        fail="${fail:+$fail; }$how: no CUDA: $(grep -aE '^(CUDA|NCCL|GPU)' "$L" | tr -s ' ' | tr '\n' ';')"
+      fi
+    done
+  fi
+  if [ -z "$fail" ]; then
+    # The console script pip wrote (its shebang: this machine's Python), the demo's preset.
+    (cd "$dir" && run_logged c9-train 180 "${as_user[@]}" "$site/bin/lockstep" run "${RUNDEV[@]}" -- --preset tiny \
+      --max-steps 30 --set training.dtype=bf16 --set logging.tensorboard=false)
+    local rc=$? L=$LOGS/c9-train.log first last
+    first=$(grep -ao "$TAG Step \[1/30\] | Loss: [0-9.]*" "$L" | sed 's/.*Loss: //')
+    last=$(grep -ao "$TAG Step \[30/30\] | Loss: [0-9.]*" "$L" | sed 's/.*Loss: //')
+    if [ $rc -ne 0 ] || [ -z "$last" ] || ! awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1) }'; then
+      fail="train: exit $rc, loss ${first:-?} -> ${last:-?} (30 steps); $(why c9-train)"
+    else
+      (cd "$dir" && run_logged c9-generate 120 "${as_user[@]}" "$site/bin/lockstep" generate --device "$DEV" \
+        --model runs/tiny/checkpoints/step_30 --prompt "The" --max-new-tokens 16) ||
+        fail="generate: exit $?; $(why c9-generate)"
+    fi
+  fi
+  if [ -n "$fail" ]; then
+    result FAIL c9-wheel "$(basename "$whl"): $fail"
+  else
+    local gpuline run
+    gpuline=$(grep -E '^(libtorch|CUDA|GPU) ' "$LOGS/c9-env-runpath.log" | tr -s ' ' | tr '\n' ';' | cut -c1-240)
+    run=$(grep -a "$TAG Run:" "$LOGS/c9-train.log" | head -1 | sed 's/.*| 1 rank | //')
+    result PASS c9-wheel "$(basename "$whl"): pip took $pin; launcher and RUNPATH alone: $gpuline; the console script trained the tiny preset ('$run') loss $first -> $last in 30 steps, then generated on $DEV: $(grep -ao '^\[generate\] .*' "$LOGS/c9-generate.log" | tail -1 | sed 's/.*| //')"
+  fi
 }
 
 # ---------------------------------------------------------------------------------------------

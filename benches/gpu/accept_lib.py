@@ -10,8 +10,9 @@ that the script evals (numbers and bare words only) or a one-line figure.
   json-field FILE KEY...             fields of the last JSON object line of FILE, '|'-separated
   plan-total PLAN.json               the configured layout's planned peak in GB
   peak-mib FILE                      the largest integer in a file of nvidia-smi samples
-  unpack CARRY DEST                  CARRY/binaries.tar.xz (prepare.sh) into DEST, each binary
-                                     checked against CARRY/<name>.sha256; exit 1 otherwise
+  unpack CARRY DEST                  CARRY/binaries.tar.xz (prepare.sh) into DEST: the two
+                                     binaries and the wheel if packed, each checked against
+                                     CARRY/<name>.sha256; exit 1 otherwise
 """
 import hashlib
 import json
@@ -156,13 +157,16 @@ def peak_mib(path):
 
 
 BINARIES = ("lockstep", "lockstep-unit")
+WHEEL = re.compile(r"lockstep-[0-9][0-9A-Za-z.]*-py3-none-[0-9A-Za-z_.]+\.whl")
 
 
 def unpack(carry, dest):
     # Python's tarfile rather than `tar -xJ`: the GPU machine's python is certain, its xz is not.
-    # Only the two known members are read, so nothing in the archive writes elsewhere.
+    # Only known names are read (the two binaries, a wheel's plain file name), so nothing in the
+    # archive writes elsewhere.
     with tarfile.open(os.path.join(carry, "binaries.tar.xz"), "r:xz") as tar:
-        for name in BINARIES:
+        wheels = [n for n in tar.getnames() if WHEEL.fullmatch(n)]
+        for name in BINARIES + tuple(wheels):
             src = tar.extractfile(tar.getmember(name))
             digest = hashlib.sha256()
             path = os.path.join(dest, name)
@@ -170,7 +174,7 @@ def unpack(carry, dest):
                 while chunk := src.read(1 << 22):
                     digest.update(chunk)
                     out.write(chunk)
-            os.chmod(path, 0o755)
+            os.chmod(path, 0o644 if name in wheels else 0o755)
             want = open(os.path.join(carry, name + ".sha256")).read().strip()
             if digest.hexdigest() != want:
                 sys.exit(f"{name}: sha256 {digest.hexdigest()} but prepare.sh recorded {want}")
