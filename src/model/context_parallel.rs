@@ -446,10 +446,24 @@ pub(super) mod kernel {
             .sum_dim_intlist([2].as_slice(), false, x.kind())
     }
 
-    /// An additive mask in `kind` (0 where visible, −∞ elsewhere) of a bool one.
-    fn additive(mask: &Tensor, kind: Kind) -> Tensor {
-        Tensor::zeros(mask.size(), (kind, mask.device()))
-            .masked_fill(&mask.logical_not(), f64::NEG_INFINITY)
+    /// What the kernels take for `visible` with queries `q` [b, heads, m, hd]: whether the block
+    /// is causal, and a mask's additive bias in q's dtype (0 where visible, −∞ elsewhere),
+    /// [b, 1, m, n] on CPU, expanded to [b, heads, m, n] on CUDA.
+    fn causal_and_bias(visible: &Visible, q: &Tensor) -> (bool, Option<Tensor>) {
+        match visible {
+            Visible::All => (false, None),
+            Visible::Causal => (true, None),
+            Visible::Mask(mask) => {
+                let bias = Tensor::zeros(mask.size(), (q.kind(), mask.device()))
+                    .masked_fill(&mask.logical_not(), f64::NEG_INFINITY);
+                let bias = if q.device().is_cuda() {
+                    bias.expand([-1, q.size()[1], -1, -1], false)
+                } else {
+                    bias
+                };
+                (false, Some(bias))
+            }
+        }
     }
 
     fn failed(e: tch::TchError) -> anyhow::Error {
@@ -466,14 +480,9 @@ pub(super) mod kernel {
     ) -> Result<(Tensor, Tensor)> {
         let group = gqa_repeat(q, k);
         let (k, v) = (repeat(k, group), repeat(v, group));
-        let (causal, mask) = match visible {
-            Visible::All => (false, None),
-            Visible::Causal => (true, None),
-            Visible::Mask(m) => (false, Some(m)),
-        };
+        let (causal, bias) = causal_and_bias(visible, q);
         let m = q.size()[2];
         let (out, lse) = if q.device().is_cuda() {
-            let bias = mask.map(|b| additive(b, q.kind()).expand([-1, q.size()[1], -1, -1], false));
             let (out, lse, _, _) = Tensor::f_internal_scaled_dot_product_efficient_attention(
                 q,
                 &k,
@@ -488,7 +497,6 @@ pub(super) mod kernel {
             // The kernel pads the rows of its log-sum-exp to a multiple of 32.
             (out, lse.narrow(2, 0, m))
         } else {
-            let bias = mask.map(|b| additive(b, q.kind()));
             Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
                 q,
                 &k,
@@ -524,15 +532,10 @@ pub(super) mod kernel {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let group = gqa_repeat(q, k);
         let (ke, ve) = (repeat(k, group), repeat(v, group));
-        let (causal, mask) = match visible {
-            Visible::All => (false, None),
-            Visible::Causal => (true, None),
-            Visible::Mask(m) => (false, Some(m)),
-        };
+        let (causal, bias) = causal_and_bias(visible, q);
         let d_out = d_out.to_kind(q.kind()).contiguous();
         let (dq, dk, dv) = if q.device().is_cuda() {
             let heads = q.size()[1];
-            let bias = mask.map(|b| additive(b, q.kind()).expand([-1, heads, -1, -1], false));
             // [b, h, n, d] → [b, n, h, d], the kernel's layout; its log-sum-exp rows padded to
             // a multiple of 32 as its forward gives them.
             let t = |x: &Tensor| x.transpose(1, 2);
@@ -566,7 +569,6 @@ pub(super) mod kernel {
             .map_err(failed)?;
             (t(&dq), t(&dk), t(&dv))
         } else {
-            let bias = mask.map(|b| additive(b, q.kind()));
             Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
                 &d_out,
                 q,
