@@ -301,18 +301,21 @@ if [ -n "$manifest" ] && [ ! -e "$manifest" ] && [ "$DRY" = 0 ]; then
 fi
 # `lockstep env` reads the CUDA runtime, NCCL (and which libnccl) and the driver the way the
 # ranks' version agreement does (src/sys/cuda.rs, src/dist/versions.rs): compare with torch's.
+# env_agrees LOG: whether a `lockstep env` output on the GPU names torch's CUDA runtime and
+# NCCL, a driver and GPU 0, and no PROBLEM (c9 asks it of the wheel's binary too).
+want=$($PY -c 'import torch; print(torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version())))' 2>>"$LOGS/preflight.log")
+CUDA_WANT=${want% *} NCCL_WANT=${want#* }
+env_agrees() {
+  grep -q "^CUDA       runtime $CUDA_WANT," "$1" && grep -q "^NCCL       $NCCL_WANT from /.*libnccl" "$1" &&
+    grep -q '^driver     [0-9]' "$1" && grep -q '^GPU        0: ' "$1" && ! grep -q PROBLEM "$1"
+}
 "$BIN" env >"$LOGS/env.log" 2>&1
 if [ "$DRY" = 1 ]; then
   result SKIP env "no GPU (dry run): $(grep -E '^(lockstep|libtorch|CUDA) ' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';' | cut -c1-300)"
-else
-want=$($PY -c 'import torch; print(torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version())))' 2>>"$LOGS/env.log")
-cuda_want=${want% *} nccl_want=${want#* }
-if grep -q "^CUDA       runtime $cuda_want," "$LOGS/env.log" && grep -q "^NCCL       $nccl_want from /.*libnccl" "$LOGS/env.log" \
-  && grep -q '^driver     [0-9]' "$LOGS/env.log" && grep -q '^GPU        0: ' "$LOGS/env.log" && ! grep -q PROBLEM "$LOGS/env.log"; then
+elif env_agrees "$LOGS/env.log"; then
   result PASS env "lockstep env: $(grep -E '^(CUDA|NCCL|driver) ' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';')"
 else
-  result FAIL env "lockstep env disagrees with torch (CUDA $cuda_want, NCCL $nccl_want): $(grep -E '^(libtorch|CUDA|NCCL|driver|GPU)' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';' | cut -c1-400)"
-fi
+  result FAIL env "lockstep env disagrees with torch (CUDA $CUDA_WANT, NCCL $NCCL_WANT): $(grep -E '^(libtorch|CUDA|NCCL|driver|GPU)' "$LOGS/env.log" | tr -s ' ' | tr '\n' ';' | cut -c1-400)"
 fi
 # Every config key the checks set exists in this build.
 "$BIN" config --keys >"$LOGS/config-keys.log" 2>&1
@@ -883,6 +886,7 @@ check_c9_wheel() {
   for part in "${parts[@]}"; do [ -e "$part/libtorch_cpu.so" ] || ldp="${ldp:+$ldp:}$part"; done
   local as_user=(env -u LD_LIBRARY_PATH PYTHONPATH="$site")
   [ -n "$ldp" ] && as_user=(env LD_LIBRARY_PATH="$ldp" PYTHONPATH="$site")
+  user_run() { (cd "$dir" && run_logged "$1" "$2" "${as_user[@]}" "${@:3}"); } # NAME TIMEOUT CMD...
   local fail=""
   local pip=("$PY" -m pip install --disable-pip-version-check --no-index) pin
   run_logged c9-pip-resolve 120 "${pip[@]}" --dry-run "$whl" &&
@@ -896,14 +900,13 @@ check_c9_wheel() {
   if [ -z "$fail" ]; then
     # Control: without torch beside it, the binary alone finds no libtorch (so LD_LIBRARY_PATH
     # really lacks it, and what finds it below is the RUNPATH).
-    (cd "$dir" && run_logged c9-env-alone 60 "${as_user[@]}" "$site/lockstep/bin/lockstep" --version) &&
+    user_run c9-env-alone 60 "$site/lockstep/bin/lockstep" --version &&
       fail="the binary started with no torch beside it (LD_LIBRARY_PATH=$ldp): what finds libtorch is not its RUNPATH"
     ln -s "$(dirname "$TORCH_LIB")" "$site/torch"
     # env through the launcher and through the binary's RUNPATH alone: the same libtorch, and
-    # on a GPU the CUDA backend loaded (runtime, NCCL, GPU 0).
-    (cd "$dir" && run_logged c9-env-launcher 60 "${as_user[@]}" "$PY" -m lockstep env) || fail="python -m lockstep env: exit $?"
-    (cd "$dir" && run_logged c9-env-runpath 60 "${as_user[@]}" "$site/lockstep/bin/lockstep" env) ||
-      fail="${fail:+$fail; }lockstep/bin/lockstep env: exit $?"
+    # on a GPU the CUDA backend loaded (torch's runtime and NCCL, the driver, GPU 0).
+    user_run c9-env-launcher 60 "$PY" -m lockstep env || fail="python -m lockstep env: exit $?"
+    user_run c9-env-runpath 60 "$site/lockstep/bin/lockstep" env || fail="${fail:+$fail; }lockstep/bin/lockstep env: exit $?"
     # (`lockstep env` names the library's canonical path: the link's target.)
     local want
     want=$(realpath "$TORCH_LIB")/libtorch_cpu.so
@@ -911,23 +914,23 @@ check_c9_wheel() {
       local L=$LOGS/c9-env-$how.log
       grep -qF "(CUDA" "$L" && grep -q "^libtorch   2\.11\.[0-9]* (.*) from $want" "$L" ||
         fail="${fail:+$fail; }$how: not the torch beside it: $(grep -a '^libtorch' "$L")"
-      if [ "$DRY" = 0 ] && { ! grep -q "^CUDA       runtime [0-9]" "$L" || ! grep -q '^GPU        0: ' "$L" || grep -q PROBLEM "$L"; }; then
-        fail="${fail:+$fail; }$how: no CUDA: $(grep -aE '^(CUDA|NCCL|GPU)' "$L" | tr -s ' ' | tr '\n' ';')"
+      if [ "$DRY" = 0 ] && ! env_agrees "$L"; then
+        fail="${fail:+$fail; }$how: not torch's CUDA $CUDA_WANT / NCCL $NCCL_WANT: $(grep -aE '^(CUDA|NCCL|driver|GPU)' "$L" | tr -s ' ' | tr '\n' ';')"
       fi
     done
   fi
   if [ -z "$fail" ]; then
     # The console script pip wrote (its shebang: this machine's Python), the demo's preset.
-    (cd "$dir" && run_logged c9-train 180 "${as_user[@]}" "$site/bin/lockstep" run "${RUNDEV[@]}" -- --preset tiny \
-      --max-steps 30 --set training.dtype=bf16 --set logging.tensorboard=false)
+    user_run c9-train 180 "$site/bin/lockstep" run "${RUNDEV[@]}" -- --preset tiny --max-steps 30 \
+      --set training.dtype=bf16 --set logging.tensorboard=false
     local rc=$? L=$LOGS/c9-train.log first last
     first=$(grep -ao "$TAG Step \[1/30\] | Loss: [0-9.]*" "$L" | sed 's/.*Loss: //')
     last=$(grep -ao "$TAG Step \[30/30\] | Loss: [0-9.]*" "$L" | sed 's/.*Loss: //')
     if [ $rc -ne 0 ] || [ -z "$last" ] || ! awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1) }'; then
       fail="train: exit $rc, loss ${first:-?} -> ${last:-?} (30 steps); $(why c9-train)"
     else
-      (cd "$dir" && run_logged c9-generate 120 "${as_user[@]}" "$site/bin/lockstep" generate --device "$DEV" \
-        --model runs/tiny/checkpoints/step_30 --prompt "The" --max-new-tokens 16) ||
+      user_run c9-generate 120 "$site/bin/lockstep" generate --device "$DEV" \
+        --model runs/tiny/checkpoints/step_30 --prompt "The" --max-new-tokens 16 ||
         fail="generate: exit $?; $(why c9-generate)"
     fi
   fi
