@@ -113,7 +113,7 @@ impl Visible {
     /// What query chunk `chunk` (m tokens) sees of each key chunk `0..=chunk`: every key of an
     /// earlier chunk, its own causally, and with documents (`doc_ids` [b, s], the document
     /// number of every token of the whole rows) only its documents' keys.
-    fn blocks(chunk: i64, m: i64, doc_ids: Option<&Tensor>) -> Vec<(i64, Visible)> {
+    pub(super) fn blocks(chunk: i64, m: i64, doc_ids: Option<&Tensor>) -> Vec<(i64, Visible)> {
         (0..=chunk)
             .map(|j| {
                 let causal = j == chunk;

@@ -441,20 +441,12 @@ fn context_parallel_blocks_equal_sdpa_on_the_device() {
             // The blocks, in `kind`.
             let qc = tail(&q).to_kind(kind);
             let (k, v) = (k.to_kind(kind), v.to_kind(kind));
-            let visible = |j: i64| -> Visible {
-                if !docs {
-                    return if j == 1 {
-                        Visible::Causal
-                    } else {
-                        Visible::All
-                    };
-                }
-                let block = allowed.narrow(2, m, m).narrow(3, j * m, m);
-                Visible::Mask(block.contiguous())
-            };
+            // What the second chunk sees of each key chunk, as a CP rank makes it.
+            let blocks = Visible::blocks(1, m, docs.then(|| mask.doc_ids()));
+            let visible = |j: i64| &blocks[j as usize].1;
             let key = |t: &Tensor, j: i64| t.narrow(2, j * m, m);
-            let (o0, l0) = kernel::forward(&qc, &key(&k, 0), &key(&v, 0), &visible(0)).unwrap();
-            let (o1, l1) = kernel::forward(&qc, &key(&k, 1), &key(&v, 1), &visible(1)).unwrap();
+            let (o0, l0) = kernel::forward(&qc, &key(&k, 0), &key(&v, 0), visible(0)).unwrap();
+            let (o1, l1) = kernel::forward(&qc, &key(&k, 1), &key(&v, 1), visible(1)).unwrap();
             let (o, l) = merge(&o0.to_kind(Kind::Float), &l0, &o1.to_kind(Kind::Float), &l1);
             let e = rel(&o, &want);
             assert!(e < bound, "{kind:?} documents {docs}: output off by {e:e}");
@@ -463,7 +455,7 @@ fn context_parallel_blocks_equal_sdpa_on_the_device() {
             let (mut dks, mut dvs) = (Vec::new(), Vec::new());
             for j in 0..2 {
                 let (dqj, dkj, dvj) =
-                    kernel::backward(&gc, &qc, &key(&k, j), &key(&v, j), &o, &l, &visible(j))
+                    kernel::backward(&gc, &qc, &key(&k, j), &key(&v, j), &o, &l, visible(j))
                         .unwrap();
                 dq += dqj.to_kind(Kind::Float);
                 dks.push(dkj.to_kind(Kind::Float));
