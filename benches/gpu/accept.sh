@@ -732,11 +732,11 @@ check_c7() {
   train_until c7-plain 8 240 "$BIN" train "${LS1B[@]}" "${PB[@]}" --set logging.run_name=prof
   rc0=$?
   eval "$($PY "$HERE/accept_lib.py" steplines "$LOGS/c7-plain.log" --skip 3)"
-  plain="data $T_DATA ms | forward+backward $T_FB ms | all-reduce $T_AR ms | optimizer $T_OPT ms ($TOKS tok/s)"
+  plain="data $T_DATA ms | forward+backward $T_FB ms | grad norm (+ all-reduce) $T_AR ms | optimizer $T_OPT ms ($TOKS tok/s)"
   CUDA_LAUNCH_BLOCKING=1 train_until c7-blocking 6 240 "$BIN" train "${LS1B[@]}" "${PB[@]}" --set logging.run_name=prof-blocking
   rc1=$?
   eval "$($PY "$HERE/accept_lib.py" steplines "$LOGS/c7-blocking.log" --skip 3)"
-  blocking="data $T_DATA ms | forward+backward $T_FB ms | all-reduce $T_AR ms | optimizer $T_OPT ms ($TOKS tok/s)"
+  blocking="data $T_DATA ms | forward+backward $T_FB ms | grad norm (+ all-reduce) $T_AR ms | optimizer $T_OPT ms ($TOKS tok/s)"
   if [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ]; then
     result PASS c7-phases "median per step, steps 4-8: $plain; with CUDA_LAUNCH_BLOCKING=1 (host waits for every kernel, so each phase's host time is its device time): $blocking"
   else

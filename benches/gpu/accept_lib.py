@@ -24,7 +24,7 @@ import tarfile
 
 STEP = re.compile(r"Step \[(\d+)/\d+\] \| Loss: (\S+) .*?\| Tok/s: (\d+)(?: .*?\| MFU: ([\d.]+)%)?")
 TIMING = re.compile(
-    r"Timing per step: data ([\d.]+) ms \| forward\+backward ([\d.]+) ms \| all-reduce ([\d.]+) ms"
+    r"Timing per step: data ([\d.]+) ms \| forward\+backward ([\d.]+) ms \| (?:grad norm|all-reduce \+ norm) ([\d.]+) ms"
     r" \| optimizer ([\d.]+) ms"
 )
 SYNC = "called a synchronizing CUDA operation"

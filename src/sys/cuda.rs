@@ -4,6 +4,28 @@ use std::sync::OnceLock;
 
 use super::ffi::Library;
 
+/// In the library's unit-test binary, `LOCKSTEP_TEST_DEVICE=cuda` loads the backend when the
+/// process starts, before any test runs: ATen creates its CUDA hooks once, at the first device
+/// query (`manual_seed` is one), so a CPU test run earlier in the same process left CUDA
+/// disabled for every device test after it (seen on an H200: `model::` then `model::device_tests::`
+/// in one process, 5 of them failed with "libtorch sees no CUDA device"; each alone passed).
+/// The binary's `main` loads it first thing for the same reason.
+#[cfg(test)]
+#[used]
+#[link_section = ".init_array"]
+static LOAD_BEFORE_THE_TESTS: extern "C" fn() = {
+    extern "C" fn load_for_device_tests() {
+        if std::env::var("LOCKSTEP_TEST_DEVICE").as_deref() == Ok("cuda") {
+            // An error is kept in LOADED; the device tests report it.
+            let _ = load_cuda_backend();
+            LOADED_AT_START.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    load_for_device_tests
+};
+#[cfg(test)]
+static LOADED_AT_START: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// [`load_cuda_backend`]'s outcome, kept for the process.
 static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
 
@@ -139,6 +161,18 @@ pub fn nvidia_driver_present() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With `LOCKSTEP_TEST_DEVICE=cuda` the backend was loaded before any test ran
+    /// (LOAD_BEFORE_THE_TESTS), not by whichever test asked first.
+    #[test]
+    fn the_device_tests_find_the_backend_loaded_at_start() {
+        if std::env::var("LOCKSTEP_TEST_DEVICE").as_deref() == Ok("cuda") {
+            assert!(
+                LOADED_AT_START.load(std::sync::atomic::Ordering::SeqCst),
+                "not loaded at process start"
+            );
+        }
+    }
 
     /// The wheel's libtorch_cuda loads without a GPU too, so the symbol is checked everywhere;
     /// the mode starts disabled. (Setting it is left to the GPU machine: the process-wide mode

@@ -116,8 +116,14 @@ pub fn drop_grads<'a>(params: impl Iterator<Item = &'a Tensor>) {
     unsafe { lockstep_drop_grads(ptrs.as_ptr(), ptrs.len()) };
 }
 
-/// Elements per chunk of [`sum_of_squares`]: bounds its fp64 temporary (8 MB).
+/// Elements per chunk of [`sum_of_squares`] on the CPU: bounds its fp64 temporary (8 MB).
 const NORM_CHUNK: i64 = 1 << 20;
+/// Elements per chunk on a GPU: each chunk is three kernel launches (widen, dot, add), and at
+/// 1M elements the 1.1B model's norm was ~3,300 launches, 24.5 ms of host time a step and the
+/// whole gap to PyTorch eager on an H200 (BENCHMARKS.md §4). At 4M the fp64 temporary (32 MB)
+/// still fits in the L2 cache (50 MB on an H100, 60 on an H200), so the dot reads it from
+/// there, and the launches are 4× fewer.
+const NORM_CHUNK_GPU: i64 = 1 << 22;
 
 /// Σ x² over every element of `tensors`, accumulated in fp64, as a host number. Each element
 /// is widened to fp64 before it is squared (exact: a 24-bit mantissa squared fits in 53 bits)
@@ -131,10 +137,13 @@ pub fn sum_of_squares(tensors: &[Tensor]) -> f64 {
         for t in tensors.iter().filter(|t| t.defined() && t.numel() > 0) {
             let flat = t.reshape(-1);
             let n = flat.numel() as i64;
-            for at in (0..n).step_by(NORM_CHUNK as usize) {
-                let part = flat
-                    .narrow(0, at, NORM_CHUNK.min(n - at))
-                    .to_kind(Kind::Double);
+            let chunk = if flat.device().is_cuda() {
+                NORM_CHUNK_GPU
+            } else {
+                NORM_CHUNK
+            };
+            for at in (0..n).step_by(chunk as usize) {
+                let part = flat.narrow(0, at, chunk.min(n - at)).to_kind(Kind::Double);
                 let s = part.dot(&part);
                 total = Some(match total {
                     Some(sum) => sum + s,
