@@ -7,8 +7,9 @@
 #
 # usage: bash benches/gpu/accept.sh [--dry-run] [GROUP|STEP]...   (default: lease)
 #   lease        what one 15-minute GPU session runs in one device call, most needed first:
-#                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7
-#                c6-default c5-compile c9-wheel (budget 420 s; c5 at micro-batches 8 and 16)
+#                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed
+#                c7-phases c6-default c5-compile c9-wheel c7-kernels (budget 420 s; c5 at
+#                micro-batches 8 and 16)
 #   rest         every step lease leaves out: c1-all c3-auto-free c6-variants c8
 #   correctness  c1 unit tests on CUDA: c1-nccl (the NCCL group of one rank), c1-model (the
 #                   model on CUDA against the CPU), c1-all (the whole unit suite)
@@ -22,7 +23,8 @@
 #                   GPU from a clean environment
 #   perf         c5 throughput of the 1B config: c5-speed (lockstep and PyTorch eager),
 #                   c5-compile (torch.compile; the goal)
-#                c7 one step profiled: per-phase times, host synchronisations per step
+#                c7 one step profiled: c7-phases (per-phase times, host synchronisations per
+#                   step), c7-kernels (GPU kernel time by kind, PyTorch eager and compile)
 #   scale        c6 the production preset (8B dims, 4 layers, context 8192): tokens/s, peak
 #                   memory: c6-default, c6-variants (activation checkpointing / loss chunking /
 #                   zero stage)
@@ -51,11 +53,11 @@ DRY=0
 LEASE=0
 # Every step, grouped by check, in the order `all` runs them.
 C1=(c1-nccl c1-model c1-all) C2=(c2) C3=(c3-run c3-resume c3-auto-free)
-C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7) C8=(c8) C9=(c9-wheel)
+C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7-phases c7-kernels) C8=(c8) C9=(c9-wheel)
 ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C9[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
 # A GPU session's one call (15 minutes of device time, the machine's start included): every
 # figure the CUDA issue requires, cheapest first within what matters most.
-LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7 c6-default c5-compile c9-wheel)
+LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7-phases c6-default c5-compile c9-wheel c7-kernels)
 STEPS=()
 among() { [[ " ${*:2} " == *" $1 "* ]]; } # among WORD LIST...: whether WORD is in LIST
 add() {                                   # add STEP...: appended once each, in order
@@ -114,6 +116,10 @@ result() { # result PASS|FAIL|SKIP NAME FIGURE...
   echo "$st $name: $*" | tee -a "$REPORT" "$SUMMARY"
 }
 # time_for SECONDS NAME: whether a step of about SECONDS still fits the budget (else a SKIP).
+# Each step's SECONDS is ~1.5x what it took on an H200 on 2026-11-28 (the report's section
+# timestamps: preflight 26 s, c2 29, c3-run 23, c3-resume 54, c4-eval 47, c5-speed at b=8 and
+# 16 48, c7-phases 12, c7-kernels 82 (eager and compile), c6 4 per variant, c5-compile 61 with
+# its 41 s of compilation, c9 9).
 time_for() {
   local left=$((BUDGET - (SECONDS - T0)))
   if [ "$left" -lt "$1" ]; then
@@ -369,7 +375,7 @@ EOF
 # c1: unit tests on the device.
 check_c1_nccl() {
   section "c1 the NCCL group of one rank on $DEV"
-  time_for 60 c1-nccl || return 0
+  time_for 15 c1-nccl || return 0
   LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-nccl 120 "$UNIT" --test-threads 1 --nocapture dist::nccl::
   rc=$?
   line=$(grep -ao "NCCL [0-9.]* group of one rank on cuda.*" "$LOGS/c1-nccl.log" | tail -1)
@@ -384,7 +390,7 @@ check_c1_nccl() {
 }
 check_c1_model() {
   section "c1 the model on $DEV against the CPU"
-  time_for 90 c1-model || return 0
+  time_for 45 c1-model || return 0
   LOCKSTEP_TEST_DEVICE=$DEV run_logged c1-model 240 "$UNIT" --test-threads 1 --nocapture model:: sys::cuda::
   rc=$?
   summary=$(grep -a "^test result" "$LOGS/c1-model.log" | tail -1)
@@ -399,7 +405,7 @@ check_c1_model() {
 # The whole unit suite on this machine: a GPU changes what some tests see.
 check_c1_all() {
   section "c1 the whole unit suite on this machine"
-  time_for 120 c1-all || return 0
+  time_for 45 c1-all || return 0
   # dist::nccl and the device tests ran in processes of their own above: a process that
   # touched libtorch's device machinery before loading the CUDA backend never sees CUDA.
   run_logged c1-all 240 "$UNIT" --test-threads "$(nproc)" --skip dist::nccl:: --skip model::device_tests::
@@ -423,7 +429,7 @@ check_c1_all() {
 # c2: parity with transformers on the device.
 check_c2() {
   section "c2 parity with transformers on $DEV (fp32 and bf16)"
-  time_for 60 c2-parity || return 0
+  time_for 45 c2-parity || return 0
   P=$WORK/parity
   rm -rf "$P" && mkdir -p "$P"
   if run_logged c2-reference 180 bash -c "'$PY' '$ROOT/tests/reference/hf_llama.py' '$P' && '$PY' '$HERE/hf_parity_device.py' '$P' --device $DEV"; then
@@ -451,7 +457,7 @@ COMMON=(--debug "${SHRINK[@]}" --set training.dtype=bf16 --set training.learning
   --set logging.tensorboard=false --set "logging.dir=$RUNS")
 check_c3_run() {
   section "c3 lockstep run ${RUNDEV[*]}: debug preset, bf16, checkpoint"
-  time_for 150 c3-run || return 0
+  time_for 40 c3-run || return 0
   run_logged c3-full 300 "$BIN" run "${RUNDEV[@]}" -- "${COMMON[@]}" --set logging.run_name=full --set checkpoint.interval=0
   rc=$?
   L=$LOGS/c3-full.log
@@ -478,7 +484,7 @@ check_c3_run() {
 }
 check_c3_resume() {
   section "c3 stop at step 5 and resume"
-  time_for 120 c3-resume || return 0
+  time_for 80 c3-resume || return 0
   if [ ! -f "$RUNS/full/metrics.jsonl" ]; then
     result SKIP c3-resume "needs c3-run's uninterrupted run in the same call"
     return 0
@@ -507,7 +513,7 @@ check_c3_resume() {
 }
 check_c3_auto_free() {
   section "c3 --gpus auto-free"
-  time_for 60 c3-auto-free || return 0
+  time_for 30 c3-auto-free || return 0
   run_logged c3-auto-free 180 "$BIN" run --gpus auto-free -- --debug "${SMALL[@]}" --max-steps 2 \
     --set "logging.dir=$RUNS" --set logging.run_name=autofree --set logging.tensorboard=false
   rc=$?
@@ -530,7 +536,7 @@ check_c3_auto_free() {
 UP=model.layers.0.mlp.up_proj.weight
 check_c4_nan() {
   section "c4 the NaN guard on $DEV"
-  time_for 60 c4-nan || return 0
+  time_for 20 c4-nan || return 0
   run_logged c4-nan 180 "$BIN" train --debug "${SMALL[@]}" --set system.device=$DEV --set training.dtype=bf16 \
     --max-steps 5 --set debug.inject_nan_at_step=3 --set "debug.inject_nan_param=$UP" \
     --set "logging.dir=$RUNS" --set logging.run_name=nan --set logging.tensorboard=false
@@ -558,7 +564,7 @@ check_c4_nan() {
 }
 check_c4_docmask() {
   section "c4 packed documents on $DEV"
-  time_for 30 c4-docmask || return 0
+  time_for 15 c4-docmask || return 0
   # Packed documents: on CUDA bf16 attention takes variable-length flash attention (c1 compares
   # the kernel with the masked path); a failure would print a WARNING and fall back.
   run_logged c4-docmask 180 "$BIN" train --debug "${SMALL[@]}" --set system.device=$DEV --set training.dtype=bf16 \
@@ -579,7 +585,7 @@ check_c4_eval() {
   if [ ! -d "$CKPT" ]; then
     result SKIP c4-eval "needs c3-run's checkpoint ($CKPT) from earlier in the same call"
     result SKIP c4-generate "needs c3's checkpoint"
-  elif time_for 90 c4-eval; then
+  elif time_for 70 c4-eval; then
     DATA=$ROOT/data/shakespeare/hamlet_gut.txt
     declare -A LOSS
     for v in cpu:fp32 $DEV:fp32 $DEV:bf16; do
@@ -638,11 +644,11 @@ declare -A LS_TOK LS_MFU PT_TOK PT_MFU
 BEST_LS="" BEST_PT=""
 check_c5_speed() {
   section "c5 throughput: benches/gpu/llama-1b.json, micro-batch $BATCHES"
-  time_for 120 c5-lockstep || return 0
+  time_for 60 c5-lockstep || return 0
   prepare_1b
   fig=""
   for b in $BATCHES; do
-    time_for 60 "c5-lockstep-b$b" || break
+    time_for 25 "c5-lockstep-b$b" || break
     mem_start "$LOGS/c5-mem-b$b.txt"
     train_until "c5-lockstep-b$b" "$STEPS5" 240 "$BIN" train "${LS1B[@]}" --set training.batch_size="$b" --set logging.run_name="ls-b$b"
     rc=$?
@@ -665,10 +671,10 @@ check_c5_speed() {
   fig=${fig# }
   if [ -n "$BEST_LS" ]; then result PASS c5-lockstep "${fig%;}"; else result FAIL c5-lockstep "${fig:-no run}"; fi
 
-  if time_for 90 c5-eager; then
+  if time_for 40 c5-eager; then
     fig=""
     for b in $BATCHES; do
-      time_for 45 "c5-eager-b$b" || break
+      time_for 20 "c5-eager-b$b" || break
       run_logged "c5-eager-b$b" 240 "$PY" "$HERE/pytorch_step.py" "$CFG1B" --batch-size "$b" --device "$DEV" --json
       status=$($PY "$HERE/accept_lib.py" json-field "$LOGS/c5-eager-b$b.log" status)
       if [ "$status" != ok ]; then
@@ -694,7 +700,7 @@ check_c5_compile() {
     result SKIP c5-compile "ACCEPT_COMPILE=0"
   elif [ -z "$CB" ]; then
     result SKIP c5-compile "no micro-batch that both lockstep and eager ran (c5-speed, earlier in the same call)"
-  elif time_for 200 c5-compile; then
+  elif time_for 90 c5-compile; then
     run_logged c5-compile 400 "$PY" "$HERE/pytorch_step.py" "$CFG1B" --batch-size "$CB" --device "$DEV" --compile --json
     status=$($PY "$HERE/accept_lib.py" json-field "$LOGS/c5-compile.log" status)
     if [ "$status" = ok ]; then
@@ -724,9 +730,9 @@ check_c5_compile() {
 }
 
 # c7: one step profiled: per-phase times, host synchronisations per step.
-check_c7() {
+check_c7_phases() {
   section "c7 profile: llama-1b.json at micro-batch $PROFILE_BATCH"
-  time_for 90 c7-profile || return 0
+  time_for 25 c7-profile || return 0
   prepare_1b
   PB=(--set training.batch_size="$PROFILE_BATCH")
   train_until c7-plain 8 240 "$BIN" train "${LS1B[@]}" "${PB[@]}" --set logging.run_name=prof
@@ -754,6 +760,27 @@ check_c7() {
   fi
   rm -rf "$RUNS/prof" "$RUNS/prof-blocking" "$RUNS/prof-syncs"
 }
+check_c7_kernels() {
+  section "c7 GPU kernel time by kind: PyTorch eager and torch.compile at micro-batch $PROFILE_BATCH"
+  prepare_1b
+  # Where the time goes, kernel by kind, in PyTorch eager (the same ATen kernels lockstep calls,
+  # at the same speed: c5) and under torch.compile: what compile's fusion takes off.
+  if [ "$DRY" = 1 ]; then
+    result SKIP c7-kernels "no CUDA kernels to profile in the dry run"
+  elif time_for 80 c7-kernels; then
+    local fig="" mode
+    for mode in eager compile; do
+      run_logged "c7-kernels-$mode" 240 "$PY" "$HERE/pytorch_step.py" "$CFG1B" --batch-size "$PROFILE_BATCH" --device "$DEV" \
+        --steps 4 --profile --json $([ "$mode" = compile ] && echo --compile)
+      fig="$fig $mode: $($PY "$HERE/accept_lib.py" json-field "$LOGS/c7-kernels-$mode.log" kernels_total_ms kernels_ms | tr -d '"{}' | sed 's/|/ ms a step: /');"
+    done
+    if grep -q kernels_ms "$LOGS/c7-kernels-eager.log"; then
+      result PASS c7-kernels "GPU kernel time per step by kind at b=$PROFILE_BATCH (torch.profiler, ms):${fig%;}"
+    else
+      result FAIL c7-kernels "$(why c7-kernels-eager)"
+    fi
+  fi
+}
 
 # c6: the production preset (Llama-3.1-8B dimensions, 4 layers, context 8192).
 check_c6() { # check_c6 NAME:KEY=VALUE,...  (NAME: the variant's name; an empty list: the preset)
@@ -763,7 +790,7 @@ check_c6() { # check_c6 NAME:KEY=VALUE,...  (NAME: the variant's name; an empty 
     --set system.memory_check=warn --set training.max_steps=1000 --set training.eval_batches=0 --set "logging.dir=$RUNS")
   for variant in "$@"; do
     name=${variant%%:*} sets=${variant#*:}
-    time_for 60 "c6-$name" || break
+    time_for 15 "c6-$name" || break
     extra=()
     IFS=, read -ra kv <<<"$sets"
     for s in "${kv[@]}"; do [ -n "$s" ] && extra+=(--set "$s"); done
@@ -870,7 +897,7 @@ c8_verdict() {
 # libraries and load its CUDA backend; a short bf16 run trains on the GPU and samples.
 check_c9_wheel() {
   section "c9 the pip wheel beside this machine's torch"
-  time_for 60 c9-wheel || return 0
+  time_for 20 c9-wheel || return 0
   local whl site=$WORK/wheel-site dir=$WORK/wheel-work
   whl=$(ls "$WORK"/bin/lockstep-*.whl 2>/dev/null | head -1)
   if [ -z "$whl" ]; then

@@ -8,8 +8,13 @@ plus causal attention 6·L·s·d per token, lockstep's count, over the device's 
 (--peak, else by GPU name as lockstep's telemetry/mfu.rs does). With --json, one JSON object
 last; an out-of-memory step gives {"status": "oom"} instead of a traceback.
 
+With --profile, two more steps run under torch.profiler and the GPU kernel time per step is
+summed by kind (matrix products, attention, cross-entropy, optimizer, norms and reductions,
+elementwise, copies, other) into "kernels_ms": where eager's time goes and what compile's
+fused kernels take off it (benches/gpu/accept.sh, c7-kernels).
+
 usage: pytorch_step.py CONFIG.json [--batch-size B] [--steps N] [--warmup W] [--vocab V]
-                       [--device cuda|cpu] [--compile] [--json]
+                       [--device cuda|cpu] [--compile] [--profile] [--json]
 """
 import argparse
 import json
@@ -28,6 +33,7 @@ ap.add_argument("--vocab", type=int, default=None, help="default: model.vocab_si
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--compile", action="store_true", help="torch.compile the model")
 ap.add_argument("--peak", type=float, default=None, help="dense bf16 FLOP/s of the device")
+ap.add_argument("--profile", action="store_true", help="kernel time by kind over 2 more steps")
 ap.add_argument("--json", action="store_true")
 a = ap.parse_args()
 
@@ -109,6 +115,44 @@ try:
 except torch.OutOfMemoryError as e:
     result.update(status="oom", error=str(e).splitlines()[0])
     times = []
+
+# Kernel names → kinds, first match wins (cuBLAS/CUTLASS GEMMs, cuDNN/flash attention, Inductor's
+# triton_* kernels: fused pointwise (poi) and reductions (red, per)).
+KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "mha")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
+    ("cross_entropy", ("log_softmax", "nll_loss", "softmax", "cross_entropy")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("norm_reduce", ("reduce", "norm", "triton_red", "triton_per")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "pointwise")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index")),
+)
+
+
+def kind_of(name):
+    n = name.lower()
+    return next((k for k, keys in KINDS if any(x in n for x in keys)), "other")
+
+
+if times and a.profile and device.type == "cuda":
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    by_kind, top = {}, {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        us = e.device_time_total  # a kernel's own duration
+        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us / 2e3
+        top[e.name] = top.get(e.name, 0.0) + us / 2e3
+    result["kernels_ms"] = {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    result["kernels_total_ms"] = round(sum(by_kind.values()), 2)
+    result["kernels_top"] = [[n[:80], round(v, 2)] for n, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]]
+    print(f"{label}: GPU kernel time per step by kind (ms): {result['kernels_ms']}"
+          f" total {result['kernels_total_ms']}", flush=True)
 
 if times:
     times.sort()

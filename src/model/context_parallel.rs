@@ -544,13 +544,20 @@ pub(super) mod kernel {
             let lse_p = Tensor::zeros([lse.size()[0], heads, padded], (Kind::Float, q.device()));
             lse_p.narrow(2, 0, m).copy_(lse);
             let seed = Tensor::zeros([], (Kind::Int64, q.device()));
+            // The output must be [b, n, h, d] in memory, as the kernel's forward wrote it: its
+            // fp16/bf16 kernels compute rowsum(dO ∘ O) themselves and read O with the row
+            // stride h·d (`o_strideM()` is derived, not passed), whatever the tensor's strides
+            // say. The merged output is [b, h, m, d]-contiguous, so its transpose alone was read
+            // at the wrong rows: bf16 dq off by 0.78 on an H200 (fp32, where ATen computes that
+            // sum from the real strides, was right).
+            let out_t = t(out).contiguous();
             let (dq, dk, dv, _) = Tensor::f_internal_efficient_attention_backward(
                 &t(&d_out),
                 &t(q),
                 &t(&ke),
                 &t(&ve),
                 bias.as_ref(),
-                &t(out),
+                &out_t,
                 None::<&Tensor>,
                 None::<&Tensor>,
                 m,
