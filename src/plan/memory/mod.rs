@@ -62,8 +62,8 @@
 //! backward: only full checkpointing frees a layer's parameters between forward and backward.
 //!
 //! A checkpoint save (`plan/checkpoint.rs`) runs between steps, when a rank holds its model
-//! state (weights, master weights, moments, at stages 2 and 3 the fp32 gradient slice), the
-//! runtime and the buckets, plus where the fp32 masters are sharded the full fp32 parameters it
+//! state (weights, master weights, moments, the fp32 gradient slice at stages 2 and 3 and at
+//! stage 1 with bf16 compute), the runtime and the buckets, plus where the fp32 masters are sharded the full fp32 parameters it
 //! writes (4·P/W, gathered for the save) and, with `checkpoint.async` on a CPU rank, the
 //! staging copy of what it writes (12·P/W, in the same host memory; on CUDA it is pinned host
 //! memory and not counted here). The staging buffers are allocated at the first save and kept:
@@ -88,8 +88,9 @@ pub struct Memory {
     pub master_weights: f64,
     /// AdamW's two fp32 moments (this rank's shard at stages 1 to 3).
     pub moments: f64,
-    /// fp32 gradients alive at the peak (they are dropped after each update and build up during
-    /// backward; at stages 2 and 3 this rank's slice, one unit's and their send buffer).
+    /// Gradients alive at the peak (they are dropped after each update and build up during
+    /// backward; at stages 2 and 3 this rank's fp32 slice, one unit's and their send buffer; at
+    /// stage 1 with bf16 compute the fp32 slice the update reads besides).
     pub gradients: f64,
     /// Stage 3: parameters all-gathered for use, in the compute dtype: the unit in use (its
     /// buffer and its parameters), the gathers in flight ahead of it, and with checkpointing
@@ -299,7 +300,7 @@ fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
     let params = super::tensor::share(s).parameters;
     let world = s.shard_ranks(s.world).max(1) as f64;
     let stage = l.zero_stage;
-    let gradients = if stage.shards_gradients() {
+    let gradients = if keeps_grad_slice(s, stage) {
         4.0 * params / world
     } else {
         0.0
@@ -342,11 +343,12 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
         } else {
             p.gathered.layer
         };
-    let gradients = if head_peak && !l.zero_stage.shards_gradients() {
-        state.head_gradient + state.carried
-    } else {
-        state.all_gradients
-    };
+    let gradients = state.grad_slice
+        + if head_peak && !l.zero_stage.shards_gradients() {
+            state.head_gradient + state.carried
+        } else {
+            state.all_gradients
+        };
     // glibc serves allocations below its mmap threshold (raised dynamically up to 32 MiB)
     // from its arenas and keeps the freed blocks there: while a layer's [tokens, FFN] tensors
     // are that small, the churn of its backward leaves about as much again in holes
@@ -380,6 +382,13 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     }
 }
 
+/// Whether the sharded optimizer keeps an fp32 gradient slice [P/N] between steps: at stages 2
+/// and 3 the reduce-scatters add into it; at stage 1 with bf16 compute the update reads the
+/// bf16 gradients' fp32 copy there (`train/optim/sharded.rs`).
+fn keeps_grad_slice(s: &Setting, stage: ZeroStage) -> bool {
+    stage.shards_gradients() || (stage == ZeroStage::Optimizer && s.compute_bytes() < 4.0)
+}
+
 /// A rank's training state during a step's backward, by zero stage.
 struct StepState {
     weights: f64,
@@ -391,6 +400,10 @@ struct StepState {
     head_gradient: f64,
     /// Earlier micro-batches' gradients that outlive their backward (accumulation).
     carried: f64,
+    /// Stage 1 with bf16 compute: the fp32 gradient slice [P/N] the update reads, kept
+    /// between steps (`train/optim/sharded.rs`; stages 2 and 3 count theirs in
+    /// `all_gradients`). Missing it put the plan 20% under an H200's measured peak.
+    grad_slice: f64,
 }
 
 impl StepState {
@@ -459,6 +472,11 @@ impl StepState {
             // The sums are these gradients.
             grad_bytes * m.params
         };
+        let grad_slice = if stage == ZeroStage::Optimizer && keeps_grad_slice(s, stage) {
+            4.0 * m.params / world
+        } else {
+            0.0
+        };
         StepState {
             weights,
             master_weights,
@@ -466,6 +484,7 @@ impl StepState {
             all_gradients,
             head_gradient,
             carried,
+            grad_slice,
         }
     }
 }
