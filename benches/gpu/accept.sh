@@ -194,7 +194,7 @@ mem_start() {
     MEMPID=$!
   fi
 }
-mem_stop() { # sets PEAK: the peak in GiB, or n/a
+mem_stop() { # sets PEAK: the peak in GiB, or n/a; PEAK_GB: in GB (10^9 bytes, plan's unit), or empty
   if [ -n "${MEMPID:-}" ]; then
     kill "$MEMPID" 2>/dev/null
     wait "$MEMPID" 2>/dev/null
@@ -202,7 +202,13 @@ mem_stop() { # sets PEAK: the peak in GiB, or n/a
   fi
   local mib
   mib=$($PY "$HERE/accept_lib.py" peak-mib "$MEMLOG")
-  if [ -n "$mib" ]; then PEAK=$(awk -v m="$mib" 'BEGIN { printf "%.1f GiB", m / 1024 }'); else PEAK=n/a; fi
+  PEAK_GB=
+  if [ -n "$mib" ]; then
+    PEAK=$(awk -v m="$mib" 'BEGIN { printf "%.1f GiB", m / 1024 }')
+    PEAK_GB=$(awk -v m="$mib" 'BEGIN { printf "%.2f", m * 1048576 / 1e9 }')
+  else
+    PEAK=n/a
+  fi
 }
 # The last lines of a log that say what went wrong (for a FAIL's figure).
 why() { grep -aE "error|Error|ERROR|panicked|FAILED|Killed|killed|out of memory|refus" "$LOGS/$1.log" | grep -v '^\$ ' | tail -2 | tr '\n' ' ' | cut -c1-400; }
@@ -802,9 +808,14 @@ check_c6() { # check_c6 NAME:KEY=VALUE,...  (NAME: the variant's name; an empty 
     mem_stop
     peak=$PEAK
     rm -rf "$RUNS/prod-$name"
-    if [ $rc -eq 0 ]; then
+    # The goal: the plan within 10% of the measured peak (NVML: the CUDA context and the
+    # caching allocator's reserve included).
+    off=$(awk -v p="$planned" -v m="$PEAK_GB" 'BEGIN { if (p != "" && m > 0) printf "%+.1f", 100 * (p - m) / m }')
+    if [ $rc -eq 0 ] && [ -n "$off" ] && ! awk -v o="$off" 'BEGIN { exit !(o <= 10 && o >= -10) }'; then
+      result FAIL "c6-$name" "${sets:-defaults}: plan ${planned} GB is ${off}% of the measured peak ${PEAK_GB} GB ($peak, NVML): outside the 10% goal"
+    elif [ $rc -eq 0 ]; then
       eval "$($PY "$HERE/accept_lib.py" steplines "$LOGS/c6-$name.log" --skip 3)"
-      result PASS "c6-$name" "${sets:-defaults (no checkpointing, loss chunks 1024, zero 0)}: $TOKS tok/s${MFU:+ MFU $MFU%}, peak GPU memory $peak (NVML), plan ${planned:-?} GB; fwd+bwd $T_FB ms, optimizer $T_OPT ms"
+      result PASS "c6-$name" "${sets:-defaults (no checkpointing, loss chunks 1024, zero 0)}: $TOKS tok/s${MFU:+ MFU $MFU%}, peak GPU memory ${PEAK_GB:+$PEAK_GB GB = }$peak (NVML), plan ${planned:-?} GB (${off:-n/a}%, goal within 10%); fwd+bwd $T_FB ms, optimizer $T_OPT ms"
     else
       result FAIL "c6-$name" "${sets:-defaults}: exit $rc (plan ${planned:-?} GB); $(why "c6-$name")"
     fi
