@@ -7,10 +7,11 @@ use super::ffi::Library;
 /// In the library's unit-test binary, `LOCKSTEP_TEST_DEVICE=cuda` loads the backend when the
 /// process starts, before any test runs: ATen creates its CUDA hooks once, at the first device
 /// query (`manual_seed` is one), so a CPU test run earlier in the same process left CUDA
-/// disabled for every device test after it (seen on an H200: `model::` then `model::device_tests::`
-/// in one process, 5 of them failed with "libtorch sees no CUDA device"; each alone passed).
-/// The binary's `main` loads it first thing for the same reason.
-#[cfg(test)]
+/// disabled for every device test after it (seen on an H200: `model::` in one process, and 5
+/// of `model::device_tests::` failed with "libtorch sees no CUDA device"; each alone passed).
+/// The binary's `main` loads it first thing for the same reason. (An ELF constructor: the
+/// test harness has no hook that runs before the tests.)
+#[cfg(all(test, target_os = "linux"))]
 #[used]
 #[link_section = ".init_array"]
 static LOAD_BEFORE_THE_TESTS: extern "C" fn() = {

@@ -61,12 +61,12 @@
 //! layer's forward (its matrices, or its attention matrices) and keeps until that layer's
 //! backward: only full checkpointing frees a layer's parameters between forward and backward.
 //!
-//! A checkpoint save (`plan/checkpoint.rs`) runs between steps, when a rank holds its model
-//! state (weights, master weights, moments, the fp32 gradient slice at stages 2 and 3 and at
-//! stage 1 with bf16 compute), the runtime and the buckets, plus where the fp32 masters are sharded the full fp32 parameters it
-//! writes (4·P/W, gathered for the save) and, with `checkpoint.async` on a CPU rank, the
-//! staging copy of what it writes (12·P/W, in the same host memory; on CUDA it is pinned host
-//! memory and not counted here). The staging buffers are allocated at the first save and kept:
+//! A checkpoint save (`plan/checkpoint.rs`) runs between steps, when a rank holds its model state
+//! (weights, master weights, moments, the fp32 gradient slice at stages 2 and 3 and at stage 1 with
+//! bf16 compute), the runtime and the buckets, plus where the fp32 masters are sharded the full
+//! fp32 parameters it writes (4·P/W, gathered for the save) and, with `checkpoint.async` on a CPU
+//! rank, the staging copy of what it writes (12·P/W, in the same host memory; on CUDA it is pinned
+//! host memory and not counted here). The staging buffers are allocated at the first save and kept:
 //! when `checkpoint.interval` is above 0 and below `training.max_steps` they are also alive at
 //! every later step's peak; otherwise the only save is after the last step. The estimate is the
 //! larger of the step's peak and the save's.
