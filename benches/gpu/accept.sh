@@ -738,7 +738,7 @@ check_c5_compile() {
 # c7: one step profiled: per-phase times, host synchronisations per step.
 check_c7_phases() {
   section "c7 profile: llama-1b.json at micro-batch $PROFILE_BATCH"
-  time_for 25 c7-profile || return 0
+  time_for 25 c7-phases || return 0
   prepare_1b
   PB=(--set training.batch_size="$PROFILE_BATCH")
   train_until c7-plain 8 240 "$BIN" train "${LS1B[@]}" "${PB[@]}" --set logging.run_name=prof
