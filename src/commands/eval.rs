@@ -13,6 +13,7 @@ use serde_json::json;
 use tch::{Device, Tensor};
 
 use super::{Inference, ModelFlags, TrainedWith};
+use crate::config::usage;
 use crate::data::sources::{list_files, read_documents};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokfile::{is_token_file, TokenFile};
@@ -192,11 +193,10 @@ pub fn evaluate_windows(
 
 pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
     let start = Instant::now();
-    ensure!(args.batch_size > 0, "--batch-size must be at least 1");
-    ensure!(
-        args.max_batches != Some(0),
-        "--max-batches 0 evaluates nothing; leave it out to evaluate the whole file"
-    );
+    usage(args.batch_size > 0, || "--batch-size 0: must be at least 1".into())?;
+    usage(args.max_batches != Some(0), || {
+        "--max-batches 0 evaluates nothing; leave it out to evaluate the whole file".into()
+    })?;
     let opened = Inference::open(&args.open)?;
     let Inference {
         dir, shape, tok, ..
@@ -222,7 +222,7 @@ pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
         .context_length
         .or(trained.context_length)
         .unwrap_or(shape.max_position_embeddings.min(2048));
-    ensure!(ctx > 0, "--context-length must be at least 1");
+    usage(ctx > 0, || "--context-length 0: must be at least 1".into())?;
     ensure!(
         ctx <= shape.max_position_embeddings,
         "--context-length {ctx} exceeds the model's max_position_embeddings ({}); pass at most that",

@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use tch::Kind;
 
 use super::PROVENANCE_FILE;
-use crate::config::Resolved;
+use crate::config::{usage, Resolved};
 use crate::data::tokenizer::Tokenizer;
 use crate::model::{hf, AttentionBackend};
 use crate::run::{self, checkpoints};
@@ -168,12 +168,15 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
 pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     // Components drop a trailing slash, so `OUT/` gets the sibling `OUT.tmp`, not `OUT/.tmp`.
     let out: PathBuf = args.out.components().collect();
-    ensure!(
-        out.file_name().is_some(),
-        "--hf {}: name a new output directory, e.g. --hf exports/my-model",
-        out.display()
-    );
-    ensure!(args.max_shard_mb > 0, "--max-shard-mb must be at least 1");
+    usage(out.file_name().is_some(), || {
+        format!(
+            "--hf {}: name a new output directory, e.g. --hf exports/my-model",
+            out.display()
+        )
+    })?;
+    usage(args.max_shard_mb > 0, || {
+        "--max-shard-mb 0: must be at least 1".into()
+    })?;
     check_out(&out, args.force)?;
     // Its model files verified (`newest_checkpoint`).
     let source = source_checkpoint(resolved, &args.checkpoint)?;

@@ -8,6 +8,7 @@ use clap::Args;
 use serde_json::json;
 
 use super::{Inference, ModelFlags};
+use crate::config::{usage, ConfigError};
 use crate::data::tokenizer::Tokenizer;
 use crate::model::generate::{generate, generate_uncached, GenerateOptions};
 use crate::model::hf;
@@ -95,12 +96,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 ids
             }
         }
-        (None, None) => bail!("pass --prompt TEXT or --prompt-ids"),
+        (None, None) => Err(ConfigError("pass --prompt TEXT or --prompt-ids".into()))?,
     };
-    ensure!(
-        !prompt.is_empty(),
-        "--prompt-ids is empty; pass at least one id"
-    );
+    usage(!prompt.is_empty(), || {
+        "--prompt-ids is empty; pass at least one id".into()
+    })?;
     let total = prompt.len() + args.max_new_tokens;
     ensure!(
         total <= shape.max_position_embeddings,

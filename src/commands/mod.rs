@@ -19,6 +19,7 @@ use clap::Args;
 use serde_json::Value;
 use tch::{Device, Kind};
 
+use crate::config::ConfigError;
 use crate::data::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use crate::model::{hf, AttentionBackend, Llama, LlamaShape};
 use crate::run::checkpoints;
@@ -290,7 +291,9 @@ pub fn parse_device(s: &str) -> Result<Device> {
         "cuda" => want_cuda(0),
         _ => match s.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
             Some(i) => want_cuda(i),
-            None => bail!("--device {s}: expected auto, cpu, cuda or cuda:N"),
+            None => Err(ConfigError(format!(
+                "--device {s}: expected auto, cpu, cuda or cuda:N"
+            )))?,
         },
     }
 }
@@ -300,6 +303,6 @@ pub fn parse_compute(s: &str) -> Result<Kind> {
     match s {
         "fp32" | "float32" => Ok(Kind::Float),
         "bf16" | "bfloat16" => Ok(Kind::BFloat16),
-        _ => bail!("--dtype {s}: expected fp32 or bf16"),
+        _ => Err(ConfigError(format!("--dtype {s}: expected fp32 or bf16")))?,
     }
 }

@@ -9,7 +9,7 @@
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 
-use crate::config::{DeviceChoice, Resolved};
+use crate::config::{usage, DeviceChoice, Resolved};
 use crate::plan::{self, report, start, Layout, Setting, Target};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -48,17 +48,16 @@ pub struct PlanArgs {
 
 pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     let cfg = &resolved.config;
-    anyhow::ensure!(args.gpus >= 1, "--gpus 0: plan for at least one rank");
-    anyhow::ensure!(
-        args.mfu > 0.0 && args.mfu <= 1.0,
-        "--mfu {}: a fraction in (0, 1]",
-        args.mfu
-    );
-    anyhow::ensure!(
-        args.storage_gbps > 0.0 && args.storage_gbps.is_finite(),
-        "--storage-gbps {}: a bandwidth above 0 GB/s",
-        args.storage_gbps
-    );
+    usage(args.gpus >= 1, || "--gpus 0: plan for at least one rank".into())?;
+    usage(args.mfu > 0.0 && args.mfu <= 1.0, || {
+        format!("--mfu {}: a fraction in (0, 1]", args.mfu)
+    })?;
+    usage(args.storage_gbps > 0.0 && args.storage_gbps.is_finite(), || {
+        format!(
+            "--storage-gbps {}: a bandwidth above 0 GB/s",
+            args.storage_gbps
+        )
+    })?;
     let device = match args.device {
         Some(PlanDevice::Cpu) => plan::Device::Cpu,
         Some(PlanDevice::Cuda) => plan::Device::Cuda,

@@ -30,6 +30,16 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))
 }
 
+/// A command-line value that cannot work (`--gpus 0`): unless `ok`, the usage error `msg`,
+/// which exits 2 as a bad config key does.
+pub fn usage(ok: bool, msg: impl FnOnce() -> String) -> Result<(), ConfigError> {
+    if ok {
+        Ok(())
+    } else {
+        err(msg())
+    }
+}
+
 /// Everything on the command line that shapes the config.
 #[derive(Debug, Clone, Default)]
 pub struct Sources {
@@ -136,7 +146,11 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
         set_path(&mut merged, key, value);
     }
     if let Some(n) = src.max_steps {
-        set_path(&mut merged, "training.max_steps", Value::from(n));
+        // The flag is checked as `--set training.max_steps=N` is (`--max-steps 0` was taken).
+        let spec = known_key("training.max_steps", "--max-steps")?;
+        let value = Value::from(n);
+        check_kind(spec, &value, &format!("--max-steps {n}"))?;
+        set_path(&mut merged, spec.key, value);
     }
 
     let config: Config = serde_json::from_value(merged).map_err(|e| {
@@ -151,12 +165,18 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
     Ok(resolved)
 }
 
+/// The file's text, without the UTF-8 byte-order mark some Windows editors put first (JSON
+/// has none, and serde_json would call it "expected value at line 1 column 1").
 fn read_config_file(file: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(file).map_err(|e| {
+    let text = std::fs::read_to_string(file).map_err(|e| {
         ConfigError(format!(
             "--config {}: cannot read the file ({e}); check the path",
             file.display()
         ))
+    })?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
     })
 }
 
@@ -235,7 +255,7 @@ fn check_entries(
         }
         let spec = known_key(key, origin)?;
         check_kind(spec, &value, origin)?;
-        set_path(out, spec.key, value);
+        set_path(out, spec.key, spec.kind.normalized(value));
     }
     Ok(())
 }
@@ -263,7 +283,7 @@ fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(),
             spec.kind.problem(value).unwrap_or_default()
         )),
         // `--set key=value` already names the key and the value.
-        _ if origin.starts_with("--set ") => {
+        _ if origin.starts_with("--") => {
             err(format!("{origin}: expected {}", spec.kind.describe()))
         }
         _ => err(format!(
@@ -307,7 +327,7 @@ fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
         _ => serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string())),
     };
     check_kind(spec, &value, &origin)?;
-    Ok((spec.key, value))
+    Ok((spec.key, spec.kind.normalized(value)))
 }
 
 fn unquote(raw: &str) -> String {

@@ -142,6 +142,19 @@ impl Kind {
         None
     }
 
+    /// `v` (which this kind accepts) as the typed config reads it: an integral float of an
+    /// integer kind (`2.0`) becomes the integer, which `usize` fields deserialize.
+    pub fn normalized(self, v: Value) -> Value {
+        let integer = matches!(
+            self,
+            Kind::UInt | Kind::Count | Kind::OptUInt | Kind::UIntIn(_)
+        );
+        match v.as_f64() {
+            Some(f) if integer && v.as_u64().is_none() => Value::from(f as u64),
+            _ => v,
+        }
+    }
+
     /// Whether `v` has this kind. Integral floats count as integers (JSON writers emit `8.0`).
     pub fn accepts(self, v: &Value) -> bool {
         let uint = |v: &Value| {
@@ -254,7 +267,7 @@ keys! {
     "system.seed", Kind::UInt, "1337", "Seed of the initial weights and the data order.";
     "system.num_threads", Kind::UInt, "0", "CPU threads for libtorch (0 = all cores, or OMP_NUM_THREADS, which `lockstep run` sets to cores / workers).";
     "system.max_memory_gb", Kind::Float, "0.0", "Warn when a rank's resident memory exceeds this many GB (0 = never).";
-    "system.collective_timeout_s", Kind::UInt, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
+    "system.collective_timeout_s", Kind::Count, "600", "Seconds a collective (all-reduce, broadcast, barrier) may make no progress before the rank fails with a message naming the missing rank.";
     "system.bucket_mb", Kind::Float, "25.0", "Cap of the flat buckets every bucketed collective packs tensors into, in MiB: the gradients' all-reduce or reduce-scatter, the initial broadcast of the parameters and the zero stages' all-gathers.";
     "system.overlap_comm", Kind::Bool, "true", "Average each bucket of gradients across ranks as soon as backward has finished its layers, on a communication thread, while the lower layers' backward runs (results bitwise equal to false, which reduces after backward). Applies to the TCP ring; NCCL ranks reduce after backward until the overlap is verified on GPUs.";
     "system.zero_stage", Kind::UIntIn(ZeroStage::NUMBERS), "0", "Sharded data parallelism: 0 = replicated (every rank holds all optimizer state), 1 = AdamW moments and fp32 master weights sharded across ranks, 2 = gradients reduce-scattered to their owner's shard too, 3 = the working parameters sharded too (each unit - a decoder layer, the embedding, the final norm, the LM head - is all-gathered just before its forward and again before its backward, and freed after each).";

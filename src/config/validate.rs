@@ -242,9 +242,6 @@ fn check_system(c: &Config, bad: &mut impl FnMut(String)) {
             c.system.memory_budget_gb
         ));
     }
-    if c.system.collective_timeout_s == 0 {
-        bad("system.collective_timeout_s = 0: must be at least 1".into());
-    }
     if !(1..=255).contains(&c.debug.fault_exit_code) {
         bad(format!(
             "debug.fault_exit_code = {}: must be in 1..=255",
@@ -332,17 +329,29 @@ pub const MLFLOW_RUN_NAME_MAX: usize = 250;
 /// MLflow's longest experiment name (its experiments.name column).
 pub const MLFLOW_EXPERIMENT_MAX: usize = 256;
 
-/// `Ok` when `name` is one plain path component: not empty, not `.` or `..`, no `/`, no NUL.
+/// `Ok` when `name` is one plain path component: not empty, not `.` or `..`, no `/`, no NUL or
+/// other control character, at most 255 bytes.
 /// Names the problem otherwise.
-pub fn plain_name(name: &str) -> Result<(), &'static str> {
+pub fn plain_name(name: &str) -> Result<(), String> {
+    // The longest file name Linux file systems (ext4, xfs, btrfs, tmpfs) hold, in bytes.
+    const NAME_MAX: usize = 255;
     if name.trim().is_empty() {
-        Err("is empty")
+        Err("is empty".into())
     } else if name == "." || name == ".." {
-        Err("names a directory relative to logging.dir, not a folder of its own")
+        Err("names a directory relative to logging.dir, not a folder of its own".into())
     } else if name.contains('/') {
-        Err("contains '/' (a path, which could lead outside logging.dir)")
-    } else if name.contains('\0') {
-        Err("contains a NUL byte")
+        Err("contains '/' (a path, which could lead outside logging.dir)".into())
+    } else if let Some(c) = name.chars().find(|c| c.is_control()) {
+        // A newline or tab in a directory name breaks log lines, shell commands and listings.
+        Err(format!(
+            "contains the control character {:?} (U+{:04X})",
+            c, c as u32
+        ))
+    } else if name.len() > NAME_MAX {
+        Err(format!(
+            "is {} bytes long; a folder name holds at most {NAME_MAX} bytes",
+            name.len()
+        ))
     } else {
         Ok(())
     }

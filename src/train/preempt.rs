@@ -8,8 +8,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-static SIGNALS: AtomicUsize = AtomicUsize::new(0);
-/// The step being trained (the one a first signal saves after).
+/// Low 32 bits: the signals received. High 32 bits: the last step whose stop vote was cast
+/// ([`requested`], read once per step before the ranks agree). One word, so that a signal
+/// and the vote are ordered: a signal counted before the vote stops at the step in progress,
+/// one after it at the next step, and the message says which.
+static STATE: AtomicU64 = AtomicU64::new(0);
+const COUNT: u64 = 0xffff_ffff;
+/// The step being trained.
 static STEP: AtomicUsize = AtomicUsize::new(0);
 /// The step of the last complete checkpoint; `usize::MAX` while there is none.
 static SAVED: AtomicUsize = AtomicUsize::new(usize::MAX);
@@ -39,7 +44,8 @@ extern "C" fn on_signal(sig: libc::c_int) {
     } else {
         b"SIGTERM"
     };
-    let first = SIGNALS.fetch_add(1, Ordering::SeqCst) == 0;
+    let before = STATE.fetch_add(1, Ordering::SeqCst);
+    let first = before & COUNT == 0;
     let until = FINISHING_UNTIL.load(Ordering::SeqCst);
     if until > 0 {
         if LEAD.load(Ordering::SeqCst) {
@@ -68,8 +74,17 @@ extern "C" fn on_signal(sig: libc::c_int) {
         msg.push(b"lockstep: ");
         msg.push(name);
         if first {
+            let step = STEP.load(Ordering::SeqCst);
             msg.push(b": saving a checkpoint after step ");
-            msg.number(STEP.load(Ordering::SeqCst));
+            if stops_at_next(step, (before >> 32) as usize) {
+                msg.number(step + 1);
+                msg.push(b" (step ");
+                msg.number(step);
+                msg.push(b" is past the point where the ranks agree to stop)");
+            } else {
+                msg.number(step);
+                msg.push(b" (the step in progress)");
+            }
             msg.push(b", then exiting; send it again (Ctrl-C) to exit at once without saving\n");
         } else {
             msg.push(b" again: exiting now without saving; ");
@@ -88,6 +103,17 @@ extern "C" fn on_signal(sig: libc::c_int) {
         // SAFETY: _exit is async-signal-safe.
         unsafe { libc::_exit(128 + sig) };
     }
+}
+
+/// The state word `w` once `step` has cast its stop vote.
+fn voted(w: u64, step: usize) -> u64 {
+    (step as u64 & COUNT) << 32 | w & COUNT
+}
+
+/// Whether a first signal during `step` stops after the next step: this step's stop vote
+/// (the last one cast is `voted`) has already been cast without it.
+fn stops_at_next(step: usize, voted: usize) -> bool {
+    voted == step
 }
 
 /// A message built without allocating (signal handlers may not): a fixed buffer, written to
@@ -169,18 +195,40 @@ pub fn progress(step: usize, saved: Option<usize>) {
 /// Training has ended and its last checkpoint is complete; what is left is waiting up to
 /// `wait` for the experiment trackers. From here a signal says so, and a second exits 0.
 pub fn finishing(wait: Duration) {
-    SIGNALS.store(0, Ordering::SeqCst);
+    STATE.store(0, Ordering::SeqCst);
     FINISHING_UNTIL.store(monotonic_secs() + wait.as_secs().max(1), Ordering::SeqCst);
 }
 
-/// Whether a stop was requested on this process.
+/// Whether a stop was requested on this process: the stop vote of the step in progress, read
+/// once per step (a signal after it stops at the next step, and says so).
 pub fn requested() -> bool {
-    SIGNALS.load(Ordering::SeqCst) > 0
+    let step = STEP.load(Ordering::SeqCst);
+    let before = STATE
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| Some(voted(w, step)))
+        .expect("the update always applies");
+    before & COUNT > 0
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Line;
+    use super::*;
+
+    /// Finding 17 of round 5: a SIGTERM after a step's stop vote said "saving a checkpoint
+    /// after step 2", then trained step 3 and saved step_3.
+    #[test]
+    fn a_signal_after_the_vote_names_the_next_step() {
+        // (The statics are left alone: training tests in this binary vote concurrently.)
+        let w = voted(0, 1);
+        // A signal during step 2 before its vote: step 2 stops, as the message says.
+        assert!(!stops_at_next(2, (w >> 32) as usize));
+        assert!(voted(w + 1, 2) & COUNT > 0);
+        // A signal after step 2's vote (which saw none): the message names step 3, whose vote
+        // sees the signal.
+        let w = voted(w, 2);
+        assert!(!(w & COUNT > 0));
+        assert!(stops_at_next(2, (w >> 32) as usize));
+        assert!(voted(w + 1, 3) & COUNT > 0);
+    }
 
     #[test]
     fn lines_format_numbers_without_allocating() {

@@ -755,15 +755,20 @@ fn print_next_steps(tag: &str, ckpt: &std::path::Path, prepared: &crate::data::P
         .and_then(|p| p.parent())
         .and_then(|p| p.file_name())
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
-    let ckpt = ckpt.display();
     // The held-out tokens, else the training tokens when they are one file.
     let data = match (&prepared.val, prepared.train.as_slice()) {
-        (Some(val), _) => val.display().to_string(),
-        (None, [one]) => one.path.display().to_string(),
-        (None, _) => prepared.dir.display().to_string(),
+        (Some(val), _) => val.as_path(),
+        (None, [one]) => one.path.as_path(),
+        (None, _) => prepared.dir.as_path(),
     };
+    // Quoted for a shell: a run name or directory with a space or `$` pastes as one word.
+    let q = |s: &str| shlex::try_quote(s).map_or_else(|_| s.to_string(), |q| q.into_owned());
+    let exe = q(&exe);
+    let ckpt = q(&ckpt.to_string_lossy());
+    let out = q(&format!("exports/{name}"));
+    let data = q(&data.to_string_lossy());
     println!("{tag} Next: a Hugging Face directory, the loss on held-out data, a sample:");
-    println!("{tag}   {exe} export --hf exports/{name} --checkpoint {ckpt}");
+    println!("{tag}   {exe} export --hf {out} --checkpoint {ckpt}");
     println!("{tag}   {exe} eval --model {ckpt} --data {data}");
     println!("{tag}   {exe} generate --model {ckpt} --prompt \"The\" --max-new-tokens 64");
 }
