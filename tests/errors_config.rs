@@ -57,7 +57,10 @@ fn run_names_with_control_characters_or_too_long_are_refused() {
     for (name, says) in [
         ("a\nb", "contains the control character '\\n' (U+000A)"),
         ("tab\there", "contains the control character '\\t' (U+0009)"),
-        ("bell\u{7}", "contains the control character '\\u{7}' (U+0007)"),
+        (
+            "bell\u{7}",
+            "contains the control character '\\u{7}' (U+0007)",
+        ),
     ] {
         fails(
             &run(
@@ -126,7 +129,12 @@ fn integral_floats_are_integers_and_fractions_name_the_key() {
         &with(
             &base,
             &["train"],
-            &["--config", cfg.to_str().unwrap(), "--set", "checkpoint.keep_last=2.0"],
+            &[
+                "--config",
+                cfg.to_str().unwrap(),
+                "--set",
+                "checkpoint.keep_last=2.0",
+            ],
         ),
     );
     assert!(text.contains("Step [2/2]"), "{text}");
@@ -216,7 +224,11 @@ fn flag_values_that_cannot_work_exit_2() {
             "--max-batches 0 evaluates nothing; leave it out",
         ),
         ("--batch-size", "0", "--batch-size 0: must be at least 1"),
-        ("--device", "tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
+        (
+            "--device",
+            "tpu",
+            "--device tpu: expected auto, cpu, cuda or cuda:N",
+        ),
         ("--dtype", "fp8", "--dtype fp8: expected fp32 or bf16"),
     ] {
         fails(
@@ -257,7 +269,10 @@ fn the_next_commands_paste_into_a_shell() {
         .lines()
         .find_map(|l| l.split_once(" generate --model ").map(|(_, rest)| rest))
         .unwrap_or_else(|| panic!("no generate line in:\n{text}"));
-    assert!(generate.starts_with("'runs/my run $x/checkpoints/step_2'"), "{generate}");
+    assert!(
+        generate.starts_with("'runs/my run $x/checkpoints/step_2'"),
+        "{generate}"
+    );
     let exe = env!("CARGO_BIN_EXE_lockstep");
     let line = format!("'{exe}' generate --model {generate}")
         .replace("--max-new-tokens 64", "--max-new-tokens 4 --device cpu");
@@ -267,5 +282,163 @@ fn the_next_commands_paste_into_a_shell() {
         .current_dir(dir)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{line}: {}", common::output_text(&out));
+    assert!(
+        out.status.success(),
+        "{line}: {}",
+        common::output_text(&out)
+    );
+}
+
+/// `lockstep plan` for `base` on `gpus` ranks of `device` with `sets`.
+fn plan(
+    dir: &Path,
+    base: &[String],
+    device: &str,
+    gpus: usize,
+    sets: &[&str],
+) -> std::process::Output {
+    let mut tail = vec![
+        "--device".to_string(),
+        device.into(),
+        "--gpus".into(),
+        gpus.to_string(),
+    ];
+    for s in sets {
+        tail.extend(["--set".to_string(), s.to_string()]);
+    }
+    let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+    run(dir, &with(base, &["plan"], &tail))
+}
+
+/// Finding 3: `plan --device cpu … system.dist_backend=nccl` planned a ring where `run --cpu`
+/// refuses it: plan makes the one check train and run make.
+#[test]
+fn plan_refuses_what_a_run_refuses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let nccl = ["system.dist_backend=nccl"];
+    fails(
+        &plan(dir, &base, "cpu", 2, &nccl),
+        2,
+        &["system.dist_backend = nccl needs CUDA ranks, but lockstep plan plans CPU ranks"],
+    );
+    fails(
+        &run(
+            dir,
+            &with(
+                &base,
+                &["run", "--nproc", "2", "--cpu", "--"],
+                &["--set", nccl[0]],
+            ),
+        ),
+        2,
+        &["system.dist_backend = nccl needs CUDA ranks, but lockstep run starts CPU workers"],
+    );
+    nothing_created(dir);
+    // On CUDA ranks the plan is made.
+    let out = plan(dir, &base, "cuda", 2, &nccl);
+    assert_eq!(out.status.code(), Some(0), "{}", common::output_text(&out));
+}
+
+/// Finding 13: `run --nproc 2 … context_parallel=3` (context 64) first advised a context
+/// parallelism whose double divides the context (2, 4, 8, 16, 32), and a second try with 4 was
+/// refused by the next rule. The values offered now pass every rule at once.
+#[test]
+fn context_parallel_advice_passes_every_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    fails(
+        &plan(dir, &base, "cpu", 2, &["system.context_parallel=3"]),
+        2,
+        &["system.context_parallel = 3: must divide the number of ranks, 2; valid here: 1, 2"],
+    );
+    // 8 ranks at T 2 leave 4; a context of 36 cuts into 2C chunks for C = 1, 2, 3, 9, 18: of
+    // those only 1 and 2 divide the 4 ranks.
+    let mesh = |cp: &str| {
+        vec![
+            "system.tensor_parallel=2".to_string(),
+            "training.context_length=36".into(),
+            format!("system.context_parallel={cp}"),
+        ]
+    };
+    let sets = mesh("4");
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let text = fails(
+        &plan(dir, &base, "cuda", 8, &sets),
+        2,
+        &[
+            "system.context_parallel = 4 cuts every sequence into 2 × 4 = 8 chunks",
+            "or another system.context_parallel (valid here: 1, 2)",
+        ],
+    );
+    assert!(!text.contains(" 3,") && !text.contains("9"), "{text}");
+    for cp in ["1", "2"] {
+        let sets = mesh(cp);
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let out = plan(dir, &base, "cuda", 8, &sets);
+        assert_eq!(out.status.code(), Some(0), "{}", common::output_text(&out));
+    }
+}
+
+/// Finding 25: with CP 4 and TP 2 on 16 ranks the error called the 8 ranks that shard the state
+/// "the data-parallel ranks" while `plan --json` said `data_parallel_ranks: 2`. Both speak of
+/// replicas (data × context) and data ranks alike now.
+#[test]
+fn the_shard_degree_error_and_the_plan_count_ranks_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let mesh = [
+        "system.context_parallel=4",
+        "system.tensor_parallel=2",
+        "system.zero_stage=1",
+    ];
+    fails(
+        &plan(dir, &base, "cuda", 16, &[&mesh[..], &["system.shard_degree=3"]].concat()),
+        2,
+        &["system.shard_degree = 3: must divide the 8 replicas (the ranks that hold the same parameters: 2 data × 4 context-parallel ranks, the 16 ranks over system.tensor_parallel = 2)", "valid here: 0, 1, 2, 4, 8"],
+    );
+    let mut args = with(
+        &base,
+        &["plan"],
+        &["--device", "cuda", "--gpus", "16", "--json"],
+    );
+    for s in mesh {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    let json: serde_json::Value = serde_json::from_str(&ok(dir, &args)).unwrap();
+    assert_eq!(json["data_parallel_ranks"], 2, "{json}");
+}
+
+/// Finding 14: TP 2 on 2 ranks at zero_stage 3 (one replica: nothing to shard over) said
+/// nothing, where a single rank is warned that it saves no memory.
+#[test]
+fn zero_stages_with_one_replica_are_warned_about() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let out = plan(
+        dir,
+        &base,
+        "cpu",
+        2,
+        &["system.tensor_parallel=2", "system.zero_stage=3"],
+    );
+    let text = common::output_text(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("Warning: system.zero_stage = 3 with one replica (the 2 ranks form one system.tensor_parallel = 2 group): there is no other rank holding the same parameters to shard the state over, so it saves no memory"),
+        "{text}"
+    );
+    // Two replicas: no such warning.
+    let out = plan(
+        dir,
+        &base,
+        "cpu",
+        4,
+        &["system.tensor_parallel=2", "system.zero_stage=3"],
+    );
+    assert!(!common::output_text(&out).contains("saves no memory"));
 }

@@ -265,8 +265,14 @@ fn sigterm_saves_a_checkpoint_exits_0_and_resume_is_lossless() {
     // The notice names the step the run then stops at (round 5, finding 17: a signal after a
     // step's stop vote named that step, and the run went on to save the next one).
     let number_after = |marker: &str| -> usize {
-        let at = text.find(marker).unwrap_or_else(|| panic!("{marker}: {text}")) + marker.len();
-        let digits: String = text[at..].chars().take_while(char::is_ascii_digit).collect();
+        let at = text
+            .find(marker)
+            .unwrap_or_else(|| panic!("{marker}: {text}"))
+            + marker.len();
+        let digits: String = text[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
         digits.parse().unwrap()
     };
     assert_eq!(

@@ -399,7 +399,7 @@ fn bad_tensor_parallel_layouts_exit_2_naming_the_key() {
             ],
         ),
         2,
-        &["system.shard_degree = 4: must divide the data-parallel ranks, 2"],
+        &["system.shard_degree = 4: must divide the 2 replicas (the ranks that hold the same parameters: the 4 ranks over system.tensor_parallel = 2), or be 0 for all of them; valid here: 0, 1, 2"],
     );
     for bad in ["0", "two"] {
         fails(

@@ -526,7 +526,7 @@ fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
     );
     let text = ok(dir, &with(&base, &[], &["--set", "system.zero_stage=3"]));
     assert!(
-        text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank to shard the state over, so it saves no memory and gathers every unit for nothing"),
+        text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank holding the same parameters to shard the state over, so it saves no memory and gathers every unit for nothing"),
         "{text}"
     );
 }

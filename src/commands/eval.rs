@@ -193,7 +193,9 @@ pub fn evaluate_windows(
 
 pub fn eval(args: &EvalArgs) -> Result<EvalResult> {
     let start = Instant::now();
-    usage(args.batch_size > 0, || "--batch-size 0: must be at least 1".into())?;
+    usage(args.batch_size > 0, || {
+        "--batch-size 0: must be at least 1".into()
+    })?;
     usage(args.max_batches != Some(0), || {
         "--max-batches 0 evaluates nothing; leave it out to evaluate the whole file".into()
     })?;

@@ -48,16 +48,21 @@ pub struct PlanArgs {
 
 pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     let cfg = &resolved.config;
-    usage(args.gpus >= 1, || "--gpus 0: plan for at least one rank".into())?;
+    usage(args.gpus >= 1, || {
+        "--gpus 0: plan for at least one rank".into()
+    })?;
     usage(args.mfu > 0.0 && args.mfu <= 1.0, || {
         format!("--mfu {}: a fraction in (0, 1]", args.mfu)
     })?;
-    usage(args.storage_gbps > 0.0 && args.storage_gbps.is_finite(), || {
-        format!(
-            "--storage-gbps {}: a bandwidth above 0 GB/s",
-            args.storage_gbps
-        )
-    })?;
+    usage(
+        args.storage_gbps > 0.0 && args.storage_gbps.is_finite(),
+        || {
+            format!(
+                "--storage-gbps {}: a bandwidth above 0 GB/s",
+                args.storage_gbps
+            )
+        },
+    )?;
     let device = match args.device {
         Some(PlanDevice::Cpu) => plan::Device::Cpu,
         Some(PlanDevice::Cuda) => plan::Device::Cuda,
@@ -69,8 +74,13 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         },
     };
     let world = args.gpus;
-    // The same rules `train` checks at start-up.
-    crate::config::check_world(cfg, world)?;
+    // The same rules `train` and `lockstep run` check at start-up.
+    crate::config::check_ranks(
+        cfg,
+        world,
+        device == plan::Device::Cuda,
+        "lockstep plan plans CPU ranks (--device cpu, system.device = cpu, or no GPU visible)",
+    )?;
     // What `train` would check against on this machine (`start::rank_budget`: the ranks
     // planned for all on this node), unless --gpu-memory-gb says otherwise.
     let budget = match args.gpu_memory_gb {

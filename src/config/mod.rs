@@ -17,8 +17,8 @@ pub use choices::*;
 pub use secrets::{Credentials, Secrets};
 pub use types::*;
 pub use validate::{
-    check_backend_device, check_tensor_parallel, check_world, prefetch_units, world_notes,
-    MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX, MLFLOW_RUN_NAME_MAX,
+    check_backend_device, check_ranks, check_tensor_parallel, check_world, prefetch_units,
+    world_notes, MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX, MLFLOW_RUN_NAME_MAX,
 };
 
 /// A config problem the user must fix; `main` maps it to exit code 2.

@@ -8,7 +8,6 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut bad = |msg: String| problems.push(msg);
     check_shape(c, &mut bad);
     check_tensor_parallel_static(c, &mut bad);
-    check_context_parallel_static(c, &mut bad);
     check_ranges(c, &mut bad);
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
@@ -100,50 +99,6 @@ fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
              system.sequence_parallel = false",
             t.context_length,
             t.context_length.next_multiple_of(tp)
-        ));
-    }
-}
-
-/// Context parallelism against the context (the world is checked by `check_world`): 2C chunks
-/// of equal length per sequence, and with sequence parallelism a rank's tokens split by T.
-fn check_context_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
-    let (s, t) = (&c.system, &c.training);
-    let cp = s.context_parallel;
-    if cp <= 1 {
-        return;
-    }
-    let ctx = t.context_length;
-    if !ctx.is_multiple_of(2 * cp) {
-        let valid: Vec<String> = (2..=ctx.min(64))
-            .filter(|n| ctx.is_multiple_of(2 * n))
-            .map(|n| n.to_string())
-            .collect();
-        bad(format!(
-            "system.context_parallel = {cp} cuts every sequence into 2 × {cp} = {} chunks, and \
-             training.context_length = {ctx} is not a multiple of {}: use a context of a \
-             multiple of {} (e.g. {}), or a context_parallel whose double divides {ctx}: {}",
-            2 * cp,
-            2 * cp,
-            2 * cp,
-            ctx.next_multiple_of(2 * cp),
-            if valid.is_empty() {
-                "none".to_string()
-            } else {
-                valid.join(", ")
-            }
-        ));
-        return;
-    }
-    let tp = s.tensor_parallel.max(1);
-    if tp > 1 && s.sequence_parallel && !(ctx / cp).is_multiple_of(tp) {
-        bad(format!(
-            "system.sequence_parallel splits each rank's {} tokens per sequence \
-             (training.context_length = {ctx} over system.context_parallel = {cp}) among \
-             system.tensor_parallel = {tp} ranks, which does not divide them: use a context of \
-             a multiple of {} (e.g. {}), or set system.sequence_parallel = false",
-            ctx / cp,
-            cp * tp,
-            ctx.next_multiple_of(2 * cp * tp),
         ));
     }
 }
@@ -443,50 +398,39 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
             valid.join(", ")
         )));
     }
-    let cp = c.system.context_parallel.max(1);
-    let ranks = world / tp;
-    if cp > 1 && (world == 1 || !ranks.is_multiple_of(cp)) {
-        let ctx = c.training.context_length;
-        let valid: Vec<String> = (1..=ranks)
-            .filter(|n| ranks.is_multiple_of(*n) && ctx.is_multiple_of(2 * n))
-            .map(|n| n.to_string())
+    check_context_parallel(c, world)?;
+    // The replicas: the ranks that hold the same parameters (one per TP group: data × context,
+    // as `plan` and `dist::Mesh::replicas` call them), which the state is sharded over.
+    let replicas = world / tp;
+    let degree = match c.system.shard_degree {
+        0 => replicas,
+        d => d,
+    };
+    if degree > replicas || !replicas.is_multiple_of(degree) {
+        let cp = c.system.context_parallel.max(1);
+        let over = match (tp > 1, cp > 1) {
+            (false, false) => format!("the number of ranks, {world} (e.g. the ranks of one node)"),
+            (true, false) => format!(
+                "the {replicas} replicas (the ranks that hold the same parameters: the {world} \
+                 ranks over system.tensor_parallel = {tp})"
+            ),
+            (_, true) => format!(
+                "the {replicas} replicas (the ranks that hold the same parameters: {} data × {cp} \
+                 context-parallel ranks, the {world} ranks over system.tensor_parallel = {tp})",
+                replicas / cp
+            ),
+        };
+        let valid: Vec<String> = (1..=replicas)
+            .filter(|d| replicas.is_multiple_of(*d))
+            .map(|d| d.to_string())
             .collect();
-        let over = if tp > 1 {
-            format!("the {ranks} ranks left over system.tensor_parallel = {tp} (of {world})")
-        } else {
-            format!("the number of ranks, {world}")
-        };
-        let one = if world == 1 {
-            "; one rank has no group to split a sequence over: launch several ranks \
-             (`lockstep run --nproc 2`) or set system.context_parallel = 1"
-        } else {
-            ""
-        };
         return Err(ConfigError(format!(
-            "system.context_parallel = {cp}: must divide {over}; valid here: {}{one}",
+            "system.shard_degree = {degree}: must divide {over}, or be 0 for all of them; valid \
+             here: 0, {}",
             valid.join(", ")
         )));
     }
-    // The ranks the state is sharded and replicated over: one per TP group (data × context:
-    // the C ranks of a CP group hold the same parameters).
-    let data = world / tp;
-    let degree = match c.system.shard_degree {
-        0 => data,
-        d => d,
-    };
-    if degree > data || !data.is_multiple_of(degree) {
-        let over = if tp > 1 {
-            format!(
-                "the data-parallel ranks, {data} (the {world} ranks over system.tensor_parallel = {tp})"
-            )
-        } else {
-            format!("the number of ranks, {world} (e.g. the ranks of one node)")
-        };
-        return Err(ConfigError(format!(
-            "system.shard_degree = {degree}: must divide {over}, or be 0 for all of them"
-        )));
-    }
-    if degree < data && !c.system.zero_stage.shards_optimizer() {
+    if degree < replicas && !c.system.zero_stage.shards_optimizer() {
         return Err(ConfigError(format!(
             "system.shard_degree = {degree} shards the training state at zero_stage >= 1, and \
              system.zero_stage = 0 replicates everything; set system.zero_stage (e.g. 3) or \
@@ -494,6 +438,64 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
         )));
     }
     Ok(degree)
+}
+
+/// `system.context_parallel` = C against everything it must fit at once: the ranks over T
+/// (C divides them; one rank has no group), the context (cut into 2C equal chunks) and, under
+/// sequence parallelism, each rank's tokens split by T. The first rule broken is named, and
+/// the values offered pass every rule, so following the advice never meets another refusal.
+fn check_context_parallel(c: &Config, world: usize) -> Result<(), ConfigError> {
+    let (s, ctx) = (&c.system, c.training.context_length);
+    let (tp, cp) = (s.tensor_parallel.max(1), s.context_parallel.max(1));
+    let ranks = world / tp;
+    let splits_sp = |n: usize| !(tp > 1 && s.sequence_parallel) || (ctx / n).is_multiple_of(tp);
+    let fits = |n: usize| {
+        n == 1
+            || (world > 1 && ranks.is_multiple_of(n) && ctx.is_multiple_of(2 * n) && splits_sp(n))
+    };
+    if fits(cp) {
+        return Ok(());
+    }
+    let valid: Vec<String> = (1..=ranks)
+        .filter(|n| fits(*n))
+        .map(|n| n.to_string())
+        .collect();
+    let valid = format!("valid here: {}", valid.join(", "));
+    let over = if tp > 1 {
+        format!("the {ranks} ranks left over system.tensor_parallel = {tp} (of {world})")
+    } else {
+        format!("the number of ranks, {world}")
+    };
+    Err(ConfigError(if world == 1 || !ranks.is_multiple_of(cp) {
+        let one = if world == 1 {
+            "; one rank has no group to split a sequence over: launch several ranks \
+             (`lockstep run --nproc 2`) or set system.context_parallel = 1"
+        } else {
+            ""
+        };
+        format!("system.context_parallel = {cp}: must divide {over}; {valid}{one}")
+    } else if !ctx.is_multiple_of(2 * cp) {
+        format!(
+            "system.context_parallel = {cp} cuts every sequence into 2 × {cp} = {} chunks, and \
+             training.context_length = {ctx} is not a multiple of {}: use a context of a \
+             multiple of {} (e.g. {}), or another system.context_parallel ({valid})",
+            2 * cp,
+            2 * cp,
+            2 * cp,
+            ctx.next_multiple_of(2 * cp),
+        )
+    } else {
+        format!(
+            "system.sequence_parallel splits each rank's {} tokens per sequence \
+             (training.context_length = {ctx} over system.context_parallel = {cp}) among \
+             system.tensor_parallel = {tp} ranks, which does not divide them: use a context of \
+             a multiple of {} (e.g. {}), set system.sequence_parallel = false, or another \
+             system.context_parallel ({valid})",
+            ctx / cp,
+            2 * cp * tp,
+            ctx.next_multiple_of(2 * cp * tp),
+        )
+    }))
 }
 
 /// Whether `t` ranks can split the configured model's attention and KV heads (a model read
@@ -553,10 +555,19 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
                 .to_string(),
         );
     }
-    if s.zero_stage.shards_optimizer() && world == 1 {
+    // One replica: a single rank, or ranks that all split one copy by tensor parallelism.
+    if s.zero_stage.shards_optimizer() && world / s.tensor_parallel.max(1) <= 1 {
+        let alone = if world == 1 {
+            "on a single rank".to_string()
+        } else {
+            format!(
+                "with one replica (the {world} ranks form one system.tensor_parallel = {} group)",
+                s.tensor_parallel
+            )
+        };
         notes.push(format!(
-            "system.zero_stage = {} on a single rank: there is no other rank to shard the state \
-             over, so it saves no memory{}; zero_stage = 0 trains the same",
+            "system.zero_stage = {} {alone}: there is no other rank holding the same parameters \
+             to shard the state over, so it saves no memory{}; zero_stage = 0 trains the same",
             s.zero_stage,
             if s.zero_stage.shards_parameters() {
                 " and gathers every unit for nothing"
@@ -574,6 +585,19 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
         ));
     }
     notes
+}
+
+/// Every rule a layout on `world` ranks must pass, on CUDA ranks or not (`runs_on` says which,
+/// for the message): the one check `train`'s ranks, `lockstep run` and `lockstep plan` make, so
+/// that `plan` refuses exactly what a run would. Returns the resolved shard degree.
+pub fn check_ranks(
+    c: &Config,
+    world: usize,
+    cuda: bool,
+    runs_on: &str,
+) -> Result<usize, ConfigError> {
+    check_backend_device(c.system.dist_backend, cuda, runs_on)?;
+    check_world(c, world)
 }
 
 /// The one rule tying `system.dist_backend` to the device: NCCL reduces on CUDA devices only.

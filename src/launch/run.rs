@@ -12,7 +12,7 @@ use super::{
     detect_gpus, parse_gpu_list, pick_free_gpus, Devices, Job, LaunchPlan, LogRanks, RestartPolicy,
     Sinks,
 };
-use crate::config::{check_backend_device, ConfigError, DeviceChoice, Resolved};
+use crate::config::{ConfigError, DeviceChoice, Resolved};
 use crate::dist::{slurm, NodePlace};
 use crate::run::{self, Resume, RunDir, RunOptions, WorkerSpec};
 
@@ -91,9 +91,11 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
     let resolved = for_workers(resolved, &devices)?;
     let plan = launch_plan(la, opts, &resolved, devices, node);
     // The rules that need the number of ranks, before anything is prepared or started.
-    crate::config::check_world(
+    crate::config::check_ranks(
         &resolved.config,
         plan.devices.local_world() * plan.node.nnodes,
+        matches!(plan.devices, Devices::Gpus(_)),
+        "lockstep run starts CPU workers (--cpu, or no GPU found)",
     )?;
     let rendezvous = super::preflight(&plan)?;
     let master_port = rendezvous.port();
@@ -254,14 +256,8 @@ fn for_workers(resolved: &Resolved, devices: &Devices) -> Result<Resolved> {
             )
             .into())
         }
-        (Devices::Cpu(_), _) => {
-            *device = DeviceChoice::Cpu;
-            check_backend_device(
-                out.config.system.dist_backend,
-                false,
-                "lockstep run starts CPU workers (--cpu, or no GPU found)",
-            )?;
-        }
+        // system.dist_backend against CPU workers: `config::check_ranks` (with the world).
+        (Devices::Cpu(_), _) => *device = DeviceChoice::Cpu,
     }
     Ok(out)
 }

@@ -12,6 +12,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -97,12 +98,15 @@ impl RunDir {
             })?,
             Kind::Checkpoints => super::checkpoints::create_root(path)?,
         }
+        refuse_links_outside(path, kind)?;
         let lock_path = path.join(kind.lock_file());
         let mut lock = File::options()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            // A link planted at the lock's name is refused, never written through.
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&lock_path)
             .with_context(|| match kind {
                 Kind::Run => format!(
@@ -183,6 +187,45 @@ impl Drop for RunDir {
             }
         }
     }
+}
+
+/// Refuses a directory (a run's, or a checkpoint directory) holding a symbolic link that points
+/// outside it: lockstep writes its files (config.json, run.lock, metrics.jsonl, step_N/…) by
+/// name inside the directory, and a planted link would make it overwrite its target. Links
+/// inside the directory are left alone, as is the directory itself being a link (a run kept on
+/// another disk).
+fn refuse_links_outside(dir: &Path, kind: Kind) -> Result<()> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(()); // a directory that cannot be listed fails at its first write, named
+    };
+    let root =
+        fs::canonicalize(dir).with_context(|| format!("{}: cannot resolve", dir.display()))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_symlink()) {
+            continue;
+        }
+        let target = fs::read_link(&path).unwrap_or_default();
+        // Where the link leads: resolved when it exists, else its own text taken from the
+        // directory (a dangling link would be created at its target by a write).
+        let lands = fs::canonicalize(&path).unwrap_or_else(|_| root.join(&target));
+        if lands.starts_with(&root) && lands != root {
+            continue;
+        }
+        let (what, fix) = match kind {
+            Kind::Run => ("run directory", "logging.run_name"),
+            Kind::Checkpoints => ("checkpoint directory", "checkpoint.dir"),
+        };
+        bail!(
+            "{} is a symbolic link to {}, outside the {what} {}; lockstep writes the files of a \
+             run inside its directory and never through a link. Remove the link (or move the \
+             file it points at into the directory), or choose another {fix}",
+            path.display(),
+            target.display(),
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// flock(LOCK_EX | LOCK_NB): Ok(false) when another open file description holds it.

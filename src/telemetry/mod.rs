@@ -10,6 +10,7 @@ pub mod wandb;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -200,9 +201,11 @@ impl Metrics {
             }
             _ => Earlier::None,
         };
+        // O_NOFOLLOW: a link planted at metrics.jsonl is refused, never appended through.
         let file = File::options()
             .create(true)
             .append(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .with_context(fail)?;
         Ok((

@@ -6,7 +6,7 @@ use anyhow::Result;
 use tch::Device;
 
 use super::device::resolve_device;
-use crate::config::{Config, ConfigError};
+use crate::config::{check_ranks, Config};
 use crate::dist::{Mesh, Place};
 
 /// A rank as the trainer sees it: its place, the device it resolved once at start, and the tag
@@ -23,8 +23,19 @@ pub struct Rank {
 impl Rank {
     /// Resolves this rank's device (`system.device`) once; everything after uses `device`.
     pub fn new(cfg: &Config, place: Place) -> Result<Rank> {
-        let mesh = mesh(cfg, place.rank, place.world)?;
         let device = resolve_device(cfg, place.world, place.local_rank)?;
+        let runs_on = format!(
+            "this rank runs on the CPU (system.device = {})",
+            cfg.system.device
+        );
+        let degree = check_ranks(cfg, place.world, device.is_cuda(), &runs_on)?;
+        let mesh = Mesh::new(
+            place.rank,
+            place.world,
+            cfg.system.tensor_parallel,
+            cfg.system.context_parallel,
+            degree,
+        );
         let tag = crate::telemetry::rank_tag(device.is_cuda(), place.rank);
         if place.world > 1 {
             crate::telemetry::set_process_tag(&tag);
@@ -41,18 +52,4 @@ impl Rank {
     pub fn lead(&self) -> bool {
         self.place.rank == 0
     }
-}
-
-/// Rank `rank`'s place on the mesh of `world` ranks (`dist::Mesh`: data × tensor ranks,
-/// `system.tensor_parallel` innermost, hybrid sharding's `system.shard_degree` inside the data
-/// ranks), checked against the world (`config::check_world`: a config error, exit 2).
-pub fn mesh(cfg: &Config, rank: usize, world: usize) -> Result<Mesh, ConfigError> {
-    let degree = crate::config::check_world(cfg, world)?;
-    Ok(Mesh::new(
-        rank,
-        world,
-        cfg.system.tensor_parallel,
-        cfg.system.context_parallel,
-        degree,
-    ))
 }

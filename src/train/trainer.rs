@@ -640,7 +640,8 @@ fn resume(
 /// The full resolved config, beside the run's records (and in every checkpoint's trainer.json).
 fn write_config(run_dir: &std::path::Path, resolved: &Resolved) -> Result<()> {
     let path = run_dir.join("config.json");
-    std::fs::write(&path, resolved.to_json_text())
+    // Written beside and renamed over: a link at config.json is replaced, never written through.
+    crate::sys::durable::write_atomic(&path, resolved.to_json_text().as_bytes())
         .with_context(|| format!("{}: cannot write; is logging.dir writable?", path.display()))
 }
 
