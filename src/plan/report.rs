@@ -717,6 +717,13 @@ fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
 
 /// FLOPs and step time, communication per step, and scaling.
 fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
+    step_text(o, r);
+    communication_text(o, r);
+    scaling_text(o, r);
+}
+
+/// The compute line: FLOPs per token, how a step's time splits, tokens/s.
+fn step_text(o: &mut String, r: &Report) {
     let l = &r.configured.layout;
     let f = &r.flops_per_token;
     let t = r.tensor_parallel;
@@ -770,6 +777,14 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
         r.tokens_per_second,
         r.tokens_per_second_total
     );
+}
+
+/// The data-parallel traffic per zero stage, and the tensor- and context-parallel traffic.
+fn communication_text(o: &mut String, r: &Report) {
+    let l = &r.configured.layout;
+    let t = r.tensor_parallel;
+    let cp = r.context_parallel;
+    let time = &r.configured.time;
     let _ = writeln!(
         o,
         "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
@@ -826,6 +841,13 @@ fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
             time.context_parallel_seconds
         );
     }
+}
+
+/// The scaling table: communication time and efficiency from one node to many.
+fn scaling_text(o: &mut String, r: &Report) {
+    let l = &r.configured.layout;
+    let t = r.tensor_parallel;
+    let cp = r.context_parallel;
     let _ = writeln!(
         o,
         "Scaling at zero stage {} (same batch per {}rank{}; {:.0} GB/s within a node of {}, {:.0} GB/s across nodes):",

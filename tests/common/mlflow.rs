@@ -62,7 +62,10 @@ impl MlflowServer {
             port,
             log,
         };
-        server.wait_ready(Duration::from_secs(60));
+        // A loaded 2-core machine once took more than 60 s (round 5, finding 28): a server that
+        // is alive is waited for up to 10 minutes, with a line every 20 s; one that exits fails
+        // at once.
+        server.wait_ready(Duration::from_secs(600));
         server
     }
 
@@ -77,6 +80,7 @@ impl MlflowServer {
             .timeout(Duration::from_secs(2))
             .build();
         let health = format!("{}/health", self.uri());
+        let mut said = Instant::now();
         loop {
             if agent.get(&health).call().is_ok() {
                 eprintln!(
@@ -100,6 +104,17 @@ impl MlflowServer {
                         Some(status) => format!("exited ({status}) before answering"),
                         None => format!("did not answer GET /health within {limit:?}"),
                     }
+                );
+            }
+            if said.elapsed() > Duration::from_secs(20) {
+                said = Instant::now();
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                eprintln!(
+                    "mlflow server on port {} not answering yet after {:.0} s (alive; waiting up to \
+                     {limit:?}); its last log line: {}",
+                    self.port,
+                    t.elapsed().as_secs_f64(),
+                    log.lines().last().unwrap_or("(none)")
                 );
             }
             std::thread::sleep(Duration::from_millis(200));
