@@ -419,11 +419,23 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
             launcher.kill().unwrap();
         }
         launcher.wait().unwrap();
-        // Workers die with the launcher (parent-death signal); give them a moment.
+        // Workers die with the launcher (parent-death signal); wait for the ones seen before the
+        // kill by their own pids: once the launcher is gone they are re-parented, so asking for
+        // its children finds none while a dying worker still holds the run lock (round 5,
+        // finding 32: "runs/tiny is in use by another training process" at the next launch).
         let settle = Instant::now() + Duration::from_secs(20);
-        while !common::workers_of(launcher.id()).is_empty() && Instant::now() < settle {
+        while workers.iter().any(|(pid, _)| alive(*pid)) && Instant::now() < settle {
             std::thread::sleep(Duration::from_millis(50));
         }
+        let left: Vec<u32> = workers
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| alive(*p))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "kill {kill}: workers {left:?} outlived their launcher by 20 s"
+        );
         let s = scan(&ckpt);
         for (name, why) in &s.corrupt {
             eprintln!("sharded kill {kill}: CORRUPT {name}: {why}");
@@ -466,6 +478,15 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
         ),
         "{why}"
     );
+}
+
+/// Whether process `pid` still runs (a zombie has released its files and locks).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name in parentheses: `1234 (lockstep) S …`.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+    })
 }
 
 fn dir_bytes(dir: &Path) -> u64 {

@@ -225,7 +225,7 @@ mod tests {
         // A signal after step 2's vote (which saw none): the message names step 3, whose vote
         // sees the signal.
         let w = voted(w, 2);
-        assert!(!(w & COUNT > 0));
+        assert_eq!(w & COUNT, 0);
         assert!(stops_at_next(2, (w >> 32) as usize));
         assert!(voted(w + 1, 3) & COUNT > 0);
     }
