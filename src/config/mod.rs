@@ -3,6 +3,7 @@
 //! names the layer (file, preset or flag) the bad key came from.
 
 mod choices;
+mod mesh;
 pub mod presets;
 pub mod schema;
 pub mod secrets;
@@ -14,11 +15,13 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 pub use choices::*;
+pub use mesh::MeshShape;
 pub use secrets::{Credentials, Secrets};
 pub use types::*;
 pub use validate::{
     check_backend_device, check_ranks, check_tensor_parallel, check_world, prefetch_units,
-    world_notes, MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX, MLFLOW_RUN_NAME_MAX,
+    tensor_parallel_splits, world_notes, MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX,
+    MLFLOW_RUN_NAME_MAX,
 };
 
 /// A config problem the user must fix; `main` maps it to exit code 2.

@@ -399,9 +399,10 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
         )));
     }
     check_context_parallel(c, world)?;
-    // The replicas: the ranks that hold the same parameters (one per TP group: data × context,
-    // as `plan` and `dist::Mesh::replicas` call them), which the state is sharded over.
-    let replicas = world / tp;
+    // The replicas: the ranks that hold the same parameters (data × context), which the state
+    // is sharded over.
+    let mesh = super::MeshShape::of(c, world);
+    let replicas = mesh.replicas();
     let degree = match c.system.shard_degree {
         0 => replicas,
         d => d,
@@ -417,7 +418,7 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
             (_, true) => format!(
                 "the {replicas} replicas (the ranks that hold the same parameters: {} data × {cp} \
                  context-parallel ranks, the {world} ranks over system.tensor_parallel = {tp})",
-                replicas / cp
+                mesh.data()
             ),
         };
         let valid: Vec<String> = (1..=replicas)
@@ -503,9 +504,21 @@ fn check_context_parallel(c: &Config, world: usize) -> Result<(), ConfigError> {
 fn divides_heads(c: &Config, t: usize) -> bool {
     let m = &c.model;
     m.model_path.is_some()
-        || (m.num_attention_heads.is_multiple_of(t)
-            && m.num_key_value_heads.is_multiple_of(t)
-            && m.intermediate_size.is_multiple_of(t))
+        || tensor_parallel_splits(
+            t,
+            (
+                m.num_attention_heads,
+                m.num_key_value_heads,
+                m.intermediate_size,
+            ),
+        )
+}
+
+/// The tensor-parallel rule, written once: `t` ranks split a model of `heads` attention
+/// heads, `kv_heads` KV heads and an MLP of `ffn` features when each divides evenly, so every
+/// rank holds whole heads and an equal part of the MLP.
+pub fn tensor_parallel_splits(t: usize, (heads, kv_heads, ffn): (usize, usize, usize)) -> bool {
+    heads.is_multiple_of(t) && kv_heads.is_multiple_of(t) && ffn.is_multiple_of(t)
 }
 
 /// `system.tensor_parallel` against a model of `heads` attention heads, `kv_heads` KV heads
@@ -516,8 +529,7 @@ pub fn check_tensor_parallel(
     (heads, kv_heads, ffn): (usize, usize, usize),
     source: &str,
 ) -> Result<(), ConfigError> {
-    let fits =
-        |t: usize| heads.is_multiple_of(t) && kv_heads.is_multiple_of(t) && ffn.is_multiple_of(t);
+    let fits = |t: usize| tensor_parallel_splits(t, (heads, kv_heads, ffn));
     if tp <= 1 || fits(tp) {
         return Ok(());
     }
@@ -556,7 +568,7 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
         );
     }
     // One replica: a single rank, or ranks that all split one copy by tensor parallelism.
-    if s.zero_stage.shards_optimizer() && world / s.tensor_parallel.max(1) <= 1 {
+    if s.zero_stage.shards_optimizer() && super::MeshShape::of(c, world).replicas() <= 1 {
         let alone = if world == 1 {
             "on a single rank".to_string()
         } else {

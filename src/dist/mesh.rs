@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::Result;
 
 use super::group::{ProcessGroup, SharedGroup};
+use crate::config::MeshShape;
 
 /// A rank's coordinates on the mesh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,8 +53,13 @@ impl Mesh {
             world.is_multiple_of(tensor * context) && rank < world,
             "internal: mesh of {world} ranks with T = {tensor}, C = {context}"
         );
-        let replicas = world / tensor;
-        let shard = if shard == 0 { replicas } else { shard };
+        let shape = MeshShape {
+            world,
+            tensor,
+            context,
+            shard_degree: shard,
+        };
+        let (replicas, shard) = (shape.replicas(), shape.shard());
         assert!(
             replicas.is_multiple_of(shard),
             "internal: shard groups of {shard} among {replicas} replicas"
@@ -69,13 +75,23 @@ impl Mesh {
 
     /// D: the data-parallel ranks, each reading its own samples.
     pub fn data(&self) -> usize {
-        self.world / (self.tensor * self.context)
+        self.shape().data()
     }
 
     /// D·C: the ranks that hold the same parameters as this one (one per TP group), which
     /// ZeRO stages shard the state over and gradients are averaged across.
     pub fn replicas(&self) -> usize {
-        self.world / self.tensor
+        self.shape().replicas()
+    }
+
+    /// The counts of this mesh (`config::MeshShape`: the arithmetic written once).
+    pub fn shape(&self) -> MeshShape {
+        MeshShape {
+            world: self.world,
+            tensor: self.tensor,
+            context: self.context,
+            shard_degree: self.shard,
+        }
     }
 
     /// This rank's position in its tensor-parallel group.

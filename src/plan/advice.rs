@@ -264,15 +264,12 @@ fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
         .chain(TENSOR_PARALLEL_DEGREES.into_iter().filter(|&t| {
             t > s.tensor_parallel
                 && t.is_multiple_of(s.tensor_parallel)
-                && [
-                    sh.num_heads,
-                    sh.num_kv_heads,
-                    sh.intermediate_size,
-                    s.node_size,
-                    s.world / c,
-                ]
-                .iter()
-                .all(|n| n.is_multiple_of(t))
+                && crate::config::tensor_parallel_splits(
+                    t,
+                    (sh.num_heads, sh.num_kv_heads, sh.intermediate_size),
+                )
+                && s.node_size.is_multiple_of(t)
+                && (s.world / c).is_multiple_of(t)
                 && (!s.sequence_parallel || (s.context / c).is_multiple_of(t))
         }))
         .collect()
@@ -334,7 +331,7 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
     if now.fits || cheapest_within(s, current, s.budget).is_some() {
         return None;
     }
-    let ranks = s.world / s.tensor_parallel;
+    let ranks = s.replica_ranks(s.world);
     let degrees: Vec<usize> = (s.context_parallel + 1..=ranks)
         .filter(|&c| {
             c.is_multiple_of(s.context_parallel)

@@ -152,22 +152,28 @@ impl Setting {
     /// Data-parallel ranks among `world` ranks (D): one per CP × TP group, each with its own
     /// samples.
     pub fn data_ranks(&self, world: usize) -> usize {
-        (world / (self.tensor_parallel * self.context_parallel)).max(1)
+        self.mesh(world).data().max(1)
     }
 
     /// Ranks among `world` that hold the same parameters (one per TP group: D × C): what the
     /// zero stages shard and the gradient reductions run over.
     pub fn replica_ranks(&self, world: usize) -> usize {
-        (world / self.tensor_parallel).max(1)
+        self.mesh(world).replicas().max(1)
     }
 
     /// Replica ranks that shard one copy of the state among `world` ranks: all of them, or
     /// the hybrid-sharding group size (`system.shard_degree`).
     pub fn shard_ranks(&self, world: usize) -> usize {
-        let replicas = self.replica_ranks(world);
-        match self.shard_degree {
-            0 => replicas,
-            d => d.min(replicas),
+        self.mesh(world).shard().max(1)
+    }
+
+    /// This setting's mesh on `world` ranks (the arithmetic `train` and `check_world` use).
+    fn mesh(&self, world: usize) -> crate::config::MeshShape {
+        crate::config::MeshShape {
+            world,
+            tensor: self.tensor_parallel,
+            context: self.context_parallel,
+            shard_degree: self.shard_degree,
         }
     }
 
@@ -264,22 +270,34 @@ impl Layout {
 /// the config keys and the tokenizer's vocabulary (loaded only when `model.vocab_size` is null).
 pub fn shape(cfg: &Config) -> anyhow::Result<LlamaShape> {
     use anyhow::Context;
-    if let Some(dir) = &cfg.model.model_path {
-        return crate::model::hf::shape_from_dir(
-            &crate::data::hub::resolve_model(dir)?,
-            &cfg.model,
-        );
-    }
-    let vocab = match cfg.model.vocab_size {
-        Some(v) => v,
+    shape_with(cfg, || match cfg.model.vocab_size {
+        Some(v) => Ok(v),
         None => {
             let spec = &cfg.data.tokenizer;
-            crate::data::tokenizer::Tokenizer::load(&crate::data::hub::resolve_tokenizer(spec)?)
+            Ok(
+                crate::data::tokenizer::Tokenizer::load(&crate::data::hub::resolve_tokenizer(
+                    spec,
+                )?)
                 .with_context(|| format!("data.tokenizer = {spec}"))?
-                .vocab_size()
+                .vocab_size(),
+            )
         }
-    };
-    LlamaShape::from_config(&cfg.model, vocab)
+    })
+}
+
+/// The model's shape, resolved one way for `plan` and `train`: a `model.model_path` model's
+/// config.json, else the config's keys with `model.vocab_size` or the tokenizer's vocabulary
+/// (`tokenizer_vocab`, asked only then).
+pub fn shape_with(
+    cfg: &Config,
+    tokenizer_vocab: impl FnOnce() -> anyhow::Result<usize>,
+) -> anyhow::Result<LlamaShape> {
+    match &cfg.model.model_path {
+        Some(dir) => {
+            crate::model::hf::shape_from_dir(&crate::data::hub::resolve_model(dir)?, &cfg.model)
+        }
+        None => LlamaShape::from_config(&cfg.model, tokenizer_vocab()?),
+    }
 }
 
 /// Whether bf16 matmuls run (`training.dtype`; auto = bf16 on CUDA).

@@ -73,7 +73,7 @@ impl Link {
 
 /// The vocabulary as the TP group splits it: rounded up to a multiple of T.
 pub fn padded_vocab(s: &Setting) -> usize {
-    s.shape.vocab_size.div_ceil(s.tensor_parallel) * s.tensor_parallel
+    crate::model::split::padded(s.shape.vocab_size, s.tensor_parallel)
 }
 
 /// One rank's share of the model, in elements: each layer's matrices over T (attention and

@@ -10,7 +10,7 @@ use anyhow::Result;
 use crate::config::Config;
 use crate::data::prepare::{prepare, prepare_part, PartOutcome, PrepareSpec, Prepared, Shard};
 use crate::data::tokfile::TokenFile;
-use crate::model::{hf, LlamaShape};
+use crate::model::LlamaShape;
 
 /// One source of the run's data: `data.path`, or an entry of `data.sources`.
 #[derive(Debug, Clone)]
@@ -273,10 +273,7 @@ pub fn model_shape(cfg: &Config, sources: &[DataSource]) -> Result<LlamaShape> {
         .ok_or_else(|| anyhow::anyhow!("no data source"))?
         .prepared;
     let vocab = data.vocab_size;
-    let shape = match &cfg.model.model_path {
-        Some(dir) => hf::shape_from_dir(&crate::data::hub::resolve_model(dir)?, &cfg.model)?,
-        None => LlamaShape::from_config(&cfg.model, vocab)?,
-    };
+    let shape = crate::plan::shape_with(cfg, || Ok(vocab))?;
     anyhow::ensure!(
         shape.vocab_size >= vocab,
         "the model's vocabulary ({}) is smaller than the tokenizer's ({vocab}); the tokenizer in data.tokenizer does not fit this model",
