@@ -117,7 +117,6 @@ pub fn resume_target(
             Some(dir.clone())
         }
     };
-
     if let (Some(dir), true) = (&chosen, lead) {
         if let Some(note) = checkpoints::unverified(dir) {
             println!("{tag} Warning: {note}");
