@@ -257,7 +257,7 @@ fn resume_auto_skips_a_damaged_newest_checkpoint_and_says_what_is_redone() {
                 && text.contains("at step 2 "),
             "{damage}: {text}"
         );
-        // The save at step 4 replaced the damaged one.
+        // The damaged one was set aside (step_4.damaged…) and step 4 saved anew.
         assert!(text.contains("Checkpoint saved"), "{text}");
     }
     fails(

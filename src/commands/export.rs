@@ -71,9 +71,13 @@ fn dtype(name: &str) -> (Kind, &'static str) {
     }
 }
 
-fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
+/// The checkpoint `--checkpoint` names, verified, and held while exported (`checkpoints::hold`).
+fn source_checkpoint(
+    resolved: &Resolved,
+    which: &str,
+) -> Result<(PathBuf, Option<checkpoints::Hold>)> {
     if which != "latest" {
-        let dir = super::newest_checkpoint(Path::new(which), "--checkpoint")?;
+        let (dir, hold) = super::newest_checkpoint(Path::new(which), "--checkpoint")?;
         ensure!(
             dir.is_dir(),
             "--checkpoint {}: no such directory; pass a checkpoint's step_N directory, a run \
@@ -86,7 +90,7 @@ fn source_checkpoint(resolved: &Resolved, which: &str) -> Result<PathBuf> {
              under the run's checkpoints/",
             dir.display()
         );
-        return Ok(dir);
+        return Ok((dir, hold));
     }
     let root = run::checkpoint_dir(resolved);
     match checkpoints::latest(&root) {
@@ -179,7 +183,7 @@ pub fn export(resolved: &Resolved, args: &ExportArgs) -> Result<Exported> {
     })?;
     check_out(&out, args.force)?;
     // Its model files verified (`newest_checkpoint`).
-    let source = source_checkpoint(resolved, &args.checkpoint)?;
+    let (source, _hold) = source_checkpoint(resolved, &args.checkpoint)?;
     let shape = hf::dir_shape(&source, AttentionBackend::Sdpa)?;
     let weights = hf::Weights::open(&source)?;
     weights.check(&shape, &source)?;

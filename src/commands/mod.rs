@@ -55,13 +55,15 @@ pub struct Inference {
     pub tok: Option<Tokenizer>,
     pub device: Device,
     pub compute: Kind,
+    /// The checkpoint held for reading while the model is open (`checkpoints::hold`).
+    _hold: Option<checkpoints::Hold>,
 }
 
 impl Inference {
     pub fn open(flags: &ModelFlags) -> Result<Self> {
         let device = parse_device(&flags.device)?;
         let compute = parse_compute(&flags.dtype)?;
-        let dir = model_dir(&flags.model)?;
+        let (dir, hold) = model_dir(&flags.model)?;
         let shape = hf::dir_shape(&dir, AttentionBackend::Sdpa)
             .with_context(|| format!("--model {}", flags.model.display()))?;
         let tok = find_tokenizer(&dir, flags.tokenizer.as_deref())?;
@@ -71,6 +73,7 @@ impl Inference {
             tok,
             device,
             compute,
+            _hold: hold,
         })
     }
 
@@ -138,25 +141,27 @@ impl TrainedWith {
 /// `owner/name[@revision]` resolved through the hub cache (downloaded when missing, unless
 /// HF_HUB_OFFLINE is set). Anything else is returned unchanged, for the usual
 /// missing-directory errors. A checkpoint's model files are checked against their recorded
-/// checksums.
-pub fn model_dir(model: &Path) -> Result<PathBuf> {
+/// checksums, and a checkpoint is held for reading while the hold lives.
+pub fn model_dir(model: &Path) -> Result<(PathBuf, Option<checkpoints::Hold>)> {
     match model.to_str() {
         Some(id) if crate::data::hub::is_hub_model_id(id) => {
             let dir = crate::data::hub::resolve_model_as("--model", id)?;
             checkpoints::verify_model(&dir).with_context(|| format!("--model {id}"))?;
-            Ok(dir)
+            Ok((dir, None))
         }
         _ => newest_checkpoint(model, "--model"),
     }
 }
 
 /// The model directory `dir` stands for, its model files checked against their recorded
-/// checksums (once: [`checkpoint::verify_model`]): a run directory (`runs/<name>`, where
-/// lockstep wrote the resolved config.json) or a checkpoint directory (one holding `step_N`
-/// directories) stands for its newest complete checkpoint whose model files verify (said on
-/// stderr, with any damaged one skipped); any other directory, a model directory included,
-/// is itself. `flag` names the option in messages.
-pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
+/// checksums (once: [`checkpoints::verify_model`]), and held for reading
+/// ([`checkpoints::hold`]: rotation by the run that is still training keeps it while held): a
+/// run directory (`runs/<name>`, where lockstep wrote the resolved config.json) or a
+/// checkpoint directory (one holding `step_N` directories) stands for its newest complete
+/// checkpoint whose model files verify (said on stderr, with any damaged one skipped, and one
+/// rotated away meanwhile replaced by the newest then); any other directory, a model directory
+/// included, is itself. `flag` names the option in messages.
+pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<(PathBuf, Option<checkpoints::Hold>)> {
     let is_model = [
         "trainer.json",
         "model.safetensors",
@@ -165,32 +170,51 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
     .iter()
     .any(|f| dir.join(f).is_file());
     if is_model || !dir.is_dir() {
+        let hold = match dir.join("trainer.json").is_file() {
+            true => checkpoints::hold(dir)?,
+            false => None,
+        };
         checkpoints::verify_model(dir).with_context(|| format!("{flag} {}", dir.display()))?;
-        return Ok(dir.to_path_buf());
+        warn_unverified(dir, flag);
+        return Ok((dir.to_path_buf(), hold));
     }
-    let root = match run_checkpoints(dir) {
+    let root = match run_checkpoints(dir)? {
         Some(root) => root,
-        None if !checkpoints::list(dir).is_empty() || !checkpoints::incomplete(dir).is_empty() => {
+        None if !checkpoints::list(dir).is_empty() || !checkpoints::strays(dir).is_empty() => {
             dir.to_path_buf()
         }
-        None => return Ok(dir.to_path_buf()),
+        None => return Ok((dir.to_path_buf(), None)),
     };
-    for (_, ckpt) in checkpoints::list(&root).into_iter().rev() {
-        match checkpoints::verify_model(&ckpt) {
-            Ok(()) => {
-                eprintln!(
-                    "{flag} {}: its newest complete checkpoint, {}",
+    // Newest first; a checkpoint rotated away before it could be held starts the list over
+    // (a live run keeps saving), without those already found damaged.
+    let mut damaged: Vec<PathBuf> = Vec::new();
+    'listing: loop {
+        for (_, ckpt) in checkpoints::list(&root).into_iter().rev() {
+            if damaged.contains(&ckpt) {
+                continue;
+            }
+            let Some(hold) = checkpoints::hold(&ckpt)? else {
+                continue 'listing;
+            };
+            match checkpoints::verify_model(&ckpt) {
+                Ok(()) => {
+                    eprintln!(
+                        "{flag} {}: its newest complete checkpoint, {}",
+                        dir.display(),
+                        ckpt.display()
+                    );
+                    warn_unverified(&ckpt, flag);
+                    return Ok((ckpt, Some(hold)));
+                }
+                Err(e) => eprintln!(
+                    "{flag} {}: skipping damaged checkpoint {} ({e:#})",
                     dir.display(),
                     ckpt.display()
-                );
-                return Ok(ckpt);
+                ),
             }
-            Err(e) => eprintln!(
-                "{flag} {}: skipping damaged checkpoint {} ({e:#})",
-                dir.display(),
-                ckpt.display()
-            ),
+            damaged.push(ckpt);
         }
+        break;
     }
     bail!(
         "{flag} {}: no complete checkpoint in {}{}; train the run first (a checkpoint is saved \
@@ -202,35 +226,69 @@ pub fn newest_checkpoint(dir: &Path, flag: &str) -> Result<PathBuf> {
     )
 }
 
-/// ` (only incomplete saves: …/step_4.tmp)` when `root` holds interrupted saves, else empty:
-/// what a "no complete checkpoint" message adds.
+/// The warning of a checkpoint read without checksums ([`checkpoints::unverified`]), on stderr.
+fn warn_unverified(dir: &Path, flag: &str) {
+    if let Some(note) = checkpoints::unverified(dir) {
+        eprintln!("{flag} {}: warning: {note}", dir.display());
+    }
+}
+
+/// ` (not checkpoints: …/step_4.tmp: a save was interrupted)` when `root` holds directories
+/// named like checkpoints that are not ([`checkpoints::strays`]), else empty: what a "no
+/// complete checkpoint" message adds.
 fn incomplete_note(root: &Path) -> String {
-    match checkpoints::incomplete(root).as_slice() {
+    match checkpoints::strays(root).as_slice() {
         [] => String::new(),
-        partial => format!(
-            " (only incomplete saves: {})",
-            partial
+        strays => format!(
+            " (not checkpoints: {})",
+            strays
                 .iter()
-                .map(|p| p.display().to_string())
+                .map(|(p, why)| format!("{}: {why}", p.display()))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join("; ")
         ),
     }
 }
 
-/// The checkpoint directory of the run in `dir`, when `dir` is a run directory: its
-/// config.json is a lockstep config (`checkpoint.dir`, else `<dir>/checkpoints`).
-fn run_checkpoints(dir: &Path) -> Option<PathBuf> {
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
-    let cfg: Value = serde_json::from_str(&text).ok()?;
-    let (training, ckpt) = (cfg.get("training")?, cfg.get("checkpoint")?);
+/// The checkpoint directory of the run in `dir`, when `dir` is a run directory (its
+/// config.json is a lockstep config): `<dir>/checkpoints` without `checkpoint.dir`, else the
+/// directory the run recorded when it started (`run::dir::CHECKPOINT_DIR_FILE`), else an
+/// absolute `checkpoint.dir`. A relative `checkpoint.dir` the run did not record (a run of an
+/// older lockstep) is refused: it was relative to wherever the run was started, and resolving
+/// it here could pick another run's checkpoints.
+fn run_checkpoints(dir: &Path) -> Result<Option<PathBuf>> {
+    let Some(cfg) = std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+    else {
+        return Ok(None);
+    };
+    let (Some(training), Some(ckpt)) = (cfg.get("training"), cfg.get("checkpoint")) else {
+        return Ok(None);
+    };
     if !training.is_object() {
-        return None;
+        return Ok(None);
     }
-    Some(match ckpt.get("dir").and_then(Value::as_str) {
-        Some(d) => PathBuf::from(d),
-        None => dir.join("checkpoints"),
-    })
+    let Some(set) = ckpt.get("dir").and_then(Value::as_str).map(PathBuf::from) else {
+        return Ok(Some(dir.join("checkpoints")));
+    };
+    if let Some(recorded) = crate::run::dir::recorded_checkpoint_dir(dir) {
+        return Ok(Some(recorded));
+    }
+    if set.is_absolute() {
+        return Ok(Some(set));
+    }
+    bail!(
+        "{}: the run's checkpoint.dir `{}` is relative to the directory the run was started in, \
+         which the run does not record ({} is missing: trained by an older lockstep); here it \
+         would be {}, perhaps another run's checkpoints. Pass the checkpoint's step_N directory \
+         instead (e.g. <where the run started>/{}/step_N)",
+        dir.display(),
+        set.display(),
+        dir.join(crate::run::dir::CHECKPOINT_DIR_FILE).display(),
+        std::path::absolute(&set).unwrap_or(set.clone()).display(),
+        set.display()
+    )
 }
 
 /// The tokenizer for a model directory: `--tokenizer`, else the built-in encoding its

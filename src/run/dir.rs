@@ -21,6 +21,29 @@ pub const LOCK_FILE: &str = "run.lock";
 /// The checkpoint directory's lock file (beside the `step_N` directories).
 pub const CHECKPOINTS_LOCK_FILE: &str = "checkpoints.lock";
 
+/// The file in a run directory that records where its checkpoints are: `checkpoint.dir` made
+/// absolute when the run started, so that `eval`/`generate`/`export` naming the run directory
+/// from anywhere find this run's checkpoints, not those of a relative `checkpoint.dir` under
+/// their own working directory.
+pub const CHECKPOINT_DIR_FILE: &str = "checkpoint_dir.txt";
+
+/// Records `checkpoints` (made absolute) in the run directory `run_dir`
+/// ([`CHECKPOINT_DIR_FILE`]).
+pub fn record_checkpoint_dir(run_dir: &Path, checkpoints: &Path) -> Result<()> {
+    let path = run_dir.join(CHECKPOINT_DIR_FILE);
+    let abs = std::path::absolute(checkpoints)
+        .with_context(|| format!("checkpoint.dir {}: cannot resolve", checkpoints.display()))?;
+    fs::write(&path, format!("{}\n", abs.display()))
+        .with_context(|| format!("{}: cannot write; is logging.dir writable?", path.display()))
+}
+
+/// The checkpoint directory the run in `run_dir` recorded when it started, if it did.
+pub fn recorded_checkpoint_dir(run_dir: &Path) -> Option<PathBuf> {
+    let text = fs::read_to_string(run_dir.join(CHECKPOINT_DIR_FILE)).ok()?;
+    let line = text.lines().next()?.trim();
+    (!line.is_empty()).then(|| PathBuf::from(line))
+}
+
 /// Which directory a claim is on: the file it locks and how a refusal reads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {

@@ -45,92 +45,68 @@ pub fn checkpoint_dir(resolved: &Resolved) -> PathBuf {
     }
 }
 
-/// The checkpoint to resume from (every rank calls it: the ranks share the reading of the
-/// checksums, `checkpoints::verify`, and agree on the result). Without `--resume`, an existing
-/// checkpoint is an error rather than something silently overwritten or ignored.
+/// The checkpoint to resume from, in the run's checkpoint directory ([`checkpoint_dir`]; every
+/// rank calls it: the ranks share the reading of the checksums, `checkpoints::verify`, and
+/// agree on the result). Without `--resume`, an existing checkpoint is an error rather than
+/// something silently overwritten or ignored.
 pub fn resume_target(
-    root: &Path,
+    resolved: &Resolved,
     resume: Option<&Resume>,
     tag: &str,
     pg: &mut dyn ProcessGroup,
 ) -> Result<Option<PathBuf>> {
+    let root = &checkpoint_dir(resolved);
     let lead = pg.rank() == 0;
     if lead {
-        for partial in checkpoints::incomplete(root) {
-            println!(
-                "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",
-                partial.display()
-            );
+        for (stray, why) in checkpoints::strays(root) {
+            match stray.extension().is_some_and(|e| e == "tmp") {
+                true => println!(
+                    "{tag} Ignoring incomplete checkpoint {} ({why})",
+                    stray.display()
+                ),
+                false => println!("{tag} Ignoring {}: {why}", stray.display()),
+            }
         }
     }
-    match resume {
+    let chosen = match resume {
         None => match checkpoints::latest(root) {
-            Some(found) => bail!(
-                "{} already holds checkpoints (latest {}); pass --resume auto to continue that run, or set logging.run_name / checkpoint.dir to start a new one",
+            // A checkpoint.dir of its own is where a run's name does not matter.
+            Some(found) if resolved.config.checkpoint.dir.is_some() => bail!(
+                "checkpoint.dir {} already holds checkpoints (latest {}), of this run or \
+                 another; pass --resume auto to continue from them, or give this run a \
+                 checkpoint.dir of its own (--set checkpoint.dir=DIR, or leave it unset to save \
+                 under the run directory)",
                 root.display(),
                 found.display()
             ),
-            None => Ok(None),
+            Some(found) => bail!(
+                "{} already holds checkpoints (latest {}); pass --resume auto to continue that \
+                 run, or set logging.run_name to start a new one",
+                root.display(),
+                found.display()
+            ),
+            None => None,
         },
-        Some(Resume::Auto) => {
-            let all = checkpoints::list(root);
-            if all.is_empty() {
-                if lead {
-                    println!(
-                        "{tag} --resume auto: no complete checkpoint in {}; starting from scratch",
-                        root.display()
-                    );
-                }
-                return Ok(None);
-            }
-            // The newest that loads: a checkpoint damaged after it was committed (a truncated
-            // or overwritten file, a disk error, a file missing) costs the steps since the one
-            // before it, not the run.
-            let mut skipped: Vec<usize> = Vec::new();
-            for (step, dir) in all.iter().rev() {
-                match verified(dir, tag, pg)? {
-                    None => {
-                        if let (Some(&newest), true) = (skipped.first(), lead) {
-                            println!(
-                                "{tag} --resume auto: resuming from {} instead; steps {}..={newest} \
-                                 will be trained again",
-                                dir.display(),
-                                step + 1
-                            );
-                        }
-                        return Ok(Some(dir.clone()));
-                    }
-                    Some(why) => {
-                        if lead {
-                            println!(
-                                "{tag} --resume auto: skipping damaged checkpoint {} ({why}); \
-                                 delete it once you have looked at it",
-                                dir.display()
-                            );
-                        }
-                        skipped.push(*step);
-                    }
-                }
-            }
-            bail!(
-                "--resume auto: none of the {} checkpoints in {} loads (each is damaged, see \
-                 above); resume from a copy with --resume DIR, or move them aside to start \
-                 from scratch",
-                all.len(),
-                root.display()
-            )
-        }
+        Some(Resume::Auto) => resume_auto(root, tag, pg)?,
         Some(Resume::Dir(dir)) => {
             if !dir.is_dir() {
                 return Err(crate::config::ConfigError(format!(
                     "--resume {}: {}; pass a checkpoint directory (…/checkpoints/step_N), or \
                      --resume auto for the run's latest",
                     dir.display(),
-                    if dir.exists() { "not a directory" } else { "no such directory" }
+                    if dir.exists() {
+                        "not a directory"
+                    } else {
+                        "no such directory"
+                    }
                 ))
                 .into());
             }
-            anyhow::ensure!(dir.join("trainer.json").is_file(), "--resume {}: not a complete checkpoint directory (no trainer.json)", dir.display());
+            anyhow::ensure!(
+                dir.join("trainer.json").is_file(),
+                "--resume {}: not a complete checkpoint directory (no trainer.json)",
+                dir.display()
+            );
             if let Some(why) = verified(dir, tag, pg)? {
                 bail!(
                     "--resume {}: the checkpoint is damaged ({why}); resume from an earlier \
@@ -138,9 +114,74 @@ pub fn resume_target(
                     dir.display()
                 );
             }
-            Ok(Some(dir.clone()))
+            Some(dir.clone())
+        }
+    };
+    if let (Some(dir), true) = (&chosen, lead) {
+        if let Some(note) = checkpoints::unverified(dir) {
+            println!("{tag} Warning: {note}");
         }
     }
+    Ok(chosen)
+}
+
+/// `--resume auto`: the newest checkpoint that loads. A checkpoint damaged after it was
+/// committed (a truncated or overwritten file, a disk error, a file missing) costs the steps
+/// since the one before it, not the run; it is renamed `step_N.damaged`, so that the run's next
+/// save of step N does not overwrite the evidence.
+fn resume_auto(root: &Path, tag: &str, pg: &mut dyn ProcessGroup) -> Result<Option<PathBuf>> {
+    let lead = pg.rank() == 0;
+    let all = checkpoints::list(root);
+    if all.is_empty() {
+        if lead {
+            println!(
+                "{tag} --resume auto: no complete checkpoint in {}; starting from scratch",
+                root.display()
+            );
+        }
+        return Ok(None);
+    }
+    let mut skipped: Vec<(usize, &PathBuf)> = Vec::new();
+    for (step, dir) in all.iter().rev() {
+        match verified(dir, tag, pg)? {
+            None => {
+                if let (Some(&(newest, _)), true) = (skipped.first(), lead) {
+                    for (_, damaged) in &skipped {
+                        let kept = checkpoints::set_damaged_aside(damaged)?;
+                        println!(
+                            "{tag} --resume auto: renamed the damaged {} to {} so that this \
+                             run's next save does not overwrite it; delete it once you have \
+                             looked at it",
+                            damaged.display(),
+                            kept.display()
+                        );
+                    }
+                    println!(
+                        "{tag} --resume auto: resuming from {} instead; steps {}..={newest} \
+                         will be trained again",
+                        dir.display(),
+                        step + 1
+                    );
+                }
+                return Ok(Some(dir.clone()));
+            }
+            Some(why) => {
+                if lead {
+                    println!(
+                        "{tag} --resume auto: skipping damaged checkpoint {} ({why})",
+                        dir.display()
+                    );
+                }
+                skipped.push((*step, dir));
+            }
+        }
+    }
+    bail!(
+        "--resume auto: none of the {} checkpoints in {} loads (each is damaged, see above); \
+         resume from a copy with --resume DIR, or move them aside to start from scratch",
+        all.len(),
+        root.display()
+    )
 }
 
 /// None when `dir` passes `checkpoints::verify` on every rank (each reading its share of the

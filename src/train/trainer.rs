@@ -103,8 +103,7 @@ impl<'a> Trainer<'a> {
             .then(|| RunDir::claim_checkpoints(&checkpoints, &run_dir))
             .transpose()?;
         let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?;
-        let resume_dir =
-            run::resume_target(checkpointer.root(), opts.resume.as_ref(), &rank.tag, pg)?;
+        let resume_dir = run::resume_target(resolved, opts.resume.as_ref(), &rank.tag, pg)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
@@ -146,6 +145,7 @@ impl<'a> Trainer<'a> {
             claim.accept();
             checkpoints.accept();
             write_config(&run_dir, resolved)?;
+            run::dir::record_checkpoint_dir(&run_dir, checkpointer.root())?;
             // An unwritable checkpoint.dir should fail now, not after checkpoint.interval steps.
             checkpoints::check_writable(checkpointer.root())?;
             print_summary(

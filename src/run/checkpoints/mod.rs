@@ -84,23 +84,130 @@ pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
     found
 }
 
-/// Directories a crash left behind mid-save or mid-delete (`*.tmp`), which resume ignores.
-pub fn incomplete(root: &Path) -> Vec<PathBuf> {
+/// The suffix `--resume auto` gives a damaged checkpoint it skips (`step_N.damaged`), so the
+/// run's next save of step N does not overwrite the evidence. Such a directory is no
+/// checkpoint: [`list`] skips it, rotation never deletes it, [`strays`] names it.
+pub const DAMAGED: &str = "damaged";
+
+/// Directories under `root` named like checkpoints (`step_*`) that are not complete ones, each
+/// with why, for the messages that say what is ignored: leftovers of an interrupted save or
+/// deletion (`*.tmp`, which the next save removes), a `step_N` without trainer.json (which a
+/// save writes last), a name that is not `step_<number>`, a damaged checkpoint set aside by
+/// `--resume auto` (`step_N.damaged`, [`DAMAGED`]).
+pub fn strays(root: &Path) -> Vec<(PathBuf, String)> {
     let Ok(entries) = fs::read_dir(root) else {
         return Vec::new();
     };
-    entries
+    let mut found: Vec<(PathBuf, String)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.is_dir()
-                && (p.extension().is_some_and(|e| e == "tmp") || !p.join("trainer.json").exists())
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_string();
+            name.strip_prefix("step_")?;
+            let why = if p.extension().is_some_and(|e| e == "tmp") {
+                "a save was interrupted".to_string()
+            } else if name.contains(&format!(".{DAMAGED}")) {
+                "a damaged checkpoint that --resume auto set aside; delete it once you have \
+                 looked at it"
+                    .to_string()
+            } else if step_of(&p).is_none() {
+                format!(
+                    "{name} is not a checkpoint name (step_<number>); move it out of \
+                     checkpoint.dir"
+                )
+            } else if !p.join("trainer.json").is_file() {
+                format!(
+                    "{name} has no trainer.json, which a save writes last: its files are not a \
+                     complete checkpoint (a partial copy?); complete it or move it out of \
+                     checkpoint.dir"
+                )
+            } else {
+                return None;
+            };
+            Some((p, why))
         })
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("step_"))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Renames the damaged checkpoint `dir` (`step_N`) to `step_N.damaged` (`step_N.damaged.2`, …
+/// when that exists), out of the way of the next save of step N; returns the new path.
+pub fn set_damaged_aside(dir: &Path) -> Result<PathBuf> {
+    let base = dir.as_os_str().to_os_string();
+    let target = (1..)
+        .map(|k| {
+            let mut p = base.clone();
+            p.push(format!(".{DAMAGED}"));
+            if k > 1 {
+                p.push(format!(".{k}"));
+            }
+            PathBuf::from(p)
         })
-        .collect()
+        .find(|p| !p.exists())
+        .expect("some name is free");
+    fs::rename(dir, &target).with_context(|| {
+        format!(
+            "{}: cannot rename the damaged checkpoint to {} (the next save of its step would \
+             overwrite it); move it aside yourself, then --resume auto again",
+            dir.display(),
+            target.display()
+        )
+    })?;
+    Ok(target)
+}
+
+/// A reader's shared hold on a checkpoint (`eval`, `generate`, `export`): a `flock(LOCK_SH)` on
+/// its trainer.json, which rotation (`checkpoint.keep_last`, [`remove`]) respects: a held
+/// checkpoint is kept until a later save finds it free. Released when dropped.
+pub struct Hold {
+    _lock: fs::File,
+}
+
+/// Holds the checkpoint `dir` for reading; None when it is gone (rotated away since it was
+/// listed), so the caller picks another.
+pub fn hold(dir: &Path) -> Result<Option<Hold>> {
+    let path = dir.join("trainer.json");
+    let file = match fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
+    };
+    flock(&file, libc::LOCK_SH).with_context(|| format!("{}: cannot lock", path.display()))?;
+    // Rotation renames a checkpoint before deleting it, holding LOCK_EX: once this lock is
+    // granted, the checkpoint is still in place or already gone, never going.
+    use std::os::unix::fs::MetadataExt;
+    let (held, now) = (file.metadata()?, fs::metadata(&path));
+    Ok(now
+        .is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()))
+        .then_some(Hold { _lock: file }))
+}
+
+/// Deletes the checkpoint `dir` unless a reader holds it ([`hold`]): Ok(false) then, and it
+/// stays. Renamed first, so a crash mid-delete leaves a `*.tmp` leftover (ignored, and removed
+/// by the next save), never a `step_N` with some of its files gone.
+pub fn remove(dir: &Path) -> Result<bool> {
+    let fail = || format!("{}: cannot delete an old checkpoint", dir.display());
+    let lock = fs::File::open(dir.join("trainer.json")).with_context(fail)?;
+    match flock(&lock, libc::LOCK_EX | libc::LOCK_NB) {
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => return Ok(false),
+        r => r.with_context(fail)?,
+    }
+    let mut doomed = dir.as_os_str().to_os_string();
+    doomed.push(".deleted.tmp");
+    fs::rename(dir, &doomed)
+        .and_then(|()| fs::remove_dir_all(&doomed))
+        .with_context(fail)?;
+    Ok(true)
+}
+
+fn flock(file: &fs::File, op: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor `file` owns.
+    match unsafe { libc::flock(file.as_raw_fd(), op) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }
 
 /// Checks, before any state is touched, that `dir` can be loaded: trainer.json parses and is
@@ -121,6 +228,21 @@ pub fn verify_model(dir: &Path) -> Result<()> {
         return Ok(());
     }
     integrity::verify_files(dir, Share::ALL, Scope::Model)
+}
+
+/// A warning when the checkpoint `dir` was loaded without checksums: its trainer.json has no
+/// `"files"` list (written by an older lockstep, or edited), so only its layout and the
+/// safetensors headers were checked. None when the list is there.
+pub fn unverified(dir: &Path) -> Option<String> {
+    matches!(integrity::recorded(dir), Ok(None)).then(|| {
+        format!(
+            "{} has no checksums (no \"{}\" list: written by an older lockstep, or edited), so \
+             it was loaded unverified: only its files' presence and safetensors headers were \
+             checked",
+            dir.join("trainer.json").display(),
+            integrity::FILES_KEY
+        )
+    })
 }
 
 pub fn latest(root: &Path) -> Option<PathBuf> {

@@ -477,6 +477,8 @@ fn remove_stale(root: &Path, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Deletes the checkpoints `keep` does not keep, but none a reader holds (`eval`, `generate`
+/// or `export` reading it: `checkpoints::hold`); a later save deletes those once they are free.
 fn prune(root: &Path, keep: Keep) -> Result<()> {
     let all = checkpoints::list(root);
     let excess = all.len().saturating_sub(keep.last);
@@ -486,13 +488,7 @@ fn prune(root: &Path, keep: Keep) -> Result<()> {
         .take(excess)
         .filter(|(s, _)| !kept_forever(*s))
     {
-        // Renamed first, so a crash mid-delete leaves a `*.tmp` leftover (ignored, and removed
-        // by the next save), never a `step_N` with some of its files gone.
-        let mut doomed = path.clone().into_os_string();
-        doomed.push(".deleted.tmp");
-        fs::rename(&path, &doomed)
-            .and_then(|()| fs::remove_dir_all(&doomed))
-            .with_context(|| format!("{}: cannot delete an old checkpoint", path.display()))?;
+        checkpoints::remove(&path)?;
     }
     Ok(())
 }
@@ -590,6 +586,36 @@ mod tests {
             .map(|(s, _)| s)
             .collect();
         assert_eq!(steps, [12]);
+        Ok(())
+    }
+
+    fn steps(root: &Path) -> Vec<usize> {
+        checkpoints::list(root)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect()
+    }
+
+    /// Item 9 of issue 45: a checkpoint a reader holds (`generate --model RUN_DIR` of a live
+    /// run with keep_last=1) outlives rotation until the reader lets go; one rotated away
+    /// before the reader got to it is reported gone, not read half-deleted.
+    #[test]
+    fn prune_leaves_a_held_checkpoint_until_its_reader_lets_go() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        for step in 1..=3 {
+            complete(root.path(), step);
+        }
+        let held = checkpoints::hold(&root.path().join("step_2"))?.expect("step_2 is there");
+        prune(root.path(), Keep { last: 1, every: 0 })?;
+        assert_eq!(steps(root.path()), [2, 3], "the held step_2 was deleted");
+        // A damaged checkpoint set aside by --resume auto is never rotated away either.
+        fs::create_dir_all(root.path().join("step_1.damaged"))?;
+        drop(held);
+        complete(root.path(), 4);
+        prune(root.path(), Keep { last: 1, every: 0 })?;
+        assert_eq!(steps(root.path()), [4]);
+        assert!(root.path().join("step_1.damaged").is_dir());
+        assert!(checkpoints::hold(&root.path().join("step_2"))?.is_none());
         Ok(())
     }
 }
