@@ -33,7 +33,8 @@ pub fn record_checkpoint_dir(run_dir: &Path, checkpoints: &Path) -> Result<()> {
     let path = run_dir.join(CHECKPOINT_DIR_FILE);
     let abs = std::path::absolute(checkpoints)
         .with_context(|| format!("checkpoint.dir {}: cannot resolve", checkpoints.display()))?;
-    fs::write(&path, format!("{}\n", abs.display()))
+    // Renamed into place: a link at the name is replaced, never written through.
+    crate::sys::durable::write_atomic(&path, format!("{}\n", abs.display()).as_bytes())
         .with_context(|| format!("{}: cannot write; is logging.dir writable?", path.display()))
 }
 
