@@ -56,6 +56,14 @@ pub fn resume_target(
 ) -> Result<Option<PathBuf>> {
     let lead = pg.rank() == 0;
     if lead {
+        // The launcher commits these before a restart; a run started again by hand does here.
+        for dir in checkpoints::reported::commit_reported(root) {
+            println!(
+                "{tag} Committed {}: every rank had written and reported its files when the \
+                 run stopped",
+                dir.display()
+            );
+        }
         for partial in checkpoints::incomplete(root) {
             println!(
                 "{tag} Ignoring incomplete checkpoint {} (a save was interrupted)",

@@ -1,0 +1,111 @@
+//! Findings of the fifth reliability round (issue 45) about launching and the launcher: a
+//! background save that every rank had reported when a rank died, Slurm variables that
+//! disagree, a job started without srun. Each test failed before its fix.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+
+use common::{assert_bitwise_equal_checkpoints, fails, ok, run, small, with, write_corpus};
+
+/// The `step_*` entries of a checkpoint directory, complete or not, sorted.
+fn saves(root: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(root)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("step_"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Two CPU ranks saving every 2 steps in the background, whose reports (rank 0: its commit)
+/// wait 2 s, as a slow filesystem makes them.
+fn two_ranks(base: &[String], name: &str, extra: &[&str]) -> Vec<String> {
+    let tail = [
+        "--max-steps",
+        "6",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "checkpoint.async=true",
+        "--set",
+        &format!("logging.run_name={name}"),
+    ];
+    with(
+        base,
+        &["run", "--nproc", "2", "--cpu"],
+        &[&tail[..], extra].concat(),
+    )
+}
+
+/// Item 6: rank 1 dies after every rank has written and reported its files of step_2 (saved in
+/// the background), and rank 0, still before its commit, is SIGKILLed by the launcher's
+/// teardown (`--grace-s 1`). The save is complete, so the restart commits it and resumes from
+/// it (it used to restart from the start); the result is the uninterrupted run's, bit for bit.
+/// A save that a rank never reported is still abandoned.
+#[test]
+fn a_background_save_every_rank_reported_commits_when_a_rank_dies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    ok(dir, &with(&base, &["prepare"], &[]));
+    ok(dir, &two_ranks(&base, "straight", &[]));
+
+    let dies = [
+        "--set",
+        "debug.save_report_delay_ms=3000",
+        "--set",
+        "debug.fault_rank=1",
+        "--set",
+        "debug.fault_step=3",
+        "--max-restarts",
+        "1",
+        "--grace-s",
+        "1",
+    ];
+    let reported = [&dies[..], &["--set", "debug.fault=exit_after_save"]].concat();
+    let text = ok(dir, &two_ranks(&base, "reported", &reported));
+    assert!(
+        text.contains(
+            "lockstep run: restart 1 of 1: rank 1 (CPU) exited with code 3; all workers restart \
+             from the latest complete checkpoint, runs/reported/checkpoints/step_2 (step 2, \
+             committed now: every rank had written and reported its files)"
+        ),
+        "{text}"
+    );
+    assert_bitwise_equal_checkpoints(
+        &dir.join("runs/straight/checkpoints/step_6"),
+        &dir.join("runs/reported/checkpoints/step_6"),
+    );
+    let kept = saves(&dir.join("runs/reported/checkpoints"));
+    assert_eq!(kept, ["step_2", "step_4", "step_6"], "{text}");
+    for step in &kept {
+        let ckpt = dir.join("runs/reported/checkpoints").join(step);
+        let pending: Vec<_> = fs::read_dir(&ckpt)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains("pending"))
+            .collect();
+        assert!(pending.is_empty(), "{step}: {pending:?}");
+    }
+
+    // Rank 1 dies while its report waits: step_2 is not committed, and the restart (which
+    // meets the same fault) begins from the start.
+    let unreported = [&dies[..], &["--set", "debug.fault=exit"]].concat();
+    let out = run(dir, &two_ranks(&base, "unreported", &unreported));
+    let text = fails(
+        &out,
+        3,
+        &[
+            "lockstep run: restart 1 of 1: rank 1 (CPU) exited with code 3; all workers restart \
+           from the start (no complete checkpoint yet)",
+        ],
+    );
+    let left = saves(&dir.join("runs/unreported/checkpoints"));
+    assert!(left.iter().all(|n| n.ends_with(".tmp")), "{left:?}\n{text}");
+}
