@@ -7,7 +7,9 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{assert_bitwise_equal_checkpoints, fails, ok, run, small, with, write_corpus};
+use common::{
+    assert_bitwise_equal_checkpoints, fails, lockstep, ok, run, small, with, write_corpus,
+};
 
 /// The `step_*` entries of a checkpoint directory, complete or not, sorted.
 fn saves(root: &Path) -> Vec<String> {
@@ -108,4 +110,71 @@ fn a_background_save_every_rank_reported_commits_when_a_rank_dies() {
     );
     let left = saves(&dir.join("runs/unreported/checkpoints"));
     assert!(left.iter().all(|n| n.ends_with(".tmp")), "{left:?}\n{text}");
+}
+
+/// `lockstep train` as one task of a job whose Slurm variables are `vars`.
+fn slurm_task(dir: &Path, base: &[String], vars: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = lockstep(dir);
+    cmd.args(with(base, &["train"], &["--max-steps", "1"]));
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// Items 20, 21: Slurm variables that contradict each other were accepted (SLURM_NTASKS=1 with
+/// SLURM_TASKS_PER_NODE='2(x3),1' trained as one task; SLURM_NTASKS=99999 split the memory
+/// 99999 ways), and SLURM_JOB_ID=abc did not say that MASTER_PORT bypasses it. Now each is
+/// refused with exit 2 before anything is created, naming the variables and their values.
+#[test]
+fn slurm_variables_that_disagree_exit_2_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let cases: [(&[(&str, &str)], &[&str]); 3] = [
+        (
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "1"),
+                ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+                ("SLURM_JOB_ID", "5"),
+            ],
+            &[
+                "SLURM_NTASKS=1 but SLURM_TASKS_PER_NODE=\"2(x3),1\" adds up to 7 tasks",
+                "start the tasks with srun",
+            ],
+        ),
+        (
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "99999"),
+                ("SLURM_TASKS_PER_NODE", "1"),
+                ("SLURM_JOB_ID", "5"),
+            ],
+            &["SLURM_NTASKS=99999 but SLURM_TASKS_PER_NODE=\"1\" adds up to 1 tasks"],
+        ),
+        (
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_TASKS_PER_NODE", "2"),
+                ("SLURM_JOB_NODELIST", "localhost"),
+                ("SLURM_JOB_ID", "abc"),
+            ],
+            &[
+                "SLURM_JOB_ID=\"abc\" is not a valid non-negative integer",
+                "set MASTER_PORT (the same on every task) to bypass it",
+            ],
+        ),
+    ];
+    for (vars, parts) in cases {
+        let out = slurm_task(dir, &base, vars);
+        let text = fails(&out, 2, parts);
+        assert_eq!(
+            text.lines().filter(|l| l.contains("error")).count(),
+            1,
+            "{text}"
+        );
+        assert!(!dir.join("runs").exists(), "{vars:?}: {text}");
+    }
 }
