@@ -178,3 +178,49 @@ fn slurm_variables_that_disagree_exit_2_naming_them() {
         assert!(!dir.join("runs").exists(), "{vars:?}: {text}");
     }
 }
+
+/// Item 11: a batch script that ran `lockstep train` without srun starts task 0 only, which
+/// waited silently for the whole system.collective_timeout_s. Now, after 10 s at the
+/// rendezvous, it names the missing task and says that tasks start with srun; the timeout's
+/// error names them too.
+#[test]
+fn a_slurm_task_started_without_srun_names_the_missing_tasks_and_srun() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let port = lockstep::dist::free_port().to_string();
+    let mut cmd = lockstep(dir);
+    cmd.args(with(
+        &base,
+        &["train"],
+        &[
+            "--max-steps",
+            "1",
+            "--set",
+            "system.collective_timeout_s=12",
+        ],
+    ));
+    for (k, v) in [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_TASKS_PER_NODE", "2"),
+        ("SLURM_JOB_NODELIST", "localhost"),
+        ("SLURM_JOB_ID", "7"),
+        ("MASTER_PORT", port.as_str()),
+    ] {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    fails(
+        &out,
+        1,
+        &[
+            "[CPU0] Rendezvous: waiting for rank 1 of 2 for 10 s now (up to 12 s, \
+             system.collective_timeout_s); Slurm tasks start with srun: put `srun lockstep \
+             train …` in the batch script, which starts all SLURM_NTASKS=2 of them",
+            "error: rank 1 of 2 never arrived at the rendezvous on localhost:",
+            "within 12 s (system.collective_timeout_s); Slurm tasks start with srun",
+        ],
+    );
+}
