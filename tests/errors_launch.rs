@@ -6,9 +6,11 @@ mod common;
 
 use std::fs;
 use std::path::Path;
+use std::process::Command;
 
 use common::{
-    assert_bitwise_equal_checkpoints, fails, lockstep, ok, run, small, with, write_corpus,
+    assert_bitwise_equal_checkpoints, fails, lockstep, ok, output_text, python, root, run, small,
+    with, write_corpus,
 };
 
 /// The `step_*` entries of a checkpoint directory, complete or not, sorted.
@@ -223,4 +225,93 @@ fn a_slurm_task_started_without_srun_names_the_missing_tasks_and_srun() {
             "within 12 s (system.collective_timeout_s); Slurm tasks start with srun",
         ],
     );
+}
+
+/// Item 10: a torch 2.11 whose libtorch_cpu.so is empty or not a library, or whose libc10.so
+/// is missing, gave raw loader errors (exit 127) through the pip wheel's launcher. The launcher
+/// (python/lockstep/__main__.py, run here on a fake torch) now checks each library the binary
+/// links and says in one line which is broken and the fix (exit 2).
+#[test]
+fn a_broken_torch_install_is_named_by_the_launcher_with_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join("torch/lib");
+    fs::create_dir_all(&lib).unwrap();
+    fs::write(tmp.path().join("torch/__init__.py"), "").unwrap();
+    fs::write(
+        tmp.path().join("torch/version.py"),
+        "__version__ = '2.11.0+cpu'\n",
+    )
+    .unwrap();
+    let elf: &[u8] = b"\x7fELF\x02\x01\x01";
+    let cases: [(&[u8], Option<&[u8]>, &str); 3] = [
+        (b"", Some(elf), "libtorch_cpu.so is empty (0 bytes)"),
+        (elf, None, "libc10.so is missing"),
+        (
+            b"version https://git-lfs",
+            Some(elf),
+            "libtorch_cpu.so is not a shared library (no ELF header)",
+        ),
+    ];
+    for (cpu, c10, says) in cases {
+        fs::write(lib.join("libtorch_cpu.so"), cpu).unwrap();
+        let _ = fs::remove_file(lib.join("libc10.so"));
+        if let Some(c10) = c10 {
+            fs::write(lib.join("libc10.so"), c10).unwrap();
+        }
+        let out = Command::new(python())
+            .arg(root().join("python/lockstep/__main__.py"))
+            .arg("--version")
+            .env("PYTHONPATH", tmp.path())
+            .output()
+            .unwrap();
+        let text = fails(
+            &out,
+            2,
+            &[
+                &format!("lockstep: {}/", lib.display()),
+                says,
+                "the torch 2.11.0+cpu install in",
+                "is broken; reinstall it: pip install --force-reinstall \"torch==2.11.*\"",
+            ],
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+    }
+}
+
+/// Item 10: `lockstep --version` (and `env`) from a working directory that was deleted died in
+/// oneMKL's library constructor ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so",
+/// exit 2) before `main`; now they work, and a command that writes says its path is gone.
+#[test]
+fn version_and_env_work_from_a_deleted_working_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gone = tmp.path().join("gone");
+    let from_gone = |args: &str| {
+        fs::create_dir(&gone).unwrap();
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "cd '{}' && rmdir '{}' && exec '{}' {args}",
+                gone.display(),
+                gone.display(),
+                env!("CARGO_BIN_EXE_lockstep")
+            ))
+            .output()
+            .unwrap()
+    };
+    let out = from_gone("--version");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).starts_with("lockstep "),
+        "{}",
+        output_text(&out)
+    );
+    let out = from_gone("env");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("libtorch"),
+        "{}",
+        output_text(&out)
+    );
+    let out = from_gone("train --preset tiny --max-steps 1");
+    fails(&out, 1, &["cannot create run directory runs/tiny"]);
 }
