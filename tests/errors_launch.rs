@@ -114,8 +114,11 @@ fn a_background_save_every_rank_reported_commits_when_a_rank_dies() {
     assert!(left.iter().all(|n| n.ends_with(".tmp")), "{left:?}\n{text}");
 }
 
+/// Environment variables and their values.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
 /// `lockstep train` as one task of a job whose Slurm variables are `vars`.
-fn slurm_task(dir: &Path, base: &[String], vars: &[(&str, &str)]) -> std::process::Output {
+fn slurm_task(dir: &Path, base: &[String], vars: Vars) -> std::process::Output {
     let mut cmd = lockstep(dir);
     cmd.args(with(base, &["train"], &["--max-steps", "1"]));
     for (k, v) in vars {
@@ -133,7 +136,7 @@ fn slurm_variables_that_disagree_exit_2_naming_them() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = small(&write_corpus(dir));
-    let cases: [(&[(&str, &str)], &[&str]); 3] = [
+    let cases: [(Vars, &[&str]); 3] = [
         (
             &[
                 ("SLURM_PROCID", "0"),
@@ -227,6 +230,9 @@ fn a_slurm_task_started_without_srun_names_the_missing_tasks_and_srun() {
     );
 }
 
+/// A file's contents.
+type Bytes<'a> = &'a [u8];
+
 /// Item 10: a torch 2.11 whose libtorch_cpu.so is empty or not a library, or whose libc10.so
 /// is missing, gave raw loader errors (exit 127) through the pip wheel's launcher. The launcher
 /// (python/lockstep/__main__.py, run here on a fake torch) now checks each library the binary
@@ -243,7 +249,8 @@ fn a_broken_torch_install_is_named_by_the_launcher_with_the_fix() {
     )
     .unwrap();
     let elf: &[u8] = b"\x7fELF\x02\x01\x01";
-    let cases: [(&[u8], Option<&[u8]>, &str); 3] = [
+    // (libtorch_cpu.so's bytes, libc10.so's if present, what the launcher says)
+    let cases: [(Bytes, Option<Bytes>, &str); 3] = [
         (b"", Some(elf), "libtorch_cpu.so is empty (0 bytes)"),
         (elf, None, "libc10.so is missing"),
         (
