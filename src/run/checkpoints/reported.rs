@@ -119,3 +119,59 @@ fn commit(tmp: &Path, dest: &Path) -> Result<PathBuf> {
     clear(tmp, intent.world);
     AtomicDir::adopt(dest).commit()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: usize) -> TrainerState {
+        serde_json::from_value(serde_json::json!({
+            "format": super::super::FORMAT_VERSION, "step": step, "samples_consumed": 8,
+            "seed": 1, "adam_step": step, "loss": 1.0, "world_size": 2,
+            "model_shape": {
+                "vocab_size": 8, "hidden_size": 4, "num_layers": 1, "num_heads": 1,
+                "num_kv_heads": 1, "intermediate_size": 8, "max_position_embeddings": 16,
+                "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
+                "init_std": 0.02, "attention": "sdpa"
+            },
+            "config": {}, "versions": {}
+        }))
+        .unwrap()
+    }
+
+    /// Rank `rank` writes `bytes` as `name` into `tmp` and reports it.
+    fn written(tmp: &Path, rank: usize, name: &str, bytes: &[u8]) {
+        fs::write(tmp.join(name), bytes).unwrap();
+        let sums = FileSums::from([(name.to_string(), FileSum::of_bytes(bytes))]);
+        write_report(tmp, rank, &sums).unwrap();
+    }
+
+    #[test]
+    fn only_a_save_every_rank_reported_with_its_files_intact_is_committed() {
+        let root = tempfile::tempdir().unwrap();
+        let tmp = root.path().join("step_4.tmp");
+        fs::create_dir(&tmp).unwrap();
+        write_intent(&tmp, 2, &state(4), &[("config.json", b"{}".to_vec())]).unwrap();
+        written(&tmp, 0, "optimizer-00001-of-00002.safetensors", b"zero");
+        // Rank 1 has not reported: nothing is committed.
+        assert!(commit_reported(root.path()).is_empty());
+        written(&tmp, 1, "optimizer-00002-of-00002.safetensors", b"one");
+        // A file that is not as reported: nothing is committed.
+        fs::write(tmp.join("optimizer-00002-of-00002.safetensors"), b"two").unwrap();
+        assert!(commit_reported(root.path()).is_empty());
+        assert!(tmp.is_dir());
+        fs::write(tmp.join("optimizer-00002-of-00002.safetensors"), b"one").unwrap();
+        let dest = root.path().join("step_4");
+        assert_eq!(commit_reported(root.path()), [dest.clone()]);
+        assert!(!tmp.exists());
+        let recorded = super::super::integrity::recorded(&dest).unwrap().unwrap();
+        assert_eq!(recorded.len(), 3, "{recorded:?}");
+        assert_eq!(super::super::read_state(&dest).unwrap().step, 4);
+        let pending: Vec<_> = fs::read_dir(&dest)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains("pending"))
+            .collect();
+        assert!(pending.is_empty(), "{pending:?}");
+    }
+}
