@@ -162,7 +162,7 @@ mod tests {
         assert!(tmp.is_dir());
         fs::write(tmp.join("optimizer-00002-of-00002.safetensors"), b"one").unwrap();
         let dest = root.path().join("step_4");
-        assert_eq!(commit_reported(root.path()), [dest.clone()]);
+        assert_eq!(commit_reported(root.path()), std::slice::from_ref(&dest));
         assert!(!tmp.exists());
         let recorded = super::super::integrity::recorded(&dest).unwrap().unwrap();
         assert_eq!(recorded.len(), 3, "{recorded:?}");
