@@ -4,7 +4,14 @@
 
 use clap::Parser;
 
+/// Before the shared libraries' constructors (see `lockstep::sys::cwd`).
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".preinit_array"]
+static STEP_OUT_OF_A_DELETED_CWD: extern "C" fn() = lockstep::sys::cwd::step_out;
+
 fn main() {
+    lockstep::sys::cwd::step_back();
     let cli = lockstep::cli::Cli::parse();
     if let Err(e) = lockstep::cli::run(cli) {
         let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() {

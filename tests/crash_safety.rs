@@ -82,6 +82,15 @@ fn expected_params() -> BTreeSet<String> {
 }
 
 /// `N` for a directory named exactly `step_N`.
+/// Commits what lockstep's next start would (`run::checkpoints::reported`): the newest step it
+/// committed.
+fn committed_now(ckpt: &Path) -> Option<usize> {
+    lockstep::run::checkpoints::reported::commit_reported(ckpt)
+        .iter()
+        .filter_map(|d| step_of(d.file_name()?.to_str()?))
+        .max()
+}
+
 fn step_of(name: &str) -> Option<usize> {
     let digits = name.strip_prefix("step_")?;
     (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
@@ -251,6 +260,15 @@ fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
             s.complete
         );
 
+        // A save the previous kill interrupted after every file and report was written (only
+        // the commit was left) is committed at the start, then resumed from.
+        let committed = out.lines().find_map(|l| {
+            let dir = l.split("Committed ").nth(1)?.split(": every rank").next()?;
+            dir.rsplit_once("step_")?.1.parse::<usize>().ok()
+        });
+        if committed.is_some() {
+            expected = committed;
+        }
         // This process resumed from what the previous kill left.
         if let Some(line) = out.lines().find(|l| l.contains("Resumed from ")) {
             let n = expected
@@ -274,7 +292,7 @@ fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
         // A partial save left by the previous kill was reported and not used.
         if had_partial && out.contains("Data: ") {
             assert!(
-                out.contains("Ignoring incomplete checkpoint"),
+                out.contains("Ignoring incomplete checkpoint") || committed.is_some(),
                 "kill {kill}: a step_N.tmp was not reported:\n{out}"
             );
             tmp_reported += 1;
@@ -309,8 +327,11 @@ fn sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint() {
     );
 
     // A final run without a kill resumes from the latest complete checkpoint, reports and
-    // ignores a planted half-written save of the next step, and replaces it.
-    let latest = expected.expect("some checkpoint after 100 kills");
+    // ignores a planted half-written save of the next step, and replaces it. (A save the last
+    // kill left with every file reported is committed first, as that run would.)
+    let latest = committed_now(&ckpt)
+        .max(expected)
+        .expect("some checkpoint after 100 kills");
     let planted = ckpt.join(format!("step_{}.tmp", latest + 1));
     fs::create_dir_all(&planted).unwrap();
     let good = fs::read(ckpt.join(format!("step_{latest}/model.safetensors"))).unwrap();
@@ -455,8 +476,11 @@ fn sigkill_during_two_rank_sharded_saves_never_leaves_a_checkpoint_resume_cannot
         mid_save >= SHARDED_KILLS / 6,
         "too few kills landed inside a save ({mid_save})"
     );
-    // A clean run continues from the latest complete checkpoint.
-    let latest = latest.expect("some checkpoint was saved");
+    // A clean run continues from the latest complete checkpoint (a save the last kill left
+    // with every rank's files reported is committed first, as that run would).
+    let latest = committed_now(&ckpt)
+        .max(latest)
+        .expect("some checkpoint was saved");
     let stop = (latest + 1).to_string();
     let out = common::ok(tmp.path(), &run(3, &["--stop-at-step", &stop]));
     assert!(

@@ -52,13 +52,35 @@ def torch_lib():
             f"{REQUIRED}: {FIX}"
         )
     lib = os.path.join(root, "lib")
-    if not os.path.isfile(os.path.join(lib, "libtorch_cpu.so")):
-        fail(
-            f"{os.path.join(lib, 'libtorch_cpu.so')} is missing: the torch {version} install in "
-            f"{sys.prefix} is broken; reinstall it: pip install --force-reinstall "
-            f'"torch=={REQUIRED}.*"'
-        )
+    for name in LINKED:
+        path = os.path.join(lib, name)
+        broken = library_problem(path)
+        if broken:
+            fail(
+                f"{path} is {broken}: the torch {version} install in {sys.prefix} is broken; "
+                f'reinstall it: pip install --force-reinstall "torch=={REQUIRED}.*"'
+            )
     return lib
+
+
+# The libraries of torch/lib that the binary links: checked before the loader meets them.
+LINKED = ("libtorch_cpu.so", "libc10.so")
+
+
+def library_problem(path):
+    """What is wrong with the shared library at ``path`` (None: it looks like one)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if not head:
+        return "empty (0 bytes)"
+    if head != b"\x7fELF":
+        return "not a shared library (no ELF header)"
+    return None
 
 
 def main():

@@ -152,6 +152,9 @@ choice! {
         Stop = "stop",
         /// Sleep `debug.fault_delay_ms` per step from then on: a straggler.
         Slow = "slow",
+        /// Exit with `debug.fault_exit_code` once this rank's part of the checkpoint being
+        /// written in the background is written and reported to rank 0.
+        ExitAfterSave = "exit_after_save",
     }
 }
 

@@ -182,6 +182,7 @@ pub struct DebugConfig {
     pub fault_step: usize,
     pub fault_exit_code: usize,
     pub fault_delay_ms: usize,
+    pub save_report_delay_ms: usize,
     pub inject_nan_at_step: usize,
     pub inject_nan_param: Option<String>,
     pub inject_oom: OomPhase,

@@ -22,12 +22,32 @@ pub struct DistEnv {
     pub restart_count: u64,
     /// Started by `lockstep run` (`LOCKSTEP_LAUNCHER`), whose launcher hosts the store.
     pub lockstep_launcher: bool,
+    /// A task started by srun (the layout from the SLURM_* variables).
+    pub slurm: bool,
     /// How the layout was derived when that is worth a log line (Slurm: the master address
     /// from the node list, the port from the job id).
     pub note: Option<String>,
 }
 
 impl DistEnv {
+    /// What to check when ranks never arrive at the rendezvous, for how this job was started.
+    pub fn missing_ranks_hint(&self) -> String {
+        if self.slurm {
+            format!(
+                "Slurm tasks start with srun: put `srun lockstep train …` in the batch script, \
+                 which starts all SLURM_NTASKS={} of them (run directly from the script, only \
+                 task 0 starts)",
+                self.place.world
+            )
+        } else {
+            format!(
+                "start every rank, each with its RANK, WORLD_SIZE={} and the same \
+                 MASTER_ADDR={} and MASTER_PORT={}",
+                self.place.world, self.master_addr, self.master_port
+            )
+        }
+    }
+
     /// Reads the process environment. `Ok(None)` when neither `RANK` nor `WORLD_SIZE` is set
     /// (a plain single-process run); an error naming the variable when they are inconsistent.
     pub fn from_env() -> Result<Option<DistEnv>> {
@@ -128,6 +148,7 @@ impl DistEnv {
             agent_store,
             restart_count,
             lockstep_launcher: get("LOCKSTEP_LAUNCHER").is_some(),
+            slurm: false,
             note: None,
         }))
     }
@@ -144,6 +165,7 @@ impl DistEnv {
             agent_store: false,
             restart_count: 0,
             lockstep_launcher: false,
+            slurm: true,
             note: Some(t.note),
         }))
     }
@@ -207,6 +229,7 @@ mod tests {
                 agent_store: false,
                 restart_count: 0,
                 lockstep_launcher: false,
+                slurm: false,
                 note: None,
             }
         );

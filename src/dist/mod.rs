@@ -44,9 +44,9 @@ pub mod store;
 pub mod versions;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 pub use env::DistEnv;
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
@@ -67,6 +67,68 @@ pub enum Backend {
     Ring,
     /// NCCL for tensors on this CUDA device; the ring for host scalars and barriers.
     Nccl { cuda_device: usize },
+}
+
+/// How long rank 0 waits at the rendezvous before it says which ranks have not arrived.
+const ROLL_CALL_NOTICE: Duration = Duration::from_secs(10);
+
+/// Every rank checks in at the store; rank 0 waits until all have. After [`ROLL_CALL_NOTICE`]
+/// it says which ranks are missing and how ranks are started (a batch script that ran
+/// `lockstep train` without srun starts task 0 only), and after `timeout` it fails with the
+/// same.
+fn roll_call(store: &Store, env: &DistEnv, timeout: Duration) -> Result<()> {
+    let prefix = format!("lockstep/{}/arrived/", env.restart_count);
+    let (rank, world) = (env.place.rank, env.place.world);
+    store.set(&format!("{prefix}{rank}"), b"1")?;
+    store.add(&format!("{prefix}count"), 1)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let missing = || -> Result<String> {
+        let mut absent = Vec::new();
+        for r in 1..world {
+            if !store.check(&[&format!("{prefix}{r}")])? {
+                absent.push(r.to_string());
+            }
+        }
+        let n = absent.len();
+        absent.truncate(8);
+        let more = match n.saturating_sub(8) {
+            0 => String::new(),
+            k => format!(" and {k} more"),
+        };
+        Ok(format!("rank {}{more} of {world}", absent.join(", ")))
+    };
+    let started = Instant::now();
+    let mut said = false;
+    while (store.add(&format!("{prefix}count"), 0)? as usize) < world {
+        let waited = started.elapsed();
+        if waited > timeout {
+            bail!(
+                "{} never arrived at the rendezvous on {}:{} within {} s \
+                 (system.collective_timeout_s); {}",
+                missing()?,
+                env.master_addr,
+                env.master_port,
+                timeout.as_secs(),
+                env.missing_ranks_hint()
+            );
+        }
+        if !said && waited >= ROLL_CALL_NOTICE {
+            said = true;
+            let tag = forensics::global().map_or_else(|| "[rank 0]".into(), |f| f.tag());
+            println!(
+                "{tag} Rendezvous: waiting for {} for {} s now (up to {} s, \
+                 system.collective_timeout_s); {}",
+                missing()?,
+                waited.as_secs(),
+                timeout.as_secs(),
+                env.missing_ranks_hint()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
 }
 
 /// Builds the process group for `env`: [`SingleProcess`] for a world of one; otherwise rank 0
@@ -101,6 +163,7 @@ pub fn init(env: &DistEnv, timeout: Duration, backend: Backend) -> Result<Box<dy
             )
         })?
     };
+    roll_call(&store, env, timeout)?;
     let cfg = RingConfig {
         // The agent store outlives worker restarts; namespacing by restart keeps a new attempt
         // from reading the dead attempt's addresses and sequence numbers.
@@ -218,6 +281,7 @@ mod tests {
                             agent_store: agent_restart.is_some(),
                             restart_count: agent_restart.unwrap_or(0),
                             lockstep_launcher: false,
+                            slurm: false,
                             note: None,
                         })
                     })

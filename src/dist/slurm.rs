@@ -123,6 +123,10 @@ fn expand_tasks_per_node(s: &str) -> Result<Vec<usize>> {
         let times: usize = times
             .parse()
             .with_context(|| format!("{s:?}: {part:?} has a bad repeat count"))?;
+        ensure!(
+            out.len().saturating_add(times) <= MAX_HOSTS,
+            "{s:?} lists more than {MAX_HOSTS} nodes"
+        );
         out.extend(std::iter::repeat_n(n, times));
     }
     Ok(out)
@@ -189,10 +193,19 @@ fn rendezvous<F: Fn(&str) -> Option<String>>(v: &Vars<'_, F>) -> Result<(String,
         Some(0) => bail!("MASTER_PORT=0: every task must be given the same real port"),
         Some(p) => (p, "MASTER_PORT from the environment".to_string()),
         None => {
-            let id: u64 = v.need(
-                "SLURM_JOB_ID",
-                "MASTER_PORT is not set either, so no port can be derived; set MASTER_PORT",
-            )?;
+            let id: u64 = v
+                .need(
+                    "SLURM_JOB_ID",
+                    "MASTER_PORT is not set either, so no port can be derived; set MASTER_PORT",
+                )
+                .map_err(|e| match v.str("SLURM_JOB_ID") {
+                    Some(_) => anyhow::anyhow!(
+                        "{e}: the rendezvous port is derived from it (15000 + its last four \
+                         digits) when MASTER_PORT is not set; set MASTER_PORT (the same on every \
+                         task) to bypass it"
+                    ),
+                    None => e,
+                })?;
             let p = port_from_job_id(id);
             let note = format!(
                 "MASTER_PORT={p} derived from SLURM_JOB_ID={id} (15000 + the job id's last four \
@@ -203,6 +216,11 @@ fn rendezvous<F: Fn(&str) -> Option<String>>(v: &Vars<'_, F>) -> Result<(String,
     };
     Ok((addr, port, format!("{addr_note}; {port_note}")))
 }
+
+/// The end of an error about Slurm variables that contradict each other.
+const DISAGREE: &str = ": the Slurm variables disagree (edited by the job script, or left over \
+     from another job?); start the tasks with srun, which sets them together, or unset the \
+     SLURM_* variables to run one process";
 
 /// One task's place in an `srun lockstep train` job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,24 +248,46 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
     );
     ensure!(
         rank < world_size,
-        "SLURM_PROCID={rank} is out of range for SLURM_NTASKS={world_size}"
+        "SLURM_PROCID={rank} is out of range for SLURM_NTASKS={world_size}{DISAGREE}"
     );
     let local_rank = v.num("SLURM_LOCALID")?.unwrap_or(0);
     let node = v.num::<usize>("SLURM_NODEID")?.unwrap_or(0);
+    let nnodes = v.num::<usize>("SLURM_NNODES")?;
+    if let Some(n) = nnodes {
+        ensure!(
+            node < n,
+            "SLURM_NODEID={node} is out of range for SLURM_NNODES={n}{DISAGREE}"
+        );
+    }
+    // The step's tasks-per-node list (srun's), else the job's; always there under srun.
+    let per_node = match ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+        .into_iter()
+        .find_map(|k| v.str(k).map(|s| (k, s)))
+    {
+        Some((k, s)) => {
+            let counts = expand_tasks_per_node(&s).with_context(|| format!("{k}={s:?}"))?;
+            let sum: usize = counts.iter().sum();
+            ensure!(
+                sum == world_size,
+                "SLURM_NTASKS={world_size} but {k}={s:?} adds up to {sum} tasks{DISAGREE}"
+            );
+            if let Some(n) = nnodes.filter(|&n| n != counts.len()) {
+                bail!(
+                    "SLURM_NNODES={n} but {k}={s:?} lists {} nodes{DISAGREE}",
+                    counts.len()
+                );
+            }
+            let here = *counts
+                .get(node)
+                .with_context(|| format!("{k}={s:?} has no entry for SLURM_NODEID={node}"))?;
+            Some(here)
+        }
+        None => None,
+    };
     let local_world_size = match v.num("SLURM_NTASKS_PER_NODE") {
         Ok(Some(n)) => n,
-        // SLURM_NTASKS_PER_NODE is only set when asked for (and may be "2(x3)"); the step's
-        // tasks-per-node list is always there.
-        _ => match ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
-            .into_iter()
-            .find_map(|k| v.str(k).map(|s| (k, s)))
-        {
-            Some((k, s)) => *expand_tasks_per_node(&s)
-                .with_context(|| format!("{k}={s:?}"))?
-                .get(node)
-                .with_context(|| format!("{k}={s:?} has no entry for SLURM_NODEID={node}"))?,
-            None => world_size,
-        },
+        // SLURM_NTASKS_PER_NODE is only set when asked for (and may be "2(x3)").
+        _ => per_node.unwrap_or(world_size),
     };
     ensure!(
         local_rank < local_world_size.max(1),
@@ -480,6 +520,57 @@ mod tests {
         assert!(with("SLURM_JOB_ID", "").contains("SLURM_JOB_ID is not set"));
         assert!(with("SLURM_JOB_NODELIST", "").contains("SLURM_JOB_NODELIST"));
         assert!(with("SLURM_JOB_NODELIST", "gpu[1-").contains("never closed"));
+    }
+
+    /// Issue 45 items 20, 21: variables that contradict each other are refused by name and
+    /// value, before anything is split by a task count that cannot be right.
+    #[test]
+    fn slurm_variables_that_disagree_are_refused_by_name() {
+        let with = |set: &[(&'static str, &'static str)]| {
+            let mut v: Vec<_> = TASK
+                .iter()
+                .filter(|(k, _)| set.iter().all(|(s, _)| s != k))
+                .copied()
+                .collect();
+            v.extend(set.iter().filter(|(_, val)| !val.is_empty()));
+            format!("{:#}", task_layout(&lookup(&v)).unwrap_err())
+        };
+        let e = with(&[
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NNODES", ""),
+            ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+        ]);
+        assert!(
+            e.contains("SLURM_NTASKS=1 but SLURM_TASKS_PER_NODE=\"2(x3),1\" adds up to 7 tasks")
+                && e.contains("start the tasks with srun"),
+            "{e}"
+        );
+        let e = with(&[("SLURM_NTASKS", "99999")]);
+        assert!(
+            e.contains("SLURM_NTASKS=99999 but SLURM_TASKS_PER_NODE=\"4(x2)\" adds up to 8"),
+            "{e}"
+        );
+        let e = with(&[("SLURM_NNODES", "3")]);
+        assert!(
+            e.contains("SLURM_NNODES=3 but SLURM_TASKS_PER_NODE=\"4(x2)\" lists 2 nodes"),
+            "{e}"
+        );
+        let e = with(&[("SLURM_NODEID", "2")]);
+        assert!(
+            e.contains("SLURM_NODEID=2 is out of range for SLURM_NNODES=2"),
+            "{e}"
+        );
+        assert!(with(&[("SLURM_PROCID", "8")]).contains("start the tasks with srun"));
+        assert!(with(&[("SLURM_TASKS_PER_NODE", "1(x99999999999)")]).contains("more than"));
+        let e = with(&[("SLURM_JOB_ID", "abc")]);
+        assert!(
+            e.contains("SLURM_JOB_ID=\"abc\" is not a valid non-negative integer")
+                && e.contains("set MASTER_PORT"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -268,6 +268,12 @@ fn culprit(reports: &[NodeReport]) -> Option<&FailureReport> {
 
 /// What a restart resumes from, and a phrase saying so.
 fn resume_target(policy: &RestartPolicy) -> (Option<PathBuf>, String) {
+    // A save every rank had reported when the workers stopped is complete: commit it first.
+    let committed = policy
+        .checkpoints
+        .as_deref()
+        .map(checkpoints::reported::commit_reported)
+        .unwrap_or_default();
     let latest = policy
         .checkpoints
         .as_deref()
@@ -276,8 +282,12 @@ fn resume_target(policy: &RestartPolicy) -> (Option<PathBuf>, String) {
         (Some((step, dir)), _) => (
             None,
             format!(
-                "from the latest complete checkpoint, {} (step {step})",
-                dir.display()
+                "from the latest complete checkpoint, {} (step {step}{})",
+                dir.display(),
+                match committed.contains(&dir) {
+                    true => ", committed now: every rank had written and reported its files",
+                    false => "",
+                }
             ),
         ),
         (None, Some(dir)) => (

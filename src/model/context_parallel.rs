@@ -676,6 +676,7 @@ mod tests {
                             agent_store: false,
                             restart_count: 0,
                             lockstep_launcher: false,
+                            slurm: false,
                             note: None,
                         };
                         let mut pg =

@@ -58,6 +58,14 @@ pub fn resume_target(
     let root = &checkpoint_dir(resolved);
     let lead = pg.rank() == 0;
     if lead {
+        // The launcher commits these before a restart; a run started again by hand does here.
+        for dir in checkpoints::reported::commit_reported(root) {
+            println!(
+                "{tag} Committed {}: every rank had written and reported its files when the \
+                 run stopped",
+                dir.display()
+            );
+        }
         for (stray, why) in checkpoints::strays(root) {
             match stray.extension().is_some_and(|e| e == "tmp") {
                 true => println!(

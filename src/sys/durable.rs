@@ -112,6 +112,15 @@ impl AtomicDir {
         Self::start(dest, Self::staging_of(dest), replaced)
     }
 
+    /// The staging directory `<dest>.tmp` an earlier process left, complete, to commit.
+    pub fn adopt(dest: &Path) -> AtomicDir {
+        AtomicDir {
+            dest: dest.to_path_buf(),
+            tmp: Self::staging_of(dest),
+            replaced: sibling(dest, ".replaced.tmp"),
+        }
+    }
+
     /// Like [`AtomicDir::begin`], staged in `<dest><suffix>`, a name of the caller's own (its
     /// process id in it, say): processes writing the same `dest` at once (two runs preparing
     /// one data cache entry) then never share the staging directory, nor the name an existing

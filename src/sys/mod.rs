@@ -3,6 +3,7 @@
 //!
 //! - [`ffi`]: the C++ shims' error convention, taking ownership of C strings, checked `dlopen`;
 //! - [`cuda`]: loading libtorch's CUDA backend on demand;
+//! - [`cwd`]: starting from a deleted working directory (oneMKL's constructor needs one);
 //! - [`libtorch`]: the loaded libtorch (path, version, build) and the start-up version check;
 //! - [`durable`]: fsync, and the atomic directory checkpoints and exports are written as;
 //! - [`machine`]: host memory, this process's resident memory, GPU memory and peak FLOP/s;
@@ -15,6 +16,7 @@
 //! - [`net`]: the one proxy rule of lockstep's HTTP clients (NO_PROXY, loopback).
 
 pub mod cuda;
+pub mod cwd;
 pub mod durable;
 pub mod ffi;
 pub mod libtorch;

@@ -89,8 +89,27 @@ impl Faults {
             FaultChoice::Stop => unsafe {
                 libc::raise(libc::SIGSTOP);
             },
-            FaultChoice::None | FaultChoice::Slow => {}
+            // Fired by `exit_after_save`, when a save is in flight.
+            FaultChoice::None | FaultChoice::Slow | FaultChoice::ExitAfterSave => {}
         }
+    }
+
+    /// Whether `debug.fault = exit_after_save` hits this rank at step `step`: the caller waits
+    /// for this rank's part of the save in flight to be reported, then, if there was one,
+    /// calls [`Self::exit_after_save`]. (A restart that resumes from that save has none in
+    /// flight at the step: the fault fires once.)
+    pub fn exits_after_save(&self, step: usize) -> bool {
+        self.fault == FaultChoice::ExitAfterSave
+            && self.fault_rank == self.rank
+            && self.fault_step == step
+    }
+
+    pub fn exit_after_save(&self, step: usize) -> ! {
+        eprintln!(
+            "{} debug.fault = {} injected at step {step}",
+            self.tag, self.fault
+        );
+        std::process::exit(self.fault_exit_code)
     }
 
     /// Where step `step`'s injected NaN goes (`debug.inject_nan_at_step`), once per run.

@@ -16,7 +16,9 @@ use crate::run::RunOptions;
 /// `lockstep run`'s variables (RANK, WORLD_SIZE, ...) are set.
 pub fn train_rank(resolved: &Resolved, opts: &RunOptions) -> Result<Summary> {
     let cfg = &resolved.config;
-    let Some(env) = DistEnv::from_env()? else {
+    // Variables that cannot describe a job are a usage error (exit 2), found before anything.
+    let env = DistEnv::from_env().map_err(|e| crate::config::ConfigError(format!("{e:#}")))?;
+    let Some(env) = env else {
         let rank = Rank::new(cfg, Place::SINGLE)?;
         return run_trainer(resolved, opts, rank, &mut SingleProcess);
     };

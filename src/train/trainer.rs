@@ -102,7 +102,8 @@ impl<'a> Trainer<'a> {
             .lead()
             .then(|| RunDir::claim_checkpoints(&checkpoints, &run_dir))
             .transpose()?;
-        let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?;
+        let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?
+            .delay_reports(cfg.debug.save_report_delay_ms);
         let resume_dir = run::resume_target(resolved, opts.resume.as_ref(), &rank.tag, pg)?;
 
         // Before anything of the model's size is allocated, and without `model.model_path`
@@ -219,6 +220,9 @@ impl<'a> Trainer<'a> {
         while self.state.step < self.last_step {
             let step = self.state.step + 1; // 1-based: the step being taken
             phase::enter(Phase::Data);
+            if self.faults.exits_after_save(step) && self.checkpointer.wait_written() {
+                self.faults.exit_after_save(step);
+            }
             self.faults.at_step_start(step);
             let plan = StepPlan {
                 lr: self.schedule.lr(self.state.step) * self.state.lr_scale,

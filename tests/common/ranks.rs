@@ -27,6 +27,7 @@ pub fn each_rank<T: Send>(world: usize, f: impl Fn(&mut dyn ProcessGroup) -> T +
                         agent_store: false,
                         restart_count: 0,
                         lockstep_launcher: false,
+                        slurm: false,
                         note: None,
                     };
                     let mut pg = dist::init(&env, Duration::from_secs(60), Backend::Ring).unwrap();

@@ -203,6 +203,11 @@ impl Forensics {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The rank's tag (`[GPU3]`), as its lines start.
+    pub fn tag(&self) -> String {
+        self.lock().tag.clone()
+    }
+
     pub fn set_phase(&self, phase: Phase) {
         let mut s = self.lock();
         if s.snap.phase == phase {

@@ -5,6 +5,7 @@
 //! checkpoint is written and loaded is `train::checkpoint`.
 
 mod integrity;
+pub mod reported;
 
 use std::fs;
 use std::path::{Path, PathBuf};

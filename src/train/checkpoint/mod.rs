@@ -58,7 +58,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
@@ -108,6 +108,8 @@ pub struct Checkpointer {
     said_sync: bool,
     /// Ends the writer's waits for other ranks when the run stops with an error.
     give_up: Arc<GiveUp>,
+    /// `debug.save_report_delay_ms`.
+    report_delay: Duration,
 }
 
 /// A save being written by the writer thread.
@@ -156,7 +158,23 @@ impl Checkpointer {
             last: None,
             said_sync: false,
             give_up: Arc::default(),
+            report_delay: Duration::ZERO,
         })
+    }
+
+    /// `debug.save_report_delay_ms`: every save's reports (rank 0: its commit) wait `ms`.
+    pub fn delay_reports(mut self, ms: usize) -> Checkpointer {
+        self.report_delay = Duration::from_millis(ms as u64);
+        self
+    }
+
+    /// Waits until this rank's part of the save in flight, if any, is written and reported
+    /// (`debug.fault = exit_after_save`); its outcome is kept for `poll`/`settle`. Returns
+    /// whether a save was in flight.
+    pub fn wait_written(&mut self) -> bool {
+        let in_flight = self.in_flight.is_some();
+        self.harvest();
+        in_flight
     }
 
     pub fn root(&self) -> &Path {
@@ -371,6 +389,7 @@ impl Checkpointer {
             files: files.rank_files(&mine),
             commit,
             reports,
+            report_delay: self.report_delay,
         })
     }
 
@@ -427,7 +446,7 @@ impl Checkpointer {
 impl Drop for Checkpointer {
     fn drop(&mut self) {
         if let Some(f) = self.in_flight.take() {
-            self.give_up.after(std::time::Duration::from_secs(30));
+            self.give_up.after(Duration::from_secs(30));
             if let Ok(Ok(Some(dir))) = f.handle.join() {
                 println!(
                     "{} Checkpoint saved: {} (written in the background in {:.2} s)",

@@ -18,6 +18,10 @@
 //! killed (SIGKILL, the OOM killer, its node lost) never reports, and its stopped beat lets the
 //! others abandon the save within seconds instead of holding the exit for the whole grace.
 //!
+//! The same reports are left in the staging directory (`run::checkpoints::reported`), so a
+//! save every rank finished is committed by the next start when rank 0 was killed before its
+//! commit.
+//!
 //! Each rank hashes a file right after writing it, while its pages are still cached (on the
 //! writer thread for a background save), and rank 0 records every file's checksum in
 //! trainer.json (`integrity`).
@@ -35,7 +39,7 @@ use tch::{Device, Tensor};
 
 use super::Keep;
 use crate::dist::store::Store;
-use crate::run::checkpoints::{self, FileSum, FileSums, TrainerState};
+use crate::run::checkpoints::{self, reported, FileSum, FileSums, TrainerState};
 use crate::sys::durable::{sync_and_release, write_synced, AtomicDir};
 use crate::tensor_io;
 
@@ -76,6 +80,9 @@ pub(super) struct SaveJob {
     pub commit: Option<Commit>,
     /// None for a single process.
     pub reports: Option<Reports>,
+    /// `debug.save_report_delay_ms`: a wait between writing this rank's files and reporting
+    /// them (rank 0: between the last report and the commit).
+    pub report_delay: Duration,
 }
 
 impl SaveJob {
@@ -84,9 +91,14 @@ impl SaveJob {
     /// into place (returning it). Any failure leaves no `dest` and the earlier checkpoints
     /// as they were.
     pub fn run(mut self) -> Result<Option<PathBuf>> {
+        let rank = self.reports.as_ref().map_or(0, |r| r.rank);
+        let world = self.reports.as_ref().map_or(1, |r| r.world);
         let staging = match &self.commit {
-            Some(_) => {
-                let begun = begin_save(&self.root, &self.dest);
+            Some(c) => {
+                let begun = begin_save(&self.root, &self.dest).and_then(|dir| {
+                    reported::write_intent(dir.path(), world, &c.state, &c.lead)?;
+                    Ok(dir)
+                });
                 if let Some(r) = &self.reports {
                     r.set("start", begun.as_ref().map(|_| String::new()))?;
                 }
@@ -108,7 +120,14 @@ impl SaveJob {
             .files
             .iter()
             .map(|f| f.write(&dir))
-            .collect::<Result<FileSums>>();
+            .collect::<Result<FileSums>>()
+            .and_then(|sums| {
+                if rank > 0 {
+                    std::thread::sleep(self.report_delay);
+                }
+                reported::write_report(&dir, rank, &sums)?;
+                Ok(sums)
+            });
         let (Some(staging), Some(commit)) = (staging, self.commit) else {
             let mut r = self.reports.expect("ranks beyond 0 report");
             let report = written
@@ -133,7 +152,8 @@ impl SaveJob {
             }
             (Err(e), _) | (_, Err(e)) => return Err(abandon(staging, e)),
         };
-        finish_save(staging, commit, sums, &self.root).map(Some)
+        std::thread::sleep(self.report_delay);
+        finish_save(staging, commit, sums, world, &self.root).map(Some)
     }
 }
 
@@ -438,8 +458,10 @@ fn finish_save(
     staging: AtomicDir,
     commit: Commit,
     mut sums: FileSums,
+    world: usize,
     root: &Path,
 ) -> Result<PathBuf> {
+    reported::clear(staging.path(), world);
     let written = commit.lead.iter().try_for_each(|(name, bytes)| {
         sums.insert(name.to_string(), FileSum::of_bytes(bytes));
         write_synced(&staging.path().join(name), bytes)
