@@ -332,7 +332,6 @@ const STILL_EXEMPT: &[&str] = &[
     "dist/forensics/mod.rs",
     "launch/mod.rs",
     "plan/mod.rs",
-    "train/optim/mod.rs",
 ];
 
 #[test]
