@@ -3,6 +3,7 @@
 //! names the layer (file, preset or flag) the bad key came from.
 
 mod choices;
+mod error;
 mod mesh;
 pub mod presets;
 pub mod schema;
@@ -15,6 +16,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 pub use choices::*;
+pub use error::ConfigError;
 pub use mesh::MeshShape;
 pub use secrets::{Credentials, Secrets};
 pub use types::*;
@@ -23,11 +25,6 @@ pub use validate::{
     tensor_parallel_splits, world_notes, MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX,
     MLFLOW_RUN_NAME_MAX,
 };
-
-/// A config problem the user must fix; `main` maps it to exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))

@@ -1,7 +1,7 @@
 //! Presets embedded from `config/presets/*.json`; each overrides only what differs from the
 //! schema defaults.
 
-use super::ConfigError;
+use super::error::ConfigError;
 
 pub const DEFAULT: &str = "production";
 

@@ -1,7 +1,8 @@
 //! Checks that need more than one key or a range: each error names the key(s), the value(s) and
 //! what would be allowed.
 
-use super::{Config, ConfigError, DeviceChoice, DistBackendChoice};
+use super::error::ConfigError;
+use super::{Config, DeviceChoice, DistBackendChoice};
 
 pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut problems = Vec::new();

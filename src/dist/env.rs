@@ -105,7 +105,7 @@ impl DistEnv {
                 "MASTER_ADDR is not set but WORLD_SIZE={world_size}: every rank needs the host \
                  of the rendezvous store"
             ),
-            _ => super::SINGLE_RANK_ADDR.to_owned(),
+            _ => super::single_rank::SINGLE_RANK_ADDR.to_owned(),
         };
         let master_port = match get("MASTER_PORT") {
             Some(s) => {
@@ -122,7 +122,7 @@ impl DistEnv {
                 "MASTER_PORT is not set but WORLD_SIZE={world_size}: every rank needs the port \
                  of the rendezvous store"
             ),
-            None => super::SINGLE_RANK_PORT,
+            None => super::single_rank::SINGLE_RANK_PORT,
         };
         let agent_store = match get("TORCHELASTIC_USE_AGENT_STORE") {
             None => false,

@@ -39,6 +39,7 @@ pub mod nccl;
 pub mod overlap;
 pub mod place;
 pub mod ring;
+pub mod single_rank;
 pub mod slurm;
 pub mod store;
 pub mod versions;
@@ -53,12 +54,8 @@ pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 pub use mesh::{Mesh, MeshGroups};
 pub use place::{NodePlace, Place};
 pub use ring::{RingConfig, RingGroup};
+pub(crate) use single_rank::SINGLE_RANK_ADDR;
 pub use store::{free_port, Store, StoreError, StoreErrorKind};
-
-/// The rendezvous address and port of a job of one rank, where nothing connects (torchrun's
-/// defaults); `env` and `slurm` both use them.
-pub(crate) const SINGLE_RANK_ADDR: &str = "127.0.0.1";
-pub(crate) const SINGLE_RANK_PORT: u16 = 29500;
 
 /// Which collectives carry the tensors of a multi-rank group (`system.dist_backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

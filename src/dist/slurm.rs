@@ -297,8 +297,8 @@ pub fn task_layout(get: &impl Fn(&str) -> Option<String>) -> Result<Option<TaskL
         rendezvous(&v)?
     } else {
         (
-            super::SINGLE_RANK_ADDR.to_owned(),
-            super::SINGLE_RANK_PORT,
+            super::single_rank::SINGLE_RANK_ADDR.to_owned(),
+            super::single_rank::SINGLE_RANK_PORT,
             "one task: no rendezvous".to_owned(),
         )
     };

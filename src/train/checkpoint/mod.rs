@@ -72,15 +72,8 @@ use crate::dist::ProcessGroup;
 use crate::model::{hf, LlamaShape};
 use crate::run::checkpoints::{self, numbered_name, TrainerState, INDEX};
 use crate::tensor_io::SafeFile;
+pub use writer::Keep;
 use writer::{Commit, FileJob, GiveUp, Reports, SaveJob, Staging};
-
-/// Which complete `step_N` checkpoints survive a save: the last `last`, and those whose step
-/// is a multiple of `every` (0 = none).
-#[derive(Debug, Clone, Copy)]
-pub struct Keep {
-    pub last: usize,
-    pub every: usize,
-}
 
 /// Where and when a run saves: `checkpoint.dir` (default `<run dir>/checkpoints`), every
 /// `checkpoint.interval` steps and at the end, keeping `checkpoint.keep_last` and every

@@ -37,11 +37,18 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
-use super::Keep;
 use crate::dist::store::Store;
 use crate::run::checkpoints::{self, reported, FileSum, FileSums, TrainerState};
 use crate::sys::durable::{sync_and_release, write_synced, AtomicDir};
 use crate::tensor_io;
+
+/// Which complete `step_N` checkpoints survive a save: the last `last`, and those whose step
+/// is a multiple of `every` (0 = none).
+#[derive(Debug, Clone, Copy)]
+pub struct Keep {
+    pub last: usize,
+    pub every: usize,
+}
 
 /// One safetensors file of a checkpoint.
 pub(super) struct FileJob {
