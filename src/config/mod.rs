@@ -148,8 +148,7 @@ pub fn resolve(src: &Sources) -> Result<Resolved, ConfigError> {
     if let Some(n) = src.max_steps {
         // The flag is checked as `--set training.max_steps=N` is (`--max-steps 0` was taken).
         let spec = known_key("training.max_steps", "--max-steps")?;
-        let value = Value::from(n);
-        check_kind(spec, &value, &format!("--max-steps {n}"))?;
+        let value = check_kind(spec, Value::from(n), &format!("--max-steps {n}"))?;
         set_path(&mut merged, spec.key, value);
     }
 
@@ -254,8 +253,8 @@ fn check_entries(
             continue;
         }
         let spec = known_key(key, origin)?;
-        check_kind(spec, &value, origin)?;
-        set_path(out, spec.key, spec.kind.normalized(value));
+        let value = check_kind(spec, value, origin)?;
+        set_path(out, spec.key, value);
     }
     Ok(())
 }
@@ -273,14 +272,15 @@ fn suggestion_suffix(key: &str) -> String {
     schema::suggest(key).map_or_else(String::new, |s| format!(" (did you mean \"{s}\"?)"))
 }
 
-fn check_kind(spec: &schema::KeySpec, value: &Value, origin: &str) -> Result<(), ConfigError> {
+/// `value` checked against `spec`'s kind, as the typed config reads it (`Kind::normalized`).
+fn check_kind(spec: &schema::KeySpec, value: Value, origin: &str) -> Result<Value, ConfigError> {
     match spec.kind {
-        _ if spec.kind.accepts(value) => Ok(()),
+        _ if spec.kind.accepts(&value) => Ok(spec.kind.normalized(value)),
         // A list of records: name the entry and field at fault rather than print the whole list.
         schema::Kind::Records(_) if value.is_array() => err(format!(
             "{origin}: {}{}",
             spec.key,
-            spec.kind.problem(value).unwrap_or_default()
+            spec.kind.problem(&value).unwrap_or_default()
         )),
         // `--set key=value` already names the key and the value.
         _ if origin.starts_with("--") => {
@@ -326,8 +326,7 @@ fn parse_set(set: &str) -> Result<(&'static str, Value), ConfigError> {
         }),
         _ => serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string())),
     };
-    check_kind(spec, &value, &origin)?;
-    Ok((spec.key, spec.kind.normalized(value)))
+    Ok((spec.key, check_kind(spec, value, &origin)?))
 }
 
 fn unquote(raw: &str) -> String {

@@ -53,24 +53,23 @@ impl Mesh {
             world.is_multiple_of(tensor * context) && rank < world,
             "internal: mesh of {world} ranks with T = {tensor}, C = {context}"
         );
-        let shape = MeshShape {
-            world,
-            tensor,
-            context,
-            shard_degree: shard,
-        };
-        let (replicas, shard) = (shape.replicas(), shape.shard());
-        assert!(
-            replicas.is_multiple_of(shard),
-            "internal: shard groups of {shard} among {replicas} replicas"
-        );
-        Mesh {
+        let mut mesh = Mesh {
             rank,
             world,
             tensor,
             context,
             shard,
+        };
+        let replicas = mesh.replicas();
+        if shard == 0 {
+            mesh.shard = replicas;
         }
+        assert!(
+            replicas.is_multiple_of(mesh.shard),
+            "internal: shard groups of {} among {replicas} replicas",
+            mesh.shard
+        );
+        mesh
     }
 
     /// D: the data-parallel ranks, each reading its own samples.

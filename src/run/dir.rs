@@ -11,7 +11,6 @@
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -254,15 +253,11 @@ fn refuse_links_outside(dir: &Path, kind: Kind) -> Result<()> {
 
 /// flock(LOCK_EX | LOCK_NB): Ok(false) when another open file description holds it.
 fn try_lock(file: &File) -> Result<bool> {
-    // SAFETY: flock on a file descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
+    match crate::sys::flock(file, libc::LOCK_EX | libc::LOCK_NB) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        Err(e) => Err(e).context("cannot lock the run directory"),
     }
-    let err = std::io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        return Ok(false);
-    }
-    Err(err).context("cannot lock the run directory")
 }
 
 /// "pid 1234 on host gpu01, started 12 s ago" from the lock file's contents.

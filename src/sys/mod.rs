@@ -13,7 +13,8 @@
 //! - [`lower_thread_priority`]: a background thread that takes only idle CPU time;
 //! - [`count`]: a count for people (12.3k, 4.56M);
 //! - [`hostname`]: this machine's name, fit for a file name;
-//! - [`net`]: the one proxy rule of lockstep's HTTP clients (NO_PROXY, loopback).
+//! - [`net`]: the one proxy rule of lockstep's HTTP clients (NO_PROXY, loopback);
+//! - [`flock`]: an advisory lock on an open file (the run directory's, a checkpoint's reader).
 
 pub mod cuda;
 pub mod cwd;
@@ -25,6 +26,17 @@ pub mod net;
 pub mod nvml;
 pub mod oom;
 pub mod phase;
+
+/// `flock(2)` on `file` with `op` (`LOCK_SH`, `LOCK_EX`, `| LOCK_NB`); a lock held elsewhere
+/// under `LOCK_NB` is the error `EWOULDBLOCK`.
+pub fn flock(file: &std::fs::File, op: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor `file` owns.
+    match unsafe { libc::flock(file.as_raw_fd(), op) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
 
 /// A write to a closed pipe ends the process quietly (SIGPIPE's default action), as it does a
 /// shell tool, instead of failing the write: for commands whose output is all they do.

@@ -174,7 +174,8 @@ pub fn hold(dir: &Path) -> Result<Option<Hold>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
     };
-    flock(&file, libc::LOCK_SH).with_context(|| format!("{}: cannot lock", path.display()))?;
+    crate::sys::flock(&file, libc::LOCK_SH)
+        .with_context(|| format!("{}: cannot lock", path.display()))?;
     // Rotation renames a checkpoint before deleting it, holding LOCK_EX: once this lock is
     // granted, the checkpoint is still in place or already gone, never going.
     use std::os::unix::fs::MetadataExt;
@@ -190,7 +191,7 @@ pub fn hold(dir: &Path) -> Result<Option<Hold>> {
 pub fn remove(dir: &Path) -> Result<bool> {
     let fail = || format!("{}: cannot delete an old checkpoint", dir.display());
     let lock = fs::File::open(dir.join("trainer.json")).with_context(fail)?;
-    match flock(&lock, libc::LOCK_EX | libc::LOCK_NB) {
+    match crate::sys::flock(&lock, libc::LOCK_EX | libc::LOCK_NB) {
         Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => return Ok(false),
         r => r.with_context(fail)?,
     }
@@ -200,15 +201,6 @@ pub fn remove(dir: &Path) -> Result<bool> {
         .and_then(|()| fs::remove_dir_all(&doomed))
         .with_context(fail)?;
     Ok(true)
-}
-
-fn flock(file: &fs::File, op: i32) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor `file` owns.
-    match unsafe { libc::flock(file.as_raw_fd(), op) } {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
-    }
 }
 
 /// Checks, before any state is touched, that `dir` can be loaded: trainer.json parses and is

@@ -61,11 +61,26 @@ pub fn write_report(staging: &Path, rank: usize, sums: &FileSums) -> Result<()> 
     write_synced(&staging.join(report_name(rank)), &serde_json::to_vec(sums)?)
 }
 
-/// Rank 0 at the commit: the pending files go before the rename.
-pub fn clear(staging: &Path, world: usize) {
+/// What completes a save in `staging` once every one of `world` ranks' files is durable (`sums`:
+/// what each wrote), written one way by rank 0's commit and by [`commit_reported`]: the `lead`
+/// files (rank 0's own), trainer.json with `state` and every file's checksum; then the pending
+/// files go, so a committed checkpoint holds none. The rename into place is the caller's.
+pub fn complete<'a>(
+    staging: &Path,
+    world: usize,
+    state: &TrainerState,
+    lead: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    mut sums: FileSums,
+) -> Result<()> {
+    for (name, bytes) in lead {
+        sums.insert(name.to_string(), FileSum::of_bytes(bytes));
+        write_synced(&staging.join(name), bytes)?;
+    }
+    write_synced(&staging.join("trainer.json"), &trainer_json(state, &sums)?)?;
     for name in (0..world).map(report_name).chain([COMMIT.to_string()]) {
         let _ = fs::remove_file(staging.join(name));
     }
+    Ok(())
 }
 
 /// Commits every `step_N.tmp` under `root` whose every rank reported its files and whose files
@@ -108,15 +123,8 @@ fn commit(tmp: &Path, dest: &Path) -> Result<PathBuf> {
             tmp.display()
         );
     }
-    for (name, text) in &intent.lead {
-        sums.insert(name.clone(), FileSum::of_bytes(text.as_bytes()));
-        write_synced(&tmp.join(name), text.as_bytes())?;
-    }
-    write_synced(
-        &tmp.join("trainer.json"),
-        &trainer_json(&intent.state, &sums)?,
-    )?;
-    clear(tmp, intent.world);
+    let lead = intent.lead.iter().map(|(n, t)| (n.as_str(), t.as_bytes()));
+    complete(tmp, intent.world, &intent.state, lead, sums)?;
     AtomicDir::adopt(dest).commit()
 }
 

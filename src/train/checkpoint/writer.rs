@@ -39,7 +39,7 @@ use tch::{Device, Tensor};
 
 use crate::dist::store::Store;
 use crate::run::checkpoints::{self, reported, FileSum, FileSums, TrainerState};
-use crate::sys::durable::{sync_and_release, write_synced, AtomicDir};
+use crate::sys::durable::{sync_and_release, AtomicDir};
 use crate::tensor_io;
 
 /// Which complete `step_N` checkpoints survive a save: the last `last`, and those whose step
@@ -464,19 +464,12 @@ fn abandon(staging: AtomicDir, e: anyhow::Error) -> anyhow::Error {
 fn finish_save(
     staging: AtomicDir,
     commit: Commit,
-    mut sums: FileSums,
+    sums: FileSums,
     world: usize,
     root: &Path,
 ) -> Result<PathBuf> {
-    reported::clear(staging.path(), world);
-    let written = commit.lead.iter().try_for_each(|(name, bytes)| {
-        sums.insert(name.to_string(), FileSum::of_bytes(bytes));
-        write_synced(&staging.path().join(name), bytes)
-    });
-    let written = written.and_then(|()| {
-        let trainer = checkpoints::trainer_json(&commit.state, &sums)?;
-        write_synced(&staging.path().join("trainer.json"), &trainer)
-    });
+    let lead = commit.lead.iter().map(|(n, b)| (*n, b.as_slice()));
+    let written = reported::complete(staging.path(), world, &commit.state, lead, sums);
     if let Err(e) = written {
         return Err(abandon(staging, e));
     }
