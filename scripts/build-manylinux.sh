@@ -1,35 +1,11 @@
 #!/usr/bin/env bash
-# The release binary for manylinux_2_28 (glibc 2.28 = RHEL/Rocky 8; libstdc++ of GCC 8), built on
-# a newer machine: cargo-zigbuild links the Rust side against zig's glibc 2.28 stubs, the C++
-# (torch-sys's libtch, csrc/) is still compiled by GNU g++ with libstdc++'s headers and the
-# C++11 ABI, libtorch's own. csrc/glibc_compat.cpp covers what newer headers make that code ask
-# for; scripts/check-manylinux.sh checks the result. Tools from PyPI (ziglang, cargo-zigbuild),
-# in their own venv. Extra arguments go to cargo (e.g. --tests, --test train_cli).
+# The release binary for manylinux_2_28, built on a newer machine with cargo-zigbuild (how, and
+# why each flag: scripts/manylinux-env.sh), then checked by scripts/check-manylinux.sh. Extra
+# arguments go to cargo (e.g. --bin lockstep). scripts/test.sh builds the same artifacts (the
+# suite runs against the binary the wheel ships), so after it this is a no-op but the check.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-TOOLS="${LOCKSTEP_ZIG_TOOLS:-$CARGO_TARGET_DIR/zig-tools}"
-if [ ! -x "$TOOLS/bin/cargo-zigbuild" ]; then
-  python3 -m venv "$TOOLS"
-  "$TOOLS/bin/pip" install -q ziglang==0.17.1 cargo-zigbuild==0.24.1
-fi
-export CARGO_ZIGBUILD_ZIG_PATH="$("$TOOLS/bin/python" -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')"
-TORCH_LIB="$(python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
-# torch-sys asks for -lgomp; zig searches no system directory and the wheel ships only
-# libgomp.so.1 (--as-needed drops it again: nothing refers to it).
-mkdir -p "$CARGO_TARGET_DIR/manylinux-lib"
-ln -sf "$TORCH_LIB/libgomp.so.1" "$CARGO_TARGET_DIR/manylinux-lib/libgomp.so"
-# C++ with GNU g++ and libstdc++'s headers, not zig's clang and libc++.
-export CXX_x86_64_unknown_linux_gnu=g++
-# No -lstdc++ from the cc crate (zig reads it as its own libc++): libstdc++ by its full path.
-export CXXSTDLIB_x86_64_unknown_linux_gnu=
-LIBSTDCXX="$(g++ -print-file-name=libstdc++.so.6)"
-LIBGCC_S="$(g++ -print-file-name=libgcc_s.so.1)"
-# --allow-shlib-undefined: this machine's libstdc++.so.6 refers to glibc 2.3x symbols that the
-# 2.28 stubs lack; at run time the target's own libstdc++ is loaded, and the check below keeps
-# what *this* binary asks of it within GLIBCXX_3.4.24. libgcc_s by path: the one unwinder for
-# Rust and C++ (cargo-zigbuild turns rustc's -lgcc_s into zig's static libunwind).
-export RUSTFLAGS="${RUSTFLAGS:-} -L native=$CARGO_TARGET_DIR/manylinux-lib -C link-arg=$LIBSTDCXX -C link-arg=$LIBGCC_S -C link-arg=-Wl,--allow-shlib-undefined"
-"$TOOLS/bin/cargo-zigbuild" zigbuild --release --target x86_64-unknown-linux-gnu.2.28 "$@"
+source scripts/manylinux-env.sh
+zigcargo zigbuild --release "$@"
 bash scripts/check-manylinux.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds target/wheels/lockstep-<version>-py3-none-<platform>.whl: the release binary linked
-# against glibc 2.28 (scripts/build-manylinux.sh: cargo-zigbuild; ~7 min the first time), debug
+# against glibc 2.28 (scripts/build-manylinux.sh: cargo-zigbuild; ~7 min the first time, nothing
+# to build after scripts/test.sh, which builds and tests that same binary), debug
 # info stripped, symbols kept for backtraces, inside the `lockstep` Python package, with the
 # launcher that finds this environment's torch (python/lockstep/__main__.py), the `lockstep`
 # command, `Requires-Dist: torch==2.11.*` and the extra `lockstep[wandb]`.
