@@ -10,7 +10,7 @@ use std::fs;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use common::{fails, ok, run, small, with, write_corpus};
+use common::{cmd, fails, ok, output_text, run, small, snapshot, with, write_corpus};
 
 /// The directories under `root`, sorted.
 fn names(root: &Path) -> Vec<String> {
@@ -339,4 +339,66 @@ fn unverified_and_stray_checkpoints_are_named_with_the_cause() {
         "missing {missing:#?} in:\n{text}\n{read}\n{none}"
     );
     assert!(!text.contains("a save was interrupted"), "{text}");
+}
+
+#[test]
+fn resuming_a_checkpoint_of_another_shape_names_the_difference_and_keeps_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("train", &base, &["--max-steps", "2"]));
+    let ckpts = tmp.path().join("runs/tiny/checkpoints");
+    let before = snapshot(&ckpts);
+    let metrics = fs::read(tmp.path().join("runs/tiny/metrics.jsonl")).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &[
+                "--set",
+                "model.hidden_size=128",
+                "--max-steps",
+                "4",
+                "--resume",
+                "auto",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "runs/tiny/checkpoints/step_2: the checkpoint is of another model shape",
+            "hidden_size: checkpoint 64 vs config 128",
+            "resume with the config it was trained with",
+        ],
+    );
+    assert!(snapshot(&ckpts) == before, "the checkpoints are unchanged");
+    assert!(fs::read(tmp.path().join("runs/tiny/metrics.jsonl")).unwrap() == metrics);
+}
+
+/// A resume refused on the shape check leaves the run's `config.json` as it was: the trainer
+/// writes into the run directory only once the start is accepted.
+#[test]
+fn failed_resume_keeps_the_runs_config_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let base = small(&corpus);
+    ok(tmp.path(), &cmd("train", &base, &["--max-steps", "2"]));
+    let config = tmp.path().join("runs/tiny/config.json");
+    let before = fs::read(&config).unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &base,
+            &["--set", "model.hidden_size=128", "--resume", "auto"],
+        ),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
+    assert!(
+        fs::read(&config).unwrap() == before,
+        "config.json was replaced"
+    );
 }

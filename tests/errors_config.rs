@@ -7,7 +7,7 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{fails, ok, run, small, with, write_corpus};
+use common::{cmd, fails, ok, run, small, snapshot, with, write_corpus};
 
 /// Nothing of a run exists: no run directory, no data cache.
 fn nothing_created(dir: &Path) {
@@ -441,4 +441,98 @@ fn zero_stages_with_one_replica_are_warned_about() {
         &["system.tensor_parallel=2", "system.zero_stage=3"],
     );
     assert!(!common::output_text(&out).contains("saves no memory"));
+}
+
+#[test]
+fn malformed_json_config_exits_2_and_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("bad.json"),
+        "{\"training\": {\"learning_rate\": 1e-3,}}\n",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "bad.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "bad.json: not valid JSON at line 1, column 37",
+            "trailing comma",
+            "fix the syntax (JSON allows no comments or trailing commas)",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+#[test]
+fn unknown_key_in_a_config_file_exits_2_with_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("typo.json"),
+        "{\"training\": {\"lerning_rate\": 1e-3}}",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "typo.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "typo.json: unknown config key \"training.lerning_rate\"",
+            "(did you mean \"training.learning_rate\"?)",
+            "`lockstep config --keys` lists all keys",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+/// `system.shard_degree` that does not divide the ranks, or hybrid sharding at zero stage 0:
+/// every rank refuses at start-up with exit code 2, naming the key, before a run directory is
+/// written.
+#[test]
+fn a_shard_degree_that_does_not_fit_the_ranks_exits_2_naming_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    for (sets, says) in [
+        (
+            ["system.zero_stage=3", "system.shard_degree=3"],
+            "system.shard_degree = 3: must divide the number of ranks, 2",
+        ),
+        (
+            ["system.zero_stage=0", "system.shard_degree=1"],
+            "system.shard_degree = 1 shards the training state at zero_stage >= 1",
+        ),
+    ] {
+        let out = run(
+            dir,
+            &cmd(
+                "run",
+                &base,
+                &[
+                    "--cpu",
+                    "--nproc",
+                    "2",
+                    "--max-steps",
+                    "1",
+                    "--set",
+                    sets[0],
+                    "--set",
+                    sets[1],
+                ],
+            ),
+        );
+        fails(&out, 2, &[says]);
+        assert!(
+            !dir.join("runs/tiny/config.json").exists(),
+            "nothing written into the run directory"
+        );
+    }
 }

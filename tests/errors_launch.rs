@@ -9,8 +9,8 @@ use std::path::Path;
 use std::process::Command;
 
 use common::{
-    assert_bitwise_equal_checkpoints, fails, lockstep, ok, output_text, python, root, run, small,
-    with, write_corpus,
+    assert_bitwise_equal_checkpoints, cmd, fails, lockstep, ok, output_text, python, root, run,
+    small, with, write_corpus,
 };
 
 /// The `step_*` entries of a checkpoint directory, complete or not, sorted.
@@ -321,4 +321,112 @@ fn version_and_env_work_from_a_deleted_working_directory() {
     );
     let out = from_gone("train --preset tiny --max-steps 1");
     fails(&out, 1, &["cannot create run directory runs/tiny"]);
+}
+
+#[test]
+fn master_port_in_use_exits_1_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let busy = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "1",
+                "--master-port",
+                &port,
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            &format!("--master-port {port}: address 127.0.0.1:{port} is already in use"),
+            "choose another port or 0 for a free one",
+        ],
+    );
+    // No worker ran: no per-rank logs, no run directory.
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    drop(busy);
+}
+
+#[test]
+fn nccl_for_cpu_workers_exits_2_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "2",
+                "--set",
+                "system.dist_backend=nccl",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "system.dist_backend = nccl needs CUDA ranks, but lockstep run starts CPU workers",
+            "use system.dist_backend=auto or ring",
+        ],
+    );
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+}
+
+#[test]
+fn gpus_on_a_machine_without_a_gpu_are_refused_before_any_worker_starts() {
+    if !lockstep::launch::detect_gpus().is_empty() {
+        eprintln!("SKIPPED: this machine has a GPU");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("run", &small(&corpus), &["--gpus", "0", "--max-steps", "1"]),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "--gpus 0: no NVIDIA GPU found on this machine",
+            "run CPU workers with --cpu --nproc N",
+        ],
+    );
+    assert!(!text.contains("[GPU0]"), "no line may claim a GPU:\n{text}");
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    // Asking for CUDA on CPU workers is a config error, also before anything starts.
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &["--cpu", "--set", "system.device=cuda", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &["system.device = cuda, but lockstep run starts CPU workers"],
+    );
+    assert!(!tmp.path().join("runs").exists());
 }

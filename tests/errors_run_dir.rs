@@ -8,7 +8,7 @@ mod common;
 use std::fs;
 use std::os::unix::fs::symlink;
 
-use common::{fails, ok, run, small, with, write_corpus};
+use common::{cmd, fails, ok, run, small, tmp_leftovers, with, write_corpus};
 
 #[test]
 fn links_out_of_a_run_directory_are_refused_and_never_written_through() {
@@ -65,4 +65,31 @@ fn links_out_of_a_run_directory_are_refused_and_never_written_through() {
         ),
     );
     assert!(elsewhere.join("checkpoints/step_2/trainer.json").is_file());
+}
+
+#[test]
+fn log_dir_under_a_regular_file_exits_1_naming_the_key() {
+    // Root ignores permission bits, so the unwritable directory is one under a regular file.
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    fs::write(tmp.path().join("afile"), "x").unwrap();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "train",
+            &small(&corpus),
+            &["--set", "logging.dir=afile/runs", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            "logging.dir: cannot create run directory afile/runs/tiny",
+            "choose a writable logging.dir",
+            "Not a directory",
+        ],
+    );
+    assert_eq!(fs::read_to_string(tmp.path().join("afile")).unwrap(), "x");
+    assert!(tmp_leftovers(tmp.path()).is_empty());
 }
