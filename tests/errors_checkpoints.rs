@@ -402,3 +402,104 @@ fn failed_resume_keeps_the_runs_config_json() {
         "config.json was replaced"
     );
 }
+
+/// Issue 20, finding 7: a damaged newest checkpoint no longer stops `--resume auto`: it falls back
+/// to the newest one that loads and says what is trained again.
+#[test]
+fn resume_auto_skips_a_damaged_newest_checkpoint_and_says_what_is_redone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["train"],
+        &[
+            "--set",
+            "checkpoint.interval=2",
+            "--set",
+            "checkpoint.keep_last=3",
+        ],
+    );
+    ok(dir, &with(&base, &[], &["--max-steps", "4"]));
+    let root = dir.join("runs/tiny/checkpoints");
+    for damage in ["weights", "trainer.json"] {
+        match damage {
+            "weights" => {
+                let f = root.join("step_4/model.safetensors");
+                let len = fs::metadata(&f).unwrap().len();
+                fs::File::options()
+                    .write(true)
+                    .open(&f)
+                    .unwrap()
+                    .set_len(len - 1000)
+                    .unwrap();
+            }
+            _ => {
+                let f = root.join("step_4/trainer.json");
+                let text = fs::read_to_string(&f).unwrap();
+                fs::write(&f, &text[..text.len() / 2]).unwrap();
+            }
+        }
+        let text = ok(
+            dir,
+            &with(&base, &[], &["--max-steps", "4", "--resume", "auto"]),
+        );
+        assert!(
+            text.contains("skipping damaged checkpoint runs/tiny/checkpoints/step_4 (")
+                && text.contains(
+                    "resuming from runs/tiny/checkpoints/step_2 instead; steps 3..=4 will be \
+                     trained again"
+                )
+                && text.contains("Resumed from")
+                && text.contains("at step 2 "),
+            "{damage}: {text}"
+        );
+        // The damaged one was set aside (step_4.damaged…) and step 4 saved anew.
+        assert!(text.contains("Checkpoint saved"), "{text}");
+    }
+    fails(
+        &run(dir, &with(&base, &[], &["--resume", "runs/none/step_1"])),
+        2,
+        &["--resume runs/none/step_1: no such directory"],
+    );
+}
+
+/// Issue 20, finding 14: a resumed checkpoint already past `--max-steps` or `--stop-at-step` says
+/// so.
+#[test]
+fn nothing_to_do_says_why_and_what_to_pass() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(&small(&corpus), &["train"], &[]);
+    ok(dir, &with(&base, &[], &["--max-steps", "4"]));
+    let text = ok(
+        dir,
+        &with(&base, &[], &["--max-steps", "2", "--resume", "auto"]),
+    );
+    assert!(
+        text.contains("Nothing to do: the checkpoint is at step 4, past training.max_steps = 2")
+            && text.contains("pass --max-steps (or training.max_steps) above 4"),
+        "{text}"
+    );
+    let text = ok(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[
+                "--max-steps",
+                "8",
+                "--stop-at-step",
+                "3",
+                "--resume",
+                "auto",
+            ],
+        ),
+    );
+    assert!(
+        text.contains("Nothing to do: --stop-at-step 3 is not after the resumed step 4")
+            && text.contains("pass a step between 5 and 8"),
+        "{text}"
+    );
+}

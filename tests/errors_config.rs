@@ -7,7 +7,7 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{cmd, fails, ok, run, small, snapshot, with, write_corpus};
+use common::{cmd, fails, ok, output_text, run, small, snapshot, tree, with, write_corpus};
 
 /// Nothing of a run exists: no run directory, no data cache.
 fn nothing_created(dir: &Path) {
@@ -535,4 +535,90 @@ fn a_shard_degree_that_does_not_fit_the_ranks_exits_2_naming_the_key() {
             "nothing written into the run directory"
         );
     }
+}
+
+/// Issue 20, finding 3: run names that are not one plain folder name wrote outside `logging.dir`,
+/// into it, or into the working directory.
+#[test]
+fn run_names_that_are_not_one_folder_name_are_refused_and_create_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("work");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = write_corpus(tmp.path());
+    let before = tree(tmp.path());
+    for name in ["../../escape", "/abs/path", "..", ".", "", "a/b"] {
+        let set = format!("logging.run_name={name}");
+        for sub in [&["train"][..], &["run", "--cpu", "--nproc", "1", "--"][..]] {
+            let out = run(
+                &dir,
+                &with(&small(&corpus), sub, &["--set", &set, "--max-steps", "1"]),
+            );
+            fails(
+                &out,
+                2,
+                &[
+                    &format!("logging.run_name = {name:?}"),
+                    "one plain folder name (e.g. --set logging.run_name=exp1)",
+                ],
+            );
+        }
+    }
+    assert_eq!(tree(tmp.path()), before, "something was created");
+    assert!(!Path::new("/abs/path").exists());
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Issue 20, findings 13 and 15: usage errors found after parsing exit 2 like clap's, and a
+/// negative number is a value, not a flag.
+#[test]
+fn usage_errors_exit_2_naming_the_flag_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for (list, parts) in [
+        (
+            &[
+                "generate",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+            ][..],
+            &["--temperature -1 must be a finite number >= 0"][..],
+        ),
+        (
+            &["generate", "--model", "m", "--prompt", "hi", "--top-p", "2"],
+            &["--top-p 2 must be in (0, 1]"],
+        ),
+        (
+            &["run", "--cpu", "--nproc", "0", "--", "--preset", "tiny"],
+            &["--nproc 0: must be at least 1"],
+        ),
+        (
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--resume",
+                "/nonexistent/step_5",
+            ],
+            &[
+                "--resume /nonexistent/step_5: no such directory",
+                "--resume auto",
+            ],
+        ),
+        (
+            &["train", "--preset", "tiny", "--set", "model.vocab_size=0"],
+            &["model.vocab_size = 0: must be at least the tokenizer's"],
+        ),
+    ] {
+        fails(&run(dir, &args(list)), 2, parts);
+    }
+    assert!(!dir.join("runs").exists(), "a refused start left runs/");
+    let help = output_text(&run(dir, &args(&["export", "--help"])));
+    assert!(help.contains("fp32|bf16|fp16"), "{help}");
 }

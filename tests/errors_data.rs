@@ -9,7 +9,7 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{cmd, fails, ok, run, small, snapshot, tmp_leftovers, write_corpus};
+use common::{cmd, fails, ok, run, small, snapshot, tmp_leftovers, tree, with, write_corpus};
 
 #[test]
 fn truncated_token_file_is_named_with_the_fix_and_a_truncated_cache_entry_is_rebuilt() {
@@ -379,4 +379,160 @@ fn a_bad_jsonl_line_is_named_and_nothing_is_cached() {
         let entries = fs::read_dir(&cache).map(|d| d.count()).unwrap_or(0);
         assert_eq!(entries, 0, "nothing cached under {}", cache.display());
     }
+}
+
+/// Issue 20, finding 8: a full disk during `prepare` printed the bare OS error; it names the cache,
+/// the bytes needed and the key, and leaves no partial entry.
+#[test]
+fn prepare_on_a_full_disk_names_the_cache_the_size_and_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let cache = dir.join("small-cache");
+    let Some(_mount) = common::Tmpfs::mount(&cache, "size=16k") else {
+        return;
+    };
+    let out = run(
+        dir,
+        &with(
+            &small(&corpus),
+            &["prepare"],
+            &["--set", &format!("data.cache_dir={}", cache.display())],
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            &format!("data.cache_dir {}: the token files need", cache.display()),
+            "MB free; free space there, or set data.cache_dir to a disk with room",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert_eq!(
+        tree(&cache),
+        Vec::<String>::new(),
+        "a partial entry was left"
+    );
+}
+
+/// Issue 20, finding 6: a resume on other data was accepted without a word (a changed seed was
+/// refused "because the data order would change"); now it is refused the same way, or continued on
+/// the new data with the order starting anew where the user says so.
+#[test]
+fn resuming_on_other_data_is_refused_unless_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let other = dir.join("other.txt");
+    let text: String = fs::read_to_string(corpus.join("doc1.txt")).unwrap();
+    fs::write(&other, text.repeat(2)).unwrap();
+    let base = with(&small(&corpus), &["train"], &[]);
+    ok(dir, &with(&base, &[], &["--max-steps", "2"]));
+    let moved = ["--set", "data.path=other.txt"];
+    let out = run(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[&moved[..], &["--max-steps", "3", "--resume", "auto"]].concat(),
+        ),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "the checkpoint was trained on other data (source",
+            "set data.allow_new_data_on_resume=true",
+        ],
+    );
+    assert!(!text.contains("Step [3/3]"), "{text}");
+    // Asked for: the model continues, the data order starts at the new data's first sample.
+    let text = ok(
+        dir,
+        &with(
+            &base,
+            &[],
+            &[
+                &moved[..],
+                &[
+                    "--set",
+                    "data.allow_new_data_on_resume=true",
+                    "--max-steps",
+                    "3",
+                    "--resume",
+                    "auto",
+                ],
+            ]
+            .concat(),
+        ),
+    );
+    assert!(
+        text.contains("Resumed from")
+            && text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"),
+        "{text}"
+    );
+    // The same data again, prepared anew (cache removed): the same identity, accepted.
+    fs::remove_dir_all(dir.join(".lockstep/cache")).unwrap();
+    let again = with(
+        &base,
+        &[],
+        &[&moved[..], &["--max-steps", "4", "--resume", "auto"]].concat(),
+    );
+    let text = ok(dir, &again);
+    assert!(!text.contains("New data"), "{text}");
+}
+
+/// Issue 20, finding 9: a cache entry whose token file was overwritten in place (2000 bytes) was
+/// blamed on the tokenizer ("set model.vocab_size"); it is found damaged by its checksum and
+/// rebuilt, while a copied cache (new stamps, same bytes) is used as it is.
+#[test]
+fn a_damaged_cache_entry_is_rebuilt_and_a_copied_one_is_used() {
+    use std::io::{Seek, SeekFrom, Write};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(&small(&corpus), &["train"], &["--max-steps", "1"]);
+    ok(dir, &with(&base[1..], &["prepare"], &[]));
+    let cache = dir.join(".lockstep/cache");
+    let entry = fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("train.tok").is_file())
+        .expect("a cache entry");
+    let train = entry.join("train.tok");
+    let original = fs::read(&train).unwrap();
+    // A copy of the whole cache elsewhere: other inodes and times, the same bytes.
+    let copied = dir.join("copied-cache");
+    let status = std::process::Command::new("cp")
+        .args(["-r"])
+        .arg(&cache)
+        .arg(&copied)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let set_copied = format!("data.cache_dir={}", copied.display());
+    let text = ok(dir, &with(&base, &[], &["--set", &set_copied]));
+    assert!(
+        text.contains("Data: cache hit") && !text.contains("damaged"),
+        "{text}"
+    );
+
+    let mut f = fs::File::options().write(true).open(&train).unwrap();
+    f.seek(SeekFrom::Start(original.len() as u64 / 2)).unwrap();
+    f.write_all(&[0xFF; 2000]).unwrap();
+    drop(f);
+    let text = ok(dir, &with(&base, &[], &["--set", "logging.run_name=after"]));
+    assert!(
+        text.contains(&format!(
+            "cache entry .lockstep/cache/{} is damaged (train.tok's bytes no longer match the \
+             BLAKE3 recorded in meta.json when it was written); tokenizing it again",
+            entry.file_name().unwrap().to_str().unwrap()
+        )) && !text.contains("model.vocab_size"),
+        "{text}"
+    );
+    assert!(
+        fs::read(&train).unwrap() == original,
+        "not rebuilt as it was"
+    );
 }

@@ -5,8 +5,10 @@
 mod common;
 
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use common::{
     assert_bitwise_equal_checkpoints, cmd, fails, lockstep, ok, output_text, python, root, run,
@@ -429,4 +431,97 @@ fn gpus_on_a_machine_without_a_gpu_are_refused_before_any_worker_starts() {
         &["system.device = cuda, but lockstep run starts CPU workers"],
     );
     assert!(!tmp.path().join("runs").exists());
+}
+
+/// Issue 20, finding 11: `run --nproc 64 --cpu` on a small host started 64 workers that each
+/// refused with "use more ranks"; the launcher now checks the node's memory once, before any start.
+#[test]
+fn too_many_cpu_workers_for_the_host_are_refused_by_the_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let big = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "64", "--"],
+        &[
+            "--set",
+            "model.hidden_size=1024",
+            "--set",
+            "model.num_layers=8",
+            "--set",
+            "model.intermediate_size=2816",
+            "--set",
+            "model.num_attention_heads=8",
+            "--set",
+            "model.num_key_value_heads=8",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let text = fails(
+        &run(dir, &big),
+        2,
+        &[
+            "--nproc 64: 64 CPU workers on this node share MemAvailable",
+            "each needs an estimated",
+            "more workers on one host only add copies",
+        ],
+    );
+    assert!(!text.contains("use more ranks"), "{text}");
+    assert!(!text.contains("[launcher] 64 workers"), "{text}");
+    assert!(!dir.join("logs").exists() && !dir.join("runs").exists());
+}
+
+/// Issue 20, finding 15: the launcher's rendezvous store listening socket was inherited by every
+/// worker (no close-on-exec), so a worker outliving its launcher kept the port bound.
+#[test]
+fn workers_do_not_inherit_the_stores_listening_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "1", "--"],
+        &["--max-steps", "100000"],
+    );
+    let mut child = lockstep(dir)
+        .args(&base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = err.next().expect("the launcher's line").unwrap();
+        if let Some(rest) = line.split("rendezvous on 127.0.0.1:").nth(1) {
+            break rest.split(',').next().unwrap().trim().parse().unwrap();
+        }
+    };
+    // The listening socket's inode, from /proc/net/tcp (state 0A = LISTEN).
+    let listen_inode = fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            (local_port == port && f[3] == "0A").then(|| f[9].to_string())
+        })
+        .expect("the store listens");
+    let launcher = child.id();
+    let worker = common::worker_of(launcher, Duration::from_secs(60));
+    let held: Vec<String> = fs::read_dir(format!("/proc/{worker}/fd"))
+        .unwrap()
+        .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+        .map(|l| l.display().to_string())
+        .collect();
+    // SAFETY: kill(2) of the launcher this test started (it stops its worker).
+    unsafe { libc::kill(launcher as libc::pid_t, libc::SIGKILL) };
+    // SAFETY: as above, for the worker.
+    unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
+    let _ = child.wait();
+    assert!(
+        !held.contains(&format!("socket:[{listen_inode}]")),
+        "the worker holds the store's listening socket: {held:?}"
+    );
 }
