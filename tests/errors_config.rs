@@ -1,6 +1,10 @@
-//! Config values and command-line flags that cannot work (reliability round 5, issue 45): each
-//! is refused before anything is created, exit 2, naming the key or flag and the fix; values
-//! that can work are taken as a user means them. Each test failed before its fix.
+//! Config values, config files and command-line flags that cannot work: a malformed or misspelt
+//! config file, run names that are not one plain folder name, flag values out of range, shard
+//! and parallelism settings that do not fit the ranks. Each is refused before anything is
+//! created, exit 2, naming the key or flag and the fix, and `plan` refuses what a run refuses;
+//! values that can work are taken as a user means them, and settings that buy nothing are said.
+//! From the reliability rounds (issue 20; round 4, issue 32; round 5, issue 45: a bare "Finding
+//! N" is round 5's) and the rows of docs/FAILURES.md; each finding's test failed before its fix.
 
 mod common;
 
@@ -621,4 +625,53 @@ fn usage_errors_exit_2_naming_the_flag_and_the_fix() {
     assert!(!dir.join("runs").exists(), "a refused start left runs/");
     let help = output_text(&run(dir, &args(&["export", "--help"])));
     assert!(help.contains("fp32|bf16|fp16"), "{help}");
+}
+
+/// Round 4 (issue 32), finding 10: `plan --gpus 3 --set system.zero_stage=3 --set
+/// system.shard_degree=2` answered (exit 0, "replicated across 1") what `train` refuses; and
+/// finding 21: accepted without a note were bf16 reductions on CPU ranks, a sharding stage on one
+/// rank, and a prefetch of a million units ("1000001 unit gathers in flight" for a 7-unit model).
+/// `plan` and `train` run the same rules; each setting that buys nothing gets one warning line; the
+/// prefetch is clamped to the model's units.
+#[test]
+fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let plan = |sets: &[&str]| -> Vec<String> {
+        let mut args = vec!["plan", "--preset", "tiny", "--device", "cpu"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        args.iter().map(|s| s.to_string()).collect()
+    };
+    let mut bad = plan(&["system.zero_stage=3", "system.shard_degree=2"]);
+    bad.extend(["--gpus".into(), "3".into()]);
+    fails(
+        &run(dir, &bad),
+        2,
+        &["system.shard_degree = 2: must divide the number of ranks, 3"],
+    );
+    let mut odd = plan(&[
+        "system.zero_stage=3",
+        "system.prefetch_units=1000000",
+        "system.reduce_dtype=bf16",
+    ]);
+    odd.extend(["--gpus".into(), "2".into()]);
+    let text = ok(dir, &odd);
+    assert!(
+        text.contains("(1 + 6 prefetched = 7 unit gathers in flight)")
+            && text.contains("Warning: system.prefetch_units = 1000000 is more than the 6 units this model has besides the one in use; 6 are gathered ahead")
+            && text.contains("Warning: system.reduce_dtype = bf16 on CPU ranks rounds every gradient to bf16"),
+        "{text}"
+    );
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--max-steps", "1"],
+    );
+    let text = ok(dir, &with(&base, &[], &["--set", "system.zero_stage=3"]));
+    assert!(
+        text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank holding the same parameters to shard the state over, so it saves no memory and gathers every unit for nothing"),
+        "{text}"
+    );
 }

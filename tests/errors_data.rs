@@ -1,8 +1,10 @@
-//! Data that cannot be read as asked: a corpus, a tokenizer, a token file, a `data.sources`
-//! entry or a cache entry that is missing, damaged or of another kind, and a resume on other
-//! data than the checkpoint's. Each is named with the file and the fix (exit 1, or 2 for a
-//! config error), nothing half-written is cached, and a damaged cache entry is rebuilt. Findings
-//! of the reliability rounds (issues 20 and 32) and rows of docs/FAILURES.md.
+//! Data that cannot be read as asked: a corpus, a tokenizer, a token file, a `data.sources` entry
+//! or a cache entry that is missing, damaged or of another kind, and a resume on other data than
+//! the checkpoint's (other files, tokenizer or context length). Each is named with the file and
+//! the fix (exit 1, or 2 for a config error), nothing half-written is cached, a damaged cache
+//! entry is rebuilt, and the token cache is keyed on what changes tokens only. From the
+//! reliability rounds (issue 20; round 4, issue 32) and the rows of docs/FAILURES.md; each
+//! finding's test failed before its fix.
 
 mod common;
 
@@ -535,4 +537,185 @@ fn a_damaged_cache_entry_is_rebuilt_and_a_copied_one_is_used() {
         fs::read(&train).unwrap() == original,
         "not rebuilt as it was"
     );
+}
+
+/// Round 4 (issue 32), findings 8, 9, 14 and 15: a dangling symlink in a corpus directory was
+/// skipped without a word (part of the data missing, exit 0); a tokenizer.json whose vocabulary is
+/// only `<|endoftext|>` turned 590 KB into 4 tokens; a UTF-16 file was "invalid UTF-8 at byte 0"
+/// with `iconv -f latin1` as the fix; a FIFO as data.path was "cannot list directory: Not a
+/// directory". Each is named with its fix, and nothing is cached.
+#[test]
+fn bad_corpus_inputs_are_named_with_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let prepare = |path: &str, extra: &[&str]| {
+        let data = format!("data.path={path}");
+        let args = with(
+            &small(&corpus),
+            &["prepare"],
+            &[&["--set", &data][..], extra].concat(),
+        );
+        run(dir, &args)
+    };
+    let cache_entries = || {
+        fs::read_dir(dir.join(".lockstep/cache"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+
+    std::os::unix::fs::symlink("/nonexistent/lost.txt", corpus.join("lost.txt")).unwrap();
+    fails(
+        &prepare("corpus", &[]),
+        1,
+        &["corpus/lost.txt: a symbolic link to /nonexistent/lost.txt, which does not exist; part of the corpus would be missing"],
+    );
+    fs::remove_file(corpus.join("lost.txt")).unwrap();
+
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain(
+            "To be, or not to be\n"
+                .encode_utf16()
+                .flat_map(u16::to_le_bytes),
+        )
+        .collect();
+    fs::create_dir(dir.join("u16")).unwrap();
+    fs::write(dir.join("u16/play.txt"), &utf16).unwrap();
+    fs::write(dir.join("lines.jsonl"), &utf16).unwrap();
+    for (path, name) in [("u16", "u16/play.txt"), ("lines.jsonl", "lines.jsonl:1")] {
+        fails(
+            &prepare(path, &[]),
+            1,
+            &[&format!("{name}: UTF-16 text (little-endian: it starts with that byte-order mark), not UTF-8; convert it with `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8`")],
+        );
+    }
+
+    let fifo = dir.join("pipe.txt");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    fails(
+        &prepare("pipe.txt", &[]),
+        1,
+        &["pipe.txt: a FIFO (named pipe), not a file or a directory; lockstep reads data files more than once"],
+    );
+
+    let tokenizer = r#"{"version": "1.0", "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}], "normalizer": null, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}, "post_processor": null, "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}, "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": false, "vocab": {"<|endoftext|>": 0}, "merges": []}}"#;
+    fs::write(dir.join("eos-only.json"), tokenizer).unwrap();
+    fails(
+        &prepare("corpus", &["--set", "data.tokenizer=eos-only.json"]),
+        1,
+        &["eos-only.json: a byte-level BPE needs a token for each of the 256 bytes, and its vocabulary (1 tokens) lacks 256 of them"],
+    );
+    assert_eq!(cache_entries(), 0, "nothing is cached");
+
+    // Round 4, finding 13: a negative part was clap's "unexpected argument '-1'".
+    fails(
+        &run(
+            dir,
+            &with(&small(&corpus), &["prepare", "--shard", "-1/2"], &[]),
+        ),
+        1,
+        &["--shard -1/2: the part must be I/N with 0 <= I < N <= 99999 (got -1/2)"],
+    );
+}
+
+/// Round 4 (issue 32), findings 12, 12b, 12c, 18 and 19: changing `training.context_length`
+/// tokenized the whole corpus again (it was part of the cache key, though it only sized the
+/// validation split); a resume with another context length was accepted silently;
+/// `checkpoint.keep_every` that is not a multiple of `checkpoint.interval` kept nothing; a resume
+/// with another tokenizer was "another model shape" and pointed at the HF config.json for the data;
+/// `keep_last=-1` said ">= 0" though 0 is refused too. The token cache is keyed on what changes
+/// tokens, each split is checked against the windows when training starts, and the rest are named.
+#[test]
+fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--set", "checkpoint.interval=2"],
+    );
+    let first = ok(dir, &with(&base, &[], &["--max-steps", "2"]));
+    assert!(first.contains("Data: prepared"), "{first}");
+    // Another context length: the same tokens from the cache, and a resume says what moves.
+    let ctx32 = with(&base, &[], &["--set", "training.context_length=32"]);
+    let text = fails(
+        &run(dir, &with(&ctx32, &[], &["--max-steps", "3", "--resume", "auto"])),
+        1,
+        &[
+            "the checkpoint was trained on other data (training.context_length 64 then, 32 now: every sample's window and the data order move)",
+            "its config is in runs/tiny/checkpoints/step_2/trainer.json",
+            "data.allow_new_data_on_resume=true",
+        ],
+    );
+    assert!(
+        text.contains("Data: cache hit"),
+        "not tokenized again: {text}"
+    );
+    let text = ok(
+        dir,
+        &with(
+            &ctx32,
+            &[],
+            &[
+                "--max-steps",
+                "3",
+                "--resume",
+                "auto",
+                "--set",
+                "data.allow_new_data_on_resume=true",
+            ],
+        ),
+    );
+    assert!(
+        text.contains("data.allow_new_data_on_resume is set, so the data order starts anew"),
+        "{text}"
+    );
+    // Another tokenizer is named as such, not as another model shape.
+    let text = fails(
+        &run(
+            dir,
+            &with(&base, &[], &["--max-steps", "4", "--resume", "auto", "--set", "data.tokenizer=p50k_base"]),
+        ),
+        1,
+        &["tokenizer \"tiktoken:r50k_base\" then, \"tiktoken:p50k_base\" now: its ids stand for other text; set data.tokenizer back"],
+    );
+    assert!(!text.contains("model shape"), "{text}");
+    // A validation split shorter than a window is named when training starts.
+    fails(
+        &run(
+            dir,
+            &with(
+                &base,
+                &[],
+                &["--max-steps", "2", "--set", "data.val_fraction=0.001", "--set", "logging.run_name=short"],
+            ),
+        ),
+        1,
+        &["the validation split of corpus holds 36 tokens, fewer than one window of training.context_length + 1 = 65; raise data.val_fraction (now 0.001)"],
+    );
+    // Checkpoint settings that would keep nothing, or a count of 0.
+    for (sets, says) in [
+        (
+            ["checkpoint.keep_every=3", "checkpoint.interval=2"],
+            "checkpoint.keep_every = 3 is not a multiple of checkpoint.interval = 2: saves happen every 2 steps, so only multiples of 6 would be kept",
+        ),
+        (
+            ["checkpoint.keep_every=3", "checkpoint.interval=0"],
+            "checkpoint.interval = 0 saves only at the end, so it keeps nothing",
+        ),
+        (
+            ["checkpoint.keep_last=-1", "checkpoint.interval=2"],
+            "--set checkpoint.keep_last=-1: expected integer >= 1",
+        ),
+    ] {
+        let text = fails(
+            &run(dir, &with(&base, &[], &["--set", sets[0], "--set", sets[1]])),
+            2,
+            &[says],
+        );
+        assert_eq!(text.matches("error").count(), 1, "said once: {text}");
+        assert!(text.matches("checkpoint.keep_last").count() <= 1, "named once: {text}");
+    }
 }

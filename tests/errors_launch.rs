@@ -1,6 +1,12 @@
-//! Findings of the fifth reliability round (issue 45) about launching and the launcher: a
-//! background save that every rank had reported when a rank died, Slurm variables that
-//! disagree, a job started without srun. Each test failed before its fix.
+//! Launching: the launcher and its workers, ranks, and the Slurm/torchrun environment. A
+//! background save every rank had reported commits when a rank dies; a port in use, a backend or
+//! device the workers cannot have, more CPU workers than the host's memory holds, Slurm variables
+//! that disagree and a job started without srun are refused before any worker starts, naming the
+//! fix; workers hold none of the launcher's sockets; the errors of srun tasks say their rank; a
+//! broken torch install, a deleted working directory and scripts/env.sh in a job script are
+//! handled. From the reliability rounds (issue 20; round 4, issue 32; round 5, issue 45: a bare
+//! "Item N" is issue 45's) and the rows of docs/FAILURES.md; each finding's test failed before
+//! its fix.
 
 mod common;
 
@@ -524,4 +530,61 @@ fn workers_do_not_inherit_the_stores_listening_socket() {
         !held.contains(&format!("socket:[{listen_inode}]")),
         "the worker holds the store's listening socket: {held:?}"
     );
+}
+
+/// Round 4 (issue 32), finding 30: sourcing scripts/env.sh turned on `set -euo pipefail` in the
+/// caller's shell, so a job script that sources it died at its first failing command. The caller's
+/// options stay as they were.
+#[test]
+fn sourcing_env_sh_leaves_the_callers_shell_options() {
+    let script = format!(
+        "set +euo pipefail; source {}; false; echo \"survived $-\"; set -o | grep pipefail",
+        common::root().join("scripts/env.sh").display()
+    );
+    let out = std::process::Command::new("bash")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let text = common::output_text(&out);
+    let flags = text
+        .lines()
+        .find_map(|l| l.strip_prefix("survived "))
+        .unwrap_or_else(|| panic!("the shell died after a failing command:\n{text}"));
+    assert!(!flags.contains('e') && !flags.contains('u'), "{text}");
+    assert!(text.contains("pipefail") && text.contains("off"), "{text}");
+}
+
+/// Round 4 (issue 32), finding 31: under srun, start-up errors carried no rank tag, so two tasks
+/// printed the same error twice with nothing to tell them apart. Each rank of a job of several tags
+/// its error.
+#[test]
+fn the_errors_of_srun_tasks_say_which_task_they_come_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for r in 0..2 {
+        let mut c = common::lockstep(dir);
+        for k in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "LOCKSTEP_TAG",
+        ] {
+            c.env_remove(k);
+        }
+        let out = c
+            .args(["train", "--set", "training.lerning_rate=1"])
+            .env("SLURM_PROCID", r.to_string())
+            .env("SLURM_NTASKS", "2")
+            .output()
+            .unwrap();
+        let text = common::output_text(&out);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(
+            text.starts_with(&format!(
+                "[rank {r}] error: --set training.lerning_rate=1: unknown config key"
+            )),
+            "{text}"
+        );
+    }
 }

@@ -1,7 +1,9 @@
-//! A run directory is written only inside itself (reliability round 5, issue 45, finding 2): a
-//! symbolic link planted at one of its files, or at its checkpoint directory's lock, made
-//! lockstep write through it and overwrite the file it pointed at. The run is refused now,
-//! naming the link, and the target is untouched. This test stays in the suite for good.
+//! Run directories: where a run writes and what it leaves there. A run directory is written only
+//! inside itself (a symbolic link planted in it is refused, the target untouched); a config file
+//! given from it is never overwritten; a refused start leaves no empty `runs/`; a `logging.dir`
+//! that cannot be created is named; metrics.jsonl reads as one run after a resume, and a fresh
+//! start keeps the earlier record aside. From the reliability rounds (issue 20; round 5, issue
+//! 45) and the rows of docs/FAILURES.md; each finding's test failed before its fix.
 
 mod common;
 
@@ -11,6 +13,10 @@ use std::path::Path;
 
 use common::{cmd, fails, ok, output_text, run, small, tmp_leftovers, tree, with, write_corpus};
 
+/// Round 5 (issue 45), finding 2: a symbolic link planted at one of a run directory's files, or
+/// at its checkpoint directory's lock, made lockstep write through it and overwrite the file it
+/// pointed at. The run is refused now, naming the link, and the target is untouched. This test
+/// stays in the suite for good.
 #[test]
 fn links_out_of_a_run_directory_are_refused_and_never_written_through() {
     let tmp = tempfile::tempdir().unwrap();
