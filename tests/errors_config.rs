@@ -1,13 +1,17 @@
-//! Config values and command-line flags that cannot work (reliability round 5, issue 45): each
-//! is refused before anything is created, exit 2, naming the key or flag and the fix; values
-//! that can work are taken as a user means them. Each test failed before its fix.
+//! Config values, config files and command-line flags that cannot work: a malformed or misspelt
+//! config file, run names that are not one plain folder name, flag values out of range, shard
+//! and parallelism settings that do not fit the ranks. Each is refused before anything is
+//! created, exit 2, naming the key or flag and the fix, and `plan` refuses what a run refuses;
+//! values that can work are taken as a user means them, and settings that buy nothing are said.
+//! From the reliability rounds (issue 20; round 4, issue 32; round 5, issue 45: a bare "Finding
+//! N" is round 5's) and the rows of docs/FAILURES.md; each finding's test failed before its fix.
 
 mod common;
 
 use std::fs;
 use std::path::Path;
 
-use common::{fails, ok, run, small, with, write_corpus};
+use common::{cmd, fails, ok, output_text, run, small, snapshot, tree, with, write_corpus};
 
 /// Nothing of a run exists: no run directory, no data cache.
 fn nothing_created(dir: &Path) {
@@ -441,4 +445,233 @@ fn zero_stages_with_one_replica_are_warned_about() {
         &["system.tensor_parallel=2", "system.zero_stage=3"],
     );
     assert!(!common::output_text(&out).contains("saves no memory"));
+}
+
+#[test]
+fn malformed_json_config_exits_2_and_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("bad.json"),
+        "{\"training\": {\"learning_rate\": 1e-3,}}\n",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "bad.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "bad.json: not valid JSON at line 1, column 37",
+            "trailing comma",
+            "fix the syntax (JSON allows no comments or trailing commas)",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+#[test]
+fn unknown_key_in_a_config_file_exits_2_with_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(
+        tmp.path().join("typo.json"),
+        "{\"training\": {\"lerning_rate\": 1e-3}}",
+    )
+    .unwrap();
+    let before = snapshot(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("train", &[], &["--preset", "tiny", "--config", "typo.json"]),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "typo.json: unknown config key \"training.lerning_rate\"",
+            "(did you mean \"training.learning_rate\"?)",
+            "`lockstep config --keys` lists all keys",
+        ],
+    );
+    assert_eq!(snapshot(tmp.path()), before, "no run directory, no cache");
+}
+
+/// `system.shard_degree` that does not divide the ranks, or hybrid sharding at zero stage 0:
+/// every rank refuses at start-up with exit code 2, naming the key, before a run directory is
+/// written.
+#[test]
+fn a_shard_degree_that_does_not_fit_the_ranks_exits_2_naming_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    for (sets, says) in [
+        (
+            ["system.zero_stage=3", "system.shard_degree=3"],
+            "system.shard_degree = 3: must divide the number of ranks, 2",
+        ),
+        (
+            ["system.zero_stage=0", "system.shard_degree=1"],
+            "system.shard_degree = 1 shards the training state at zero_stage >= 1",
+        ),
+    ] {
+        let out = run(
+            dir,
+            &cmd(
+                "run",
+                &base,
+                &[
+                    "--cpu",
+                    "--nproc",
+                    "2",
+                    "--max-steps",
+                    "1",
+                    "--set",
+                    sets[0],
+                    "--set",
+                    sets[1],
+                ],
+            ),
+        );
+        fails(&out, 2, &[says]);
+        assert!(
+            !dir.join("runs/tiny/config.json").exists(),
+            "nothing written into the run directory"
+        );
+    }
+}
+
+/// Issue 20, finding 3: run names that are not one plain folder name wrote outside `logging.dir`,
+/// into it, or into the working directory.
+#[test]
+fn run_names_that_are_not_one_folder_name_are_refused_and_create_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("work");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = write_corpus(tmp.path());
+    let before = tree(tmp.path());
+    for name in ["../../escape", "/abs/path", "..", ".", "", "a/b"] {
+        let set = format!("logging.run_name={name}");
+        for sub in [&["train"][..], &["run", "--cpu", "--nproc", "1", "--"][..]] {
+            let out = run(
+                &dir,
+                &with(&small(&corpus), sub, &["--set", &set, "--max-steps", "1"]),
+            );
+            fails(
+                &out,
+                2,
+                &[
+                    &format!("logging.run_name = {name:?}"),
+                    "one plain folder name (e.g. --set logging.run_name=exp1)",
+                ],
+            );
+        }
+    }
+    assert_eq!(tree(tmp.path()), before, "something was created");
+    assert!(!Path::new("/abs/path").exists());
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Issue 20, findings 13 and 15: usage errors found after parsing exit 2 like clap's, and a
+/// negative number is a value, not a flag.
+#[test]
+fn usage_errors_exit_2_naming_the_flag_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for (list, parts) in [
+        (
+            &[
+                "generate",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+            ][..],
+            &["--temperature -1 must be a finite number >= 0"][..],
+        ),
+        (
+            &["generate", "--model", "m", "--prompt", "hi", "--top-p", "2"],
+            &["--top-p 2 must be in (0, 1]"],
+        ),
+        (
+            &["run", "--cpu", "--nproc", "0", "--", "--preset", "tiny"],
+            &["--nproc 0: must be at least 1"],
+        ),
+        (
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--resume",
+                "/nonexistent/step_5",
+            ],
+            &[
+                "--resume /nonexistent/step_5: no such directory",
+                "--resume auto",
+            ],
+        ),
+        (
+            &["train", "--preset", "tiny", "--set", "model.vocab_size=0"],
+            &["model.vocab_size = 0: must be at least the tokenizer's"],
+        ),
+    ] {
+        fails(&run(dir, &args(list)), 2, parts);
+    }
+    assert!(!dir.join("runs").exists(), "a refused start left runs/");
+    let help = output_text(&run(dir, &args(&["export", "--help"])));
+    assert!(help.contains("fp32|bf16|fp16"), "{help}");
+}
+
+/// Round 4 (issue 32), finding 10: `plan --gpus 3 --set system.zero_stage=3 --set
+/// system.shard_degree=2` answered (exit 0, "replicated across 1") what `train` refuses; and
+/// finding 21: accepted without a note were bf16 reductions on CPU ranks, a sharding stage on one
+/// rank, and a prefetch of a million units ("1000001 unit gathers in flight" for a 7-unit model).
+/// `plan` and `train` run the same rules; each setting that buys nothing gets one warning line; the
+/// prefetch is clamped to the model's units.
+#[test]
+fn plan_refuses_what_train_refuses_and_settings_that_buy_nothing_are_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let plan = |sets: &[&str]| -> Vec<String> {
+        let mut args = vec!["plan", "--preset", "tiny", "--device", "cpu"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        args.iter().map(|s| s.to_string()).collect()
+    };
+    let mut bad = plan(&["system.zero_stage=3", "system.shard_degree=2"]);
+    bad.extend(["--gpus".into(), "3".into()]);
+    fails(
+        &run(dir, &bad),
+        2,
+        &["system.shard_degree = 2: must divide the number of ranks, 3"],
+    );
+    let mut odd = plan(&[
+        "system.zero_stage=3",
+        "system.prefetch_units=1000000",
+        "system.reduce_dtype=bf16",
+    ]);
+    odd.extend(["--gpus".into(), "2".into()]);
+    let text = ok(dir, &odd);
+    assert!(
+        text.contains("(1 + 6 prefetched = 7 unit gathers in flight)")
+            && text.contains("Warning: system.prefetch_units = 1000000 is more than the 6 units this model has besides the one in use; 6 are gathered ahead")
+            && text.contains("Warning: system.reduce_dtype = bf16 on CPU ranks rounds every gradient to bf16"),
+        "{text}"
+    );
+    let base = with(
+        &small(&write_corpus(dir)),
+        &["train"],
+        &["--max-steps", "1"],
+    );
+    let text = ok(dir, &with(&base, &[], &["--set", "system.zero_stage=3"]));
+    assert!(
+        text.contains("Warning: system.zero_stage = 3 on a single rank: there is no other rank holding the same parameters to shard the state over, so it saves no memory and gathers every unit for nothing"),
+        "{text}"
+    );
 }

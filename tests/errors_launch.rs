@@ -1,16 +1,24 @@
-//! Findings of the fifth reliability round (issue 45) about launching and the launcher: a
-//! background save that every rank had reported when a rank died, Slurm variables that
-//! disagree, a job started without srun. Each test failed before its fix.
+//! Launching: the launcher and its workers, ranks, and the Slurm/torchrun environment. A
+//! background save every rank had reported commits when a rank dies; a port in use, a backend or
+//! device the workers cannot have, more CPU workers than the host's memory holds, Slurm variables
+//! that disagree and a job started without srun are refused before any worker starts, naming the
+//! fix; workers hold none of the launcher's sockets; the errors of srun tasks say their rank; a
+//! broken torch install, a deleted working directory and scripts/env.sh in a job script are
+//! handled. From the reliability rounds (issue 20; round 4, issue 32; round 5, issue 45: a bare
+//! "Item N" is issue 45's) and the rows of docs/FAILURES.md; each finding's test failed before
+//! its fix.
 
 mod common;
 
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use common::{
-    assert_bitwise_equal_checkpoints, fails, lockstep, ok, output_text, python, root, run, small,
-    with, write_corpus,
+    assert_bitwise_equal_checkpoints, cmd, fails, lockstep, ok, output_text, python, root, run,
+    small, with, write_corpus,
 };
 
 /// The `step_*` entries of a checkpoint directory, complete or not, sorted.
@@ -321,4 +329,262 @@ fn version_and_env_work_from_a_deleted_working_directory() {
     );
     let out = from_gone("train --preset tiny --max-steps 1");
     fails(&out, 1, &["cannot create run directory runs/tiny"]);
+}
+
+#[test]
+fn master_port_in_use_exits_1_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let busy = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "1",
+                "--master-port",
+                &port,
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        1,
+        &[
+            &format!("--master-port {port}: address 127.0.0.1:{port} is already in use"),
+            "choose another port or 0 for a free one",
+        ],
+    );
+    // No worker ran: no per-rank logs, no run directory.
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    drop(busy);
+}
+
+#[test]
+fn nccl_for_cpu_workers_exits_2_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &[
+                "--cpu",
+                "--nproc",
+                "2",
+                "--set",
+                "system.dist_backend=nccl",
+                "--max-steps",
+                "1",
+            ],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &[
+            "system.dist_backend = nccl needs CUDA ranks, but lockstep run starts CPU workers",
+            "use system.dist_backend=auto or ring",
+        ],
+    );
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+}
+
+#[test]
+fn gpus_on_a_machine_without_a_gpu_are_refused_before_any_worker_starts() {
+    if !lockstep::launch::detect_gpus().is_empty() {
+        eprintln!("SKIPPED: this machine has a GPU");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(tmp.path());
+    let out = run(
+        tmp.path(),
+        &cmd("run", &small(&corpus), &["--gpus", "0", "--max-steps", "1"]),
+    );
+    let text = fails(
+        &out,
+        1,
+        &[
+            "--gpus 0: no NVIDIA GPU found on this machine",
+            "run CPU workers with --cpu --nproc N",
+        ],
+    );
+    assert!(!text.contains("[GPU0]"), "no line may claim a GPU:\n{text}");
+    assert!(!tmp.path().join("logs").exists());
+    assert!(!tmp.path().join("runs").exists());
+    // Asking for CUDA on CPU workers is a config error, also before anything starts.
+    let out = run(
+        tmp.path(),
+        &cmd(
+            "run",
+            &small(&corpus),
+            &["--cpu", "--set", "system.device=cuda", "--max-steps", "1"],
+        ),
+    );
+    fails(
+        &out,
+        2,
+        &["system.device = cuda, but lockstep run starts CPU workers"],
+    );
+    assert!(!tmp.path().join("runs").exists());
+}
+
+/// Issue 20, finding 11: `run --nproc 64 --cpu` on a small host started 64 workers that each
+/// refused with "use more ranks"; the launcher now checks the node's memory once, before any start.
+#[test]
+fn too_many_cpu_workers_for_the_host_are_refused_by_the_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let big = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "64", "--"],
+        &[
+            "--set",
+            "model.hidden_size=1024",
+            "--set",
+            "model.num_layers=8",
+            "--set",
+            "model.intermediate_size=2816",
+            "--set",
+            "model.num_attention_heads=8",
+            "--set",
+            "model.num_key_value_heads=8",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let text = fails(
+        &run(dir, &big),
+        2,
+        &[
+            "--nproc 64: 64 CPU workers on this node share MemAvailable",
+            "each needs an estimated",
+            "more workers on one host only add copies",
+        ],
+    );
+    assert!(!text.contains("use more ranks"), "{text}");
+    assert!(!text.contains("[launcher] 64 workers"), "{text}");
+    assert!(!dir.join("logs").exists() && !dir.join("runs").exists());
+}
+
+/// Issue 20, finding 15: the launcher's rendezvous store listening socket was inherited by every
+/// worker (no close-on-exec), so a worker outliving its launcher kept the port bound.
+#[test]
+fn workers_do_not_inherit_the_stores_listening_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let corpus = write_corpus(dir);
+    let base = with(
+        &small(&corpus),
+        &["run", "--cpu", "--nproc", "1", "--"],
+        &["--max-steps", "100000"],
+    );
+    let mut child = lockstep(dir)
+        .args(&base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = err.next().expect("the launcher's line").unwrap();
+        if let Some(rest) = line.split("rendezvous on 127.0.0.1:").nth(1) {
+            break rest.split(',').next().unwrap().trim().parse().unwrap();
+        }
+    };
+    // The listening socket's inode, from /proc/net/tcp (state 0A = LISTEN).
+    let listen_inode = fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            (local_port == port && f[3] == "0A").then(|| f[9].to_string())
+        })
+        .expect("the store listens");
+    let launcher = child.id();
+    let worker = common::worker_of(launcher, Duration::from_secs(60));
+    let held: Vec<String> = fs::read_dir(format!("/proc/{worker}/fd"))
+        .unwrap()
+        .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+        .map(|l| l.display().to_string())
+        .collect();
+    // SAFETY: kill(2) of the launcher this test started (it stops its worker).
+    unsafe { libc::kill(launcher as libc::pid_t, libc::SIGKILL) };
+    // SAFETY: as above, for the worker.
+    unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
+    let _ = child.wait();
+    assert!(
+        !held.contains(&format!("socket:[{listen_inode}]")),
+        "the worker holds the store's listening socket: {held:?}"
+    );
+}
+
+/// Round 4 (issue 32), finding 30: sourcing scripts/env.sh turned on `set -euo pipefail` in the
+/// caller's shell, so a job script that sources it died at its first failing command. The caller's
+/// options stay as they were.
+#[test]
+fn sourcing_env_sh_leaves_the_callers_shell_options() {
+    let script = format!(
+        "set +euo pipefail; source {}; false; echo \"survived $-\"; set -o | grep pipefail",
+        common::root().join("scripts/env.sh").display()
+    );
+    let out = std::process::Command::new("bash")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let text = common::output_text(&out);
+    let flags = text
+        .lines()
+        .find_map(|l| l.strip_prefix("survived "))
+        .unwrap_or_else(|| panic!("the shell died after a failing command:\n{text}"));
+    assert!(!flags.contains('e') && !flags.contains('u'), "{text}");
+    assert!(text.contains("pipefail") && text.contains("off"), "{text}");
+}
+
+/// Round 4 (issue 32), finding 31: under srun, start-up errors carried no rank tag, so two tasks
+/// printed the same error twice with nothing to tell them apart. Each rank of a job of several tags
+/// its error.
+#[test]
+fn the_errors_of_srun_tasks_say_which_task_they_come_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for r in 0..2 {
+        let mut c = common::lockstep(dir);
+        for k in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "LOCKSTEP_TAG",
+        ] {
+            c.env_remove(k);
+        }
+        let out = c
+            .args(["train", "--set", "training.lerning_rate=1"])
+            .env("SLURM_PROCID", r.to_string())
+            .env("SLURM_NTASKS", "2")
+            .output()
+            .unwrap();
+        let text = common::output_text(&out);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(
+            text.starts_with(&format!(
+                "[rank {r}] error: --set training.lerning_rate=1: unknown config key"
+            )),
+            "{text}"
+        );
+    }
 }

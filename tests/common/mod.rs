@@ -298,6 +298,50 @@ pub fn fails(out: &Output, code: i32, parts: &[&str]) -> String {
     text
 }
 
+/// Every path under `dir` (files, directories, links), relative to it, sorted; none where `dir`
+/// does not exist.
+pub fn tree(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            out.push(p.strip_prefix(root).unwrap().display().to_string());
+            if p.is_dir() {
+                walk(root, &p, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if dir.exists() {
+        walk(dir, dir, &mut out);
+    }
+    out.sort();
+    out
+}
+
+/// Every path under `dir` with its bytes (a directory: `None`), but the lock a run holds on its
+/// checkpoint directory (which names the latest holder): what a refused command must leave as
+/// it was.
+pub fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Option<Vec<u8>>> {
+    tree(dir)
+        .into_iter()
+        .map(PathBuf::from)
+        .filter(|rel| rel.file_name().is_some_and(|n| n != "checkpoints.lock"))
+        .map(|rel| {
+            let path = dir.join(&rel);
+            let bytes = (!path.is_dir()).then(|| std::fs::read(&path).unwrap());
+            (rel, bytes)
+        })
+        .collect()
+}
+
+/// Paths under `dir` whose name contains `.tmp` (a half-written file or directory).
+pub fn tmp_leftovers(dir: &Path) -> Vec<String> {
+    tree(dir)
+        .into_iter()
+        .filter(|p| p.contains(".tmp"))
+        .collect()
+}
+
 /// `&str` views of an argument list.
 pub fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
