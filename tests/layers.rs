@@ -329,7 +329,6 @@ fn layers_point_down_only() {
 const STILL_EXEMPT: &[&str] = &[
     "data/hub/mod.rs",
     "data/prepare/mod.rs",
-    "dist/forensics/mod.rs",
     "launch/mod.rs",
     "plan/mod.rs",
 ];
