@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use url::Url;
 
-use super::{hf_home, how_to_get, hub_cache_dir, index_shards, parse_repo_id, repo_folder, INDEX};
+use super::cache::{hf_home, how_to_get, hub_cache_dir, repo_folder};
+use super::index::{index_shards, INDEX};
+use super::repo_id::parse_repo_id;
 
 /// The variable that turns downloads off, when set true: `HF_HUB_OFFLINE`, else (unset or empty)
 /// `TRANSFORMERS_OFFLINE`, read as `huggingface_hub` reads them (1/ON/YES/TRUE).
