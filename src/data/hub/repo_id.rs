@@ -1,4 +1,5 @@
-//! Hub names: a repo id `owner/name[@revision]`, and what may name a Hub dataset.
+//! Hub names: a repo id (`owner/name` or `owner/name@revision`), and what may name a Hub
+//! dataset.
 
 use std::path::Path;
 
