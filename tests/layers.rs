@@ -324,16 +324,6 @@ fn layers_point_down_only() {
         .all(|(from, tos)| top(from) != "launch" || tos.iter().all(|to| top(to) != "train")));
 }
 
-/// The parent `mod.rs` files whose children may still use what they define (round 5, finding
-/// 30): each family leaves this list when its parent's shared items move to a leaf file.
-const STILL_EXEMPT: &[&str] = &[
-    "data/hub/mod.rs",
-    "data/prepare/mod.rs",
-    "dist/forensics/mod.rs",
-    "launch/mod.rs",
-    "plan/mod.rs",
-];
-
 #[test]
 fn no_source_files_import_each_other_in_a_cycle() {
     let t = tree();
@@ -344,9 +334,7 @@ fn no_source_files_import_each_other_in_a_cycle() {
         .iter()
         .map(|(f, tos)| {
             let counts = |to: &&PathBuf| {
-                !is_ancestor_mod(f, to)
-                    || (t.own.contains_key(&(f.clone(), (*to).clone()))
-                        && !STILL_EXEMPT.contains(&to.to_str().unwrap_or("")))
+                !is_ancestor_mod(f, to) || t.own.contains_key(&(f.clone(), (*to).clone()))
             };
             (f, tos.iter().filter(counts).collect())
         })
@@ -430,13 +418,6 @@ fn no_source_files_import_each_other_in_a_cycle() {
         shown.join("\n"),
         parents.join("\n")
     );
-    // A family leaves the exemption list once it is done.
-    for parent in STILL_EXEMPT {
-        assert!(
-            t.own.keys().any(|(_, to)| to == Path::new(parent)),
-            "src/{parent}: no child uses what it defines any more; take it off STILL_EXEMPT"
-        );
-    }
 }
 
 /// The longest function a source file may hold, in lines (signature to closing brace): a

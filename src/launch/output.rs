@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::SharedWriter;
+use super::sinks::SharedWriter;
 
 /// Lines kept per rank for the failure report.
 pub(super) const TAIL_LINES: usize = 20;

@@ -20,8 +20,8 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::exit::ExitKind;
+use super::plan::{LaunchPlan, RestartPolicy};
 use super::supervise::{Peers, RankFailure};
-use super::LaunchPlan;
 use crate::dist::{Store, StoreError, StoreErrorKind};
 use crate::run::checkpoints;
 
@@ -36,18 +36,6 @@ const HEARTBEAT_LOST: Duration = Duration::from_secs(3);
 const ACK_WAIT: Duration = Duration::from_secs(10);
 /// Poll interval while waiting for keys (the store's `wait` cannot say which key is missing).
 const KEY_POLL: Duration = Duration::from_millis(100);
-
-/// The run's restart settings (`--max-restarts` and what a restart resumes from).
-#[derive(Debug, Clone, Default)]
-pub struct RestartPolicy {
-    /// Restarts allowed after failures (0 = stop at the first failure).
-    pub max_restarts: usize,
-    /// The run's checkpoint directory, to say which step a restart resumes from.
-    pub checkpoints: Option<PathBuf>,
-    /// Where the first attempt resumed from (`--resume DIR`), for a restart before the run
-    /// wrote a checkpoint of its own.
-    pub resume_fallback: Option<PathBuf>,
-}
 
 /// A worker's failure as the launchers exchange it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

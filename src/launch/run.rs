@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use super::{
-    detect_gpus, parse_gpu_list, pick_free_gpus, Devices, Job, LaunchPlan, LogRanks, RestartPolicy,
-    Sinks,
-};
+use super::gpus::{detect_gpus, parse_gpu_list, pick_free_gpus};
+use super::launcher::{launch_in, preflight, Job};
+use super::plan::{Devices, LaunchPlan, LogRanks, RestartPolicy};
+use super::sinks::Sinks;
 use crate::config::{ConfigError, DeviceChoice, Resolved};
 use crate::dist::{slurm, NodePlace};
 use crate::run::{self, Resume, RunDir, RunOptions, WorkerSpec};
@@ -97,7 +97,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         matches!(plan.devices, Devices::Gpus(_)),
         "lockstep run starts CPU workers (--cpu, or no GPU found)",
     )?;
-    let rendezvous = super::preflight(&plan)?;
+    let rendezvous = preflight(&plan)?;
     let master_port = rendezvous.port();
     if plan.node.node_rank == 0 {
         // Rank 0 takes the lock when it starts; a run already in this directory is reported
@@ -153,7 +153,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         args,
         restart_args: Some(&restart_args),
     };
-    Ok(super::launch_in(rendezvous, &plan, &job, &Sinks::stdio())?.exit_code)
+    Ok(launch_in(rendezvous, &plan, &job, &Sinks::stdio())?.exit_code)
 }
 
 /// What this node's launcher starts, and how: its devices and place, the rendezvous timeout,

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 use super::output::RankOutput;
-use super::{Devices, LaunchPlan, Sinks};
+use super::plan::{Devices, LaunchPlan, LogRanks};
+use super::sinks::Sinks;
 use crate::dist::forensics::TRACE_ENV;
 
 /// One running (or exited) worker.
@@ -204,8 +205,7 @@ fn spawn_one(
     drop(cmd);
     let child = spawned.with_context(|| format!("starting rank {rank}: {}", program.display()))?;
 
-    let show_all =
-        plan.log_ranks == super::LogRanks::All || (plan.node.node_rank == 0 && local_rank == 0);
+    let show_all = plan.log_ranks == LogRanks::All || (plan.node.node_rank == 0 && local_rank == 0);
     let output = Arc::new(RankOutput::new(
         tag(plan, local_rank),
         show_all,

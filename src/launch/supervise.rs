@@ -14,8 +14,8 @@ use super::exit::ExitKind;
 use super::hang;
 use super::output;
 use super::signals::Watch;
+use super::sinks::Sinks;
 use super::spawn::{kill_group, Worker};
-use super::Sinks;
 use crate::dist::forensics::{self, trace};
 
 /// How often children and signals are checked; short enough that a stop feels immediate.

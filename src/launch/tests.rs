@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::dist::NodePlace;
 
 /// Console and diagnostics captured in memory.
 struct Captured {

@@ -27,7 +27,9 @@
 //! many sequences), so their steps compare.
 use serde::Serialize;
 
-use super::{estimate, Device, Estimate, Layout, Setting};
+use super::device::Device;
+use super::estimate::{estimate, Estimate};
+use super::setting::{Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 

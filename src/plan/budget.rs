@@ -2,7 +2,7 @@
 //! (`sys::machine`), assumed (and said so) where it cannot. How much memory a rank has is
 //! `start::rank_budget`.
 
-use super::Device;
+use super::device::Device;
 use crate::sys::machine;
 
 /// Dense peak FLOP/s of one device for the compute dtype, and where the figure comes from.

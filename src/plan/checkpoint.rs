@@ -28,7 +28,9 @@
 
 use serde::Serialize;
 
-use super::{comm, Device, Layout, Setting};
+use super::comm;
+use super::device::Device;
+use super::setting::{Layout, Setting};
 use crate::config::ZeroStage;
 
 /// Bytes per parameter a save writes: fp32 weights (4) and AdamW's two fp32 moments (8).

@@ -24,9 +24,7 @@
 //! their gradients are summed like those of data-parallel ranks): everything above runs among
 //! those, still every T-th rank. The CP group's own traffic is `context.rs`'s.
 
-use serde::Serialize;
-
-use super::{Layout, Setting, StepTime};
+use super::setting::{Layout, Setting};
 use crate::config::ZeroStage;
 
 /// Bytes one rank sends to the data-parallel ranks per step at `stage` among `world` ranks.
@@ -111,40 +109,9 @@ pub fn seconds_per_step(s: &Setting, l: &Layout, world: usize) -> f64 {
     inside / data_parallel_bandwidth(s, s.shard_ranks(world)) + across / bandwidth(s, world)
 }
 
-/// Weak scaling (same batch per data-parallel rank, same CP and TP groups) at one world size.
-#[derive(Debug, Clone, Serialize)]
-pub struct Scaling {
-    /// Ranks in all (T × the data-parallel ranks).
-    pub ranks: usize,
-    /// Data-parallel bytes sent per rank and step, and their seconds.
-    pub bytes_per_rank: f64,
-    pub comm_seconds: f64,
-    /// The TP group's collectives per step (0 at T = 1).
-    pub tensor_parallel_seconds: f64,
-    /// The CP group's collectives per step (0 at C = 1).
-    pub context_parallel_seconds: f64,
-    /// compute / (compute + communication): the step as it runs today.
-    pub efficiency: f64,
-    /// compute / (max(compute, data-parallel communication) + TP communication): with the
-    /// reductions hidden behind backward.
-    pub efficiency_overlapped: f64,
-}
-
-pub fn scaling(s: &Setting, l: &Layout, world: usize) -> Scaling {
-    let time = StepTime::of(s, l, world);
-    Scaling {
-        ranks: world,
-        bytes_per_rank: bytes_per_step(s, l, l.zero_stage, world),
-        comm_seconds: time.data_parallel_seconds,
-        tensor_parallel_seconds: time.tensor_parallel_seconds,
-        context_parallel_seconds: time.context_parallel_seconds,
-        efficiency: time.efficiency(),
-        efficiency_overlapped: time.efficiency_overlapped(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::step::{scaling, StepTime};
     use super::super::test_setting;
     use super::*;
 

@@ -30,8 +30,8 @@
 
 use serde::Serialize;
 
+use super::setting::{Layout, Setting};
 use super::tensor::Link;
-use super::{Layout, Setting};
 use crate::model::ActivationCheckpointing;
 
 /// Fp32 copies of the whole sequence's dK/dV buffer that exist at the reduce-scatter besides

@@ -6,11 +6,13 @@ use serde::Serialize;
 
 use super::advice::{self, Change, ContextParallelChange, TensorParallelChange};
 use super::checkpoint::{self, Checkpoint};
-use super::comm::{self, Scaling};
+use super::comm;
 use super::context;
-use super::memory::{self, Part, PeakPhase};
+use super::estimate::{estimate, Estimate};
+use super::memory::{self, gb, Part, PeakPhase};
+use super::setting::{Layout, Setting};
+use super::step::{flops_per_token, scaling, Flops, Scaling};
 use super::tensor::{self, Link};
-use super::{estimate, flops_per_token, gb, Estimate, Flops, Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
@@ -191,7 +193,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         scaling: SCALING_RANKS
             .iter()
             .filter(|&&n| n.is_multiple_of(s.tensor_parallel * s.context_parallel))
-            .map(|&n| comm::scaling(s, l, n))
+            .map(|&n| scaling(s, l, n))
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
         fits_without_staging,

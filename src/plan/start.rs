@@ -14,7 +14,10 @@
 
 use anyhow::Result;
 
-use super::{checkpoint, gb, memory, report, Device, Layout, Setting, Target};
+use super::device::Device;
+use super::memory::{self, gb};
+use super::setting::{Layout, Setting, Target};
+use super::{checkpoint, report};
 use crate::config::{Config, ConfigError, MemoryCheck};
 use crate::model::LlamaShape;
 use crate::sys::machine;

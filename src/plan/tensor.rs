@@ -30,7 +30,7 @@
 
 use serde::Serialize;
 
-use super::{Layout, Setting};
+use super::setting::{Layout, Setting};
 use crate::model::ActivationCheckpointing;
 
 /// Where a group's collectives run (a TP group's, a CP group's).

@@ -6,7 +6,7 @@ use std::path::{Component, Path, PathBuf};
 use anyhow::{anyhow, bail, Result};
 
 use super::super::sources::files::{list_files, DatasetFiles};
-use super::{dataset_roots, how_to_get, repo_folder, snapshot};
+use super::cache::{dataset_roots, how_to_get, repo_folder, snapshot};
 
 /// One cached dataset repo: its folder and the first path segments of `data.path` it matched.
 struct DatasetRepo {

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use url::Url;
 
-use super::{hf_home, how_to_get, hub_cache_dir, index_shards, parse_repo_id, repo_folder, INDEX};
+use super::cache::{hf_home, how_to_get, hub_cache_dir, repo_folder};
+use super::index::{index_shards, INDEX};
+use super::repo_id::parse_repo_id;
 
 /// The variable that turns downloads off, when set true: `HF_HUB_OFFLINE`, else (unset or empty)
 /// `TRANSFORMERS_OFFLINE`, read as `huggingface_hub` reads them (1/ON/YES/TRUE).
@@ -115,7 +117,6 @@ pub(super) struct RepoLock(std::fs::File);
 
 impl RepoLock {
     pub(super) fn take(repo_dir: &Path, repo: &str) -> Result<RepoLock> {
-        use std::os::fd::AsRawFd;
         let cache = repo_dir.parent().unwrap_or(Path::new("."));
         let folder = repo_dir.file_name().unwrap_or_default();
         let dir = cache.join(".locks").join(folder);
@@ -128,21 +129,14 @@ impl RepoLock {
             .write(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        let fd = file.as_raw_fd();
-        // SAFETY: flock on a descriptor this function owns.
-        if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if crate::sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
             eprintln!(
                 "[hub] waiting for another process downloading {repo} (lock {})",
                 path.display()
             );
-            // SAFETY: as above; blocks until the other holder is done.
-            if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
-                bail!(
-                    "cannot lock {}: {}",
-                    path.display(),
-                    std::io::Error::last_os_error()
-                );
-            }
+            // Blocks until the other holder is done.
+            crate::sys::flock(&file, libc::LOCK_EX)
+                .map_err(|e| anyhow!("cannot lock {}: {e}", path.display()))?;
         }
         Ok(RepoLock(file))
     }
@@ -150,9 +144,8 @@ impl RepoLock {
 
 impl Drop for RepoLock {
     fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
-        // SAFETY: unlocks the descriptor locked in `take`.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+        // Unlocks what `take` locked (closing the file would too).
+        let _ = crate::sys::flock(&self.0, libc::LOCK_UN);
     }
 }
 

@@ -15,186 +15,26 @@
 //! and where to copy the result. The token is never printed, and never sent off the endpoint's
 //! origin (a redirect to a CDN gets the request without it). Datasets are never downloaded.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Result};
 
 use super::tokenizer::BUILTIN_NAMES;
 
+mod cache;
 mod datasets;
 mod download;
+mod index;
+mod repo_id;
 
+pub use cache::hub_cache_dir;
+use cache::{how_to_get, repo_folder, snapshot};
 pub use datasets::{cached_dataset, dataset_not_cached};
 pub use download::hub_offline;
 use download::{download_failed, endpoint, offline_var, Download, RepoLock};
-
-/// The hub cache directory, chosen exactly as `huggingface_hub` chooses it.
-pub fn hub_cache_dir() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("HF_HUB_CACHE")
-        .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
-        .unwrap_or_else(|| hf_home().join("hub"))
-}
-
-fn hf_home() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("HF_HOME").unwrap_or_else(|| {
-        var("XDG_CACHE_HOME")
-            .or_else(|| var("HOME").map(|h| h.join(".cache")))
-            .unwrap_or_else(|| PathBuf::from(".cache"))
-            .join("huggingface")
-    })
-}
-
-/// Where cached datasets may be: the hub cache, then the `datasets` library's cache directory.
-fn dataset_roots() -> Vec<PathBuf> {
-    let mut roots = vec![hub_cache_dir()];
-    let datasets = std::env::var_os("HF_DATASETS_CACHE")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| hf_home().join("datasets"));
-    if !roots.contains(&datasets) {
-        roots.push(datasets);
-    }
-    roots
-}
-
-/// A repo name segment as the Hub allows it: letters, digits, `-`, `_`, `.`, not starting or
-/// ending with `.`/`-`, no `..`.
-fn valid_segment(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 96
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        && !s.starts_with(['.', '-'])
-        && !s.ends_with(['.', '-'])
-        && !s.contains("..")
-}
-
-/// `owner/name` or `owner/name@revision`, split.
-fn parse_repo_id(id: &str) -> Option<(&str, &str, Option<&str>)> {
-    let (repo, revision) = match id.split_once('@') {
-        Some((r, rev)) if !rev.is_empty() && !rev.contains(['/', '\\']) => (r, Some(rev)),
-        Some(_) => return None,
-        None => (id, None),
-    };
-    let (owner, name) = repo.split_once('/')?;
-    (valid_segment(owner) && valid_segment(name)).then_some((owner, name, revision))
-}
-
-/// True for `owner/name[@revision]` that is not an existing local path: a Hub model id.
-pub fn is_hub_model_id(s: &str) -> bool {
-    !Path::new(s).exists() && parse_repo_id(s).is_some()
-}
-
-/// True when a `data.path` that does not exist could name a Hub dataset: one to a few relative
-/// `/`-separated segments, no file extension on the first two (so a mistyped `corpus.txt` still
-/// gets the ordinary file-not-found error).
-pub fn looks_like_dataset_name(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('/').collect();
-    (1..=4).contains(&parts.len())
-        && parts.iter().all(|p| valid_segment(p))
-        && parts.iter().take(2).all(|p| {
-            !p.rsplit_once('.').is_some_and(|(_, ext)| {
-                ["txt", "jsonl", "json", "parquet", "tok", "bin", "csv"].contains(&ext)
-            })
-        })
-}
-
-/// The cache directory name of a repo: `models--owner--name` / `datasets--name`.
-fn repo_folder(kind: &str, owner: Option<&str>, name: &str) -> String {
-    match owner {
-        Some(o) => format!("{kind}s--{o}--{name}"),
-        None => format!("{kind}s--{name}"),
-    }
-}
-
-/// The snapshot directory of a cached repo for `revision` (a branch or tag in `refs/`, or a
-/// commit hash; default `main`), and the commit. A cache without `refs/` but with exactly one
-/// snapshot (copied by hand) uses that one.
-fn snapshot(repo_dir: &Path, revision: Option<&str>) -> Result<(PathBuf, String)> {
-    let rev = revision.unwrap_or("main");
-    let snapshots = repo_dir.join("snapshots");
-    if let Ok(commit) = std::fs::read_to_string(repo_dir.join("refs").join(rev)) {
-        let commit = commit.trim().to_string();
-        let dir = snapshots.join(&commit);
-        if dir.is_dir() {
-            return Ok((dir, commit));
-        }
-        bail!(
-            "{}: refs/{rev} names commit {commit} but snapshots/{commit} is missing; the cache \
-             copy is incomplete",
-            repo_dir.display()
-        );
-    }
-    if snapshots.join(rev).is_dir() {
-        return Ok((snapshots.join(rev), rev.to_string()));
-    }
-    let mut found: Vec<String> = std::fs::read_dir(&snapshots)
-        .map(|d| {
-            d.flatten()
-                .filter(|e| e.path().is_dir())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    found.sort();
-    match (revision, found.as_slice()) {
-        (None, [only]) => Ok((snapshots.join(only), only.clone())),
-        (_, []) => bail!(
-            "{}: has no snapshots/ (nothing downloaded)",
-            repo_dir.display()
-        ),
-        _ => bail!(
-            "{}: no refs/{rev}; cached snapshots: {}; pick one with @<commit>",
-            repo_dir.display(),
-            found.join(", ")
-        ),
-    }
-}
-
-/// How to obtain a repo (at `revision`, default main) on a machine with Hub access and bring it
-/// here. `include` limits the download to those glob patterns (a Llama repo also holds the
-/// original .pth weights).
-fn how_to_get(kind: &str, repo: &str, revision: Option<&str>, include: &[&str]) -> String {
-    let cache = hub_cache_dir();
-    let flag = if kind == "dataset" {
-        " --repo-type dataset"
-    } else {
-        ""
-    };
-    // `hf` takes one pattern per --include; the older argparse CLI a list after one --include.
-    let hf_include: String = include
-        .iter()
-        .map(|p| format!(" --include \"{p}\""))
-        .collect();
-    let old_include = if include.is_empty() {
-        String::new()
-    } else {
-        let quoted: Vec<String> = include.iter().map(|p| format!("\"{p}\"")).collect();
-        format!(" --include {}", quoted.join(" "))
-    };
-    let folder = format!("{kind}s--{}", repo.replace('/', "--"));
-    let rev = revision
-        .map(|r| format!(" --revision {r}"))
-        .unwrap_or_default();
-    format!(
-        "On a machine with Hub access run \
-         `hf download{flag} {repo}{rev}{hf_include}` (older huggingface_hub: \
-         `huggingface-cli download{flag} {repo}{rev}{old_include}`; gated repos need `hf auth login` \
-         or HF_TOKEN there), then copy its ~/.cache/huggingface/hub/{folder} to {} here, or set \
-         HF_HUB_CACHE to a directory holding {folder}",
-        cache.join(&folder).display()
-    )
-}
+use index::{index_shards, INDEX};
+use repo_id::parse_repo_id;
+pub use repo_id::{is_hub_model_id, looks_like_dataset_name};
 
 /// Why a model/tokenizer was not downloaded, and how to get it by hand.
 fn offline_help(repo: &str, revision: Option<&str>, include: &[&str]) -> String {
@@ -307,36 +147,6 @@ fn cached_model(
     Ok(Ok(dir))
 }
 
-const INDEX: &str = "model.safetensors.index.json";
-
-/// The shard files a safetensors index names, sorted, once each.
-fn index_shards(index: &Path) -> Result<Vec<String>> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(index)?)
-        .map_err(|e| anyhow!("{}: invalid JSON ({e})", index.display()))?;
-    let mut shards: Vec<String> = v["weight_map"]
-        .as_object()
-        .map(|m| {
-            m.values()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    shards.sort();
-    shards.dedup();
-    // Names come from the server: keep them inside the snapshot.
-    if let Some(bad) = shards.iter().find(|s| {
-        Path::new(s.as_str())
-            .components()
-            .any(|c| !matches!(c, Component::Normal(_)))
-    }) {
-        bail!(
-            "{}: shard name {bad:?} is not a relative file name",
-            index.display()
-        );
-    }
-    Ok(shards)
-}
-
 /// `data.tokenizer` as [`super::Tokenizer::load`] takes it: built-in names and existing files
 /// unchanged, a directory → its `tokenizer.json`, a Hub id `owner/name[@revision]` → the cached
 /// snapshot's `tokenizer.json`, downloaded first (with `tokenizer_config.json`) when missing and
@@ -412,43 +222,4 @@ pub fn resolve_tokenizer_as(label: &str, spec: &str) -> Result<String> {
             dl.endpoint
         )
     })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Downloads.
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn repo_ids_and_dataset_names() {
-        assert_eq!(
-            parse_repo_id("meta-llama/Llama-3.1-8B"),
-            Some(("meta-llama", "Llama-3.1-8B", None))
-        );
-        assert_eq!(parse_repo_id("a/b@v1.0"), Some(("a", "b", Some("v1.0"))));
-        for bad in [
-            "a", "a/b/c", "/abs/x", "./x/y", "a/..", "a/b@", "a/.b", "a b/c",
-        ] {
-            assert_eq!(parse_repo_id(bad), None, "{bad}");
-        }
-        for ok in [
-            "wikitext-103-raw-v1",
-            "Salesforce/wikitext",
-            "HuggingFaceFW/fineweb/sample/10BT",
-        ] {
-            assert!(looks_like_dataset_name(ok), "{ok}");
-        }
-        for bad in [
-            "corpus.txt",
-            "data/x.jsonl",
-            "/abs/data",
-            "../x",
-            "a/b/c/d/e",
-            "",
-        ] {
-            assert!(!looks_like_dataset_name(bad), "{bad}");
-        }
-    }
 }

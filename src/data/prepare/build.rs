@@ -12,9 +12,10 @@ use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::{dtype_for_vocab, TokFileWriter, TokenPrefix};
 use super::cache::{file_part, Entry};
 use super::encode::tokenize_corpus;
+use super::prepared::Prepared;
 use super::room::{check_room, out_of_room};
+use super::spec::PrepareSpec;
 use super::split::{check_splittable, choose_cut};
-use super::{PrepareSpec, Prepared};
 use crate::sys::durable::{write_synced, AtomicDir};
 
 /// What a staging directory's name adds to its entry's (`<short>.tmp-<pid>`).

@@ -14,8 +14,13 @@ use super::super::sources::{resolve_dataset, Dataset};
 use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::{dtype_for_vocab, TokFileInfo, TokenFile, TokenPrefix};
 use super::encode::Tokenized;
-use super::{PrepareSpec, Prepared, CACHE_FORMAT_VERSION};
+use super::prepared::Prepared;
+use super::spec::PrepareSpec;
 use crate::sys::durable::file_blake3;
+
+/// Bumped whenever the cache contents for the same inputs would change (2: the validation
+/// split no longer depends on training.context_length, which left the key).
+pub const CACHE_FORMAT_VERSION: u32 = 2;
 
 /// A cache entry: the dataset, what identifies it (`inputs`, hashed into `key`) and where it
 /// lives (`<cache_dir>/<first 16 hex digits of key>`).
@@ -94,10 +99,6 @@ impl Entry {
         meta["created_unix_s"] = json!(now_unix_s());
         meta
     }
-}
-
-pub(super) fn part_name(index: u64, count: u64) -> String {
-    format!("part-{index:05}-of-{count:05}")
 }
 
 pub(super) fn missing_parts(count: u64, present: &[u64]) -> Vec<u64> {

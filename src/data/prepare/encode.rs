@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::super::sources::Dataset;
 use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::TokFileWriter;
-use super::PrepareSpec;
+use super::spec::PrepareSpec;
 
 /// Text accumulated before a parallel tokenization pass.
 const BATCH_BYTES: usize = 16 << 20;

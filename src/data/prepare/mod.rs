@@ -12,7 +12,10 @@ mod build;
 mod cache;
 mod encode;
 mod parts;
+mod prepared;
 mod room;
+mod shard;
+mod spec;
 mod split;
 #[cfg(test)]
 mod tests;
@@ -20,136 +23,21 @@ mod tests;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::hub::resolve_tokenizer;
-use super::ids::{check_max_id, max_token_id};
+use super::ids::max_token_id;
 use super::tokenizer::{Tokenizer, BUILTIN_NAMES};
 use super::tokfile::{is_token_file, TokenFile, TokenPrefix};
 use build::build_entry;
-use cache::{cached, missing_parts, part_name, part_record, parts_present, Entry};
+use cache::{cached, missing_parts, part_record, parts_present, Entry};
 use parts::{complete, write_part};
 
-/// Bumped whenever the cache contents for the same inputs would change (2: the validation
-/// split no longer depends on training.context_length, which left the key).
-pub const CACHE_FORMAT_VERSION: u32 = 2;
-
-/// What to tokenize and where to cache it.
-#[derive(Debug, Clone)]
-pub struct PrepareSpec {
-    /// Tokenizer name or `tokenizer.json` path (see [`Tokenizer::load`]).
-    pub tokenizer: String,
-    /// `data.path`: a built-in corpus (`builtin:shakespeare`), a text file, a directory of
-    /// them, a glob pattern, a cached Hub dataset, or a ready token file.
-    pub path: PathBuf,
-    /// JSON key holding the document text in `.jsonl` files.
-    pub text_field: String,
-    /// Share of tokens (taken from the end) used for validation, in `[0, 1)`.
-    pub val_fraction: f64,
-    /// Only the first N documents; `None` = all.
-    pub num_samples: Option<u64>,
-    /// Root of the tokenized-data cache.
-    pub cache_dir: PathBuf,
-    /// Tokenization threads; 0 = all cores.
-    pub num_threads: usize,
-    /// Show a progress bar (only when stderr is a terminal).
-    pub progress: bool,
-}
-
-/// Where the prepared token files are and what they contain.
-#[derive(Debug, Clone)]
-pub struct Prepared {
-    /// The cache entry directory (or the token file's directory).
-    pub dir: PathBuf,
-    /// Training tokens: `train.tok` whole, or the prefixes of the parts of an entry prepared
-    /// in parts (read as one stream by [`TokenFile::open_prefixes`]).
-    pub train: Vec<TokenPrefix>,
-    /// Validation tokens, if a split was requested.
-    pub val: Option<PathBuf>,
-    /// True when nothing had to be tokenized.
-    pub cache_hit: bool,
-    /// What tokenized the text ([`Tokenizer::engine`]) when this call did.
-    pub engine: Option<String>,
-    /// [`Tokenizer::id`] of the tokenizer used.
-    pub tokenizer_id: String,
-    /// Tokenizer vocabulary size, special tokens included.
-    pub vocab_size: usize,
-    /// End-of-document token id.
-    pub eos_id: u32,
-    /// Tokens in `train`.
-    pub train_tokens: u64,
-    /// Tokens in `val` (0 without one).
-    pub val_tokens: u64,
-    /// The largest token id in `train` (`None` without tokens); see [`Prepared::check_ids_fit`].
-    pub train_max_id: Option<u32>,
-    /// The largest token id in `val`.
-    pub val_max_id: Option<u32>,
-}
-
-impl Prepared {
-    /// Fails unless every token of the train and validation files is below `vocab_size`, the
-    /// model's vocabulary ([`super::ids::check_max_id`], with the largest ids counted when the
-    /// files were written or scanned).
-    pub fn check_ids_fit(&self, vocab_size: usize) -> Result<()> {
-        let files = [
-            (self.train.first().map(|p| &p.path), self.train_max_id),
-            (self.val.as_ref(), self.val_max_id),
-        ];
-        for (path, max) in files {
-            if let Some(path) = path {
-                check_max_id(path, max, vocab_size, &self.tokenizer_id, self.vocab_size)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Part `index` of `count` of a preparation spread over machines (`prepare --shard I/N`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shard {
-    /// From 0 to `count - 1`.
-    pub index: u64,
-    /// How many parts the corpus is cut into.
-    pub count: u64,
-}
-
-impl Shard {
-    /// `I/N` (I from 0 to N−1, like RANK), or `slurm` for SLURM_PROCID/SLURM_NTASKS (one
-    /// part per task of `srun lockstep prepare --shard slurm`).
-    pub fn parse(text: &str) -> Result<Shard> {
-        let (index, count) = if text == "slurm" {
-            let var = |name: &str| -> Result<String> {
-                std::env::var(name).map_err(|_| {
-                    anyhow!(
-                        "--shard slurm: {name} is not set; run it as `srun lockstep prepare \
-                         --shard slurm`, or give the part as --shard I/N"
-                    )
-                })
-            };
-            (var("SLURM_PROCID")?, var("SLURM_NTASKS")?)
-        } else {
-            let (i, n) = text.split_once('/').ok_or_else(|| {
-                anyhow!("--shard {text}: expected I/N (e.g. 0/8: the first of 8 parts) or slurm")
-            })?;
-            (i.to_string(), n.to_string())
-        };
-        let num = |v: &str| v.trim().parse::<u64>().ok();
-        match (num(&index), num(&count)) {
-            (Some(index), Some(count)) if index < count && count <= 99_999 => {
-                Ok(Shard { index, count })
-            }
-            _ => bail!(
-                "--shard {text}: the part must be I/N with 0 <= I < N <= 99999 (got {index}/{count})"
-            ),
-        }
-    }
-
-    /// `part-IIIII-of-NNNNN`: the name of its token file (`.tok`) and record (`.json`).
-    fn name(&self) -> String {
-        part_name(self.index, self.count)
-    }
-}
+pub use cache::CACHE_FORMAT_VERSION;
+pub use prepared::Prepared;
+pub use shard::Shard;
+pub use spec::PrepareSpec;
 
 /// What `prepare --shard I/N` did.
 #[derive(Debug)]

@@ -13,12 +13,14 @@ use super::super::tokenizer::Tokenizer;
 use super::super::tokfile::{
     dtype_for_vocab, partition_point, TokFileInfo, TokFileWriter, TokenFile, TokenPrefix,
 };
-use super::cache::{file_part, part_name, part_record, Entry};
+use super::cache::{file_part, part_record, Entry};
 use super::encode::tokenize_corpus;
 use super::encode::Tokenized;
+use super::prepared::Prepared;
 use super::room::out_of_room;
+use super::shard::{part_name, Shard};
+use super::spec::PrepareSpec;
 use super::split::{check_splittable, choose_cut};
-use super::{PrepareSpec, Prepared, Shard};
 use crate::sys::durable::file_blake3;
 
 /// Tokenizes part `shard` into `<dir>/part-….tok` and records it in `part-….json`; returns

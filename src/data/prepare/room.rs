@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 
-use super::PrepareSpec;
+use super::spec::PrepareSpec;
 
 /// Bytes free to this user on the file system holding `dir` (None where it cannot be read).
 fn free_bytes(dir: &Path) -> Option<u64> {

@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 
 use super::super::tokfile::partition_point;
-use super::PrepareSpec;
+use super::spec::PrepareSpec;
 
 /// Where the validation part starts in a stream of `total` tokens whose `count` documents
 /// start at `start(i)`, and whether that is a document boundary.

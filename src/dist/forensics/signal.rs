@@ -11,7 +11,7 @@ use std::sync::Once;
 
 use anyhow::{bail, Result};
 
-use super::Forensics;
+use super::recorder::Forensics;
 
 /// Write end of the pipe, for the handler; -1 before installation.
 static WAKE: AtomicI32 = AtomicI32::new(-1);

@@ -20,7 +20,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use memmap2::MmapMut;
 
-use super::{Outcome, Phase, Record, Snapshot, HISTORY};
+use super::record::{Outcome, Record, Snapshot, HISTORY};
+use crate::sys::phase::Phase;
 
 /// The variable through which `lockstep run` tells a worker where its trace file goes.
 pub const TRACE_ENV: &str = "LOCKSTEP_TRACE";

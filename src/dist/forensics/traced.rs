@@ -9,7 +9,8 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{Forensics, Outcome};
+use super::record::Outcome;
+use super::recorder::Forensics;
 use crate::dist::group::ProcessGroup;
 
 /// Records each collective of `inner` in a [`Forensics`] (op, number, bytes, start, duration,

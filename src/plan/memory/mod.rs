@@ -73,7 +73,8 @@
 
 use serde::Serialize;
 
-use super::{Device, Layout, Setting};
+use super::device::Device;
+use super::setting::{Layout, Setting};
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
@@ -686,6 +687,11 @@ fn gathered_at_stage_3(s: &Setting, l: &Layout, m: &Dims) -> Gathered {
         layer: c * (2.0 * layer + ahead((m.layers - 1.0).max(0.0))),
         saved: c * saved,
     }
+}
+
+/// Bytes as GB with two decimals (the unit of the memory line and of `system.memory_budget_gb`).
+pub fn gb(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
 }
 
 #[cfg(test)]
