@@ -23,27 +23,53 @@ for f in tests/*.rs; do
   targets+=("--test $(basename "$f" .rs)")
 done
 targets+=("--doc")
-# CPU seconds (user + system) of this shell's waited-for children so far: fields 16 and 17 of
-# /proc/PID/stat, in clock ticks.
-cpu() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%d", ($16 + $17) / hz }' "/proc/$$/stat"; }
-times=$(mktemp)
-failed=()
-suite_start=$SECONDS
-suite_cpu=$(cpu)
-for t in "${targets[@]}"; do
-  start=$SECONDS
-  start_cpu=$(cpu)
+# Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
+# tests already use every core, and several start two-rank jobs); each target's output is
+# printed whole when it ends, so lanes never interleave. On CI's 2 cores: one at a time.
+lanes=${LOCKSTEP_TEST_JOBS:-$(($(nproc) / 4 > 1 ? $(nproc) / 4 : 1))}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+hz=$(getconf CLK_TCK)
+# One target (run in a subshell): "wall CPU target" to $out/N.time (CPU: user + system of the
+# subshell's waited-for children, fields 16-17 of /proc/PID/stat) and a marker $out/N.failed if
+# it failed. With one lane its output goes out as it comes; with more it is printed whole at
+# the end (under a lock, so that two lanes that end together do not interleave).
+run_one() {
+  local n=$1 t=$2 start=$SECONDS st
   # shellcheck disable=SC2086 # "--test NAME" is two words on purpose
-  if ! zigcargo test --release $t; then
-    failed+=("$t")
+  if [ "$lanes" -eq 1 ]; then
+    zigcargo test --release $t || : >"$out/$n.failed"
+  else
+    zigcargo test --release $t >"$out/$n.log" 2>&1 || : >"$out/$n.failed"
+    flock "$out/print.lock" cat "$out/$n.log"
   fi
-  printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(($(cpu) - start_cpu)) "$t" >>"$times"
+  read -r -a st <"/proc/$BASHPID/stat"
+  printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(((st[15] + st[16]) / hz)) "$t" >"$out/$n.time"
+}
+suite_start=$SECONDS
+running=0
+for n in "${!targets[@]}"; do
+  if [ "$lanes" -eq 1 ]; then
+    (run_one "$n" "${targets[$n]}") # in the foreground: Ctrl-C reaches it
+    continue
+  fi
+  if [ "$running" -ge "$lanes" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  (run_one "$n" "${targets[$n]}") &
+  running=$((running + 1))
+done
+wait
+failed=()
+for n in "${!targets[@]}"; do
+  [ -e "$out/$n.failed" ] && failed+=("${targets[$n]}")
 done
 echo
-echo "Test targets by wall time ($((SECONDS - suite_start)) s in all, $(($(cpu) - suite_cpu)) s of CPU):"
+cpu_all=$(awk '{ c += $3 } END { print c + 0 }' "$out"/*.time)
+echo "Test targets by wall time ($((SECONDS - suite_start)) s in all, $lanes at a time; $cpu_all s of CPU):"
 echo "  wall    CPU  target"
-sort -rn "$times"
-rm -f "$times"
+sort -rn "$out"/*.time
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
   exit 1
