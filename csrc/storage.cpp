@@ -4,6 +4,7 @@
 // keep pointing at the same storage, now 0 bytes, and the gather before the unit's backward
 // fills the same storage again (src/train/optim/mod.rs, the pass's `Events`).
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include "ffi_util.hpp"
 
@@ -18,10 +19,16 @@ int lockstep_resize_storage(at::Tensor* t, size_t nbytes, char** err) {
     if (old == nbytes) return;
     TORCH_CHECK(old == 0 || nbytes == 0, "a storage of ", old, " bytes resized to ", nbytes,
                 ": only to or from 0 bytes");
-    TORCH_CHECK(s->resizable(), "the storage is not resizable");
+    TORCH_CHECK(s->resizable() && s->allocator() != nullptr,
+                "the storage is not resizable (not allocated by libtorch)");
     if (nbytes == 0) {
+      // The old DataPtr's deleter hands the block back to its allocator; CUDA's caching
+      // allocator reuses it only in stream order after the kernels already queued on it.
       s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
     } else {
+      // CUDA's caching allocator allocates on the current device: make it the storage's, as
+      // at::native::resize_bytes_cuda does (a no-op on CPU).
+      c10::DeviceGuard guard(s->device());
       s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
     }
     s->set_nbytes(nbytes);

@@ -668,14 +668,16 @@ impl UnitEvents for Events<'_, '_, '_> {
         let Some(buffer) = take(&mut self.live, unit) else {
             return Ok(());
         };
-        // A gather of this unit already issued (prefetch reaching its next use while this one
-        // ran) fills a buffer of its own: this one is left to whoever still holds it.
+        // Used again later in the pass: the storage is freed although the graph of this use may
+        // still refer to it, since the next use's gather fills it again first; unless that
+        // gather is already issued (prefetch reaching the next use while this one ran) into a
+        // buffer of its own, and this one is left to the graph. Not used again: the buffer is
+        // only dropped, so that a graph read after the pass (none in training, whose backward
+        // is inside it) still finds its values.
         let regathering = self.pending.iter().any(|(at, _)| self.order[*at] == unit);
-        if !regathering {
+        if self.order[self.next..].contains(&unit) && !regathering {
             crate::sys::storage::free(&buffer)?;
-            if self.order[self.next..].contains(&unit) {
-                self.freed.push((unit, buffer));
-            }
+            self.freed.push((unit, buffer));
         }
         Ok(())
     }
@@ -698,8 +700,10 @@ mod tests {
     /// forward keeps views of its gathered parameters (here `w.tr()`, what a matmul saves).
     /// After the unit's forward their storage is freed (0 bytes while the graph lives); the
     /// gather before the backward fills the same storage again, and the gradient is exact.
-    #[test]
-    fn stage_3_frees_a_units_gathered_storage_between_its_forward_and_backward() -> Result<()> {
+    /// A stage-3 optimizer of one decoder layer's 4 × 3 fp32 weight (0..12) on one rank, no
+    /// prefetch: with one, a second use's gather would be issued while the first runs, into a
+    /// buffer of its own, and the first's is then left to the graph.
+    fn one_weight() -> Result<(Vec<(String, Tensor)>, Optimizer)> {
         let hp = AdamWParams {
             beta1: 0.9,
             beta2: 0.95,
@@ -712,11 +716,18 @@ mod tests {
             "model.layers.0.mlp.up_proj.weight".to_string(),
             w.shallow_clone(),
         )];
-        let mut pg = crate::dist::SingleProcess;
-        // No prefetch: with one, the second use's gather would be issued while the first
-        // runs, into a buffer of its own, and the first's is then left to the graph.
+        let pg = crate::dist::SingleProcess;
         let opt = Optimizer::new(&params, hp, ZeroStage::Parameters, &pg, 25.0, Kind::Float)?
             .with_prefetch(0);
+        Ok((params, opt))
+    }
+
+    #[test]
+    fn stage_3_frees_a_units_gathered_storage_between_its_forward_and_backward() -> Result<()> {
+        let (params, opt) = one_weight()?;
+        let w = params[0].1.shallow_clone();
+        let mut pg = crate::dist::SingleProcess;
+        let cpu = (Kind::Float, tch::Device::Cpu);
         let x = Tensor::arange(6, cpu).view([2, 3]);
         let layer = GradUnit::Layer(0);
         opt.pass(&mut pg, false, &[layer, layer], true, |units| {
@@ -740,6 +751,27 @@ mod tests {
         // d Σ x·wᵀ / d w[i, j] = Σ_b x[b, j]: columns 0+3, 1+4, 2+5.
         let want = Tensor::from_slice(&[3f32, 5., 7.]).repeat([4, 1]);
         assert!(g.equal(&want), "gradient {g}");
+        Ok(())
+    }
+
+    /// A unit's last use in a pass frees nothing: no gather fills its storage again, so a
+    /// graph that outlives the pass (a forward with grad whose backward comes after it) must
+    /// still read the gathered values; the buffer goes when its last holder does.
+    #[test]
+    fn stage_3_leaves_a_units_last_buffer_to_whoever_holds_it() -> Result<()> {
+        let (params, opt) = one_weight()?;
+        let w = &params[0].1;
+        let mut pg = crate::dist::SingleProcess;
+        let layer = GradUnit::Layer(0);
+        let saved = opt.pass(&mut pg, false, &[layer], false, |units| {
+            units.before(layer)?;
+            let saved = w.tr();
+            units.after(layer)?;
+            Ok(saved)
+        })?;
+        assert_eq!(crate::sys::storage::bytes(&saved), 48, "not freed");
+        let want = Tensor::arange(12, (Kind::Float, tch::Device::Cpu)).view([4, 3]);
+        assert!(saved.tr().equal(&want), "{saved}");
         Ok(())
     }
 }
