@@ -4,7 +4,7 @@
 //! 2. Compiles the C++ shims against the same libtorch headers: the c10d TCPStore
 //!    (`csrc/c10d_store.cpp`), libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`), its
 //!    variable-length flash attention (`csrc/flash_varlen.cpp`) and a backward seeded with given
-//!    gradients (`csrc/autograd.cpp`).
+//!    gradients (`csrc/autograd.cpp`), a storage freed and re-allocated in place (`csrc/storage.cpp`).
 //! 3. Builds the NCCL shim (`csrc/nccl_group.cpp`, c10d's ProcessGroupNCCL) as a shared library
 //!    in OUT_DIR, which src/dist/nccl/loader.rs embeds and loads at run time on CUDA ranks only:
 //!    linking it into the binary would make every CPU run load libtorch_cuda and the CUDA stack.
@@ -35,6 +35,7 @@ fn main() {
         "fused_adamw.cpp",
         "flash_varlen.cpp",
         "autograd.cpp",
+        "storage.cpp",
         "torch_info.cpp",
         "nccl_group.cpp",
         "glibc_compat.cpp",
@@ -63,6 +64,7 @@ fn main() {
         "csrc/fused_adamw.cpp",
         "csrc/flash_varlen.cpp",
         "csrc/autograd.cpp",
+        "csrc/storage.cpp",
         "csrc/torch_info.cpp",
     ];
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());

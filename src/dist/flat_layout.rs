@@ -168,6 +168,25 @@ impl Span {
         self.len() == 0
     }
 
+    /// Where each parameter of the span lies whole in the buffer, in order: (position in
+    /// [`FlatLayout::params`], its first element there). A parameter cut between ranks r and
+    /// r+1 is the last piece of rank r's (it runs to the end of r's slice) and the first of
+    /// rank r+1's, so its pieces are adjacent and in order: the buffer holds every parameter
+    /// contiguously, and a view of it can stand for the parameter.
+    pub fn placements(&self) -> Vec<(usize, usize)> {
+        let mut at: Vec<(usize, usize)> = Vec::new();
+        for p in &self.pieces {
+            let start = p.buf.start - p.local.start;
+            match at.iter().find(|(param, _)| *param == p.param) {
+                Some(&(_, s)) => {
+                    assert_eq!(s, start, "internal: a parameter cut apart in its span")
+                }
+                None => at.push((p.param, start)),
+            }
+        }
+        at
+    }
+
     /// The pieces rank `r` owns, with the offset of each in that rank's slice.
     pub fn owned_by<'a>(
         &'a self,
@@ -307,6 +326,29 @@ mod tests {
         let mine: Vec<usize> = span.owned_by(&l, 2).map(|(_, at)| at).collect();
         assert_eq!(mine, [0], "norm1 starts rank 2's slice");
         assert_eq!(l.positions(), [0, 2, 1, 3]);
+    }
+
+    #[test]
+    fn every_parameter_lies_whole_in_its_span_buffer() {
+        for world in 1..=7 {
+            let l = layout(world);
+            for members in [vec![0], vec![1, 2], vec![0, 1, 2, 3], vec![0, 3], vec![2]] {
+                let span = l.span(&members);
+                let placed = span.placements(); // asserts adjacency of a parameter's pieces
+                assert_eq!(placed.len(), members.len(), "world {world}, {members:?}");
+                for (param, start) in placed {
+                    let numel = l.params[param].numel;
+                    let pieces: usize = span
+                        .pieces
+                        .iter()
+                        .filter(|p| p.param == param)
+                        .map(|p| p.local.len())
+                        .sum();
+                    assert_eq!(pieces, numel, "world {world}: all of parameter {param}");
+                    assert!(start + numel <= span.len());
+                }
+            }
+        }
     }
 
     #[test]

@@ -11,9 +11,9 @@
 //! shards the moments and, with bf16 compute, keeps bf16 working weights plus an fp32 master
 //! shard; stage 2 also shards the gradients; stage 3 also shards the parameters, so that a rank
 //! keeps 16 B/param over N ranks (fp32 master, moment and gradient slices) plus the units it
-//! has all-gathered for use (`system.prefetch_units` ahead of the one in use, and with
-//! checkpointing none or selective the weights each layer's autograd graph holds until its
-//! backward), and at every micro-batch sends two all-gathers of the parameters in the compute
+//! has all-gathered for use (`system.prefetch_units` ahead of the one in use; a unit's buffer is
+//! freed after each use, also under a forward's autograd graph, except where the prefetch
+//! issues a layer's backward gather during its forward), and at every micro-batch sends two all-gathers of the parameters in the compute
 //! dtype (before the forward and again before the backward) and one fp32 reduce-scatter of the
 //! gradients. A gradient has its parameter's dtype: fp32 at stages 0, 2 and 3 (fp32 weights, or
 //! the fp32 slice the reduce-scatter fills), the compute dtype at stage 1 (bf16 working weights).

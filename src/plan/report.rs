@@ -294,12 +294,13 @@ fn gathered_text(s: &Setting, l: &Layout, peak: PeakPhase, dtype: &str) -> Strin
         // A save's gathered units are none, said above.
         PeakPhase::DecoderBackward | PeakPhase::CheckpointSave => "layer",
     };
+    let held = memory::held_layers(s.prefetch_units, s.shape.num_layers);
     let saved = match l.activation_checkpointing {
-        ActivationCheckpointing::None => ", every layer's matrices held by its graph",
-        ActivationCheckpointing::Selective => {
-            ", every layer's attention matrices held by its graph"
-        }
-        ActivationCheckpointing::Full => "",
+        ActivationCheckpointing::Full => String::new(),
+        _ if held == 0 => String::new(),
+        _ => format!(
+            ", the last {held} layers' forward buffers held by their graphs (prefetch reached their backward)"
+        ),
     };
     format!(
         "{dtype}: {} unit buffers (the one in use + {} prefetched), the {in_use} in use{saved}",

@@ -9,6 +9,7 @@
 //! - [`machine`]: host memory, this process's resident memory, GPU memory and peak FLOP/s;
 //! - [`nvml`]: the GPUs of this machine as NVIDIA's management library reports them;
 //! - [`oom`]: allocation failures caught at a phase boundary and named by phase;
+//! - [`storage`]: a tensor's storage freed and re-allocated in place (zero stage 3's gathers);
 //! - [`phase`]: what the process is doing now (read by the OOM report and the hang forensics);
 //! - [`lower_thread_priority`]: a background thread that takes only idle CPU time;
 //! - [`count`]: a count for people (12.3k, 4.56M);
@@ -26,6 +27,7 @@ pub mod net;
 pub mod nvml;
 pub mod oom;
 pub mod phase;
+pub mod storage;
 
 /// `flock(2)` on `file` with `op` (`LOCK_SH`, `LOCK_EX`, `| LOCK_NB`); a lock held elsewhere
 /// under `LOCK_NB` is the error `EWOULDBLOCK`.

@@ -51,15 +51,18 @@
 //! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute
 //! dtype), the moments and the fp32 gradient slice [P/N] each. A unit (a decoder layer, the
 //! embedding, the final norm, the LM head) is all-gathered in the compute dtype into a buffer
-//! of the unit's size before each use, copied into full parameter tensors and freed after the
-//! use; the gathers of the next `system.prefetch_units` units are in flight meanwhile. Its
-//! "gathered units" term counts, at the peak: the buffer of the unit in use (counted although it
-//! is freed once copied: the copy happens with every kept activation alive), its materialised
-//! parameters (at an LM-head chunk the final norm and the head unit together), the buffers in
-//! flight (the next units in backward order: decoder layers, then the embedding), and with
-//! checkpointing none or selective the gathered weights that the autograd graph saved in each
-//! layer's forward (its matrices, or its attention matrices) and keeps until that layer's
-//! backward: only full checkpointing frees a layer's parameters between forward and backward.
+//! of the unit's size before each use; its parameters are views of that buffer (no copy), and
+//! the buffer's storage is freed after the use, also where the autograd graph of a layer's
+//! forward still refers to it (checkpointing none or selective): the gather before the layer's
+//! backward fills the same storage again (`train/optim/mod.rs`, the pass's `Events`). The
+//! gathers of the next `system.prefetch_units` units are in flight meanwhile. Its "gathered
+//! units" term counts, at the peak: the buffer of the unit in use (at an LM-head chunk the final
+//! norm's and the head unit's), the buffers in flight (the next units in backward order: decoder
+//! layers, then the embedding), and the prefetch exception: when the gather of a layer's
+//! backward is issued while its forward is in use (prefetch reaching 2·(L − i) − 1 units ahead
+//! for layer i, so the last ⌊(prefetch − 1)/2⌋ layers), that gather fills a buffer of its own and
+//! the forward's buffer is left to the graph (checkpointing none or selective) until the layer's
+//! backward, whole. With full checkpointing no graph refers to a freed buffer.
 //!
 //! A checkpoint save (`plan/checkpoint.rs`) runs between steps, when a rank holds its model state
 //! (weights, master weights, moments, the fp32 gradient slice at stages 2 and 3 and at stage 1 with
@@ -93,10 +96,11 @@ pub struct Memory {
     /// backward; at stages 2 and 3 this rank's fp32 slice, one unit's and their send buffer; at
     /// stage 1 with bf16 compute the fp32 slice the update reads besides).
     pub gradients: f64,
-    /// Stage 3: parameters all-gathered for use, in the compute dtype: the unit in use (its
-    /// buffer and its parameters), the gathers in flight ahead of it, and with checkpointing
-    /// none or selective the weights each layer's saved autograd graph holds until its
-    /// backward. Zero at stages 0 to 2.
+    /// Stage 3: parameters all-gathered for use, in the compute dtype: the buffer of the unit
+    /// in use (its parameters are views of it), the gathers in flight ahead of it, and with
+    /// checkpointing none or selective the forward buffers of the layers whose backward's gather
+    /// the prefetch issues during their forward (their graphs hold them until their backward).
+    /// Zero at stages 0 to 2.
     pub gathered_units: f64,
     /// What the decoder layers keep for backward (per the checkpointing mode), the layer being
     /// recomputed, and the gradients flowing between layers.
@@ -333,12 +337,12 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     let m = Dims::of(s);
     let state = StepState::of(s, l, &m);
     let p = Phases::of(s, l, &m);
-    // The kept activations (and at stage 3 the weights their graphs hold) live through both
+    // The kept activations (and at stage 3 the buffers their graphs hold) live through both
     // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
     let head_peak =
         p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.context + p.gathered.layer;
     let activations = p.kept + if head_peak { 0.0 } else { p.layer };
-    let gathered_units = p.gathered.saved
+    let gathered_units = p.gathered.held
         + if head_peak {
             p.gathered.head
         } else {
@@ -648,15 +652,16 @@ fn layer_bytes(s: &Setting, m: &Dims) -> LayerBytes {
 /// the saved autograd graphs hold through both.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Gathered {
-    /// At an LM-head chunk: the head unit's buffer, the final norm and the head unit
-    /// materialised, the gathers in flight for the next units (the last decoder layers).
+    /// At an LM-head chunk: the final norm's and the head unit's buffers, the gathers in flight
+    /// for the next units (the last decoder layers).
     head: f64,
-    /// At the last decoder layer's backward: its buffer and its parameters, the gathers in
-    /// flight for the layers below it (then the embedding).
+    /// At the last decoder layer's backward: its buffer, the gathers in flight for the layers
+    /// below it (then the embedding).
     layer: f64,
-    /// With checkpointing none or selective: the weights of every layer that its forward's graph
-    /// saved (all its matrices, or its attention matrices), alive until that layer's backward.
-    saved: f64,
+    /// With checkpointing none or selective: the forward buffers of the layers whose backward's
+    /// gather was issued while their forward ran ([`held_layers`]), alive until that layer's
+    /// backward. Every other layer's is freed after its forward.
+    held: f64,
 }
 
 /// The units in elements: a decoder layer is its matrices and its two norms; the head unit (the
@@ -676,22 +681,30 @@ fn gathered_at_stage_3(s: &Setting, l: &Layout, m: &Dims) -> Gathered {
         let p = s.prefetch_units as f64;
         p.min(layers) * layer + if p > layers { embedding } else { 0.0 }
     };
-    let saved = match l.activation_checkpointing {
-        ActivationCheckpointing::None => m.layers * (m.attn_params + m.mlp_params),
-        ActivationCheckpointing::Selective => m.layers * m.attn_params,
+    let held = match l.activation_checkpointing {
+        ActivationCheckpointing::None | ActivationCheckpointing::Selective => {
+            held_layers(s.prefetch_units, s.shape.num_layers) as f64 * layer
+        }
         ActivationCheckpointing::Full => 0.0,
     };
-    // A unit in use: its buffer and its parameters; the final norm stays with the head.
     Gathered {
-        head: c * (2.0 * head + final_norm + ahead(m.layers)),
-        layer: c * (2.0 * layer + ahead((m.layers - 1.0).max(0.0))),
-        saved: c * saved,
+        head: c * (head + final_norm + ahead(m.layers)),
+        layer: c * (layer + ahead((m.layers - 1.0).max(0.0))),
+        held: c * held,
     }
 }
 
 /// Bytes as GB with two decimals (the unit of the memory line and of `system.memory_budget_gb`).
 pub fn gb(bytes: f64) -> String {
     format!("{:.2} GB", bytes / 1e9)
+}
+
+/// The decoder layers whose forward buffer stage 3 cannot free: layer i is used at positions
+/// 1 + i and 2·L + 2 − i of the pass, so its backward's gather is issued during its forward
+/// when `prefetch` ≥ 2·(L − i) − 1, and that gather gets a buffer of its own
+/// (`Events::after`): the last ⌊(prefetch − 1)/2⌋ layers.
+pub fn held_layers(prefetch: usize, layers: usize) -> usize {
+    (prefetch.saturating_sub(1) / 2).min(layers)
 }
 
 #[cfg(test)]

@@ -36,10 +36,11 @@ fn stage_3_keeps_slices_of_masters_moments_and_gradients_and_the_units_in_use() 
     // The slice, and one unit's gradients with their fp32 send buffer (the largest unit:
     // the untied LM head or embedding).
     assert!(close(m.gradients, 4.0 * p / 8.0 + 2.0 * 4.0 * v * d));
-    // bf16: the unit in use, its buffer and one prefetched unit's (a decoder layer).
+    // bf16: the buffer of the unit in use (its parameters are views of it; at the head the
+    // final norm's too) and one prefetched unit's (a decoder layer).
     let expected = match m.peak_during {
-        PeakPhase::LmHead => 2.0 * (v * d + d + v * d + layer(&s)),
-        PeakPhase::DecoderBackward => 2.0 * 3.0 * layer(&s),
+        PeakPhase::LmHead => 2.0 * (v * d + d + layer(&s)),
+        PeakPhase::DecoderBackward => 2.0 * 2.0 * layer(&s),
         PeakPhase::CheckpointSave => unreachable!("a step's peak is above a save's: {m:?}"),
     };
     assert!(close(m.gathered_units, expected), "{m:?}");
@@ -117,47 +118,68 @@ fn every_prefetched_unit_is_one_more_buffer_in_flight() {
     let (s, l) = stage_3(&["system.prefetch_units=100"]);
     let g = gathered_at_stage_3(&s, &l, &Dims::of(&s));
     let (d, v) = (4096.0, 128_256.0);
-    assert!(close(
-        g.layer,
-        2.0 * (2.0 * layer(&s) + 7.0 * layer(&s) + v * d)
-    ));
-    assert!(close(
-        g.head,
-        2.0 * (2.0 * v * d + d + 8.0 * layer(&s) + v * d)
-    ));
+    assert!(close(g.layer, 2.0 * (layer(&s) + 7.0 * layer(&s) + v * d)));
+    assert!(close(g.head, 2.0 * (v * d + d + 8.0 * layer(&s) + v * d)));
 }
 
+/// Issue 45 item 27: a unit's gather buffer is freed after each use, also under the graph of a
+/// layer's forward, so no layer's weights wait for its backward; except where the prefetch
+/// issues a layer's backward gather during its forward: that gather gets a buffer of its own
+/// and the graph keeps the forward's whole (with checkpointing none or selective).
 #[test]
-fn only_full_checkpointing_frees_the_gathered_weights_between_forward_and_backward() {
-    let sh = |s: &Setting| {
-        (
-            s.shape.attention_matrix_params() as f64,
-            s.shape.mlp_matrix_params() as f64,
-        )
-    };
-    let mut phases = Vec::new();
-    for (mode, saved) in [
-        ("none", (1.0, 1.0)),
-        ("selective", (1.0, 0.0)),
-        ("full", (0.0, 0.0)),
-    ] {
-        let (s, l) = stage_3(&[&format!("training.activation_checkpointing={mode}")]);
-        let g = gathered_at_stage_3(&s, &l, &Dims::of(&s));
-        let (a, f) = sh(&s);
-        assert!(
-            close(g.saved, 2.0 * 8.0 * (saved.0 * a + saved.1 * f)),
-            "{mode}"
-        );
-        phases.push((g.head, g.layer));
-        let m = estimate(&s, &l);
-        let at_peak = match m.peak_during {
-            PeakPhase::LmHead => g.head,
-            PeakPhase::DecoderBackward => g.layer,
-            PeakPhase::CheckpointSave => unreachable!("{mode}: a step's peak is above"),
-        };
-        assert!(close(m.gathered_units, g.saved + at_peak), "{mode}");
+fn a_layers_gathered_weights_wait_for_its_backward_only_where_prefetch_reaches_it() {
+    for (prefetch, held) in [(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 2.0)] {
+        let mut phases = Vec::new();
+        for mode in ["none", "selective", "full"] {
+            let (s, l) = stage_3(&[
+                &format!("training.activation_checkpointing={mode}"),
+                &format!("system.prefetch_units={prefetch}"),
+            ]);
+            let g = gathered_at_stage_3(&s, &l, &Dims::of(&s));
+            let want = if mode == "full" { 0.0 } else { held };
+            assert!(
+                close(g.held, 2.0 * want * layer(&s)),
+                "{mode}, prefetch {prefetch}: {g:?}"
+            );
+            phases.push((g.head, g.layer));
+            let m = estimate(&s, &l);
+            let at_peak = match m.peak_during {
+                PeakPhase::LmHead => g.head,
+                PeakPhase::DecoderBackward => g.layer,
+                PeakPhase::CheckpointSave => unreachable!("{mode}: a step's peak is above"),
+            };
+            assert!(close(m.gathered_units, g.held + at_peak), "{mode}");
+        }
+        assert!(phases.windows(2).all(|w| w[0] == w[1]));
     }
-    assert!(phases.windows(2).all(|w| w[0] == w[1]));
+}
+
+/// `held_layers` against the pass itself: the unit order of `Llama::unit_order` with the
+/// gathers issued `prefetch` positions ahead (`Events::before`); a layer's forward buffer is
+/// kept when its next use is issued before its forward ends.
+#[test]
+fn the_held_layers_are_those_whose_backward_gather_is_issued_during_their_forward() {
+    for layers in 1..7 {
+        let mut order = vec![None];
+        order.extend((0..layers).map(Some));
+        order.extend([None, None]);
+        order.extend((0..layers).rev().map(Some));
+        order.push(None);
+        for prefetch in 0..layers + 3 {
+            let held = (0..layers)
+                .filter(|&i| {
+                    let forward = 1 + i;
+                    let issued = (forward + prefetch).min(order.len() - 1);
+                    order[forward + 1..=issued].contains(&Some(i))
+                })
+                .count();
+            assert_eq!(
+                held_layers(prefetch, layers),
+                held,
+                "{layers} layers, {prefetch}"
+            );
+        }
+    }
 }
 
 /// The production preset's layers with a short context on `world` CPU ranks: the model
@@ -295,10 +317,11 @@ fn a_tp_rank_holds_an_eighth_of_the_matrices_and_the_norms_whole() {
         gathered_at_stage_3(&eight, &l, &Dims::of(&eight)),
     );
     let layer_share = (layer(&one) - 2.0 * d) / 8.0 + 2.0 * d;
-    assert!(close(b.layer, 2.0 * 3.0 * layer_share), "{b:?}");
-    assert!(close(a.layer, 2.0 * 3.0 * layer(&one)));
-    // The head unit's buffer and parameters, the final norm, one prefetched layer.
-    assert!(close(b.head, 2.0 * (2.0 * v * d / 8.0 + d + layer_share)));
+    // The layer's buffer (its parameters are views of it) and one prefetched layer.
+    assert!(close(b.layer, 2.0 * 2.0 * layer_share), "{b:?}");
+    assert!(close(a.layer, 2.0 * 2.0 * layer(&one)));
+    // The head unit's buffer, the final norm's, one prefetched layer.
+    assert!(close(b.head, 2.0 * (v * d / 8.0 + d + layer_share)));
 }
 
 #[test]

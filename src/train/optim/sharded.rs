@@ -609,9 +609,22 @@ impl ShardedAdamW {
 
     /// Stage 3: the all-gather of unit `u`'s parameters in the working dtype, as a job for the
     /// communication queue, and where its buffer (the unit's span, every rank's pieces) arrives.
-    pub fn gather_job(&self, u: usize) -> (Job, mpsc::Receiver<Tensor>) {
+    /// `into`: a buffer of this unit's whose storage was freed ([`crate::sys::storage::free`]
+    /// after the unit's forward), gathered into again so that the autograd graph's views of it
+    /// see the values; else a new one.
+    pub fn gather_job(
+        &self,
+        u: usize,
+        into: Option<Tensor>,
+    ) -> Result<(Job, mpsc::Receiver<Tensor>)> {
         let span = &self.units[u].2;
-        let buffer = Tensor::zeros([span.len() as i64], (self.working, self.device));
+        let buffer = match into {
+            Some(b) => {
+                crate::sys::storage::alloc(&b)?;
+                b
+            }
+            None => Tensor::empty([span.len() as i64], (self.working, self.device)),
+        };
         let master = self.master.as_ref().expect("stage 3 keeps masters");
         tch::no_grad(|| {
             for (piece, at) in span.owned_by(&self.layout, self.rank) {
@@ -629,29 +642,21 @@ impl ShardedAdamW {
             let _ = tx.send(buffer);
             Ok(())
         });
-        (job, rx)
+        Ok((job, rx))
     }
 
-    /// Stage 3: unit `u`'s parameters take their full values from a gathered buffer.
+    /// Stage 3: unit `u`'s parameters take their full values from a gathered buffer, as views
+    /// of it (each parameter lies whole in the buffer: [`Span::placements`]), so the unit's
+    /// parameters cost the buffer and no copy of it.
     pub fn materialize(&self, u: usize, buffer: &Tensor) {
-        let (_, members, span) = &self.units[u];
-        let full: HashMap<usize, Tensor> = members
-            .iter()
-            .map(|&i| {
-                let t = Tensor::empty(self.shapes[i].as_slice(), (self.working, self.device));
-                (i, t)
-            })
-            .collect();
+        let span = &self.units[u].2;
         tch::no_grad(|| {
-            for piece in &span.pieces {
-                let index = self.layout.params[piece.param].index;
-                full[&index]
-                    .view(-1)
-                    .narrow(0, piece.local.start as i64, piece.local.len() as i64)
-                    .copy_(&buffer.narrow(0, piece.buf.start as i64, piece.buf.len() as i64));
-            }
-            for (i, t) in full {
-                self.params[i].1.shallow_clone().set_data(&t);
+            for (param, start) in span.placements() {
+                let i = self.layout.params[param].index;
+                let full = buffer
+                    .narrow(0, start as i64, self.layout.params[param].numel as i64)
+                    .view(self.shapes[i].as_slice());
+                self.params[i].1.shallow_clone().set_data(&full);
             }
         });
     }
