@@ -3,8 +3,9 @@
 //!    the linker writes RUNPATH, which the loader consults after LD_LIBRARY_PATH.
 //! 2. Compiles the C++ shims against the same libtorch headers: the c10d TCPStore
 //!    (`csrc/c10d_store.cpp`), libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`), its
-//!    variable-length flash attention (`csrc/flash_varlen.cpp`) and a backward seeded with given
-//!    gradients (`csrc/autograd.cpp`), a storage freed and re-allocated in place (`csrc/storage.cpp`).
+//!    variable-length flash attention (`csrc/flash_varlen.cpp`), a backward seeded with given
+//!    gradients (`csrc/autograd.cpp`) and a storage freed and re-allocated in place
+//!    (`csrc/storage.cpp`).
 //! 3. Builds the NCCL shim (`csrc/nccl_group.cpp`, c10d's ProcessGroupNCCL) as a shared library
 //!    in OUT_DIR, which src/dist/nccl/loader.rs embeds and loads at run time on CUDA ranks only:
 //!    linking it into the binary would make every CPU run load libtorch_cuda and the CUDA stack.
