@@ -26,22 +26,37 @@ fn process_state(pid: u32) -> Option<char> {
     stat.rsplit_once(") ")?.1.chars().next()
 }
 
-/// `logs/<run_name>-<time>/` of a launcher started in `dir` (None until it exists).
-fn log_dir(dir: &Path, run_name: &str) -> Option<PathBuf> {
-    std::fs::read_dir(dir.join("logs"))
-        .ok()?
+/// The `logs/<run_name>-<time>/` directories of launchers started in `dir`. Two launchers
+/// ("nodes") of one run that start in different seconds write two of them, each holding its
+/// own ranks' files.
+fn log_dirs(dir: &Path, run_name: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir.join("logs")) else {
+        return Vec::new();
+    };
+    entries
         .flatten()
         .map(|e| e.path())
-        .find(|p| {
+        .filter(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with(&format!("{run_name}-")))
         })
+        .collect()
 }
 
-/// Rank `rank`'s trace, once its worker has written one.
+/// The one log directory of a single launcher started in `dir` (None until it exists).
+fn log_dir(dir: &Path, run_name: &str) -> Option<PathBuf> {
+    let dirs = log_dirs(dir, run_name);
+    assert!(dirs.len() <= 1, "more than one launcher logged {run_name}: {dirs:?}");
+    dirs.into_iter().next()
+}
+
+/// Rank `rank`'s trace, once its worker has written one, in whichever launcher's log
+/// directory holds it.
 fn rank_trace(dir: &Path, run_name: &str, rank: usize) -> Option<Snapshot> {
-    trace::read(&log_dir(dir, run_name)?.join(format!("rank_{rank}.trace"))).ok()
+    log_dirs(dir, run_name)
+        .iter()
+        .find_map(|d| trace::read(&d.join(format!("rank_{rank}.trace"))).ok())
 }
 
 /// Waits until `cond` holds for rank `rank`'s trace of a live worker; panics after `limit`.
@@ -62,7 +77,9 @@ fn wait_trace(
         }
         assert!(
             Instant::now() < deadline,
-            "rank {rank} never reached: {what}"
+            "rank {rank} never reached: {what}; its last trace: {:?}; log directories: {:?}",
+            rank_trace(dir, run_name, rank).map(|t| (t.step, t.pid, process_state(t.pid))),
+            log_dirs(dir, run_name)
         );
         std::thread::sleep(Duration::from_millis(20));
     }
