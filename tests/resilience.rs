@@ -47,7 +47,10 @@ fn log_dirs(dir: &Path, run_name: &str) -> Vec<PathBuf> {
 /// The one log directory of a single launcher started in `dir` (None until it exists).
 fn log_dir(dir: &Path, run_name: &str) -> Option<PathBuf> {
     let dirs = log_dirs(dir, run_name);
-    assert!(dirs.len() <= 1, "more than one launcher logged {run_name}: {dirs:?}");
+    assert!(
+        dirs.len() <= 1,
+        "more than one launcher logged {run_name}: {dirs:?}"
+    );
     dirs.into_iter().next()
 }
 
