@@ -21,6 +21,7 @@
 import fcntl
 import json
 import os
+import re
 import sys
 import time
 
@@ -109,7 +110,14 @@ try:
     )
 except Exception as e:  # noqa: BLE001
     text = "%s: %s" % (type(e).__name__, e)
-    lasting = any(w in text.lower() for w in ("api key", "api_key", "401", "403", "permission", "not logged in", "login"))
+    low = text.lower()
+    # A timeout or a refused connection is the network's, whatever else the text holds (run
+    # ids, ports and URLs have digits: 401/403 count only as whole words).
+    transient = any(w in low for w in ("deadline exceeded", "timed out", "timeout", "connection refused"))
+    lasting = not transient and (
+        any(w in low for w in ("api key", "api_key", "permission", "not logged in", "login"))
+        or re.search(r"\b40[13]\b", low) is not None
+    )
     fix = (
         "check WANDB_API_KEY (or `wandb login`) and logging.wandb.entity / project"
         if lasting
