@@ -35,8 +35,8 @@ targets+=("--doc")
 # Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
 # tests already use every core, and several start two-rank jobs; two lanes on CI's 2 cores
 # are unsettled: one run faster, with a test failing under the load, BENCHMARKS.md §18).
-# Each target's output is printed whole when it ends, so lanes never
-# interleave; with one lane it goes out as it comes.
+# Each target's output is printed whole when it ends, so lanes never interleave; with one
+# lane it goes out as it comes.
 lanes=${LOCKSTEP_TEST_JOBS:-$(($(nproc) / 4 > 1 ? $(nproc) / 4 : 1))}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
