@@ -11,7 +11,9 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use common::{cmd, fails, ok, run, small, snapshot, tmp_leftovers, tree, with, write_corpus};
+use common::{
+    cmd, fails, ok, run, small, small_gpt2, snapshot, tmp_leftovers, tree, with, write_corpus,
+};
 
 #[test]
 fn truncated_token_file_is_named_with_the_fix_and_a_truncated_cache_entry_is_rebuilt() {
@@ -66,7 +68,7 @@ fn truncated_token_file_is_named_with_the_fix_and_a_truncated_cache_entry_is_reb
 fn token_file_of_another_tokenizer_names_the_one_that_wrote_it() {
     let tmp = tempfile::tempdir().unwrap();
     let corpus = write_corpus(tmp.path());
-    let base = small(&corpus);
+    let base = small_gpt2(&corpus);
     ok(tmp.path(), &cmd("prepare", &base, &[]));
     let cache = tmp.path().join(".lockstep/cache");
     let entry = fs::read_dir(&cache)
@@ -162,7 +164,7 @@ fn missing_data_path_exits_1_naming_the_path_and_the_key() {
 fn token_file_with_ids_past_the_vocabulary_is_refused_before_training() {
     let tmp = tempfile::tempdir().unwrap();
     let corpus = write_corpus(tmp.path());
-    let base = small(&corpus);
+    let base = small_gpt2(&corpus);
     // A fixed pseudo-random stream (xorshift), so the largest id is known.
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let bytes: Vec<u8> = (0..100_000)
@@ -266,7 +268,7 @@ fn document_masking_on_a_token_file_without_offsets_exits_1_naming_the_fix() {
         tmp.path(),
         &cmd(
             "train",
-            &small(&corpus),
+            &small_gpt2(&corpus),
             &[
                 "--set",
                 "data.path=x.bin",
@@ -632,7 +634,7 @@ fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = with(
-        &small(&write_corpus(dir)),
+        &small_gpt2(&write_corpus(dir)),
         &["train"],
         &["--set", "checkpoint.interval=2"],
     );

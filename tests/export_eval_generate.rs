@@ -51,7 +51,7 @@ fn export_loads_in_transformers_and_eval_matches() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let corpus = common::write_corpus(dir);
-    let base = common::small(&corpus);
+    let base = common::small_gpt2(&corpus); // GPT-2's ids and tokenizer files are checked
     let export = |args: &[&str]| common::run(dir, &common::with(&base, &["export"], args));
 
     // Nothing trained yet: a clear error naming the checkpoint directory.

@@ -7,12 +7,13 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{losses, ok, small, with};
+use common::{losses, ok, small_gpt2, with};
 use serde_json::Value;
 
-/// `small()` without its `data.path` (a mixture may not set both).
+/// `small_gpt2()` without its `data.path` (a mixture may not set both). GPT-2's ids: the
+/// token counts below are its.
 fn base(corpus: &Path) -> Vec<String> {
-    let mut b = small(corpus);
+    let mut b = small_gpt2(corpus);
     let at = b.iter().position(|a| a.starts_with("data.path=")).unwrap();
     b.drain(at - 1..=at);
     b
@@ -45,7 +46,7 @@ fn one_source_is_the_data_path_run_bitwise() {
     let dir = tmp.path();
     let corpus = common::write_corpus(dir);
     let tail = ["--max-steps", "6", "--set", "training.eval_interval=3"];
-    let plain = with(&small(&corpus), &["train"], &tail);
+    let plain = with(&small_gpt2(&corpus), &["train"], &tail);
     ok(dir, &with(&plain, &[], &["--set", "logging.run_name=path"]));
     let source = format!(
         r#"data.sources=[{{"path":"{}","weight":0.4}}]"#,

@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{ok, output_text, run, small, with, write_corpus};
+use common::{ok, output_text, run, small, small_gpt2, with, write_corpus};
 use serde_json::Value;
 
 fn plan_json(dir: &Path, args: &[&str]) -> Value {
@@ -340,7 +340,7 @@ fn a_config_that_cannot_fit_is_refused_before_anything_is_prepared() {
 
     // A config that a change fits names the change, and that change starts.
     let corpus = write_corpus(dir);
-    let base = small(&corpus);
+    let base = small_gpt2(&corpus);
     let refused = run(
         dir,
         &with(

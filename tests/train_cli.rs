@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{lockstep, losses, ok, output_text, run, small, write_corpus};
+use common::{lockstep, losses, ok, output_text, run, small, small_gpt2, write_corpus};
 
 fn args(base: &[String], extra: &[&str]) -> Vec<String> {
     base.iter()
@@ -81,10 +81,15 @@ fn prepare_caches_and_training_loss_falls() {
     assert!(out.contains("Validation | Step [40/40]"), "{out}");
     let l = losses(&tmp.path().join("runs/tiny/metrics.jsonl"));
     let (first, last) = (l.first().unwrap().1, l.last().unwrap().1);
-    assert!(first > 10.0, "starts near ln(50257) = 10.8, got {first}");
+    // The tests' tokenizer has 512 ids (common::tokenizer): an untrained model starts near
+    // ln(512) = 6.24 and 40 steps take ~1.2 nats off (measured 6.26 -> 5.10).
     assert!(
-        first - last > 3.0,
-        "loss should fall by > 3 nats in 40 steps: {first} -> {last}"
+        (first - 512f64.ln()).abs() < 0.1,
+        "starts near ln(512) = 6.24, got {first}"
+    );
+    assert!(
+        first - last > 0.8,
+        "loss should fall by > 0.8 nats in 40 steps: {first} -> {last}"
     );
     // The run's directory has the resolved config and the final checkpoint.
     let ckpt = tmp.path().join("runs/tiny/checkpoints/step_40");
@@ -521,7 +526,8 @@ fn default_corpus_is_built_in_and_works_from_any_directory() {
     }
 
     // train with the default data.path (a small model: seconds).
-    let mut base = small(std::path::Path::new("unused"));
+    // GPT-2's ids, as the default corpus was prepared above.
+    let mut base = small_gpt2(std::path::Path::new("unused"));
     base.truncate(base.len() - 2); // drop `--set data.path=unused`: keep the default
     let out = ok(
         cwd,

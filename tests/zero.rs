@@ -8,7 +8,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use common::{losses, ok, small, with, write_corpus};
+use common::{losses, ok, small, small_gpt2, with, write_corpus};
 use lockstep::train::checkpoint::MomentFiles;
 
 fn weights(ckpt: &Path) -> HashMap<String, tch::Tensor> {
@@ -330,9 +330,9 @@ fn hybrid_sharding_trains_like_stage_0_and_its_checkpoint_resumes_elsewhere() {
 
 /// `system.reduce_dtype = bf16`: gradients and their averages travel rounded to bf16 and are
 /// accumulated in fp32. Over 50 steps on 2 ranks at stage 2 (clipping on, the loss falling
-/// from 10.8 by more than 2) the losses track fp32's within 1e-2 relative (measured
-/// 2026-11-24: 2.7e-3 at worst here, 1.2e-5 on the Shakespeare corpus), and differ from them
-/// (the rounding is real).
+/// from 6.3 by more than 1) the losses track fp32's within 1e-2 relative (measured: 3.3e-3 at
+/// worst with the tests' 512 ids, 2.7e-3 with GPT-2's, 1.2e-5 on the Shakespeare corpus), and
+/// differ from them (the rounding is real).
 #[test]
 fn bf16_reductions_track_fp32_over_50_steps() {
     let tmp = tempfile::tempdir().unwrap();
@@ -373,7 +373,7 @@ fn bf16_reductions_track_fp32_over_50_steps() {
     };
     let (fp32, bf16) = (run("fp32"), run("bf16"));
     assert_eq!(fp32.len(), 50);
-    assert!(fp32[0].1 - fp32[49].1 > 2.0, "real training: {fp32:?}");
+    assert!(fp32[0].1 - fp32[49].1 > 1.0, "real training: {fp32:?}");
     let worst = fp32
         .iter()
         .zip(&bf16)
@@ -392,7 +392,8 @@ fn each_rank_holds_a_1_over_n_share_of_the_optimizer_state() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = with(
-        &small(&write_corpus(dir)),
+        // GPT-2's 50257 ids, not the tests' 512: the shares are read off lines in GB.
+        &small_gpt2(&write_corpus(dir)),
         &[],
         &["--max-steps", "2", "--set", "logging.memory_interval=1"],
     );

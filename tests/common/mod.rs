@@ -86,7 +86,15 @@ fn first_text(dir: &Path) -> PathBuf {
         .unwrap()
 }
 
-/// A small model on a small corpus: seconds per run on two cores.
+/// The tests' tokenizer: byte-level BPE, 512 ids, trained on data/shakespeare
+/// (tests/fixtures/make_tokenizer.py). With GPT-2's 50257 ids a `small` model would be 95%
+/// vocabulary: its LM head, AdamW's moments and every checkpoint several times larger.
+pub fn tokenizer() -> PathBuf {
+    root().join("tests/fixtures/tokenizer-512.json")
+}
+
+/// A small model on a small corpus, with the tests' 512-id [`tokenizer`]: about a second per
+/// run on two cores, most of it start-up.
 pub fn small(corpus: &Path) -> Vec<String> {
     [
         "--preset",
@@ -122,8 +130,23 @@ pub fn small(corpus: &Path) -> Vec<String> {
     ]
     .iter()
     .map(|s| s.to_string())
-    .chain(["--set".into(), format!("data.path={}", corpus.display())])
+    .chain([
+        "--set".into(),
+        format!("data.tokenizer={}", tokenizer().display()),
+        "--set".into(),
+        format!("data.path={}", corpus.display()),
+    ])
     .collect()
+}
+
+/// [`small`] with GPT-2's tokenizer (the default, 50257 ids), for tests about GPT-2 ids and
+/// token files, and where the vocabulary must be large.
+pub fn small_gpt2(corpus: &Path) -> Vec<String> {
+    let mut args = small(corpus);
+    let at = args.len() - 3;
+    assert!(args[at].starts_with("data.tokenizer="), "{args:?}");
+    args[at] = "data.tokenizer=gpt2".into();
+    args
 }
 
 /// Every record of a metrics.jsonl.
