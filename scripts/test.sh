@@ -4,11 +4,11 @@
 # the wheel's binary is (scripts/manylinux-env.sh), so it tests the very binary the wheel ships
 # and CI builds it once; scripts/wheel_test.sh then packs and tests the wheel (CI runs both).
 #
-# Without arguments: builds every test target once, runs each (the unit tests, then every
-# tests/*.rs), goes on past a failing one, and ends with each target's wall and CPU time
-# (slowest first) and the failures; exits 1 if any failed. With arguments they go to
-# `cargo test` as they are (e.g. `bash scripts/test.sh --test plan`, `… -- --ignored`,
-# `--no-run` to build only).
+# Without arguments: builds every test target once, runs each (the unit tests, the binary's,
+# every tests/*.rs module of the one integration-test crate, the doc tests), goes on past a
+# failing one, and ends with each target's wall and CPU time (slowest first) and the failures;
+# exits 1 if any failed. With arguments they go to `cargo test` as they are (e.g.
+# `bash scripts/test.sh --test suite plan::`, `… -- --ignored`, `--no-run` to build only).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -18,20 +18,41 @@ if [ $# -gt 0 ]; then
   exit
 fi
 zigcargo test --release --no-run
-# The longest targets first (BENCHMARKS.md §18), so that with two lanes the last to start are
-# short and the lanes end together; the rest in name order. A name missing here only runs later.
-slow_first=(docs zero tracking_mlflow checkpoint_async crash_safety resilience tracking_wandb
-  parallel_run plan_memory mlflow_sink)
-targets=()
-for t in "${slow_first[@]}"; do
-  [ -e "tests/$t.rs" ] && targets+=("--test $t")
-done
-targets+=("--lib" "--bins")
+# The integration tests are one crate (tests/suite.rs), a module per tests/NAME.rs; each module
+# runs as a target of its own: its tests by their exact names, in a process of its own.
+declare -A tests_of
+while read -r name; do
+  tests_of[${name%%::*}]+=" $name"
+done < <(zigcargo test --release --test suite -- --list --format terse 2>/dev/null |
+  sed -n 's/: test$//p')
 for f in tests/*.rs; do
   t=$(basename "$f" .rs)
-  [[ " ${slow_first[*]} " == *" $t "* ]] || targets+=("--test $t")
+  if [ "$t" != suite ] && [ -z "${tests_of[$t]:-}" ]; then
+    echo "scripts/test.sh: tests/$t.rs has no tests in the suite: add \`mod $t;\` to tests/suite.rs" >&2
+    exit 1
+  fi
 done
-targets+=("--doc")
+# The longest first (BENCHMARKS.md §18), so that with two lanes the last to start are short
+# and the lanes end together; the rest in name order. A name missing here only runs later.
+# labels[N] is how the table names target N (and how to run it alone); args[N] what cargo gets.
+slow_first=(docs zero tracking_mlflow checkpoint_async crash_safety resilience tracking_wandb
+  parallel_run plan_memory mlflow_sink)
+labels=()
+args=()
+add_module() {
+  labels+=("--test suite $1::")
+  args+=("--test suite -- --exact${tests_of[$1]}")
+}
+for t in "${slow_first[@]}"; do
+  [ -n "${tests_of[$t]:-}" ] && add_module "$t"
+done
+labels+=("--lib" "--bins")
+args+=("--lib" "--bins")
+for t in $(printf '%s\n' "${!tests_of[@]}" | sort); do
+  [[ " ${slow_first[*]} " == *" $t "* ]] || add_module "$t"
+done
+labels+=("--doc")
+args+=("--doc")
 # Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
 # tests already use every core, and several start two-rank jobs; two lanes on CI's 2 cores
 # are unsettled: one run faster, with a test failing under the load, BENCHMARKS.md §18).
@@ -46,8 +67,8 @@ hz=$(getconf CLK_TCK)
 # it failed. With one lane its output goes out as it comes; with more it is printed whole at
 # the end (under a lock, so that two lanes that end together do not interleave).
 run_one() {
-  local n=$1 t=$2 start=$SECONDS st
-  # shellcheck disable=SC2086 # "--test NAME" is two words on purpose
+  local n=$1 t=${args[$1]} start=$SECONDS st
+  # shellcheck disable=SC2086 # the arguments are several words on purpose
   if [ "$lanes" -eq 1 ]; then
     zigcargo test --release $t || : >"$out/$n.failed"
   else
@@ -55,26 +76,26 @@ run_one() {
     flock "$out/print.lock" cat "$out/$n.log"
   fi
   read -r -a st <"/proc/$BASHPID/stat"
-  printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(((st[15] + st[16]) / hz)) "$t" >"$out/$n.time"
+  printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(((st[15] + st[16]) / hz)) "${labels[$n]}" >"$out/$n.time"
 }
 suite_start=$SECONDS
 running=0
-for n in "${!targets[@]}"; do
+for n in "${!args[@]}"; do
   if [ "$lanes" -eq 1 ]; then
-    (run_one "$n" "${targets[$n]}") # in the foreground: Ctrl-C reaches it
+    (run_one "$n") # in the foreground: Ctrl-C reaches it
     continue
   fi
   if [ "$running" -ge "$lanes" ]; then
     wait -n || true
     running=$((running - 1))
   fi
-  (run_one "$n" "${targets[$n]}") &
+  (run_one "$n") &
   running=$((running + 1))
 done
 wait
 failed=()
-for n in "${!targets[@]}"; do
-  [ -e "$out/$n.failed" ] && failed+=("${targets[$n]}")
+for n in "${!args[@]}"; do
+  [ -e "$out/$n.failed" ] && failed+=("${labels[$n]}")
 done
 echo
 cpu_all=$(awk '{ c += $3 } END { print c + 0 }' "$out"/*.time)

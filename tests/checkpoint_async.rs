@@ -4,7 +4,7 @@
 //! with a complete checkpoint; `checkpoint.keep_every` keeps what it says. (Kills during
 //! background writes and a full disk: tests/crash_safety.rs, whose runs save asynchronously.)
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::{BufRead, BufReader};

@@ -6,7 +6,7 @@
 //! AdamW steps) of C × data-parallel at zero stage 3 and of C × TP equal the data-parallel /
 //! one-rank steps.
 
-mod common;
+use crate::common;
 
 use common::ranks::{each_rank, rel_tensor as rel, token_ids, Plain};
 use lockstep::config::{self, ZeroStage};

@@ -2,7 +2,7 @@
 //! a full disk, and a checkpoint directory that cannot be written. After each, every directory
 //! named `step_N` is a complete, loadable checkpoint and `--resume auto` picks the latest one.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::fs;

@@ -2,7 +2,7 @@
 //! single process on losses and weights, resume across world sizes, and the launcher tears
 //! everything down when a rank dies, fails or hangs.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! offsets → the batch's document mask → SDPA or the math backend). Without masking, or with
 //! masking but positions running on across documents, the numbers differ.
 
-mod common;
+use crate::common;
 
 use common::rel;
 

@@ -31,7 +31,7 @@
 //! A second test checks that every relative link `](path)` of these files names a file or
 //! directory that exists.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -515,8 +515,8 @@ const LAYOUT_BEGIN: &str =
 const LAYOUT_END: &str = "```\n<!-- layout: end -->";
 
 /// docs/layout.md's tree is the source tree as it is: every file, with the first sentence of
-/// its module docs. `LOCKSTEP_WRITE_DOCS=1 cargo test --release --test docs layout` rewrites
-/// it after a change.
+/// its module docs. `LOCKSTEP_WRITE_DOCS=1 cargo test --release --test suite docs::the_layout`
+/// rewrites it after a change.
 #[test]
 fn the_layout_page_lists_every_source_file_with_its_module_docs() {
     let path = common::root().join("docs/layout.md");
@@ -536,6 +536,6 @@ fn the_layout_page_lists_every_source_file_with_its_module_docs() {
     }
     panic!(
         "docs/layout.md's tree is not the source tree; rewrite it with \
-         `LOCKSTEP_WRITE_DOCS=1 cargo test --release --test docs layout`:\n{now}"
+         `LOCKSTEP_WRITE_DOCS=1 cargo test --release --test suite docs::the_layout`:\n{now}"
     );
 }

@@ -6,7 +6,7 @@
 //! From the reliability rounds (issue 20; round 4, issue 32; round 5, issue 45: a bare "Finding
 //! N" is round 5's) and the rows of docs/FAILURES.md; each finding's test failed before its fix.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::Path;

@@ -8,7 +8,7 @@
 //! "Item N" is issue 45's) and the rows of docs/FAILURES.md; each finding's test failed before
 //! its fix.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::{BufRead, BufReader};

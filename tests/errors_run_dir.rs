@@ -5,7 +5,7 @@
 //! start keeps the earlier record aside. From the reliability rounds (issue 20; round 5, issue
 //! 45) and the rows of docs/FAILURES.md; each finding's test failed before its fix.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::os::unix::fs::symlink;

@@ -3,7 +3,7 @@
 //! its experiment trackers (a bad W&B interpreter, MLflow's limits). Findings of the reliability
 //! rounds (issues 20 and 32); each test failed before its fix.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::{BufRead, BufReader};

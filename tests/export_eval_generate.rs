@@ -3,7 +3,7 @@
 //! mean cross-entropy over the same windows, greedy `generate` emits transformers' tokens (and
 //! stops at its EOS), and KV-cached decoding equals recomputing the whole sequence.
 
-mod common;
+use crate::common;
 
 use common::rel;
 

@@ -1,7 +1,7 @@
 //! The NaN/Inf guard and preemption end to end, on one rank and on two: the report, the
 //! evidence it saves, each policy, and SIGTERM → checkpoint → lossless resume.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Stdio;

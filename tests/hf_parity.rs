@@ -4,7 +4,7 @@
 //! of 40 tokens, so the 3 × 32-token batch spans three, one of them partial), and the
 //! training steps with full activation checkpointing.
 
-mod common;
+use crate::common;
 
 use common::rel;
 

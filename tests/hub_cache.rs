@@ -2,7 +2,7 @@
 //! tokenizers and datasets in the `models--owner--name/{refs,snapshots,blobs}` layout, checked
 //! against `huggingface_hub`'s own resolution, and the errors for what is missing.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::{Path, PathBuf};

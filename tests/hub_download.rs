@@ -4,7 +4,7 @@
 //! `x-linked-etag`, `content-range`) from a tiny Llama the test builds. Each lockstep run is a
 //! subprocess with its own HF_HUB_CACHE / HF_HOME / HF_TOKEN, so tests stay independent.
 
-mod common;
+use crate::common;
 
 use common::strs;
 

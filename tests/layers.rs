@@ -12,7 +12,7 @@
 //! own definitions. A parent's own types and functions that its children need live in a leaf
 //! file of their own (`plan/setting.rs`), re-exported by the parent.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

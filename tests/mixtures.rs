@@ -3,7 +3,7 @@
 //! metrics.jsonl, TensorBoard and the verbose step line, says when a source starts a new epoch,
 //! and resumes bitwise on the same world size and onto two ranks with the same samples.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

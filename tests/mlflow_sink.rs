@@ -1,7 +1,7 @@
 //! The MLflow sink against a real `mlflow server` (the venv's), read back with MLflow's own
 //! Python client; and against dead, hanging and odd servers.
 
-mod common;
+use crate::common;
 
 use std::net::TcpListener;
 use std::path::Path;

@@ -4,7 +4,7 @@
 //! CP 2 → 1 rank, 1 rank → CP 4) with the same losses, their exports load in transformers with
 //! the same loss, and bad layouts exit 2 naming the key.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

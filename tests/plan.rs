@@ -5,7 +5,7 @@
 //! (exit 2), and an out-of-memory error names its phase without a panic (exit 1), leaving the
 //! last complete checkpoint as it was.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -9,7 +9,7 @@
 //! --nproc 2 --cpu`) is checked the same way: rank 0's peak RSS against the plan of one of 2
 //! ranks, each holding half of every sequence's tokens.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

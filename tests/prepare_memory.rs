@@ -2,7 +2,7 @@
 //! .jsonl is the start-up's plus a few batches, not a copy of the corpus' tokens (the tokens
 //! stream into the token file). Peak RSS is the kernel's (`wait4`'s ru_maxrss).
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::Write;
@@ -115,7 +115,7 @@ fn one_line_jsonl(path: &Path, mb: usize) {
 /// The bound stated in BENCHMARKS.md §5 on a 1 GB corpus: 1 GB + 64 MB per thread (measured
 /// far below it), for a .jsonl of 4 kB documents, one 1 GB line of text, one 2 GB .jsonl line,
 /// and a Parquet file whose one row group holds ~1 GB of text. Slow (~5 min):
-/// `cargo test --release --test prepare_memory -- --ignored --nocapture`.
+/// `cargo test --release --test suite prepare_memory:: -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn a_1_gb_corpus_stays_under_the_bound() {

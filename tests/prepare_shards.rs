@@ -2,7 +2,7 @@
 //! entry that holds exactly the tokens, documents and validation split of a preparation in one
 //! go, and trains bitwise the same; a killed part leaves no part behind and a rerun finishes.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::{Path, PathBuf};

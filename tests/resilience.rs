@@ -4,7 +4,7 @@
 //! named with its phase; SIGUSR1 snapshots; stragglers; `srun`-style variables; and the
 //! rendezvous store listening on the master address only.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -887,7 +887,7 @@ fn the_rendezvous_store_is_not_reachable_on_other_addresses() {
 
 /// Soak: many kill -9s at seeded random moments (each at least one step into an attempt, so the
 /// first-step rule does not end the run), any rank, saves included by chance. Slow; figures in
-/// BENCHMARKS.md. `cargo test --release --test resilience soak -- --ignored --nocapture`
+/// BENCHMARKS.md. `cargo test --release --test suite resilience::soak -- --ignored --nocapture`
 #[test]
 #[ignore = "soak, minutes; run by hand (BENCHMARKS.md)"]
 fn soak_random_kill_9s_end_bitwise_equal_to_an_uninterrupted_run() {

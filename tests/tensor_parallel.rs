@@ -6,7 +6,7 @@
 //! differ, an fp64 computation of the same model says the split is as close to exact as one
 //! rank is.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

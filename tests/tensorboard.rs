@@ -2,7 +2,7 @@
 //! `tensorboard` package): every record passes TensorBoard's CRC checks and protobuf parser,
 //! and `EventAccumulator` returns the scalar series with their steps and float32 values.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -4,7 +4,7 @@
 //! and adversarial input; a tokenizer.json it does not handle (Llama 2's) goes through
 //! `tokenizers` with the same ids.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! run across a resume, and the run's status follows the exit (FINISHED, FAILED after a NaN
 //! abort, KILLED after SIGTERM). A server that goes away mid-run costs one warning.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

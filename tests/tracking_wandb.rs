@@ -3,7 +3,7 @@
 //! compared with metrics.jsonl and config.json; one W&B run across a resume and a restart; a
 //! sidecar killed mid-run and a missing `wandb` package cost one warning and nothing else.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! End-to-end through the binary: prepare and its cache, training whose loss falls, exact resume,
 //! and the errors a user meets first.
 
-mod common;
+use crate::common;
 
 use common::{lockstep, losses, ok, output_text, run, small, small_gpt2, write_corpus};
 

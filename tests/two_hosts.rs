@@ -5,7 +5,7 @@
 //! (CAP_SYS_ADMIN) to make the namespaces, as CI has; without it the test fails, unless
 //! `LOCKSTEP_TESTS_UNPRIVILEGED=1` says to skip it.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -3,7 +3,7 @@
 //! state (and at stage 3 of the parameters) per rank, and checkpoints that resume on another
 //! number of ranks and another stage.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;
