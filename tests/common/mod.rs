@@ -87,7 +87,7 @@ fn first_text(dir: &Path) -> PathBuf {
 }
 
 /// The tests' tokenizer: byte-level BPE, 512 ids, trained on data/shakespeare
-/// (tests/fixtures/make_tokenizer.py). With GPT-2's 50257 ids a `small` model would be 95%
+/// (tests/fixtures/make_tokenizer.py). With GPT-2's 50257 ids a `small` model would be 99%
 /// vocabulary: its LM head, AdamW's moments and every checkpoint several times larger.
 pub fn tokenizer() -> PathBuf {
     root().join("tests/fixtures/tokenizer-512.json")
