@@ -96,6 +96,17 @@ pub fn tokenizer() -> PathBuf {
 /// A small model on a small corpus, with the tests' 512-id [`tokenizer`]: about a second per
 /// run on two cores, most of it start-up.
 pub fn small(corpus: &Path) -> Vec<String> {
+    small_with(corpus, &tokenizer().display().to_string())
+}
+
+/// [`small`] with GPT-2's tokenizer (the default, 50257 ids), for tests about GPT-2 ids and
+/// token files, and where the vocabulary must be large.
+pub fn small_gpt2(corpus: &Path) -> Vec<String> {
+    small_with(corpus, "gpt2")
+}
+
+/// [`small`]'s flags with `data.tokenizer = tokenizer`; `data.path` comes last (tests drop it).
+fn small_with(corpus: &Path, tokenizer: &str) -> Vec<String> {
     [
         "--preset",
         "tiny",
@@ -132,21 +143,11 @@ pub fn small(corpus: &Path) -> Vec<String> {
     .map(|s| s.to_string())
     .chain([
         "--set".into(),
-        format!("data.tokenizer={}", tokenizer().display()),
+        format!("data.tokenizer={tokenizer}"),
         "--set".into(),
         format!("data.path={}", corpus.display()),
     ])
     .collect()
-}
-
-/// [`small`] with GPT-2's tokenizer (the default, 50257 ids), for tests about GPT-2 ids and
-/// token files, and where the vocabulary must be large.
-pub fn small_gpt2(corpus: &Path) -> Vec<String> {
-    let mut args = small(corpus);
-    let at = args.len() - 3;
-    assert!(args[at].starts_with("data.tokenizer="), "{args:?}");
-    args[at] = "data.tokenizer=gpt2".into();
-    args
 }
 
 /// Every record of a metrics.jsonl.
