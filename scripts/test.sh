@@ -9,6 +9,13 @@
 # failing one, and ends with each target's wall and CPU time (slowest first) and the failures;
 # exits 1 if any failed. With arguments they go to `cargo test` as they are (e.g.
 # `bash scripts/test.sh --test suite plan::`, `… -- --ignored`, `--no-run` to build only).
+#
+# LOCKSTEP_TEST_BESIDE="COMMAND" (CI's lints and wheel, .ci/run) runs COMMAND in the background
+# while the targets run, at the lowest CPU and I/O priority, so that it takes only the CPU the
+# tests leave idle (they keep ~0.7 of CI's 2 cores idle: servers, sleeps, single-threaded
+# steps; BENCHMARKS.md §18); its output is printed after the targets', and its failure fails
+# the run. The targets run as the built executables, not through cargo, so that COMMAND may
+# use cargo meanwhile (cargo holds the build directory's lock while it checks or builds).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -17,14 +24,33 @@ if [ $# -gt 0 ]; then
   zigcargo test --release "$@"
   exit
 fi
-zigcargo test --release --no-run
+# The build, and each test executable from cargo's artifact messages: the library's unit
+# tests, the binary's, the integration-test crate.
+exes=$(zigcargo test --release --no-run --message-format=json-render-diagnostics |
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["profile"]["test"] and m.get("executable"):
+        print(m["target"]["kind"][0], m["executable"])')
+exe() { # KIND: the test executable of that target kind (lib, bin, test)
+  local path
+  path=$(awk -v k="$1" '$1 == k { print $2 }' <<<"$exes")
+  [ -n "$path" ] && [ "$(wc -l <<<"$path")" = 1 ] || {
+    echo "scripts/test.sh: not one '$1' test executable in cargo's output: $exes" >&2
+    exit 1
+  }
+  echo "$path"
+}
+lib_tests=$(exe lib)
+bin_tests=$(exe bin)
+suite=$(exe test)
 # The integration tests are one crate (tests/suite.rs), a module per tests/NAME.rs; each module
 # runs as a target of its own: its tests by their exact names, in a process of its own.
 declare -A tests_of
 while read -r name; do
   tests_of[${name%%::*}]+=" $name"
-done < <(zigcargo test --release --test suite -- --list --format terse 2>/dev/null |
-  sed -n 's/: test$//p')
+done < <("$suite" --list --format terse 2>/dev/null | sed -n 's/: test$//p')
 for f in tests/*.rs; do
   t=$(basename "$f" .rs)
   if [ "$t" != suite ] && [ -z "${tests_of[$t]:-}" ]; then
@@ -34,25 +60,24 @@ for f in tests/*.rs; do
 done
 # The longest first (BENCHMARKS.md §18), so that with two lanes the last to start are short
 # and the lanes end together; the rest in name order. A name missing here only runs later.
-# labels[N] is how the table names target N (and how to run it alone); args[N] what cargo gets.
+# labels[N] is how the table names target N (and how to run it alone with cargo); args[N] the
+# command that runs it.
 slow_first=(docs zero tracking_mlflow checkpoint_async crash_safety resilience tracking_wandb
   parallel_run plan_memory mlflow_sink)
 labels=()
 args=()
 add_module() {
   labels+=("--test suite $1::")
-  args+=("--test suite -- --exact${tests_of[$1]}")
+  args+=("$suite --exact${tests_of[$1]}")
 }
 for t in "${slow_first[@]}"; do
   [ -n "${tests_of[$t]:-}" ] && add_module "$t"
 done
 labels+=("--lib" "--bins")
-args+=("--lib" "--bins")
+args+=("$lib_tests" "$bin_tests")
 for t in $(printf '%s\n' "${!tests_of[@]}" | sort); do
   [[ " ${slow_first[*]} " == *" $t "* ]] || add_module "$t"
 done
-labels+=("--doc")
-args+=("--doc")
 # Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
 # tests already use every core, and several start two-rank jobs; two lanes on CI's 2 cores
 # are unsettled: one run faster, with a test failing under the load, BENCHMARKS.md §18).
@@ -67,39 +92,67 @@ hz=$(getconf CLK_TCK)
 # it failed. With one lane its output goes out as it comes; with more it is printed whole at
 # the end (under a lock, so that two lanes that end together do not interleave).
 run_one() {
-  local n=$1 t=${args[$1]} start=$SECONDS st
-  # shellcheck disable=SC2086 # the arguments are several words on purpose
+  local n=$1 start=$SECONDS st
+  # shellcheck disable=SC2086 # the command is several words on purpose
   if [ "$lanes" -eq 1 ]; then
-    zigcargo test --release $t || : >"$out/$n.failed"
+    echo "== ${labels[$n]}"
+    (cd "$ROOT" && ${args[$n]}) || : >"$out/$n.failed"
   else
-    zigcargo test --release $t >"$out/$n.log" 2>&1 || : >"$out/$n.failed"
+    { echo "== ${labels[$n]}"; (cd "$ROOT" && ${args[$n]}); } >"$out/$n.log" 2>&1 || : >"$out/$n.failed"
     flock "$out/print.lock" cat "$out/$n.log"
   fi
   read -r -a st <"/proc/$BASHPID/stat"
   printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(((st[15] + st[16]) / hz)) "${labels[$n]}" >"$out/$n.time"
 }
 suite_start=$SECONDS
-running=0
+# The doc tests first: rustdoc compiles them, through cargo, before COMMAND may hold its lock.
+start=$SECONDS
+zigcargo test --release --doc || : >"$out/doc.failed"
+printf '%6d s %6d s  %s\n' $((SECONDS - start)) 0 "--doc (CPU not counted)" >"$out/doc.time"
+beside=
+if [ -n "${LOCKSTEP_TEST_BESIDE:-}" ]; then
+  echo "scripts/test.sh: running beside the tests, at the lowest priority: $LOCKSTEP_TEST_BESIDE"
+  (
+    start=$SECONDS
+    nice -n 19 ionice -c 3 bash -c "$LOCKSTEP_TEST_BESIDE" >"$out/beside.log" 2>&1 || : >"$out/beside.failed"
+    read -r -a st <"/proc/$BASHPID/stat"
+    echo "$((SECONDS - start)) s with $(((st[15] + st[16]) / hz)) s of CPU" >"$out/beside.took"
+  ) &
+  beside=$!
+fi
+lane_jobs=()
 for n in "${!args[@]}"; do
   if [ "$lanes" -eq 1 ]; then
     (run_one "$n") # in the foreground: Ctrl-C reaches it
     continue
   fi
-  if [ "$running" -ge "$lanes" ]; then
-    wait -n || true
-    running=$((running - 1))
+  if [ "${#lane_jobs[@]}" -ge "$lanes" ]; then
+    wait -n "${lane_jobs[@]}" || true
+    alive=()
+    for p in "${lane_jobs[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done
+    lane_jobs=("${alive[@]}")
   fi
   (run_one "$n") &
-  running=$((running + 1))
+  lane_jobs+=($!)
 done
-wait
+for p in "${lane_jobs[@]}"; do wait "$p" || true; done
+targets_end=$SECONDS
+[ -z "$beside" ] || wait "$beside" || true
 failed=()
+[ -e "$out/doc.failed" ] && failed+=("--doc")
 for n in "${!args[@]}"; do
   [ -e "$out/$n.failed" ] && failed+=("${labels[$n]}")
 done
+if [ -n "$beside" ]; then
+  echo
+  echo "== beside the tests: $LOCKSTEP_TEST_BESIDE"
+  cat "$out/beside.log"
+  echo "== it took $(cat "$out/beside.took"), ending $((SECONDS - targets_end)) s after the last target"
+  [ -e "$out/beside.failed" ] && failed+=("beside: $LOCKSTEP_TEST_BESIDE")
+fi
 echo
 cpu_all=$(awk '{ c += $3 } END { print c + 0 }' "$out"/*.time)
-echo "Test targets by wall time ($((SECONDS - suite_start)) s in all, $lanes at a time; $cpu_all s of CPU):"
+echo "Test targets by wall time ($((targets_end - suite_start)) s in all, $lanes at a time; $cpu_all s of CPU):"
 echo "  wall    CPU  target"
 sort -rn "$out"/*.time
 if [ ${#failed[@]} -gt 0 ]; then
