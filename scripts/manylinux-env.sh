@@ -31,11 +31,15 @@ export CXXSTDLIB_x86_64_unknown_linux_gnu=
 # what *the binary* asks of it within GLIBCXX_3.4.24. libgcc_s by path: the one unwinder for
 # Rust and C++ (cargo-zigbuild turns rustc's -lgcc_s into zig's static libunwind). With a
 # --target, RUSTFLAGS reach the target's artifacts only, not build scripts or proc macros.
-RUSTFLAGS="${RUSTFLAGS:-} -L native=$CARGO_TARGET_DIR/manylinux-lib"
-RUSTFLAGS+=" -C link-arg=$(g++ -print-file-name=libstdc++.so.6)"
-RUSTFLAGS+=" -C link-arg=$(g++ -print-file-name=libgcc_s.so.1)"
-RUSTFLAGS+=" -C link-arg=-Wl,--allow-shlib-undefined"
+lockstep_flags="-L native=$CARGO_TARGET_DIR/manylinux-lib"
+lockstep_flags+=" -C link-arg=$(g++ -print-file-name=libstdc++.so.6)"
+lockstep_flags+=" -C link-arg=$(g++ -print-file-name=libgcc_s.so.1)"
+lockstep_flags+=" -C link-arg=-Wl,--allow-shlib-undefined"
+# Once: sourced again (CI's wheel and lints, started from scripts/test.sh's shell) it must not
+# append them twice, a different RUSTFLAGS that would rebuild every crate.
+[[ "${RUSTFLAGS:-}" == *"$lockstep_flags"* ]] || RUSTFLAGS="${RUSTFLAGS:-} $lockstep_flags"
 export RUSTFLAGS
+unset lockstep_flags
 zigcargo() {
   local sub=$1
   shift

@@ -15,7 +15,7 @@ pub fn venv_bin(name: &str) -> PathBuf {
 }
 
 /// `mlflow server` on 127.0.0.1 with its SQLite store and artifacts in `dir`, in its own process
-/// group (killed with everything it started when dropped). About 7 s to start on a 2-core
+/// group (killed with everything it started when dropped). About 10 s to start on a 2-core
 /// machine.
 pub struct MlflowServer {
     child: Option<Child>,
@@ -50,6 +50,9 @@ impl MlflowServer {
             .arg("--default-artifact-root")
             .arg(dir.join("artifacts"))
             .args(["--workers", "1"])
+            // MLflow 3's job runner (a job process and huey consumers with 5-10 workers, each
+            // importing mlflow) is not tracking: off, it is 2 Python processes instead of ~8.
+            .env("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
             .current_dir(dir)
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
