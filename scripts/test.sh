@@ -10,12 +10,8 @@
 # exits 1 if any failed. With arguments they go to `cargo test` as they are (e.g.
 # `bash scripts/test.sh --test suite plan::`, `… -- --ignored`, `--no-run` to build only).
 #
-# LOCKSTEP_TEST_BESIDE="COMMAND" (CI's lints and wheel, .ci/run) runs COMMAND in the background
-# while the targets run, at the lowest CPU and I/O priority, so that it takes only the CPU the
-# tests leave idle (they keep ~0.7 of CI's 2 cores idle: servers, sleeps, single-threaded
-# steps; BENCHMARKS.md §18); its output is printed after the targets', and its failure fails
-# the run. The targets run as the built executables, not through cargo, so that COMMAND may
-# use cargo meanwhile (cargo holds the build directory's lock while it checks or builds).
+# The targets run as the built executables (cargo lists them as it builds), in the repository
+# root as `cargo test` runs them; the doc tests through cargo, which compiles them then.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -78,6 +74,9 @@ args+=("$lib_tests" "$bin_tests")
 for t in $(printf '%s\n' "${!tests_of[@]}" | sort); do
   [[ " ${slow_first[*]} " == *" $t "* ]] || add_module "$t"
 done
+# rustdoc compiles the doc tests when they run: through cargo.
+labels+=("--doc")
+args+=("zigcargo test --release --doc")
 # Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
 # tests already use every core, and several start two-rank jobs; two lanes on CI's 2 cores
 # are unsettled: one run faster, with a test failing under the load, BENCHMARKS.md §18).
@@ -105,54 +104,27 @@ run_one() {
   printf '%6d s %6d s  %s\n' $((SECONDS - start)) $(((st[15] + st[16]) / hz)) "${labels[$n]}" >"$out/$n.time"
 }
 suite_start=$SECONDS
-# The doc tests first: rustdoc compiles them, through cargo, before COMMAND may hold its lock.
-start=$SECONDS
-zigcargo test --release --doc || : >"$out/doc.failed"
-printf '%6d s %6d s  %s\n' $((SECONDS - start)) 0 "--doc (CPU not counted)" >"$out/doc.time"
-beside=
-if [ -n "${LOCKSTEP_TEST_BESIDE:-}" ]; then
-  echo "scripts/test.sh: running beside the tests, at the lowest priority: $LOCKSTEP_TEST_BESIDE"
-  (
-    start=$SECONDS
-    nice -n 19 ionice -c 3 bash -c "$LOCKSTEP_TEST_BESIDE" >"$out/beside.log" 2>&1 || : >"$out/beside.failed"
-    read -r -a st <"/proc/$BASHPID/stat"
-    echo "$((SECONDS - start)) s with $(((st[15] + st[16]) / hz)) s of CPU" >"$out/beside.took"
-  ) &
-  beside=$!
-fi
-lane_jobs=()
+running=0
 for n in "${!args[@]}"; do
   if [ "$lanes" -eq 1 ]; then
     (run_one "$n") # in the foreground: Ctrl-C reaches it
     continue
   fi
-  if [ "${#lane_jobs[@]}" -ge "$lanes" ]; then
-    wait -n "${lane_jobs[@]}" || true
-    alive=()
-    for p in "${lane_jobs[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done
-    lane_jobs=("${alive[@]}")
+  if [ "$running" -ge "$lanes" ]; then
+    wait -n || true
+    running=$((running - 1))
   fi
   (run_one "$n") &
-  lane_jobs+=($!)
+  running=$((running + 1))
 done
-for p in "${lane_jobs[@]}"; do wait "$p" || true; done
-targets_end=$SECONDS
-[ -z "$beside" ] || wait "$beside" || true
+wait
 failed=()
-[ -e "$out/doc.failed" ] && failed+=("--doc")
 for n in "${!args[@]}"; do
   [ -e "$out/$n.failed" ] && failed+=("${labels[$n]}")
 done
-if [ -n "$beside" ]; then
-  echo
-  echo "== beside the tests: $LOCKSTEP_TEST_BESIDE"
-  cat "$out/beside.log"
-  echo "== it took $(cat "$out/beside.took"), ending $((SECONDS - targets_end)) s after the last target"
-  [ -e "$out/beside.failed" ] && failed+=("beside: $LOCKSTEP_TEST_BESIDE")
-fi
 echo
 cpu_all=$(awk '{ c += $3 } END { print c + 0 }' "$out"/*.time)
-echo "Test targets by wall time ($((targets_end - suite_start)) s in all, $lanes at a time; $cpu_all s of CPU):"
+echo "Test targets by wall time ($((SECONDS - suite_start)) s in all, $lanes at a time; $cpu_all s of CPU):"
 echo "  wall    CPU  target"
 sort -rn "$out"/*.time
 if [ ${#failed[@]} -gt 0 ]; then
