@@ -35,7 +35,7 @@ lockstep_flags="-L native=$CARGO_TARGET_DIR/manylinux-lib"
 lockstep_flags+=" -C link-arg=$(g++ -print-file-name=libstdc++.so.6)"
 lockstep_flags+=" -C link-arg=$(g++ -print-file-name=libgcc_s.so.1)"
 lockstep_flags+=" -C link-arg=-Wl,--allow-shlib-undefined"
-# Once: sourced again (CI's wheel and lints, started from scripts/test.sh's shell) it must not
+# Once: sourced again from a shell that already did (a script that calls another), it must not
 # append them twice, a different RUSTFLAGS that would rebuild every crate.
 [[ "${RUSTFLAGS:-}" == *"$lockstep_flags"* ]] || RUSTFLAGS="${RUSTFLAGS:-} $lockstep_flags"
 export RUSTFLAGS

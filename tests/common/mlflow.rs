@@ -51,7 +51,7 @@ impl MlflowServer {
             .arg(dir.join("artifacts"))
             .args(["--workers", "1"])
             // MLflow 3's job runner (a job process and huey consumers with 5-10 workers, each
-            // importing mlflow) is not tracking: off, it is 2 Python processes instead of ~8.
+            // importing mlflow) is not tracking: off, the server is 2 Python processes, not 10.
             .env("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
             .current_dir(dir)
             .stdin(Stdio::null())
