@@ -10,8 +10,9 @@
 # exits 1 if any failed. With arguments they go to `cargo test` as they are (e.g.
 # `bash scripts/test.sh --test suite plan::`, `… -- --ignored`, `--no-run` to build only).
 #
-# The targets run as the built executables (cargo lists them as it builds), in the repository
-# root as `cargo test` runs them; the doc tests through cargo, which compiles them then.
+# The targets run as the built executables (cargo lists them as it builds), from the repository
+# root as `cargo test` runs them (this script works there); the doc tests through cargo, which
+# compiles them then.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -95,9 +96,9 @@ run_one() {
   # shellcheck disable=SC2086 # the command is several words on purpose
   if [ "$lanes" -eq 1 ]; then
     echo "== ${labels[$n]}"
-    (cd "$ROOT" && ${args[$n]}) || : >"$out/$n.failed"
+    ${args[$n]} || : >"$out/$n.failed"
   else
-    { echo "== ${labels[$n]}"; (cd "$ROOT" && ${args[$n]}); } >"$out/$n.log" 2>&1 || : >"$out/$n.failed"
+    { echo "== ${labels[$n]}"; ${args[$n]}; } >"$out/$n.log" 2>&1 || : >"$out/$n.failed"
     flock "$out/print.lock" cat "$out/$n.log"
   fi
   read -r -a st <"/proc/$BASHPID/stat"
