@@ -43,11 +43,11 @@ work=$(mktemp -d); trap 'rm -rf "$work" "$out"' EXIT
 cd "$work"
 for s in "${settings[@]}"; do
   set -- $s
-  peak=$("$ROOT/target/release/lockstep" train --preset tiny --max-steps 3 \
+  peak=$("$ROOT/target/release/lockstep" train --preset tiny --max-steps 3 --set training.batch_size=8 --set training.context_length=256 \
     --set system.num_threads="$threads" --set training.eval_batches=0 \
     --set training.activation_checkpointing="$1" --set training.loss_chunk_tokens="$2" \
     --set logging.run_name="$1-$2" 2>&1 | grep -o "Peak memory: RSS [0-9.]* GB")
-  est=$("$ROOT/target/release/lockstep" plan --device cpu --preset tiny \
+  est=$("$ROOT/target/release/lockstep" plan --device cpu --preset tiny --set training.batch_size=8 --set training.context_length=256 \
     --set system.num_threads="$threads" --set training.eval_batches=0 \
     --set training.activation_checkpointing="$1" --set training.loss_chunk_tokens="$2" \
     | grep -o "total *[0-9.]* GB" | grep -o "[0-9.]* GB")

@@ -10,7 +10,8 @@ cargo build --release --bin lockstep 2>/dev/null
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 ln -s "$ROOT/data" "$work/data"
 cd "$work"
-common=(--preset tiny --max-steps "$steps" --set logging.verbose=true --set logging.interval=4
+common=(--preset tiny --max-steps "$steps" --set training.batch_size=8 --set training.context_length=256
+        --set logging.verbose=true --set logging.interval=4
         --set training.eval_batches=0 --set checkpoint.interval=0 --set logging.memory_interval=0)
 echo "== 1 rank (2 threads)"
 "$ROOT/target/release/lockstep" train "${common[@]}" --set logging.run_name=one 2>&1 | grep -E "Step \[|Timing|Model:" | tail -4

@@ -14,7 +14,8 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 ln -s "$ROOT/data" "$work/data"
 cd "$work"
 bin="$ROOT/target/release/lockstep"
-common=(--preset tiny --max-steps "$steps" --set logging.verbose=true --set logging.interval=1
+common=(--preset tiny --max-steps "$steps" --set training.context_length=256
+        --set logging.verbose=true --set logging.interval=1
         --set training.eval_batches=0 --set checkpoint.interval=0 --set logging.memory_interval=0
         --set logging.tensorboard=false)
 median_tps() { # metrics.jsonl -> median tokens/s of steps 4..

@@ -10,7 +10,8 @@ steps=${1:-4}
 cargo build --release --bin lockstep 2>/dev/null
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cd "$work"
-common=(--preset tiny --max-steps "$steps" --set training.eval_batches=0 --set checkpoint.interval=0
+common=(--preset tiny --max-steps "$steps" --set training.batch_size=8 --set training.context_length=256
+        --set training.eval_batches=0 --set checkpoint.interval=0
         --set logging.memory_interval="$steps")
 medium=(--set model.hidden_size=1024 --set model.num_layers=8 --set model.num_attention_heads=16
         --set model.num_key_value_heads=8 --set model.intermediate_size=2816 --set training.batch_size=2)
