@@ -231,7 +231,9 @@ fn pack_corpus(name: &str) {
     if packed.is_file() && std::fs::read(&raw).is_ok_and(|old| old == pack) {
         return;
     }
-    let compressed = zstd::stream::encode_all(&pack[..], 19).expect("zstd compression");
+    // Level 12: 1.5 s for the 5.06 MB pack, 1.73 MB out; level 19 took 11 s of every clean build
+    // for 1.60 MB (measured with the zstd CLI on this 2-core machine).
+    let compressed = zstd::stream::encode_all(&pack[..], 12).expect("zstd compression");
     std::fs::write(&packed, compressed).unwrap();
     std::fs::write(&raw, &pack).unwrap();
 }

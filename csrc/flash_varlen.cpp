@@ -3,7 +3,9 @@
 // and no [seq, seq] mask is built. The op is called through the dispatcher, so autograd records
 // its backward (FlashAttentionBackward0) as for any other op. It has a CUDA kernel only (fp16 /
 // bf16); on anything else it throws, and the caller falls back to the masked SDPA path.
-#include <ATen/ATen.h>
+// The operator's dispatcher entry (at::_ops), not ATen/ATen.h: see fused_adamw.cpp.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_flash_attention_forward_ops.h>
 
 #include "ffi_util.hpp"
 
@@ -16,9 +18,11 @@ extern "C" {
 int lockstep_flash_varlen(at::Tensor* q, at::Tensor* k, at::Tensor* v, at::Tensor* cu_seqlens,
                           int64_t max_len, at::Tensor** out, char** err) {
   return lockstep_ffi::guarded(err, "variable-length flash attention", [&] {
-    auto result = at::_flash_attention_forward(*q, *k, *v, *cu_seqlens, *cu_seqlens, max_len,
-                                               max_len, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                               /*return_debug_mask=*/false);
+    auto result = at::_ops::_flash_attention_forward::call(
+        *q, *k, *v, *cu_seqlens, *cu_seqlens, max_len, max_len, /*dropout_p=*/0.0,
+        /*is_causal=*/true, /*return_debug_mask=*/false, /*scale=*/std::nullopt,
+        /*window_size_left=*/std::nullopt, /*window_size_right=*/std::nullopt,
+        /*seqused_k=*/std::nullopt, /*alibi_slopes=*/std::nullopt);
     *out = new at::Tensor(std::get<0>(result));
   });
 }

@@ -1,7 +1,10 @@
 // The optimizer's two libtorch calls that tch does not expose. First, one call of libtorch's fused AdamW kernel (what torch.optim.AdamW(fused=True) runs, on CPU and
 // CUDA) over a list of parameters. tch does not expose list-taking ops; its tensor handles are
 // `at::Tensor*` (tch's own C glue, torch_api.h), which is what arrives here.
-#include <ATen/ATen.h>
+// The operator's dispatcher entry (at::_ops), not ATen/ATen.h or even ATen/ops/_fused_adamw.h:
+// those parse ATen's Context and every operator, 3x the compile time of this file.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adamw_ops.h>
 #include <c10/core/GradMode.h>
 
 #include "ffi_util.hpp"
@@ -26,8 +29,9 @@ int lockstep_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** e
     }
     // Updating leaf parameters in place is only allowed with autograd off.
     c10::AutoGradMode no_grad(false);
-    at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
+    at::_ops::_fused_adamw_::call(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2,
+                                  weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false,
+                                  /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
   });
 }
 

@@ -3,7 +3,8 @@
 // a unit's gathered parameters after its forward this way: the autograd graph's saved views
 // keep pointing at the same storage, now 0 bytes, and the gather before the unit's backward
 // fills the same storage again (src/train/optim/mod.rs, the pass's `Events`).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "ffi_util.hpp"
