@@ -21,9 +21,10 @@ if [ $# -gt 0 ]; then
   zigcargo test --release "$@"
   exit
 fi
-# The build, and each test executable from cargo's artifact messages: the library's unit
-# tests, the binary's, the integration-test crate.
-exes=$(zigcargo test --release --no-run --message-format=json-render-diagnostics |
+# The build (every target: the bench is compiled too, so that it cannot rot, and CI's clippy
+# lints all of them in this build, .ci/run), and each test executable from cargo's artifact
+# messages: the library's unit tests, the binary's, the integration-test crate.
+exes=$(zigcargo test --release --no-run --all-targets --message-format=json-render-diagnostics |
   python3 -c '
 import json, sys
 for line in sys.stdin:
