@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel as a user gets it (scripts/test.sh runs this after the Rust tests; CI with it):
 # built by scripts/wheel.sh, installed into a fresh venv (torch comes from the package index
-# as its dependency; pip's cache may supply it), then run from an empty directory with a
+# as its dependency), then run from an empty directory with a
 # clean environment and no cargo on PATH. Then the bad installs: no torch, torch 2.10, a
 # broken torch, torch deleted after the install.
 set -euo pipefail
@@ -39,11 +39,17 @@ fi
 printf '%s\n' "$DYN" | grep -q 'RUNPATH.*\[\$ORIGIN/../../torch/lib\]' || fail "RUNPATH: $DYN"
 echo "wheel_test: the binary NEEDs $(printf '%s\n' "$DYN" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
 
-# 2. A fresh venv; torch 2.11 arrives as the wheel's dependency.
+# 2. A fresh venv; torch 2.11 arrives as the wheel's dependency. Installed by uv (the project
+# venv's, scripts/env.sh) from the cache that venv's install filled, where pip would download
+# torch's 5 GB again (CI starts with no pip cache); the wheel's requirements are read the same
+# way, and pip's own refusal of the wheel beside torch 2.10 is checked with pip below.
+uv_install() { # VENV, requirement: uv pip install into that venv
+  "$ROOT/.venv/bin/uv" pip install -q --python "$1/bin/python" "$2"
+}
 "$PY" -m venv "$T/venv"
 START=$(date +%s)
-"$T/venv/bin/pip" install -q "$WHEEL"
-echo "wheel_test: pip install took $(( $(date +%s) - START )) s"
+uv_install "$T/venv" "$WHEEL"
+echo "wheel_test: the install took $(( $(date +%s) - START )) s"
 clean "$T/venv" sh -c '! command -v cargo' || fail "cargo is on the clean PATH"
 ENV_OUT=$(clean "$T/venv" lockstep env)
 echo "$ENV_OUT"
@@ -66,7 +72,7 @@ out=$(clean "$T/venv" lockstep train "${WB[@]}" --set checkpoint.dir=ckpt-a 2>&1
   || fail "W&B without the wandb package stopped training: $out"
 printf '%s\n' "$out" | grep -qE "W&B: the Python at $T/venv/bin/python[0-9.]* cannot import wandb" \
   || fail "W&B without the wandb package: no warning naming the venv's Python: $out"
-"$T/venv/bin/pip" install -q "$WHEEL[wandb]"
+uv_install "$T/venv" "lockstep[wandb] @ file://$WHEEL"
 clean "$T/venv" lockstep train "${WB[@]}" --set checkpoint.dir=ckpt-b
 ls "$T"/work/runs/tiny/wandb/offline-run-*/run-*.wandb >/dev/null || fail "no offline W&B run"
 
