@@ -98,7 +98,7 @@ const KEYS: [&str; 4] = ["train/loss", "train/lr", "train/grad_norm", "val/loss"
 #[test]
 fn a_run_is_logged_and_a_resume_continues_it_without_repeating_steps() {
     let dir = tempfile::tempdir().unwrap();
-    let server = MlflowServer::start(dir.path());
+    let server = MlflowServer::shared();
     let uri = server.uri();
     let run_file = dir.path().join("run").join("mlflow.json");
     let params = [

@@ -74,7 +74,7 @@ fn assert_matches_the_record(run_dir: &Path, got: &Value) {
 fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let server = MlflowServer::start(dir);
+    let server = MlflowServer::shared();
     let base = small(&write_corpus(dir));
     let run_dir = dir.join("runs/ml");
     let text = ok(
@@ -129,7 +129,7 @@ fn mlflow_has_the_metrics_and_config_and_one_run_across_a_resume() {
 fn the_status_follows_the_exit_a_nan_abort_fails_and_sigterm_kills() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let server = MlflowServer::start(dir);
+    let server = MlflowServer::shared();
     let base = small(&write_corpus(dir));
     let nan = [
         "--set",
@@ -291,7 +291,7 @@ fn no_file_param_or_line_holds_a_planted_secret() {
     ];
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let server = MlflowServer::start(dir);
+    let server = MlflowServer::shared();
     let (port, sent) = recording_proxy(server.port);
     let base = with(
         &small(&write_corpus(dir)),

@@ -3,6 +3,7 @@
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -70,6 +71,34 @@ impl MlflowServer {
         // at once.
         server.wait_ready(Duration::from_secs(600));
         server
+    }
+
+    /// The server of this test process that tests share when they only log to it and read
+    /// back their own runs (by id): started by the first caller (~15 s on 2 cores, each start
+    /// two Python processes importing mlflow), killed with everything it started, and its
+    /// store removed, when the process exits. A test that stops or restarts its server starts
+    /// one of its own.
+    pub fn shared() -> &'static MlflowServer {
+        static SHARED: OnceLock<(MlflowServer, PathBuf)> = OnceLock::new();
+        extern "C" fn at_exit() {
+            if let Some((server, dir)) = SHARED.get() {
+                if let Some(child) = &server.child {
+                    // SAFETY: a signal to the process group this process started.
+                    unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+                }
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+        &SHARED
+            .get_or_init(|| {
+                let dir = tempfile::tempdir().unwrap().keep();
+                let server = MlflowServer::start(&dir);
+                // SAFETY: registers a plain function; it runs once, as the process exits (libtest
+                // returns from main, or calls exit() after a failure).
+                assert_eq!(unsafe { libc::atexit(at_exit) }, 0);
+                (server, dir)
+            })
+            .0
     }
 
     /// `http://127.0.0.1:<port>`.
