@@ -76,6 +76,11 @@ pub fn resume_target(
             }
         }
     }
+    // The other ranks list the directory once rank 0 has committed: a rank that listed it
+    // before the commit saw no checkpoint where rank 0 saw one, and took another path through
+    // the collectives below (found by a two-rank kill-during-save test under load:
+    // all-reduce-max #3 on rank 0, barrier #3 on rank 1).
+    pg.barrier()?;
     let chosen = match resume {
         None => match checkpoints::latest(root) {
             // A checkpoint.dir of its own is where a run's name does not matter.
@@ -140,6 +145,28 @@ pub fn resume_target(
 fn resume_auto(root: &Path, tag: &str, pg: &mut dyn ProcessGroup) -> Result<Option<PathBuf>> {
     let lead = pg.rank() == 0;
     let all = checkpoints::list(root);
+    // Every rank must see the same newest checkpoint, or the ranks would verify different
+    // directories (and call the collectives below in different orders): one shared directory,
+    // as `lockstep run` and Slurm jobs require, always agrees; a per-host directory, or a
+    // network filesystem that has not shown one host's rename to another yet, may not.
+    let newest = all.last().map_or(0.0, |(step, _)| *step as f64 + 1.0);
+    let (most, least) = (
+        pg.all_reduce_max_f64(newest)?,
+        -pg.all_reduce_max_f64(-newest)?,
+    );
+    if most != least {
+        let says = |n: f64| match n as usize {
+            0 => "no checkpoint".to_string(),
+            n => format!("step_{} as the newest", n - 1),
+        };
+        bail!(
+            "--resume auto: the ranks see different checkpoints in {} (this rank: {}; the              ranks range from {} to {}); every rank must read one shared checkpoint directory              (checkpoint.dir on a filesystem all hosts share)",
+            root.display(),
+            says(newest),
+            says(least),
+            says(most)
+        );
+    }
     if all.is_empty() {
         if lead {
             println!(
@@ -216,4 +243,51 @@ fn verified(dir: &Path, tag: &str, pg: &mut dyn ProcessGroup) -> Result<Option<S
             r - 1
         )),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{resolve, Sources};
+    use std::time::Duration;
+
+    /// Two ranks whose checkpoint directories differ (per-host directories; or a rank that
+    /// listed before rank 0 committed, which the barrier now rules out): both refuse with the
+    /// same finding, rather than verifying different checkpoints and failing later at a
+    /// collective that the other rank never calls.
+    #[test]
+    fn ranks_that_see_different_checkpoints_refuse_together() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = [tmp.path().join("a"), tmp.path().join("b")];
+        std::fs::create_dir_all(dirs[0].join("step_1")).unwrap();
+        std::fs::write(dirs[0].join("step_1/trainer.json"), "{}").unwrap();
+        std::fs::create_dir_all(&dirs[1]).unwrap();
+        let got = crate::dist::ring::tests::run_ranks(2, Duration::from_secs(20), |rank, mut g| {
+            let resolved = resolve(&Sources {
+                preset: Some("tiny".into()),
+                sets: vec![format!("checkpoint.dir={}", dirs[rank].display())],
+                ..Default::default()
+            })
+            .unwrap();
+            resume_target(&resolved, Some(&Resume::Auto), "[test]", &mut g)
+                .map_err(|e| format!("{e:#}"))
+        });
+        for (rank, r) in got.iter().enumerate() {
+            let e = r.as_ref().expect_err("the ranks disagree");
+            assert!(
+                e.contains("the ranks see different checkpoints")
+                    && e.contains("range from no checkpoint to step_1 as the newest")
+                    && e.contains("one shared checkpoint directory"),
+                "rank {rank}: {e}"
+            );
+        }
+        assert!(got[0]
+            .as_ref()
+            .unwrap_err()
+            .contains("this rank: step_1 as the newest"));
+        assert!(got[1]
+            .as_ref()
+            .unwrap_err()
+            .contains("this rank: no checkpoint"));
+    }
 }

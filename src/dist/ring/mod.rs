@@ -211,4 +211,4 @@ impl std::fmt::Debug for RingGroup {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -15,7 +15,8 @@ use crate::dist::store::Store;
 const STORE_T: Duration = Duration::from_secs(20);
 
 /// Runs `f(rank, group)` on `world` threads joined in one ring; returns the results by rank.
-fn run_ranks<T: Send>(
+/// (Other modules' tests use it for their multi-rank logic.)
+pub(crate) fn run_ranks<T: Send>(
     world: usize,
     timeout: Duration,
     f: impl Fn(usize, RingGroup) -> T + Sync,
