@@ -80,8 +80,9 @@ done
 labels+=("--doc")
 args+=("zigcargo test --release --doc")
 # Targets run LOCKSTEP_TEST_JOBS at a time (default: one per 4 cores, at least one: a target's
-# tests already use every core, and several start two-rank jobs; two lanes on CI's 2 cores
-# are unsettled: one run faster, with a test failing under the load, BENCHMARKS.md §18).
+# tests already use every core, and several start two-rank jobs). CI runs two on its 2 cores
+# (.ci/run): 15-19% faster in the same hour (BENCHMARKS.md §18), and the load it adds is what
+# found a race in a two-rank resume; a target that fails only with two lanes is a finding too.
 # Each target's output is printed whole when it ends, so lanes never interleave; with one
 # lane it goes out as it comes.
 lanes=${LOCKSTEP_TEST_JOBS:-$(($(nproc) / 4 > 1 ? $(nproc) / 4 : 1))}
