@@ -11,13 +11,17 @@ if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$REQ" "$STAMP"; then
   # uv (from PyPI, into the venv) rather than pip: it downloads and unpacks in parallel; the
   # 5.4 GB of scripts/requirements.txt took 55 s against pip's 256 s (BENCHMARKS.md §18).
   if ! { python3 -m venv "$VENV" \
-      && "$VENV/bin/pip" install -q uv==0.13.9 \
+      && { [ -x "$VENV/bin/uv" ] || "$VENV/bin/pip" install -q uv==0.13.9; } \
       && "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -r "$REQ" \
       && cp "$REQ" "$STAMP"; }; then
     echo "lockstep: installing $VENV failed (see uv's output above)" >&2
     # `return` when sourced, `exit` when run.
     return 1 2>/dev/null || exit 1
   fi
+elif [ ! -x "$VENV/bin/uv" ] && ! "$VENV/bin/pip" install -q uv==0.13.9; then
+  # A venv installed before this script used uv has none; scripts/wheel_test.sh installs with it.
+  echo "lockstep: installing uv into $VENV failed (see pip's output above)" >&2
+  return 1 2>/dev/null || exit 1
 fi
 export VIRTUAL_ENV="$VENV"
 export PATH="$VENV/bin:$PATH"
