@@ -6,7 +6,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 REQ="$ROOT/scripts/requirements.txt"
 STAMP="$VENV/.lockstep-requirements"
-if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$REQ" "$STAMP"; then
+# A venv made before this script used uv has none (scripts/wheel_test.sh installs with it too):
+# it goes through the same install, which finds the requirements already there.
+if [ ! -x "$VENV/bin/uv" ] || ! cmp -s "$REQ" "$STAMP"; then
   echo "lockstep: installing the Python side (torch, transformers) into $VENV; first time only, ~1 min" >&2
   # uv (from PyPI, into the venv) rather than pip: it downloads and unpacks in parallel; the
   # 5.4 GB of scripts/requirements.txt took 55 s against pip's 256 s (BENCHMARKS.md §18).
@@ -18,10 +20,6 @@ if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$REQ" "$STAMP"; then
     # `return` when sourced, `exit` when run.
     return 1 2>/dev/null || exit 1
   fi
-elif [ ! -x "$VENV/bin/uv" ] && ! "$VENV/bin/pip" install -q uv==0.13.9; then
-  # A venv installed before this script used uv has none; scripts/wheel_test.sh installs with it.
-  echo "lockstep: installing uv into $VENV failed (see pip's output above)" >&2
-  return 1 2>/dev/null || exit 1
 fi
 export VIRTUAL_ENV="$VENV"
 export PATH="$VENV/bin:$PATH"
