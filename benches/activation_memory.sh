@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Activation memory settings on the tiny preset's shape (vocab 50257, d 256, 4 layers, batch
-# 8 × 256, fp32).
+# Activation memory settings on the tiny preset's model (vocab 50257, d 256, 4 layers, fp32) at
+# the benchmark shape, batch 8 × 256 (the preset itself trains 4 × 128).
 # 1. Step time of each setting with the trainer's own step (benches/train_step.rs), run
 #    interleaved round by round (A, B, C, … then again) so that load on a shared machine hits
 #    every setting alike; medians over rounds of the per-run medians (wall and CPU seconds).
@@ -41,13 +41,14 @@ PY
 echo "== peak RSS of lockstep train --preset tiny (3 steps, checkpoint at the end)"
 work=$(mktemp -d); trap 'rm -rf "$work" "$out"' EXIT
 cd "$work"
+tiny=(--preset tiny --set training.batch_size=8 --set training.context_length=256)
 for s in "${settings[@]}"; do
   set -- $s
-  peak=$("$ROOT/target/release/lockstep" train --preset tiny --max-steps 3 --set training.batch_size=8 --set training.context_length=256 \
+  peak=$("$ROOT/target/release/lockstep" train "${tiny[@]}" --max-steps 3 \
     --set system.num_threads="$threads" --set training.eval_batches=0 \
     --set training.activation_checkpointing="$1" --set training.loss_chunk_tokens="$2" \
     --set logging.run_name="$1-$2" 2>&1 | grep -o "Peak memory: RSS [0-9.]* GB")
-  est=$("$ROOT/target/release/lockstep" plan --device cpu --preset tiny --set training.batch_size=8 --set training.context_length=256 \
+  est=$("$ROOT/target/release/lockstep" plan --device cpu "${tiny[@]}" \
     --set system.num_threads="$threads" --set training.eval_batches=0 \
     --set training.activation_checkpointing="$1" --set training.loss_chunk_tokens="$2" \
     | grep -o "total *[0-9.]* GB" | grep -o "[0-9.]* GB")

@@ -83,8 +83,7 @@ impl MlflowServer {
         extern "C" fn at_exit() {
             if let Some((server, dir)) = SHARED.get() {
                 if let Some(child) = &server.child {
-                    // SAFETY: a signal to the process group this process started.
-                    unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+                    kill_group(child);
                 }
                 let _ = std::fs::remove_dir_all(dir);
             }
@@ -156,11 +155,17 @@ impl MlflowServer {
     /// Kills the server and everything it started (SIGKILL to its process group).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // SAFETY: a signal to the process group this test started.
-            unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+            kill_group(&child);
             let _ = child.wait();
         }
     }
+}
+
+/// SIGKILL to the server's process group (it was started as the leader of its own group), so
+/// that the workers it started die with it.
+fn kill_group(server: &Child) {
+    // SAFETY: a signal to the process group this test process started.
+    unsafe { libc::killpg(server.id() as libc::pid_t, libc::SIGKILL) };
 }
 
 impl Drop for MlflowServer {
