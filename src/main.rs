@@ -12,6 +12,7 @@ static STEP_OUT_OF_A_DELETED_CWD: extern "C" fn() = lockstep::sys::cwd::step_out
 
 fn main() {
     lockstep::sys::cwd::step_back();
+    lockstep::sys::skip_static_destructors_at_exit();
     let cli = lockstep::cli::Cli::parse();
     if let Err(e) = lockstep::cli::run(cli) {
         let code = if e.downcast_ref::<lockstep::config::ConfigError>().is_some() {

@@ -15,7 +15,8 @@
 //! - [`count`]: a count for people (12.3k, 4.56M);
 //! - [`hostname`]: this machine's name, fit for a file name;
 //! - [`net`]: the one proxy rule of lockstep's HTTP clients (NO_PROXY, loopback);
-//! - [`flock`]: an advisory lock on an open file (the run directory's, a checkpoint's reader).
+//! - [`flock`]: an advisory lock on an open file (the run directory's, a checkpoint's reader);
+//! - [`skip_static_destructors_at_exit`]: an exit that does not tear libtorch down first.
 
 pub mod cuda;
 pub mod cwd;
@@ -37,6 +38,36 @@ pub fn flock(file: &std::fs::File, op: i32) -> std::io::Result<()> {
     match unsafe { libc::flock(file.as_raw_fd(), op) } {
         0 => Ok(()),
         _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// From here on, the process's exit (`main` returning, `std::process::exit`, clap's usage
+/// errors) flushes C's stdio and ends the process there, before the C++ static destructors
+/// libtorch registered as it loaded: they take its ~2,000 operators out of the dispatcher one
+/// by one, 0.15-0.2 s of CPU at every exit, a third of a short command's life (BENCHMARKS.md
+/// §18). Nothing of lockstep's is in them: when a command returns, its files are written and
+/// synced, its threads joined and its children waited for, and Rust flushes its own stdout
+/// before it calls `exit`. Handlers registered after this one (a library loaded later, such
+/// as libtorch's CUDA backend) run first, as before.
+pub fn skip_static_destructors_at_exit() {
+    extern "C" fn end(status: libc::c_int, _: *mut libc::c_void) {
+        // SAFETY: fflush(NULL) flushes every C stdio stream; _exit ends the process with the
+        // status exit() was given, and an exit handler may call it.
+        unsafe {
+            libc::fflush(std::ptr::null_mut());
+            libc::_exit(status)
+        }
+    }
+    unsafe extern "C" {
+        /// glibc's: `f(status, arg)` runs at exit, after the handlers registered later.
+        fn on_exit(
+            f: extern "C" fn(libc::c_int, *mut libc::c_void),
+            arg: *mut libc::c_void,
+        ) -> libc::c_int;
+    }
+    // SAFETY: registers a handler that calls only fflush and _exit.
+    unsafe {
+        on_exit(end, std::ptr::null_mut());
     }
 }
 
