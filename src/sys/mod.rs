@@ -43,12 +43,12 @@ pub fn flock(file: &std::fs::File, op: i32) -> std::io::Result<()> {
 
 /// From here on, the process's exit (`main` returning, `std::process::exit`, clap's usage
 /// errors) flushes C's stdio and ends the process there, before the C++ static destructors
-/// libtorch registered as it loaded: they take its ~2,000 operators out of the dispatcher one
-/// by one, 0.15-0.2 s of CPU at every exit, a third of a short command's life (BENCHMARKS.md
-/// §18). Nothing of lockstep's is in them: when a command returns, its files are written and
-/// synced, its threads joined and its children waited for, and Rust flushes its own stdout
-/// before it calls `exit`. Handlers registered after this one (a library loaded later, such
-/// as libtorch's CUDA backend) run first, as before.
+/// libtorch registered as it loaded: they take its operators out of the dispatcher one by one,
+/// 0.12-0.2 s of CPU at every exit, a third of a short command's life (BENCHMARKS.md §18).
+/// Nothing of lockstep's is in them: when a command returns, its files are written and synced,
+/// its threads joined and its children waited for, and Rust flushes its own stdout before it
+/// calls `exit`. Handlers registered after this one (a library loaded later, such as libtorch's
+/// CUDA backend) run first, as before.
 pub fn skip_static_destructors_at_exit() {
     extern "C" fn end(status: libc::c_int, _: *mut libc::c_void) {
         // SAFETY: fflush(NULL) flushes every C stdio stream; _exit ends the process with the
