@@ -96,7 +96,8 @@ pub trait Sink: Send + 'static {
 
 enum Msg {
     Record(Record),
-    Finish(RunStatus),
+    /// End the service's run; the handle waits until the deadline at most.
+    Finish(RunStatus, Instant),
 }
 
 /// The training thread's handle on one tracker.
@@ -197,7 +198,7 @@ impl Tracker {
         };
         // Blocks only while the queue is full, and then at most `wait`.
         let deadline = Instant::now() + wait;
-        let mut msg = Msg::Finish(status);
+        let mut msg = Msg::Finish(status, deadline);
         loop {
             match tx.try_send(msg) {
                 Ok(()) | Err(TrySendError::Disconnected(_)) => break,
@@ -288,7 +289,7 @@ struct Worker {
 /// First pause after a passing failure; each further failure doubles it, up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_secs(2);
 const MAX_PAUSE: Duration = Duration::from_secs(60);
-/// Tries at the end of a run after a passing failure (a second apart).
+/// Tries at the end of a run after a passing failure (a second apart, while they fit).
 const FINAL_TRIES: usize = 3;
 /// Records sent in one request at most.
 const BATCH: usize = 64;
@@ -296,8 +297,12 @@ const BATCH: usize = 64;
 impl Worker {
     fn run(mut self) {
         let mut pending: Vec<Record> = Vec::new();
-        let mut finish: Option<RunStatus> = None;
+        let mut finish: Option<(RunStatus, Instant)> = None;
         let mut final_tries = 0;
+        // How long the last call to the service took (a try at the end must fit its time).
+        let mut last_call = Duration::ZERO;
+        // When the tries at the end must be over: set at the first failure once ending.
+        let mut give_up: Option<Instant> = None;
         loop {
             // Take what is queued (waiting for it when nothing is pending).
             if finish.is_none() {
@@ -310,7 +315,9 @@ impl Worker {
                     Ok(m) => self.take(m, &mut pending, &mut finish),
                     Err(RecvTimeoutError::Timeout) => {}
                     // The trainer went away without finishing: an error unwound it.
-                    Err(RecvTimeoutError::Disconnected) => finish = Some(RunStatus::Failed),
+                    Err(RecvTimeoutError::Disconnected) => {
+                        finish = Some((RunStatus::Failed, Instant::now() + FINISH_WAIT))
+                    }
                 }
                 while pending.len() < BATCH && finish.is_none() {
                     match self.rx.try_recv() {
@@ -325,20 +332,39 @@ impl Worker {
                 pending.drain(..extra);
                 self.dropped.fetch_add(extra as u64, Ordering::Relaxed);
             }
+            // No call this round: the run is ending and no try fits in what is left.
+            let mut skip = false;
             if let State::Retry(at, _) = self.state {
-                if Instant::now() < at {
-                    if finish.is_some() {
-                        // Ending: one last try now rather than waiting out the pause.
-                        self.state = State::Retry(Instant::now(), MAX_PAUSE);
-                    } else {
-                        continue;
+                match finish {
+                    None if Instant::now() < at => continue,
+                    None => {}
+                    Some((_, deadline)) => {
+                        // Ending after a passing failure: tries now rather than after the
+                        // pause, a second apart, each only if (as long as the last call took)
+                        // it ends before the end's wait does and within FAILING_WAIT of the
+                        // first; a service that fails slowly (wandb.init without a network:
+                        // 5 s here, more on a busy machine) is not tried for a minute.
+                        let give_up = *give_up
+                            .get_or_insert_with(|| deadline.min(Instant::now() + FAILING_WAIT));
+                        let pause = match final_tries {
+                            0 => Duration::ZERO,
+                            _ => Duration::from_secs(1),
+                        };
+                        if final_tries < FINAL_TRIES && Instant::now() + pause + last_call < give_up
+                        {
+                            final_tries += 1;
+                            std::thread::sleep(pause);
+                        } else {
+                            skip = true;
+                        }
                     }
                 }
             }
-            if matches!(self.state, State::Starting | State::Retry(..)) {
+            let calling = Instant::now();
+            if !skip && matches!(self.state, State::Starting | State::Retry(..)) {
                 self.try_start();
             }
-            if self.state == State::Running && !pending.is_empty() {
+            if !skip && self.state == State::Running && !pending.is_empty() {
                 let batch: Vec<Record> = pending
                     .iter()
                     .filter(|r| self.last_step.is_none_or(|last| r.step > last))
@@ -361,14 +387,14 @@ impl Worker {
                     Err(e) => self.failed(e),
                 }
             }
+            if !skip {
+                last_call = calling.elapsed();
+            }
             if self.state == State::Off {
                 pending.clear();
             }
-            if let Some(status) = finish {
-                if matches!(self.state, State::Retry(..)) && final_tries < FINAL_TRIES {
-                    // Ending after a passing failure: a few quick tries before giving up.
-                    final_tries += 1;
-                    std::thread::sleep(Duration::from_secs(1));
+            if let Some((status, _)) = finish {
+                if !skip && matches!(self.state, State::Retry(..)) {
                     continue;
                 }
                 if self.state == State::Running && pending.is_empty() {
@@ -397,7 +423,12 @@ impl Worker {
         }
     }
 
-    fn take(&mut self, m: Msg, pending: &mut Vec<Record>, finish: &mut Option<RunStatus>) {
+    fn take(
+        &mut self,
+        m: Msg,
+        pending: &mut Vec<Record>,
+        finish: &mut Option<(RunStatus, Instant)>,
+    ) {
         match m {
             Msg::Record(r) => {
                 // A step at or before one already queued is a step trained again (a rollback):
@@ -409,7 +440,7 @@ impl Worker {
                     self.skipped += 1;
                 }
             }
-            Msg::Finish(s) => *finish = Some(s),
+            Msg::Finish(s, deadline) => *finish = Some((s, deadline)),
         }
     }
 
@@ -602,6 +633,66 @@ mod tests {
             took >= FAILING_WAIT && took < FAILING_WAIT + Duration::from_secs(2),
             "{took:?}"
         );
+    }
+
+    /// Fails its first `fails` starts after `takes` each (a passing failure), then starts.
+    struct Slow {
+        takes: Duration,
+        fails: usize,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Sink for Slow {
+        fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
+            std::thread::sleep(self.takes);
+            self.log.lock().unwrap().push("start".into());
+            if self.fails > 0 {
+                self.fails -= 1;
+                return Err(SinkError::passing("context deadline exceeded"));
+            }
+            Ok(("slow".into(), None))
+        }
+        fn send(&mut self, records: &[Record]) -> Result<(), SinkError> {
+            let mut log = self.log.lock().unwrap();
+            log.extend(records.iter().map(|r| format!("step {}", r.step)));
+            Ok(())
+        }
+        fn finish(&mut self, status: RunStatus) -> Result<(), SinkError> {
+            self.log.lock().unwrap().push(status.mlflow().into());
+            Ok(())
+        }
+    }
+
+    /// CI's failure of 7bd170b: wandb.init without a network failed slowly on CI's busy
+    /// machine, after the run had ended; four more tries as long outlasted the end's wait, which
+    /// then warned a second time. A try at the end is made only when it can end in time; a
+    /// quick failure still gets its tries.
+    #[test]
+    fn a_try_at_the_end_is_made_only_when_it_ends_before_the_wait() {
+        let slow = |takes: u64, fails: usize| {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let sink = Slow {
+                takes: Duration::from_millis(takes),
+                fails,
+                log: log.clone(),
+            };
+            let t = Tracker::start("Slow", "[CPU0]", "", Box::new(sink));
+            t.send(record(1));
+            let ending = Instant::now();
+            // The run ends while the first start is still under way.
+            t.finish(RunStatus::Finished, Duration::from_millis(1800));
+            let took = ending.elapsed();
+            let log = log.lock().unwrap().clone();
+            (took, log)
+        };
+        // A start failing after 1 s, at the end: another would end after the wait.
+        let (took, log) = slow(1000, 9);
+        assert_eq!(log, ["start"]);
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+        // Failing at once: tried again at the end, started, delivered and ended.
+        let (took, log) = slow(0, 1);
+        assert_eq!(log, ["start", "start", "step 1", "FINISHED"]);
+        assert!(took < Duration::from_millis(1500), "{took:?}");
     }
 
     #[test]
