@@ -294,37 +294,49 @@ const FINAL_TRIES: usize = 3;
 /// Records sent in one request at most.
 const BATCH: usize = 64;
 
+/// The tries at the end of a run after a passing failure.
+struct Ending {
+    tries: usize,
+    /// When they must be over: set at the first, from the end's deadline and FAILING_WAIT.
+    give_up: Option<Instant>,
+}
+
+impl Ending {
+    /// Whether to try again now, after the pause it sleeps: a second apart (the first at
+    /// once), each only if, as long as the last call took, it ends before the end's wait
+    /// (`deadline`) does and within FAILING_WAIT of the first. A service that fails slowly
+    /// (wandb.init without a network: 5 s here, more on a busy machine) is not tried for a
+    /// minute.
+    fn try_again(&mut self, deadline: Instant, last_call: Duration) -> bool {
+        let give_up = *self
+            .give_up
+            .get_or_insert_with(|| deadline.min(Instant::now() + FAILING_WAIT));
+        let pause = match self.tries {
+            0 => Duration::ZERO,
+            _ => Duration::from_secs(1),
+        };
+        if self.tries >= FINAL_TRIES || Instant::now() + pause + last_call >= give_up {
+            return false;
+        }
+        self.tries += 1;
+        std::thread::sleep(pause);
+        true
+    }
+}
+
 impl Worker {
     fn run(mut self) {
         let mut pending: Vec<Record> = Vec::new();
         let mut finish: Option<(RunStatus, Instant)> = None;
-        let mut final_tries = 0;
+        let mut ending = Ending {
+            tries: 0,
+            give_up: None,
+        };
         // How long the last call to the service took (a try at the end must fit its time).
         let mut last_call = Duration::ZERO;
-        // When the tries at the end must be over: set at the first failure once ending.
-        let mut give_up: Option<Instant> = None;
         loop {
-            // Take what is queued (waiting for it when nothing is pending).
             if finish.is_none() {
-                let wait = match (&self.state, pending.is_empty()) {
-                    (State::Retry(at, _), _) => at.saturating_duration_since(Instant::now()),
-                    (_, true) => Duration::from_secs(3600),
-                    (_, false) => Duration::ZERO,
-                };
-                match self.rx.recv_timeout(wait) {
-                    Ok(m) => self.take(m, &mut pending, &mut finish),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    // The trainer went away without finishing: an error unwound it.
-                    Err(RecvTimeoutError::Disconnected) => {
-                        finish = Some((RunStatus::Failed, Instant::now() + FINISH_WAIT))
-                    }
-                }
-                while pending.len() < BATCH && finish.is_none() {
-                    match self.rx.try_recv() {
-                        Ok(m) => self.take(m, &mut pending, &mut finish),
-                        Err(_) => break,
-                    }
-                }
+                self.receive(&mut pending, &mut finish);
             }
             // Held records beyond the queue's bound are dropped (the oldest first).
             if pending.len() > QUEUE_RECORDS {
@@ -332,94 +344,106 @@ impl Worker {
                 pending.drain(..extra);
                 self.dropped.fetch_add(extra as u64, Ordering::Relaxed);
             }
-            // No call this round: the run is ending and no try fits in what is left.
-            let mut skip = false;
-            if let State::Retry(at, _) = self.state {
-                match finish {
-                    None if Instant::now() < at => continue,
-                    None => {}
-                    Some((_, deadline)) => {
-                        // Ending after a passing failure: tries now rather than after the
-                        // pause, a second apart, each only if (as long as the last call took)
-                        // it ends before the end's wait does and within FAILING_WAIT of the
-                        // first; a service that fails slowly (wandb.init without a network:
-                        // 5 s here, more on a busy machine) is not tried for a minute.
-                        let give_up = *give_up
-                            .get_or_insert_with(|| deadline.min(Instant::now() + FAILING_WAIT));
-                        let pause = match final_tries {
-                            0 => Duration::ZERO,
-                            _ => Duration::from_secs(1),
-                        };
-                        if final_tries < FINAL_TRIES && Instant::now() + pause + last_call < give_up
-                        {
-                            final_tries += 1;
-                            std::thread::sleep(pause);
-                        } else {
-                            skip = true;
-                        }
-                    }
+            // Whether to call the service this round: after a passing failure, once its pause
+            // is over, or at the end (now) while a try fits.
+            let call = match (&self.state, finish) {
+                (State::Retry(at, _), None) if Instant::now() < *at => continue,
+                (State::Retry(..), Some((_, deadline))) => ending.try_again(deadline, last_call),
+                _ => true,
+            };
+            if call {
+                let calling = Instant::now();
+                if matches!(self.state, State::Starting | State::Retry(..)) {
+                    self.try_start();
                 }
-            }
-            let calling = Instant::now();
-            if !skip && matches!(self.state, State::Starting | State::Retry(..)) {
-                self.try_start();
-            }
-            if !skip && self.state == State::Running && !pending.is_empty() {
-                let batch: Vec<Record> = pending
-                    .iter()
-                    .filter(|r| self.last_step.is_none_or(|last| r.step > last))
-                    .cloned()
-                    .collect();
-                self.skipped += (pending.len() - batch.len()) as u64;
-                let sent = if batch.is_empty() {
-                    Ok(())
-                } else {
-                    self.sink.send(&batch)
-                };
-                match sent {
-                    Ok(()) => {
-                        self.failing.store(false, Ordering::Relaxed);
-                        if let Some(r) = batch.last() {
-                            self.last_step = Some(r.step);
-                        }
-                        pending.clear();
-                    }
-                    Err(e) => self.failed(e),
+                if self.state == State::Running && !pending.is_empty() {
+                    self.deliver(&mut pending);
                 }
-            }
-            if !skip {
                 last_call = calling.elapsed();
             }
             if self.state == State::Off {
                 pending.clear();
             }
             if let Some((status, _)) = finish {
-                if !skip && matches!(self.state, State::Retry(..)) {
+                if call && matches!(self.state, State::Retry(..)) {
                     continue;
                 }
-                if self.state == State::Running && pending.is_empty() {
-                    if let Err(e) = self.sink.finish(status) {
-                        self.failed(e);
-                    }
-                } else if !pending.is_empty() {
-                    self.dropped
-                        .fetch_add(pending.len() as u64, Ordering::Relaxed);
-                }
-                if self.skipped > 0 {
-                    println!(
-                        "{} {}: {} records of steps it already had were not sent again",
-                        self.tag, self.name, self.skipped
-                    );
-                }
-                let dropped = self.dropped.load(Ordering::Relaxed);
-                if dropped > 0 {
-                    eprintln!(
-                        "{} {}: {dropped} records were not delivered (metrics.jsonl has them{})",
-                        self.tag, self.name, self.catch_up_note
-                    );
-                }
-                return;
+                return self.end(status, pending);
             }
+        }
+    }
+
+    /// Takes what is queued, waiting for it when nothing is pending (until a retry is due).
+    fn receive(&mut self, pending: &mut Vec<Record>, finish: &mut Option<(RunStatus, Instant)>) {
+        let wait = match (&self.state, pending.is_empty()) {
+            (State::Retry(at, _), _) => at.saturating_duration_since(Instant::now()),
+            (_, true) => Duration::from_secs(3600),
+            (_, false) => Duration::ZERO,
+        };
+        match self.rx.recv_timeout(wait) {
+            Ok(m) => self.take(m, pending, finish),
+            Err(RecvTimeoutError::Timeout) => {}
+            // The trainer went away without finishing: an error unwound it.
+            Err(RecvTimeoutError::Disconnected) => {
+                *finish = Some((RunStatus::Failed, Instant::now() + FINISH_WAIT))
+            }
+        }
+        while pending.len() < BATCH && finish.is_none() {
+            match self.rx.try_recv() {
+                Ok(m) => self.take(m, pending, finish),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Sends the pending records of steps after the service's last one.
+    fn deliver(&mut self, pending: &mut Vec<Record>) {
+        let batch: Vec<Record> = pending
+            .iter()
+            .filter(|r| self.last_step.is_none_or(|last| r.step > last))
+            .cloned()
+            .collect();
+        self.skipped += (pending.len() - batch.len()) as u64;
+        let sent = if batch.is_empty() {
+            Ok(())
+        } else {
+            self.sink.send(&batch)
+        };
+        match sent {
+            Ok(()) => {
+                self.failing.store(false, Ordering::Relaxed);
+                if let Some(r) = batch.last() {
+                    self.last_step = Some(r.step);
+                }
+                pending.clear();
+            }
+            Err(e) => self.failed(e),
+        }
+    }
+
+    /// Ends the service's run with `status` if it is running with nothing pending, and says
+    /// what was skipped or not delivered.
+    fn end(&mut self, status: RunStatus, pending: Vec<Record>) {
+        if self.state == State::Running && pending.is_empty() {
+            if let Err(e) = self.sink.finish(status) {
+                self.failed(e);
+            }
+        } else if !pending.is_empty() {
+            self.dropped
+                .fetch_add(pending.len() as u64, Ordering::Relaxed);
+        }
+        if self.skipped > 0 {
+            println!(
+                "{} {}: {} records of steps it already had were not sent again",
+                self.tag, self.name, self.skipped
+            );
+        }
+        let dropped = self.dropped.load(Ordering::Relaxed);
+        if dropped > 0 {
+            eprintln!(
+                "{} {}: {dropped} records were not delivered (metrics.jsonl has them{})",
+                self.tag, self.name, self.catch_up_note
+            );
         }
     }
 
