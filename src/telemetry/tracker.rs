@@ -289,8 +289,9 @@ struct Worker {
 /// First pause after a passing failure; each further failure doubles it, up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_secs(2);
 const MAX_PAUSE: Duration = Duration::from_secs(60);
-/// Tries at the end of a run after a passing failure (a second apart, while they fit).
-const FINAL_TRIES: usize = 3;
+/// Tries at the end of a run after a passing failure: the first at once, then a second apart,
+/// while they fit ([`Ending::try_again`]).
+const FINAL_TRIES: usize = 4;
 /// Records sent in one request at most.
 const BATCH: usize = 64;
 
