@@ -524,16 +524,25 @@ mod tests {
     use std::sync::Mutex;
 
     /// A sink that records what it was sent, failing as told.
+    #[derive(Default)]
     struct Fake {
         log: Arc<Mutex<Vec<String>>>,
         /// Fail this many sends first (passing failures).
         fail_sends: usize,
         has: Option<u64>,
+        /// How long each start takes, and how many fail first (passing failures).
+        start_takes: Duration,
+        fail_starts: usize,
     }
 
     impl Sink for Fake {
         fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
+            std::thread::sleep(self.start_takes);
             self.log.lock().unwrap().push("start".into());
+            if self.fail_starts > 0 {
+                self.fail_starts -= 1;
+                return Err(SinkError::passing("context deadline exceeded"));
+            }
             Ok(("fake run".into(), self.has))
         }
         fn send(&mut self, records: &[Record]) -> Result<(), SinkError> {
@@ -565,6 +574,7 @@ mod tests {
             log: log.clone(),
             fail_sends: 1,
             has: Some(2),
+            ..Fake::default()
         };
         let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
         // Steps 1-2 the service has; 4 after 5 is a rollback's step trained again.
@@ -660,34 +670,6 @@ mod tests {
         );
     }
 
-    /// Fails its first `fails` starts after `takes` each (a passing failure), then starts.
-    struct Slow {
-        takes: Duration,
-        fails: usize,
-        log: Arc<Mutex<Vec<String>>>,
-    }
-
-    impl Sink for Slow {
-        fn start(&mut self) -> Result<(String, Option<u64>), SinkError> {
-            std::thread::sleep(self.takes);
-            self.log.lock().unwrap().push("start".into());
-            if self.fails > 0 {
-                self.fails -= 1;
-                return Err(SinkError::passing("context deadline exceeded"));
-            }
-            Ok(("slow".into(), None))
-        }
-        fn send(&mut self, records: &[Record]) -> Result<(), SinkError> {
-            let mut log = self.log.lock().unwrap();
-            log.extend(records.iter().map(|r| format!("step {}", r.step)));
-            Ok(())
-        }
-        fn finish(&mut self, status: RunStatus) -> Result<(), SinkError> {
-            self.log.lock().unwrap().push(status.mlflow().into());
-            Ok(())
-        }
-    }
-
     /// CI's failure of 7bd170b: wandb.init without a network failed slowly on CI's busy
     /// machine, after the run had ended; four more tries as long outlasted the end's wait, which
     /// then warned a second time. A try at the end is made only when it can end in time; a
@@ -696,12 +678,13 @@ mod tests {
     fn a_try_at_the_end_is_made_only_when_it_ends_before_the_wait() {
         let slow = |takes: u64, fails: usize| {
             let log = Arc::new(Mutex::new(Vec::new()));
-            let sink = Slow {
-                takes: Duration::from_millis(takes),
-                fails,
+            let sink = Fake {
                 log: log.clone(),
+                start_takes: Duration::from_millis(takes),
+                fail_starts: fails,
+                ..Fake::default()
             };
-            let t = Tracker::start("Slow", "[CPU0]", "", Box::new(sink));
+            let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
             t.send(record(1));
             let ending = Instant::now();
             // The run ends while the first start is still under way.
@@ -725,8 +708,7 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         let sink = Fake {
             log: log.clone(),
-            fail_sends: 0,
-            has: None,
+            ..Fake::default()
         };
         let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
         t.send(record(1));
