@@ -4,7 +4,7 @@
 # the wheel's binary is (scripts/manylinux-env.sh), so it tests the very binary the wheel ships
 # and CI builds it once; scripts/wheel_test.sh then packs and tests the wheel (CI runs both).
 #
-# Without arguments: builds every test target once, runs each (the unit tests, the binary's,
+# Without arguments: builds every test target once, runs each (the library's unit tests,
 # every tests/*.rs module of the one integration-test crate, the doc tests), goes on past a
 # failing one, and ends with each target's wall and CPU time (slowest first) and the failures;
 # exits 1 if any failed. With arguments they go to `cargo test` as they are (e.g.
@@ -23,7 +23,8 @@ if [ $# -gt 0 ]; then
 fi
 # The build (every target: the bench is compiled too, so that it cannot rot, and CI's clippy
 # lints all of them in this build, .ci/run), and each test executable from cargo's artifact
-# messages: the library's unit tests, the binary's, the integration-test crate.
+# messages: the library's unit tests and the integration-test crate (the binary has no unit tests
+# and no test harness: `test = false` in Cargo.toml).
 exes=$(zigcargo test --release --no-run --all-targets --message-format=json-render-diagnostics |
   python3 -c '
 import json, sys
@@ -31,7 +32,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m["profile"]["test"] and m.get("executable"):
         print(m["target"]["kind"][0], m["executable"])')
-exe() { # KIND: the test executable of that target kind (lib, bin, test)
+exe() { # KIND: the test executable of that target kind (lib, test)
   local path
   path=$(awk -v k="$1" '$1 == k { print $2 }' <<<"$exes")
   [ -n "$path" ] && [ "$(wc -l <<<"$path")" = 1 ] || {
@@ -41,7 +42,6 @@ exe() { # KIND: the test executable of that target kind (lib, bin, test)
   echo "$path"
 }
 lib_tests=$(exe lib)
-bin_tests=$(exe bin)
 suite=$(exe test)
 # The integration tests are one crate (tests/suite.rs), a module per tests/NAME.rs; each module
 # runs as a target of its own: its tests by their exact names, in a process of its own.
@@ -71,8 +71,8 @@ add_module() {
 for t in "${slow_first[@]}"; do
   [ -n "${tests_of[$t]:-}" ] && add_module "$t"
 done
-labels+=("--lib" "--bins")
-args+=("$lib_tests" "$bin_tests")
+labels+=("--lib")
+args+=("$lib_tests")
 for t in $(printf '%s\n' "${!tests_of[@]}" | sort); do
   [[ " ${slow_first[*]} " == *" $t "* ]] || add_module "$t"
 done
