@@ -60,6 +60,21 @@ fn main() {
         format!("{lib}/../include"),
         format!("{lib}/../include/torch/csrc/api/include"),
     ];
+    // The NCCL shim (one g++ of ~30 s) and the corpus on a thread of their own, beside the six
+    // shims (~40 s, one after another): this script is on the build's critical path, between
+    // torch-sys's and lockstep's own compilation (BENCHMARKS.md §18).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            build_nccl_shim(Path::new(&lib), &torch_includes);
+            pack_corpus("shakespeare");
+        });
+        link_shims(&lib, &torch_includes);
+    });
+    commit();
+}
+
+/// Compiles the shims into one static library and glibc_compat.o, and links them and libtorch.
+fn link_shims(lib: &str, torch_includes: &[String]) {
     let shims = [
         "csrc/c10d_store.cpp",
         "csrc/fused_adamw.cpp",
@@ -69,7 +84,7 @@ fn main() {
         "csrc/torch_info.cpp",
     ];
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    if up_to_date(&out.join("liblockstep_c10d.a"), &shims, &lib) {
+    if up_to_date(&out.join("liblockstep_c10d.a"), &shims, lib) {
         // What cc's compile() prints, without compiling again.
         println!("cargo:rustc-link-search=native={}", out.display());
         println!("cargo:rustc-link-lib=static=lockstep_c10d");
@@ -78,17 +93,17 @@ fn main() {
         cc::Build::new()
             .cpp(true)
             .files(shims)
-            .includes(&torch_includes)
+            .includes(torch_includes)
             .flag("-std=c++17")
             .define("_GLIBCXX_USE_CXX11_ABI", "1")
             .warnings(false)
             .compile("lockstep_c10d");
-        stamp(&out.join("liblockstep_c10d.a"), &lib);
+        stamp(&out.join("liblockstep_c10d.a"), lib);
     }
     // An object on the link line, not an archive member, so that it serves torch-sys's libtch
     // as well as the shims whatever the link order (see the file).
     let compat = out.join("glibc_compat.o");
-    if !up_to_date(&compat, &["csrc/glibc_compat.cpp"], &lib) {
+    if !up_to_date(&compat, &["csrc/glibc_compat.cpp"], lib) {
         let compiler = cc::Build::new().cpp(true).get_compiler();
         let mut cmd = compiler.to_command();
         cmd.args([
@@ -102,17 +117,13 @@ fn main() {
         .arg("-o")
         .arg(&compat);
         run_compiler(&mut cmd, "csrc/glibc_compat.cpp");
-        stamp(&compat, &lib);
+        stamp(&compat, lib);
     }
     println!("cargo:rustc-link-arg={}", compat.display());
     // After the static shim, so link order never depends on where torch-sys's flags land.
     println!("cargo:rustc-link-search=native={lib}");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
-
-    build_nccl_shim(Path::new(&lib), &torch_includes);
-    pack_corpus("shakespeare");
-    commit();
 }
 
 /// Sets `LOCKSTEP_COMMIT` (6. above). Watches the code and what a commit or a checkout moves

@@ -23,9 +23,10 @@ if [ $# -gt 0 ]; then
 fi
 # The build (every target: the bench is compiled too, so that it cannot rot, and CI's clippy
 # lints all of them in this build, .ci/run), and each test executable from cargo's artifact
-# messages: the library's unit tests and the integration-test crate (the binary has no unit tests
-# and no test harness: `test = false` in Cargo.toml).
-exes=$(zigcargo test --release --no-run --all-targets --message-format=json-render-diagnostics |
+# messages: the library's unit tests and the integration-test crate. The binary is built for
+# the integration tests; it has no unit tests and no harness (`test`/`bench = false` in
+# Cargo.toml, which `--all-targets` would override).
+exes=$(zigcargo test --release --no-run --tests --benches --message-format=json-render-diagnostics |
   python3 -c '
 import json, sys
 for line in sys.stdin:
