@@ -366,10 +366,20 @@ impl Worker {
                 pending.clear();
             }
             if let Some((status, _)) = finish {
+                if call && self.state == State::Running && pending.is_empty() {
+                    // The service's end of the run. A passing failure here (a sidecar killed
+                    // after the last records) is tried again like any other: a new session
+                    // resumes the run, then ends it.
+                    let calling = Instant::now();
+                    if let Err(e) = self.sink.finish(status) {
+                        self.failed(e);
+                    }
+                    last_call = calling.elapsed();
+                }
                 if call && matches!(self.state, State::Retry(..)) {
                     continue;
                 }
-                return self.end(status, pending);
+                return self.end(pending);
             }
         }
     }
@@ -422,14 +432,9 @@ impl Worker {
         }
     }
 
-    /// Ends the service's run with `status` if it is running with nothing pending, and says
-    /// what was skipped or not delivered.
-    fn end(&mut self, status: RunStatus, pending: Vec<Record>) {
-        if self.state == State::Running && pending.is_empty() {
-            if let Err(e) = self.sink.finish(status) {
-                self.failed(e);
-            }
-        } else if !pending.is_empty() {
+    /// Says what was skipped or not delivered, once the run has ended (or could not be).
+    fn end(&mut self, pending: Vec<Record>) {
+        if !pending.is_empty() {
             self.dropped
                 .fetch_add(pending.len() as u64, Ordering::Relaxed);
         }
@@ -533,6 +538,8 @@ mod tests {
         /// How long each start takes, and how many fail first (passing failures).
         start_takes: Duration,
         fail_starts: usize,
+        /// Fail this many ends of the run first (passing failures).
+        fail_finishes: usize,
     }
 
     impl Sink for Fake {
@@ -555,6 +562,12 @@ mod tests {
             Ok(())
         }
         fn finish(&mut self, status: RunStatus) -> Result<(), SinkError> {
+            if self.fail_finishes > 0 {
+                self.fail_finishes -= 1;
+                return Err(SinkError::passing(
+                    "the W&B sidecar exited (signal: 9 (SIGKILL))",
+                ));
+            }
             self.log.lock().unwrap().push(status.mlflow().into());
             Ok(())
         }
@@ -701,6 +714,30 @@ mod tests {
         let (took, log) = slow(0, 1);
         assert_eq!(log, ["start", "start", "step 1", "FINISHED"]);
         assert!(took < Duration::from_millis(1500), "{took:?}");
+    }
+
+    /// CI's failure of d31426a: on a busy machine the W&B sidecar was killed after it had the
+    /// last records, as the run ended; the end failed and was not tried again, so the W&B run
+    /// was never ended. A passing failure of the end starts a new session, which ends the run.
+    #[test]
+    fn a_passing_failure_of_the_runs_end_is_tried_again() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Fake {
+            log: log.clone(),
+            fail_finishes: 1,
+            ..Fake::default()
+        };
+        let t = Tracker::start("Fake", "[CPU0]", "", Box::new(sink));
+        t.send(record(1));
+        let failing = t.failing.clone();
+        let ending = Instant::now();
+        t.finish(RunStatus::Finished, Duration::from_secs(20));
+        assert!(ending.elapsed() < Duration::from_secs(5));
+        assert!(!failing.load(Ordering::Relaxed));
+        assert_eq!(
+            log.lock().unwrap().as_slice(),
+            ["start", "step 1", "start", "FINISHED"]
+        );
     }
 
     #[test]
