@@ -57,12 +57,12 @@ for f in tests/*.rs; do
     exit 1
   fi
 done
-# The longest first (BENCHMARKS.md §18), so that with two lanes the last to start are short
+# The longest first (CI's run of d31426a, BENCHMARKS.md §18), so that with two lanes the last to start are short
 # and the lanes end together; the rest in name order. A name missing here only runs later.
 # labels[N] is how the table names target N (and how to run it alone with cargo); args[N] the
 # command that runs it.
-slow_first=(docs zero tracking_mlflow checkpoint_async crash_safety resilience tracking_wandb
-  parallel_run plan_memory mlflow_sink)
+slow_first=(docs mlflow_sink tracking_mlflow export_eval_generate plan_memory zero tracking_wandb
+  hf_parity crash_safety parallel_run)
 labels=()
 args=()
 add_module() {

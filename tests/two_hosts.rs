@@ -125,6 +125,12 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
             "system.collective_timeout_s=10",
             "--set",
             &format!("logging.run_name={run}"),
+            "--set",
+            // Reports of saves held back in run "lost" (scenario 2).
+            &format!(
+                "debug.save_report_delay_ms={}",
+                if run == "lost" { 4000 } else { 0 }
+            ),
         ]
         .iter()
         .map(|s| s.to_string())
@@ -182,14 +188,16 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     let one = dir.join("runs/onenode/checkpoints/step_6");
     assert_bitwise_equal_checkpoints(&one, &dir.join("runs/twohosts/checkpoints/step_6"));
 
-    // 2. Node 1's launcher killed while step_2 is written in the background: node 0 stops
-    //    within the collective timeout, naming it. (Its rank 0 does not wait out the 30 s
-    //    grace for a report rank 1 will never send: rank 1's beat stopped.)
+    // 2. Node 1's launcher killed while step_2 is written in the background, after step 4's
+    //    collectives: both ranks wait at step 4's save for step_2's reports, held back 4 s.
+    //    Node 0 stops within the collective timeout, naming it: its rank 0 does not wait for a
+    //    report rank 1 will never send, as rank 1's beat stopped. (CI's hang: no collective
+    //    was left to notice, and rank 0 waited for the report for an hour.)
     let (n0, n1) = (
         node("0", "lost", "100000", "0"),
         node("1", "lost", "100000", "0"),
     );
-    n0.wait_for("Checkpoint step_2: staged", limit);
+    n0.wait_for("Step [4/", limit);
     let killed = Instant::now();
     kill(n1.pid(), libc::SIGKILL);
     let (code, text) = n0.finish_timed(limit, killed);
