@@ -57,10 +57,10 @@ for f in tests/*.rs; do
     exit 1
   fi
 done
-# The longest first (CI's run of d31426a, BENCHMARKS.md §18), so that with two lanes the last to start are short
-# and the lanes end together; the rest in name order. A name missing here only runs later.
-# labels[N] is how the table names target N (and how to run it alone with cargo); args[N] the
-# command that runs it.
+# The longest first (in CI's run of d31426a, BENCHMARKS.md §18), so that with two lanes the last
+# to start are short and the lanes end together; the rest in name order. A name missing here only
+# runs later. labels[N] is how the table names target N (and how to run it alone with cargo);
+# args[N] the command that runs it.
 slow_first=(docs mlflow_sink tracking_mlflow export_eval_generate plan_memory zero tracking_wandb
   hf_parity crash_safety parallel_run)
 labels=()

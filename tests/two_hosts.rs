@@ -191,8 +191,8 @@ fn two_hosts_train_bitwise_like_one_stop_together_and_restart_together() {
     // 2. Node 1's launcher killed while step_2 is written in the background, after step 4's
     //    collectives: both ranks wait at step 4's save for step_2's reports, held back 4 s.
     //    Node 0 stops within the collective timeout, naming it: its rank 0 does not wait for a
-    //    report rank 1 will never send, as rank 1's beat stopped. (CI's hang: no collective
-    //    was left to notice, and rank 0 waited for the report for an hour.)
+    //    report rank 1 will never send, as rank 1's beat stopped. (The hang seen here: no
+    //    collective was left to notice, and rank 0 waited for the report for an hour.)
     let (n0, n1) = (
         node("0", "lost", "100000", "0"),
         node("1", "lost", "100000", "0"),

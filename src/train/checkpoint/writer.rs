@@ -287,9 +287,10 @@ impl Reports {
     /// Waits for `what` to be reported by rank `from` and returns what it told (empty for
     /// none), or its error. A `from` whose beat stopped ends the wait within [`BEAT_LOST`]: a
     /// rank killed after the step's collectives, while its part was written, leaves its peers
-    /// in no collective that would notice (CI's hang of two_hosts: rank 0 waited for the
-    /// report at the next save, for [`Self::PATIENCE`]). One that never beat ends it only once
-    /// the run is ending with an error: a rank not yet at the save fails a collective first.
+    /// in no collective that would notice (the two-host test's hang in a full run here: rank 0
+    /// waited for the report at the next save, for [`Self::PATIENCE`]). One that never beat
+    /// ends it only once the run is ending with an error: a rank not yet at the save fails a
+    /// collective first.
     fn wait(&self, what: &str, from: usize) -> Result<String> {
         let key = format!("{}{what}", self.prefix);
         let beat_key = format!("{}beat{from}", self.prefix);
@@ -544,7 +545,7 @@ mod tests {
     }
 
     /// A rank that beat, then died, ends the wait whether or not the run is ending with an
-    /// error (not armed: CI's hang of two_hosts, rank 1 killed after the step's collectives
+    /// error (not armed: the two-host test's hang, rank 1 killed after the step's collectives
     /// while its part of step_2 was outstanding; rank 0 waited at step 4's save); one that
     /// never beat, once it is.
     #[test]
