@@ -224,12 +224,7 @@ fn sigterm_while_a_save_is_written_in_the_background_exits_0_with_complete_check
     }
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0), "{text}");
-    let stopped: usize = text
-        .split("Stopped by signal at step ")
-        .nth(1)
-        .and_then(|s| s.split(':').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no stop line:\n{text}"));
+    let stopped: usize = common::number_after(&text, "Stopped by signal at step ");
     let root = dir.join("runs/tiny/checkpoints");
     let mut names: Vec<String> = fs::read_dir(&root)
         .unwrap()

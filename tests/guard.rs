@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{lockstep, losses, ok, output_text, run, small, with, write_corpus};
+use common::{lockstep, losses, number_after, ok, output_text, run, small, with, write_corpus};
 
 const UP: &str = "model.layers.0.mlp.up_proj.weight";
 
@@ -264,20 +264,9 @@ fn sigterm_saves_a_checkpoint_exits_0_and_resume_is_lossless() {
     );
     // The notice names the step the run then stops at (round 5, finding 17: a signal after a
     // step's stop vote named that step, and the run went on to save the next one).
-    let number_after = |marker: &str| -> usize {
-        let at = text
-            .find(marker)
-            .unwrap_or_else(|| panic!("{marker}: {text}"))
-            + marker.len();
-        let digits: String = text[at..]
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        digits.parse().unwrap()
-    };
     assert_eq!(
-        number_after("saving a checkpoint after step "),
-        number_after("Stopped by signal at step "),
+        number_after::<usize>(&text, "saving a checkpoint after step "),
+        number_after::<usize>(&text, "Stopped by signal at step "),
         "{text}"
     );
     let stopped = losses(&dir.join("runs/preempted/metrics.jsonl")).len();

@@ -246,12 +246,7 @@ fn a_killed_sidecar_costs_one_warning_and_is_started_again() {
         .collect();
     assert_eq!(warnings.len(), 1, "{text}");
     assert!(warnings[0].contains("sidecar"), "{text}");
-    let last: u64 = text
-        .split("Stopped by signal at step ")
-        .nth(1)
-        .and_then(|t| t.split(':').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no stop step in:\n{text}"));
+    let last: u64 = common::number_after(&text, "Stopped by signal at step ");
     assert!(last < 2000, "{text}");
     let steps: Vec<u64> = common::losses(&run_dir.join("metrics.jsonl"))
         .iter()

@@ -167,6 +167,21 @@ pub fn losses(metrics: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The number printed right after the first `marker` in `text` (`Stopped by signal at step `
+/// → the step a stopped run names); panics, showing `text`, when there is none.
+pub fn number_after<T: std::str::FromStr>(text: &str, marker: &str) -> T {
+    let digits: String = text
+        .split_once(marker)
+        .unwrap_or_else(|| panic!("no {marker:?} in:\n{text}"))
+        .1
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no number after {marker:?} in:\n{text}"))
+}
+
 /// A server on 127.0.0.1 that reads each request whole (headers and a Content-Length body)
 /// and answers it with `response` (status line, headers and body). Returns its port.
 pub fn canned_http(response: &'static str) -> u16 {
