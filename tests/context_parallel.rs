@@ -4,7 +4,8 @@
 //! between chunk edges, positions restarting) and without, in every activation-checkpointing
 //! mode, with GQA, over accumulated micro-batches; C × TP likewise; and whole steps (3 clipped
 //! AdamW steps) of C × data-parallel at zero stage 3 and of C × TP equal the data-parallel /
-//! one-rank steps.
+//! one-rank steps; and multiple-choice scoring's per-row log-likelihoods of C, TP and C × TP
+//! ranks equal one rank's, which are the fp64 log-softmax's.
 
 use crate::common;
 
@@ -576,4 +577,75 @@ fn cp_steps_at_stage_3_and_with_tp_equal_the_single_dimension_runs() {
         stage: ZeroStage::Replicated,
         shard: 0,
     });
+}
+
+/// Multiple-choice scoring (`Llama::row_log_likelihoods`): rows whose targets count only in a
+/// span near their end (a continuation; the rest -100, as `data::tasks` builds them). One
+/// rank's per-row log-likelihoods are the fp64 log-softmax's within 1e-6 relative, and C = 2,
+/// TP = 2 (sequence-parallel, vocabulary-parallel head) and C × TP = 2 × 2 give one rank's on
+/// every rank of the group within 1e-6, with the head in chunks that cut rows apart.
+#[test]
+fn row_log_likelihoods_of_every_layout_equal_one_rank() {
+    let params = initial();
+    let x = token_ids(21, VOCAB, BATCH, SEQ);
+    let y = token_ids(22, VOCAB, BATCH, SEQ);
+    let counted = Tensor::zeros([BATCH, SEQ], (Kind::Bool, Device::Cpu));
+    let _ = counted.get(0).narrow(0, 200, 40).fill_(1);
+    let _ = counted.get(1).narrow(0, 250, 6).fill_(1);
+    let y = y.where_self(
+        &counted,
+        &Tensor::full([BATCH, SEQ], -100, (Kind::Int64, Device::Cpu)),
+    );
+    let lls = |kind: Kind| {
+        let vs = VarStore::new(Device::Cpu);
+        let mut make = |name: &str, _dims: &[i64], _init: tch::nn::Init| {
+            let p = &params.iter().find(|(n, _)| n == name).unwrap().1;
+            p.detach().to_kind(kind).copy()
+        };
+        let mut model = Llama::new_with(&vs.root(), &shape(), SEQ as usize, kind, &mut make);
+        model.set_activation_memory(memory(&case(1)));
+        let rows = model.row_log_likelihoods(&x, &y, &mut NoEvents).unwrap();
+        let exact = tch::no_grad(|| {
+            let logp = model
+                .forward(&x)
+                .to_kind(Kind::Double)
+                .log_softmax(-1, Kind::Double);
+            let picked = logp
+                .gather(2, &y.clamp_min(0).unsqueeze(-1), false)
+                .squeeze_dim(-1);
+            (picked * counted.to_kind(Kind::Double)).sum_dim_intlist(
+                [1].as_slice(),
+                false,
+                Kind::Double,
+            )
+        });
+        (rows, exact)
+    };
+    let (one, _) = lls(Kind::Float);
+    let (_, exact) = lls(Kind::Double);
+    assert_eq!(one.size(), [BATCH]);
+    let err = rel(&one, &exact);
+    assert!(
+        err < 1e-6,
+        "one rank against fp64: {err:e} ({one:?} vs {exact:?})"
+    );
+    let (x, y) = (Plain::of(&x), Plain::of(&y));
+    let plain_params = plain(&params);
+    for (cp, tp) in [(2, 1), (1, 2), (2, 2)] {
+        let world = cp * tp;
+        let runs = each_rank(world, |pg| {
+            let mesh = Mesh::new(pg.rank(), world, tp, cp, 0);
+            let vs = VarStore::new(Device::Cpu);
+            let (mut model, _groups) = mesh_model(&vs, &mesh, pg, &plain_params, false);
+            model.set_activation_memory(memory(&case(cp)));
+            let rows = model
+                .row_log_likelihoods(&x.tensor(), &y.tensor(), &mut NoEvents)
+                .unwrap();
+            Plain::of(&rows)
+        });
+        for (r, rows) in runs.iter().enumerate() {
+            let err = rel(&rows.tensor(), &one);
+            assert!(err < 1e-6, "cp {cp} × tp {tp}, rank {r}: {err:e}");
+        }
+    }
 }

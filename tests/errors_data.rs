@@ -1,5 +1,5 @@
-//! Data that cannot be read as asked: a corpus, a tokenizer, a token file, a `data.sources` entry
-//! or a cache entry that is missing, damaged or of another kind, and a resume on other data than
+//! Data that cannot be read as asked: a corpus, a tokenizer, a token file, a `data.sources` entry,
+//! a multiple-choice task file or a cache entry that is missing, damaged or of another kind, and a resume on other data than
 //! the checkpoint's (other files, tokenizer or context length). Each is named with the file and
 //! the fix (exit 1, or 2 for a config error), nothing half-written is cached, a damaged cache
 //! entry is rebuilt, and the token cache is keyed on what changes tokens only. From the
@@ -719,5 +719,114 @@ fn context_length_and_checkpoint_settings_are_named_and_never_retokenize() {
         );
         assert_eq!(text.matches("error").count(), 1, "said once: {text}");
         assert!(text.matches("checkpoint.keep_last").count() <= 1, "named once: {text}");
+    }
+}
+
+/// A bad multiple-choice task file (`training.eval_tasks`, `eval --task`) is named by file, line
+/// and field with exit code 2 before anything runs: `train` prepares no data and writes no run
+/// records, `lockstep run` starts no worker, `eval` opens no model; an item whose choice cannot
+/// fit the context is named too.
+#[test]
+fn a_bad_task_file_is_named_before_anything_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = small(&write_corpus(dir));
+    let good = r#"{"query": "To be, or not", "choices": ["to be", "a fish"], "gold": 0}"#;
+    let cases: &[(&str, &[u8], &str)] = &[
+        (
+            "missing.jsonl",
+            b"{\"query\": \"q\", \"gold\": 0}\n",
+            "missing.jsonl:2: has no \"choices\"",
+        ),
+        (
+            "label.jsonl",
+            b"{\"ctx\": \"c\", \"endings\": [\"a\", \"b\"], \"label\": 5}\n",
+            "label.jsonl:2: \"label\" = 5 is out of range: the item has 2 choices (indices 0..1)",
+        ),
+        (
+            "empty.jsonl",
+            b"{\"query\": \"q\", \"choices\": [], \"gold\": 0}\n",
+            "empty.jsonl:2: \"choices\" is an empty list",
+        ),
+        (
+            "latin1.jsonl",
+            b"{\"query\": \"caf\xe9\", \"choices\": [\"x\"], \"gold\": 0}\n",
+            "latin1.jsonl:2: invalid UTF-8 at byte offset 84",
+        ),
+        (
+            "csv.jsonl",
+            b"query,choices,gold\n",
+            "csv.jsonl:2: not valid JSON",
+        ),
+    ];
+    for (name, second, says) in cases {
+        let mut text = format!("{good}\n").into_bytes();
+        text.extend_from_slice(second);
+        fs::write(dir.join(name), text).unwrap();
+        let tasks = format!("training.eval_tasks={name}");
+        let run_name = format!("logging.run_name=bad-{name}");
+        let train = ["--max-steps", "2", "--set", &tasks, "--set", &run_name];
+        fails(&run(dir, &with(&base, &["train"], &train)), 2, &[says]);
+        assert!(
+            !dir.join(".lockstep/cache").exists(),
+            "{name}: data prepared"
+        );
+        assert!(
+            !dir.join(format!("runs/bad-{name}/metrics.jsonl")).exists(),
+            "{name}: a run started"
+        );
+        let launched = fails(
+            &run(dir, &with(&base, &["run", "--nproc", "2", "--cpu"], &train)),
+            2,
+            &[says],
+        );
+        assert!(
+            !launched.contains("[CPU1]"),
+            "{name}: workers started:\n{launched}"
+        );
+        let eval = ["eval", "--model", "nowhere", "--task", name];
+        fails(&run(dir, &eval.map(String::from)), 2, &[says]);
+    }
+    // A choice longer than the model's context (64 tokens) cannot be scored.
+    let long = "word ".repeat(200);
+    let item = serde_json::json!({"query": "q", "choices": ["a", long], "gold": 0});
+    fs::write(dir.join("long.jsonl"), format!("{good}\n{item}\n")).unwrap();
+    fails(
+        &run(
+            dir,
+            &with(
+                &base,
+                &["train"],
+                &["--set", "training.eval_tasks=long.jsonl"],
+            ),
+        ),
+        2,
+        &[
+            "long.jsonl:2: choice 1 is",
+            "tokens, more than the model's context of 64",
+        ],
+    );
+    // Flags of `eval` that cannot work.
+    for (args, says) in [
+        (
+            &["--limit", "0", "--task", "long.jsonl"][..],
+            "--limit 0 scores nothing",
+        ),
+        (
+            &["--data", "x.txt", "--limit", "3"],
+            "--limit applies to --task",
+        ),
+        (
+            &["--task", "long.jsonl", "--max-batches", "1"],
+            "--max-batches applies to --data",
+        ),
+        (
+            &[],
+            "nothing to evaluate: pass --data FILE (loss and perplexity) and/or --task FILE",
+        ),
+    ] {
+        let mut eval = vec!["eval".to_string(), "--model".into(), "nowhere".into()];
+        eval.extend(args.iter().map(|a| a.to_string()));
+        fails(&run(dir, &eval), 2, &[says]);
     }
 }

@@ -15,6 +15,7 @@ mod crash_safety;
 mod distributed;
 mod doc_masking;
 mod docs;
+mod downstream_eval;
 mod errors_checkpoints;
 mod errors_config;
 mod errors_data;

@@ -147,11 +147,8 @@ fn specials(tok: &Tokenizer, spec: &str) -> Specials {
             bos: Some((tok.eos_id(), eos_text)),
         };
     }
-    let mut bos = None;
+    let bos = tok.bos();
     if let Ok(inner) = tokenizers::Tokenizer::from_file(spec) {
-        bos = ["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"]
-            .iter()
-            .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string())));
         if let Some(s) = inner.id_to_token(tok.eos_id()) {
             return Specials {
                 eos: (tok.eos_id(), s),

@@ -115,7 +115,8 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         },
     );
     let layout = Layout::from_config(cfg);
-    let r = report::build(&setting, &layout);
+    let mut r = report::build(&setting, &layout);
+    r.downstream = downstream(cfg, &setting, r.step_seconds)?;
     let notes = crate::config::world_notes(
         cfg,
         world,
@@ -131,4 +132,24 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         eprintln!("Warning: {note}");
     }
     Ok(())
+}
+
+/// What `training.eval_tasks` costs each time it runs (None without tasks): the task files read
+/// and encoded as training reads them.
+fn downstream(
+    cfg: &crate::config::Config,
+    setting: &Setting,
+    step_seconds: f64,
+) -> Result<Option<plan::downstream::Downstream>> {
+    let Some((tasks, requests)) = crate::data::tasks::of_config(cfg)? else {
+        return Ok(None);
+    };
+    let items = tasks.iter().map(|t| t.items.len()).sum();
+    Ok(Some(plan::downstream::estimate(
+        setting,
+        &requests,
+        (tasks.len(), items),
+        step_seconds,
+        cfg.training.eval_interval,
+    )))
 }

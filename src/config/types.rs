@@ -86,6 +86,10 @@ pub struct TrainingConfig {
     pub max_grad_norm: f64,
     pub eval_interval: usize,
     pub eval_batches: usize,
+    /// Multiple-choice task files (or directories of them), `data::tasks`.
+    pub eval_tasks: Vec<String>,
+    pub eval_tasks_limit: usize,
+    pub eval_tasks_batch_size: usize,
     pub nan_check: bool,
     pub nan_policy: GuardPolicy,
     pub max_nan_skips: usize,

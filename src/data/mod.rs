@@ -17,7 +17,8 @@
 //! `prepare/` is the tokenize-once cache (`mod.rs` the entry points, `cache.rs` an entry,
 //! `build.rs` one go, `parts.rs` in parts, `encode.rs` the parallel tokenizer); `tokfile/` the
 //! token file formats; `ids.rs` the largest token ids; `sampler.rs` and `mixture.rs` the order
-//! of the samples.
+//! of the samples; `tasks/` the multiple-choice evaluation tasks (files, their rows, their
+//! scores).
 
 pub mod builtin;
 pub mod hub;
@@ -26,6 +27,7 @@ pub mod mixture;
 pub mod prepare;
 pub mod sampler;
 pub mod sources;
+pub mod tasks;
 pub mod tokenizer;
 pub mod tokfile;
 

@@ -34,6 +34,10 @@ const HF_EOS_CANDIDATES: &[&str] = &[
     "<eos>",
 ];
 
+/// Special-token spellings tried, in order, to find the beginning-of-sequence id of a Hugging
+/// Face tokenizer.
+const HF_BOS_CANDIDATES: &[&str] = &["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"];
+
 /// A text tokenizer shared (read-only) by all tokenization threads.
 pub struct Tokenizer {
     kind: Kind,
@@ -295,6 +299,32 @@ impl Tokenizer {
             }
         }
         Ok(ids)
+    }
+
+    /// Encodes `text` as a Hugging Face tokenizer's `encode(text)` does by default: with the
+    /// special tokens its post-processor adds (Llama's BOS before the text). The embedded
+    /// encodings add none, as their exported tokenizer.json adds none. Special-token spellings
+    /// inside `text` stay ordinary text, as in [`Tokenizer::encode`].
+    pub fn encode_with_specials(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.kind {
+            Kind::HuggingFace { path, inner, .. } if inner.get_post_processor().is_some() => inner
+                .encode(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| anyhow!("{}: cannot encode text: {e}", path.display())),
+            _ => self.try_encode(text),
+        }
+    }
+
+    /// A Hugging Face tokenizer's beginning-of-sequence token, id and spelling (the first of
+    /// `<s>`, `<|begin_of_text|>`, `<bos>`, `<|startoftext|>` it has); the embedded encodings
+    /// have none.
+    pub fn bos(&self) -> Option<(u32, String)> {
+        match &self.kind {
+            Kind::Tiktoken { .. } => None,
+            Kind::HuggingFace { inner, .. } => HF_BOS_CANDIDATES
+                .iter()
+                .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string()))),
+        }
     }
 
     /// What encodes text: lockstep's BPE encoder, or `tokenizers` and why (for the

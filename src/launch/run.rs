@@ -197,9 +197,15 @@ fn launch_plan(
 }
 
 /// What is done once per node before any worker starts, so no rank waits on it under a
-/// collective timeout: the data tokenized, a Hub model missing from the cache downloaded, and
+/// collective timeout: the task files checked, the data tokenized, a Hub model missing from the cache downloaded, and
 /// CPU workers checked against this host's memory and cores.
 fn before_workers(resolved: &Resolved, plan: &LaunchPlan) -> Result<()> {
+    // A bad task file is found here, once, before the data is prepared (every rank reads them
+    // again to encode them).
+    let t = &resolved.config.training;
+    if !t.eval_tasks.is_empty() {
+        crate::data::tasks::load_tasks(&t.eval_tasks, "training.eval_tasks", None)?;
+    }
     run::data::prepare_data(&resolved.config, "[launcher]")?;
     // A Hub model missing from the cache is downloaded once, here, not by each rank.
     if let Some(model) = &resolved.config.model.model_path {

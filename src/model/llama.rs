@@ -260,7 +260,7 @@ impl Llama {
 
     /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads; `units`
     /// hears of each unit's use as in `forward_backward`.
-    fn hidden(
+    pub(super) fn hidden(
         &self,
         tokens: &Tensor,
         docs: Option<&DocumentMask>,

@@ -1,7 +1,7 @@
 //! The LLaMA model: shape, RoPE, the decoder (with packed-document attention), the training
 //! pass (forward + backward a layer at a time, activation checkpointing, the chunked LM head,
-//! tensor and context parallelism),
-//! Hugging Face directories (load and write), and KV-cached generation.
+//! tensor and context parallelism), the log-likelihood of chosen tokens (multiple-choice
+//! evaluation), Hugging Face directories (load and write), and KV-cached generation.
 
 mod autograd;
 pub mod backward;
@@ -14,6 +14,7 @@ pub mod generate;
 pub mod hf;
 pub mod llama;
 pub mod rope;
+mod score;
 pub mod shape;
 pub mod split;
 mod tensor_parallel;

@@ -314,9 +314,21 @@ impl Llama {
         docs: Option<&DocumentMask>,
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
+        let x = self.forward_split(inputs, docs, units)?;
+        Ok(self.head_split(&x, targets, None, units)?.0)
+    }
+
+    /// The decoder stack of a tensor-parallel rank without gradients: this rank's tokens of the
+    /// last layer's output (before the final norm).
+    fn forward_split(
+        &self,
+        inputs: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> Result<Tensor> {
         let tp = self.split();
         let rows = Rows::of(inputs);
-        let x = tch::no_grad(|| -> Result<Tensor> {
+        tch::no_grad(|| -> Result<Tensor> {
             units.before(GradUnit::Embedding)?;
             let mut x = tp.leave(&self.embed_partial(inputs))?;
             units.after(GradUnit::Embedding)?;
@@ -329,8 +341,56 @@ impl Llama {
                 units.after(GradUnit::Layer(i))?;
             }
             Ok(x)
+        })
+    }
+
+    /// Each token's cross-entropy (fp32 [n], 0 where the target is -100) of a tensor-parallel
+    /// rank without gradients: every token of the micro-batch, the same on every rank of the
+    /// group (`Llama::row_log_likelihoods`).
+    pub(super) fn token_losses_split(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        units: &mut dyn UnitEvents,
+    ) -> Result<Tensor> {
+        let x = self.forward_split(inputs, None, units)?;
+        let tp = self.split();
+        units.before(GradUnit::FinalNorm)?;
+        units.before(self.head_unit())?;
+        let losses = tch::no_grad(|| -> Result<Tensor> {
+            let hidden = tp.enter(&self.final_norm(&x))?;
+            let targets = targets.reshape([-1]);
+            let w = self.head_weight().to_kind(self.compute());
+            let (start, real) = self.vocab_rows();
+            let unused = Tensor::zeros([], (Kind::Float, x.device()));
+            let mut parts = Vec::new();
+            for (at, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens) {
+                let rows = hidden.narrow(0, at, len).to_kind(self.compute());
+                let mut logits = self.vocab_logits(&rows, &w, real);
+                let t = targets.narrow(0, at, len);
+                parts.push(
+                    self.cross_entropy_split(&mut logits, &t, start, &unused, false)?
+                        .0,
+                );
+            }
+            Ok(Tensor::cat(&parts, 0))
         })?;
-        Ok(self.head_split(&x, targets, None, units)?.0)
+        units.after(self.head_unit())?;
+        units.after(GradUnit::FinalNorm)?;
+        Ok(losses)
+    }
+
+    /// This rank's fp32 logits [c, Vp/T] of `rows` [c, hidden] (compute dtype) with the head
+    /// weight `w` (compute dtype): the padded vocabulary's rows past `real` are -inf.
+    fn vocab_logits(&self, rows: &Tensor, w: &Tensor, real: i64) -> Tensor {
+        let logits = rows.matmul(&w.tr()).to_kind(Kind::Float);
+        let local = logits.size()[1];
+        if real < local {
+            let _ = logits
+                .narrow(1, real, local - real)
+                .fill_(f64::NEG_INFINITY);
+        }
+        logits
     }
 
     /// Final norm, vocabulary-parallel LM head and cross-entropy on this rank's tokens `x`
@@ -375,17 +435,11 @@ impl Llama {
             for (at, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens) {
                 phase::enter(Phase::Forward);
                 let rows = hidden.narrow(0, at, len).to_kind(compute);
-                let mut logits = rows.matmul(&w.tr()).to_kind(Kind::Float);
-                let local = logits.size()[1];
-                if real < local {
-                    let _ = logits
-                        .narrow(1, real, local - real)
-                        .fill_(f64::NEG_INFINITY);
-                }
+                let mut logits = self.vocab_logits(&rows, &w, real);
                 let t = targets.narrow(0, at, len);
-                let (sum, d_logits) =
+                let (losses, d_logits) =
                     self.cross_entropy_split(&mut logits, &t, start, &grad_scale, train)?;
-                loss_sum += sum / &count;
+                loss_sum += losses.sum(Kind::Float) / &count;
                 if !train {
                     continue;
                 }
@@ -414,8 +468,9 @@ impl Llama {
     }
 
     /// The vocabulary-parallel cross-entropy of this rank's fp32 `logits` [c, Vp/T] (columns
-    /// from vocabulary row `start`) against `targets` [c] (-100 ignored): the summed loss of
-    /// the chunk, and with `train` its gradient times `grad_scale` in the logits' buffer.
+    /// from vocabulary row `start`) against `targets` [c] (-100 ignored): each token's loss
+    /// ([c], 0 where ignored), and with `train` its gradient times `grad_scale` in the logits'
+    /// buffer.
     fn cross_entropy_split(
         &self,
         logits: &mut Tensor,
@@ -449,7 +504,7 @@ impl Llama {
         );
         tp.comm(|c| c.all_reduce_sum(&stats))?;
         let (sum, picked) = (stats.get(0), stats.get(1));
-        let loss = ((&max + sum.log() - picked) * &valid).sum(Kind::Float);
+        let loss = (&max + sum.log() - picked) * &valid;
         if !train {
             return Ok((loss, logits.shallow_clone()));
         }

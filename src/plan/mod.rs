@@ -46,6 +46,9 @@
 //! their own samples (tokens per step), while the D·C ranks with the same TP position hold the
 //! same parameters: the zero stages, `system.shard_degree` and the gradient reductions act on
 //! those ([`Setting::replica_ranks`]).
+//!
+//! Downstream evaluation (`training.eval_tasks`, `downstream.rs`) costs the forward FLOPs of its
+//! tasks' rows each time it runs, shared by the data ranks: said beside the step time.
 
 pub mod advice;
 pub mod budget;
@@ -53,6 +56,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod context;
 mod device;
+pub mod downstream;
 mod estimate;
 pub mod memory;
 pub mod report;

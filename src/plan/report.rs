@@ -95,6 +95,9 @@ pub struct Report {
     pub fits_without_staging: Option<f64>,
     /// What a checkpoint save writes, stages and stalls (`plan/checkpoint.rs`).
     pub checkpoint: Checkpoint,
+    /// What downstream evaluation costs each time it runs (`plan/downstream.rs`; None without
+    /// `training.eval_tasks`).
+    pub downstream: Option<super::downstream::Downstream>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -196,6 +199,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
             .map(|&n| scaling(s, l, n))
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
+        downstream: None,
         fits_without_staging,
         configured,
         layouts,
@@ -512,6 +516,7 @@ pub fn text(r: &Report, s: &Setting) -> String {
     layouts_text(&mut o, r, s);
     compute_text(&mut o, r, s);
     checkpoint_text(&mut o, r, s);
+    downstream_text(&mut o, r);
     let _ = writeln!(o);
     if r.fits {
         let _ = writeln!(
@@ -533,6 +538,38 @@ pub fn text(r: &Report, s: &Setting) -> String {
         );
     }
     o
+}
+
+/// The downstream evaluation line: its rows, FLOPs and time, against the step time.
+fn downstream_text(o: &mut String, r: &Report) {
+    let Some(d) = &r.downstream else {
+        return;
+    };
+    let every = match d.share {
+        Some(share) => format!(
+            "; every {} steps it adds {:.1}% to training's time",
+            d.interval,
+            100.0 * share
+        ),
+        None => "; once, at the end (training.eval_interval = 0)".to_string(),
+    };
+    let _ = writeln!(
+        o,
+        "Downstream eval: {} task{}, {} items ({} rows, {} tokens padded): {:.3} PFLOP, {} per \
+         evaluation at {:.0}% of peak ({:.0} items/s over {} data rank{}) = {:.1} steps{every}",
+        d.tasks,
+        if d.tasks == 1 { "" } else { "s" },
+        d.items,
+        d.rows,
+        d.padded_tokens,
+        d.flops / 1e15,
+        secs(d.seconds),
+        100.0 * r.mfu,
+        d.items_per_second,
+        r.data_parallel_ranks,
+        if r.data_parallel_ranks == 1 { "" } else { "s" },
+        d.steps
+    );
 }
 
 /// The tensor parallelism to switch to, with what it needs and gains against the data-parallel

@@ -7,7 +7,9 @@
 //! {"step": 120, "loss": 3.21, "lr": 2.9e-4, "grad_norm": 0.81, "tokens_per_s": 51234.0,
 //!  "samples_consumed": 3840, "val_loss": null, "rss_gb": 1.52, "guard_events": 0,
 //!  "mfu": 0.41, "val_time_s": …, "gpu_used_gb": …, "guard": {"spike": 1},
-//!  "tokens_by_source": {"web": …}, "val_loss_by_source": {"web": …}}
+//!  "tokens_by_source": {"web": …}, "val_loss_by_source": {"web": …},
+//!  "eval": {"hellaswag": {"acc": 0.31, "acc_norm": 0.35, "acc_stderr": 0.0046,
+//!           "acc_norm_stderr": 0.0048, "n": 10042}}, "eval_time_s": …}
 //! ```
 //! `val_loss` and `mfu` are always there (null: no validation at this step; the device's peak
 //! is unknown); the keys after them only where they apply.
@@ -57,12 +59,31 @@ pub struct MetricsRecord {
     /// A mixture's validation loss, by source (with `val_loss`).
     #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
     pub val_loss_by_source: IndexMap<String, Option<f64>>,
+    /// Downstream evaluation at this step (`training.eval_tasks`), by task.
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub eval: IndexMap<String, TaskMetrics>,
+    /// Seconds the downstream evaluation took (not counted in tokens_per_s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_time_s: Option<f64>,
+}
+
+/// One multiple-choice task's scores, as lm-evaluation-harness reports them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskMetrics {
+    pub acc: f64,
+    pub acc_norm: f64,
+    /// null for a single item (lm-eval: N/A).
+    pub acc_stderr: Option<f64>,
+    pub acc_norm_stderr: Option<f64>,
+    /// Items scored.
+    pub n: u64,
 }
 
 impl MetricsRecord {
     /// The named series, as TensorBoard, W&B and MLflow show them: `train/loss`, `train/lr`,
     /// `train/grad_norm`, `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/time_s`,
-    /// `val/ppl`, `val/loss/<source>`, `data/tokens/<source>`, `guard/<kind>`,
+    /// `val/ppl`, `val/loss/<source>`, `eval/<task>/acc`, `eval/<task>/acc_norm`,
+    /// `eval/time_s`, `data/tokens/<source>`, `guard/<kind>`,
     /// `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`, `guard/events`. An
     /// absent value gives no point.
     pub fn series(&self) -> Vec<(String, f64)> {
@@ -84,6 +105,11 @@ impl MetricsRecord {
         for (name, v) in &self.val_loss_by_source {
             put(format!("val/loss/{name}"), *v);
         }
+        for (task, m) in &self.eval {
+            put(format!("eval/{task}/acc"), Some(m.acc));
+            put(format!("eval/{task}/acc_norm"), Some(m.acc_norm));
+        }
+        put("eval/time_s".into(), self.eval_time_s);
         for (name, n) in &self.tokens_by_source {
             put(format!("data/tokens/{name}"), Some(*n as f64));
         }
@@ -104,7 +130,7 @@ mod tests {
 
     #[test]
     fn a_record_gives_its_named_series_and_round_trips_through_its_json() {
-        let line = r#"{"step":7,"loss":2.5,"lr":0.0001,"grad_norm":0.5,"tokens_per_s":1000.0,"samples_consumed":56,"val_loss":0.0,"rss_gb":1.5,"guard_events":0,"mfu":null,"tokens_by_source":{"web":10,"code":20},"val_loss_by_source":{"web":0.0,"code":null}}"#;
+        let line = r#"{"step":7,"loss":2.5,"lr":0.0001,"grad_norm":0.5,"tokens_per_s":1000.0,"samples_consumed":56,"val_loss":0.0,"rss_gb":1.5,"guard_events":0,"mfu":null,"tokens_by_source":{"web":10,"code":20},"val_loss_by_source":{"web":0.0,"code":null},"eval":{"hs":{"acc":0.5,"acc_norm":0.25,"acc_stderr":0.1,"acc_norm_stderr":null,"n":4}},"eval_time_s":1.5}"#;
         let record: MetricsRecord = serde_json::from_str(line).unwrap();
         let names: Vec<String> = record.series().into_iter().map(|(n, _)| n).collect();
         assert_eq!(
@@ -117,6 +143,9 @@ mod tests {
                 "val/loss",
                 "val/ppl",
                 "val/loss/web",
+                "eval/hs/acc",
+                "eval/hs/acc_norm",
+                "eval/time_s",
                 "data/tokens/web",
                 "data/tokens/code",
                 "data/samples_consumed",

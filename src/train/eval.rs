@@ -13,6 +13,12 @@ use crate::data::sampler::Sampler;
 use crate::dist::{Mesh, ProcessGroup};
 use crate::model::Llama;
 
+/// Whether an evaluation runs after `step`: every `training.eval_interval` = `interval` steps
+/// (0 = never) and after the last step.
+pub fn eval_due(interval: usize, step: usize, last: bool) -> bool {
+    last || (interval > 0 && step.is_multiple_of(interval))
+}
+
 pub struct Validator {
     /// The sources with a validation split, each with its index in the source list (which
     /// seeds its window order, as in training).
@@ -85,7 +91,7 @@ impl Validator {
 
     /// Every `interval` steps and after the last step.
     pub fn due(&self, step: usize, last: bool) -> bool {
-        last || (self.interval > 0 && step.is_multiple_of(self.interval))
+        eval_due(self.interval, step, last)
     }
 
     /// Mean loss over the first `eval_batches` × batch_size windows of each source's validation

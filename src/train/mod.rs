@@ -1,7 +1,8 @@
 //! Training. `Trainer` (trainer.rs) is composed of the components below and runs the loop;
 //! `train_step` (step.rs) is one optimizer step; `rank` starts one rank from its environment.
 //!
-//! - `loader`: this rank's micro-batches; `eval`: the validation loss
+//! - `loader`: this rank's micro-batches; `eval`: the validation loss; `tasks`: downstream
+//!   evaluation (multiple-choice tasks, scored as lm-evaluation-harness scores them)
 //! - `optim`: the `Optimizer` of a run: AdamW (fused) replicated or sharded across ranks (ZeRO
 //!   stages 1-3), the global norm and clipping, the LR schedule, and (`optim::reduce`)
 //!   gradients averaged across ranks as backward finishes them
@@ -27,6 +28,7 @@ pub mod rank;
 pub mod recorder;
 pub mod step;
 pub mod stragglers;
+pub mod tasks;
 pub mod tensor_parallel;
 pub mod trainer;
 

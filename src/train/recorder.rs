@@ -16,10 +16,12 @@ use super::eval::Validation;
 use super::optim::StateBytes;
 use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
+use super::tasks::TaskResults;
 use crate::config::Resolved;
 use crate::model::LlamaShape;
 use crate::run::checkpoints::TrainerState;
 use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
+use crate::telemetry::record::TaskMetrics;
 use crate::telemetry::tensorboard::EventWriter;
 use crate::telemetry::tracker::{self, Record, RunStatus, Tracker};
 use crate::telemetry::{self, Earlier, Metrics, MetricsRecord, StepLine};
@@ -214,13 +216,14 @@ impl Recorder {
     }
 
     /// Whether step `step` gets a step line: every `logging.interval` steps, at the last step,
-    /// and whenever a validation loss is to be shown.
-    pub fn due(&self, step: usize, last: bool, validated: bool) -> bool {
-        step.is_multiple_of(self.interval) || last || validated
+    /// and whenever a validation loss or downstream scores are to be shown (`evaluated`).
+    pub fn due(&self, step: usize, last: bool, evaluated: bool) -> bool {
+        step.is_multiple_of(self.interval) || last || evaluated
     }
 
-    /// Prints the step line (and validation, timing, a mixture's tokens per source), appends
-    /// the metrics record and the TensorBoard points, and starts a new timing window.
+    /// Prints the step line (and validation, downstream scores, timing, a mixture's tokens per
+    /// source), appends the metrics record and the TensorBoard points, and starts a new timing
+    /// window. `evals` are this step's validation and downstream evaluation, where they ran;
     /// `by_source` holds the tokens each source has supplied so far (empty without
     /// `data.sources`).
     pub fn log(
@@ -228,7 +231,7 @@ impl Recorder {
         state: &TrainerState,
         lr: f64,
         out: &StepOutcome,
-        val: Option<&Validation>,
+        (val, tasks): (Option<&Validation>, Option<&TaskResults>),
         by_source: &[(String, u64)],
     ) -> Result<()> {
         let w = &self.window;
@@ -270,6 +273,14 @@ impl Recorder {
                     v.seconds
                 );
             }
+            if let Some(r) = tasks {
+                println!(
+                    "{tag} Downstream | Step [{}/{}] | {}",
+                    state.step,
+                    self.max_steps,
+                    downstream_line(r)
+                );
+            }
             if self.verbose {
                 let t = &w.timing;
                 // One rank reduces nothing: its share is the global norm alone.
@@ -302,6 +313,7 @@ impl Recorder {
                 tokens_per_s: tok_s,
                 mfu,
                 val,
+                tasks,
                 by_source,
             };
             records.write(state, &point)?;
@@ -420,6 +432,28 @@ fn source_line(by_source: &[(String, u64)]) -> String {
     format!("Data: {}", parts.join(" | "))
 }
 
+/// `hellaswag acc 0.2500 ± 0.0433, acc_norm 0.2700 ± 0.0446 (n 100) | … | 3.21 s`: each
+/// task's scores (lm-eval's standard errors; none for a single item).
+pub fn downstream_line(r: &TaskResults) -> String {
+    let pm = |se: Option<f64>| se.map_or(String::new(), |se| format!(" ± {se:.4}"));
+    let parts: Vec<String> = r
+        .scores
+        .iter()
+        .map(|s| {
+            format!(
+                "{} acc {:.4}{}, acc_norm {:.4}{} (n {})",
+                s.task,
+                s.acc,
+                pm(s.acc_stderr),
+                s.acc_norm,
+                pm(s.acc_norm_stderr),
+                s.n
+            )
+        })
+        .collect();
+    format!("{} | {:.2} s", parts.join(" | "), r.seconds)
+}
+
 /// What a logged step records beside the trainer's state.
 struct Point<'a> {
     /// What NVML says the GPU has in use (CUDA ranks).
@@ -429,6 +463,7 @@ struct Point<'a> {
     tokens_per_s: f64,
     mfu: Option<f64>,
     val: Option<&'a Validation>,
+    tasks: Option<&'a TaskResults>,
     /// Tokens per source so far (a mixture only).
     by_source: &'a [(String, u64)],
 }
@@ -465,6 +500,7 @@ impl Records {
             tokens_per_s: tok_s,
             mfu,
             val,
+            tasks,
             by_source,
         } = *p;
         let mut guard = indexmap::IndexMap::new();
@@ -496,6 +532,24 @@ impl Records {
                         .collect()
                 })
                 .unwrap_or_default(),
+            eval: tasks
+                .map(|r| {
+                    r.scores
+                        .iter()
+                        .map(|s| {
+                            let m = TaskMetrics {
+                                acc: s.acc,
+                                acc_norm: s.acc_norm,
+                                acc_stderr: s.acc_stderr,
+                                acc_norm_stderr: s.acc_norm_stderr,
+                                n: s.n as u64,
+                            };
+                            (s.task.clone(), m)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            eval_time_s: tasks.map(|r| r.seconds),
         };
         self.metrics.record(&record)?;
         let series = record.series();

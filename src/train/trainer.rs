@@ -3,7 +3,8 @@
 //! validator, recorder and checkpointer are asked whether they are due.
 //!
 //! Components (each in its own module): `Loader` (this rank's batches), `train_step` (one
-//! optimizer step), `Guard` (NaN/Inf and loss spikes), `Validator`, `Recorder` (step line,
+//! optimizer step), `Guard` (NaN/Inf and loss spikes), `Validator`, `TaskEval` (downstream
+//! multiple-choice tasks), `Recorder` (step line,
 //! metrics, TensorBoard, memory), `Checkpointer`, `Faults` (the `debug.*` hooks), and the
 //! `TrainerState` that a checkpoint carries.
 
@@ -27,6 +28,7 @@ use super::preempt;
 use super::recorder::{About, Recorder};
 use super::step::{train_step, StepConfig, StepOutcome, StepPlan};
 use super::stragglers::Stragglers;
+use super::tasks::TaskEval;
 use crate::config::{Config, GuardPolicy, Resolved};
 use crate::data::tokfile::TokenFile;
 use crate::dist::forensics;
@@ -65,6 +67,8 @@ pub struct Trainer<'a> {
     step_cfg: StepConfig,
     loader: Loader,
     validator: Option<Validator>,
+    /// `training.eval_tasks`: downstream evaluation.
+    tasks: Option<TaskEval>,
     guard: Guard,
     recorder: Recorder,
     checkpointer: Checkpointer,
@@ -105,7 +109,8 @@ impl<'a> Trainer<'a> {
         let checkpointer = Checkpointer::new(checkpoints, &cfg.checkpoint, &rank.tag, &*pg)?
             .delay_reports(cfg.debug.save_report_delay_ms);
         let resume_dir = run::resume_target(resolved, opts.resume.as_ref(), &rank.tag, pg)?;
-
+        // Before the data is prepared: a bad task file stops the run at once.
+        let tasks = TaskEval::new(cfg, &rank)?;
         // Before anything of the model's size is allocated, and without `model.model_path`
         // (whose config.json comes with its download) before the data is prepared too.
         if cfg.model.model_path.is_none() {
@@ -189,6 +194,7 @@ impl<'a> Trainer<'a> {
             step_cfg,
             loader,
             validator,
+            tasks,
             guard: Guard::new(t),
             recorder,
             checkpointer,
@@ -266,11 +272,25 @@ impl<'a> Trainer<'a> {
                 }
                 _ => None,
             };
+            let tasks = match &self.tasks {
+                Some(t) if t.due(step, last) => {
+                    phase::enter(Phase::Eval);
+                    let r = t.run(&self.model, &self.opt, &mut *self.pg, &self.rank.mesh)?;
+                    self.recorder
+                        .pause(std::time::Duration::from_secs_f64(r.seconds));
+                    Some(r)
+                }
+                _ => None,
+            };
             summary.val_loss = val.as_ref().map(|v| v.loss).or(summary.val_loss);
-            if self.recorder.due(step, last, val.is_some()) {
+            if self
+                .recorder
+                .due(step, last, val.is_some() || tasks.is_some())
+            {
                 let by_source = self.loader.tokens_by_source(self.state.samples_consumed);
+                let evals = (val.as_ref(), tasks.as_ref());
                 self.recorder
-                    .log(&self.state, plan.lr, &out, val.as_ref(), &by_source)?;
+                    .log(&self.state, plan.lr, &out, evals, &by_source)?;
             }
             if self.recorder.memory_due(step) {
                 self.recorder.memory(&self.opt.state_bytes());

@@ -334,7 +334,7 @@ fn value_kind(t: struson::reader::ValueType) -> &'static str {
     }
 }
 
-fn json_type(v: &serde_json::Value) -> &'static str {
+pub(crate) fn json_type(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "boolean",

@@ -31,7 +31,9 @@ use serde_json::{json, Value};
 use super::builtin::{self, BuiltinFile};
 pub use files::{dataset_fingerprint, list_files, DatasetFiles, FileFingerprint, TEXT_EXTENSIONS};
 use files::{has_text_extension, walk};
+pub(crate) use jsonl::json_type;
 pub use read::{read_documents, read_documents_in};
+pub(crate) use text::not_utf8;
 pub use text::txt_document;
 
 /// What `data.path` names, resolved (see the module docs for the rule).

@@ -112,7 +112,7 @@ fn txt_piece(bytes: Vec<u8>, what: &str, offset: u64) -> Result<String> {
 /// Text that is not UTF-8 at byte `at` of `what`; `head` is the file's first bytes when they
 /// are at hand, so a UTF-16 or UTF-32 file (named by its byte-order mark) gets the conversion
 /// that fits it rather than a guess.
-pub(super) fn not_utf8(what: &str, at: u64, head: Option<&[u8]>) -> anyhow::Error {
+pub(crate) fn not_utf8(what: &str, at: u64, head: Option<&[u8]>) -> anyhow::Error {
     let marked = head.and_then(|h| {
         [
             (&[0xFF, 0xFE, 0, 0][..], "UTF-32", "little"),
