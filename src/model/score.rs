@@ -5,7 +5,7 @@
 use tch::{Kind, Reduction, Tensor};
 
 use super::llama::Llama;
-use super::units::{chunks, UnitEvents};
+use super::units::{chunks, concat, UnitEvents};
 
 impl Llama {
     /// Each row's log-likelihood of its targets: Σ_t log p(targets[r, t] | inputs[r, ..=t])
@@ -22,39 +22,47 @@ impl Llama {
     ) -> anyhow::Result<Tensor> {
         let b = inputs.size()[0];
         tch::no_grad(|| {
+            // This rank's tokens of each row: all of them, or its chunks with CP.
             let (inputs, targets) = match &self.cp {
                 Some(cp) => cp.begin(inputs, targets, None)?,
                 None => (inputs.shallow_clone(), targets.shallow_clone()),
             };
+            let targets = targets.reshape([-1]);
+            // Only the positions whose targets count go through the LM head: a continuation is
+            // a few tokens of its row, and the head is most of a small model's work.
+            let counted = targets.ne(-100).nonzero().squeeze_dim(1);
+            let picked = targets.index_select(0, &counted);
             let losses = match &self.tp {
-                Some(_) => self.token_losses_split(&inputs, &targets, units)?,
-                None => self.token_losses(&inputs, &targets, units)?,
+                Some(_) => self.token_losses_split(&inputs, &counted, &picked, units)?,
+                None => self.token_losses(&inputs, &counted, &picked, units)?,
             };
-            // This rank's tokens of each row: all of them, or its chunks with CP.
-            let mine = -losses
+            let every = Tensor::zeros([targets.size()[0]], (Kind::Float, targets.device()))
+                .index_copy(0, &counted, &losses);
+            let mine = -every
                 .view([b, -1])
                 .sum_dim_intlist([1].as_slice(), false, Kind::Float);
             self.sequence_loss(mine)
         })
     }
 
-    /// Each token's cross-entropy (fp32 [b·s], 0 where the target is -100) of a whole model.
+    /// The cross-entropy (fp32 [k]) of the tokens at flat positions `counted` [k] of a whole
+    /// model's pass over `inputs`, against their targets `picked` [k].
     fn token_losses(
         &self,
         inputs: &Tensor,
-        targets: &Tensor,
+        counted: &Tensor,
+        picked: &Tensor,
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
         let hidden = self.hidden(inputs, None, units)?;
-        let flat = hidden.view([-1, hidden.size()[2]]);
-        let targets = targets.reshape([-1]);
+        let rows = hidden.view([-1, hidden.size()[2]]).index_select(0, counted);
         units.before(self.head_unit())?;
-        let parts: Vec<Tensor> = chunks(flat.size()[0], self.activation_memory().loss_chunk_tokens)
+        let parts: Vec<Tensor> = chunks(rows.size()[0], self.activation_memory().loss_chunk_tokens)
             .map(|(at, len)| {
-                self.lm_head(&flat.narrow(0, at, len))
+                self.lm_head(&rows.narrow(0, at, len))
                     .to_kind(Kind::Float)
                     .cross_entropy_loss::<Tensor>(
-                        &targets.narrow(0, at, len),
+                        &picked.narrow(0, at, len),
                         None,
                         Reduction::None,
                         -100,
@@ -63,6 +71,6 @@ impl Llama {
             })
             .collect();
         units.after(self.head_unit())?;
-        Ok(Tensor::cat(&parts, 0))
+        Ok(concat(parts, picked.device()))
     }
 }

@@ -51,7 +51,7 @@ use super::backward::HeadGradient;
 use super::documents::DocumentMask;
 use super::llama::{Layer, Llama};
 use super::split::{padded, TensorParallel};
-use super::units::{chunks, GradUnit, UnitEvents};
+use super::units::{chunks, concat, GradUnit, UnitEvents};
 use crate::sys::phase::{self, Phase};
 
 /// Which decoder half.
@@ -344,13 +344,14 @@ impl Llama {
         })
     }
 
-    /// Each token's cross-entropy (fp32 [n], 0 where the target is -100) of a tensor-parallel
-    /// rank without gradients: every token of the micro-batch, the same on every rank of the
-    /// group (`Llama::row_log_likelihoods`).
+    /// The cross-entropy (fp32 [k]) of the tokens at flat positions `counted` [k] of a
+    /// tensor-parallel rank's pass over `inputs`, against their targets `picked` [k], without
+    /// gradients: the same on every rank of the group (`Llama::row_log_likelihoods`).
     pub(super) fn token_losses_split(
         &self,
         inputs: &Tensor,
-        targets: &Tensor,
+        counted: &Tensor,
+        picked: &Tensor,
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
         let x = self.forward_split(inputs, None, units)?;
@@ -358,8 +359,8 @@ impl Llama {
         units.before(GradUnit::FinalNorm)?;
         units.before(self.head_unit())?;
         let losses = tch::no_grad(|| -> Result<Tensor> {
-            let hidden = tp.enter(&self.final_norm(&x))?;
-            let targets = targets.reshape([-1]);
+            // Every token of the micro-batch on every rank of the group, then the counted ones.
+            let hidden = tp.enter(&self.final_norm(&x))?.index_select(0, counted);
             let w = self.head_weight().to_kind(self.compute());
             let (start, real) = self.vocab_rows();
             let unused = Tensor::zeros([], (Kind::Float, x.device()));
@@ -367,13 +368,13 @@ impl Llama {
             for (at, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens) {
                 let rows = hidden.narrow(0, at, len).to_kind(self.compute());
                 let mut logits = self.vocab_logits(&rows, &w, real);
-                let t = targets.narrow(0, at, len);
+                let t = picked.narrow(0, at, len);
                 parts.push(
                     self.cross_entropy_split(&mut logits, &t, start, &unused, false)?
                         .0,
                 );
             }
-            Ok(Tensor::cat(&parts, 0))
+            Ok(concat(parts, x.device()))
         })?;
         units.after(self.head_unit())?;
         units.after(GradUnit::FinalNorm)?;

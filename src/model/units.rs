@@ -131,6 +131,14 @@ pub(super) fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
         .map(move |s| (s, step.min(n - s)))
 }
 
+/// The chunks' per-token results end to end (fp32 [0] for no chunk).
+pub(super) fn concat(parts: Vec<Tensor>, device: tch::Device) -> Tensor {
+    match parts.is_empty() {
+        true => Tensor::zeros([0], (Kind::Float, device)),
+        false => Tensor::cat(&parts, 0),
+    }
+}
+
 /// The number of targets that count (not -100), as an fp32 tensor: the mean's divisor, kept on
 /// the device so that no host sync is needed.
 pub(super) fn counted_targets(targets: &Tensor) -> Tensor {

@@ -1,7 +1,9 @@
 //! What downstream evaluation (`training.eval_tasks`) costs each time it runs: the forward
-//! FLOPs of its rows (2 per matmul weight and token, the LM head's included, and causal
-//! attention's 2·L·seq·d per token, a third of training's count), each row padded to its batch's
-//! longest as `data::tasks::Requests` pads it, at the assumed utilisation of the device's peak.
+//! FLOPs of its rows (2 per weight of the decoder layers' matmuls and token, and causal
+//! attention's 2·L·seq·d per token: a third of training's count), each row padded to its
+//! batch's longest as `data::tasks::Requests` pads it, and the LM head's 2·vocab·hidden for the
+//! continuation tokens only (`Llama::row_log_likelihoods` computes no other logits), at the
+//! assumed utilisation of the device's peak.
 //! Batch b runs on data rank b mod D (a CP × TP group splits its batch's work as it splits a
 //! step's); the busiest rank sets the time.
 
@@ -42,12 +44,15 @@ pub fn estimate(
     let split = s.tensor_parallel * s.context_parallel;
     let data_ranks = (s.world / split).max(1);
     let align = tasks::row_align(s.tensor_parallel, s.context_parallel);
+    let head = 2.0 * (s.shape.vocab_size * s.shape.hidden_size) as f64;
     let mut per_rank = vec![0.0f64; data_ranks];
     let (mut flops, mut padded) = (0.0, 0);
     for b in 0..requests.num_batches() {
         let (rows, seq) = requests.batch_shape(b, align);
-        // A forward: a third of training's FLOPs per token at this length.
-        let f = (rows * seq) as f64 * s.shape.flops_per_token(seq) / 3.0;
+        // A forward of the decoder: a third of training's FLOPs per token at this length,
+        // without the head's; the head for the continuation tokens.
+        let body = s.shape.flops_per_token(seq) / 3.0 - head;
+        let f = (rows * seq) as f64 * body + requests.batch_scored(b) as f64 * head;
         per_rank[b % data_ranks] += f;
         flops += f;
         padded += rows * seq;

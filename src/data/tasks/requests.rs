@@ -138,6 +138,15 @@ impl Requests {
         (range.len(), longest.div_ceil(align.max(1)) * align.max(1))
     }
 
+    /// The continuation tokens of batch `b`: the positions whose log-probabilities count (and
+    /// the only ones the LM head computes).
+    pub fn batch_scored(&self, b: usize) -> usize {
+        self.order[self.batch_range(b)]
+            .iter()
+            .map(|&r| self.list[r].scored)
+            .sum()
+    }
+
     /// Batch `b`, its rows padded to a multiple of `align` tokens (what tensor and context
     /// parallelism cut a sequence into).
     pub fn batch(&self, b: usize, align: usize) -> Batch {
