@@ -1,10 +1,10 @@
 //! Data that cannot be read as asked: a corpus, a tokenizer, a token file, a `data.sources` entry,
-//! a multiple-choice task file or a cache entry that is missing, damaged or of another kind, and a resume on other data than
-//! the checkpoint's (other files, tokenizer or context length). Each is named with the file and
-//! the fix (exit 1, or 2 for a config error), nothing half-written is cached, a damaged cache
-//! entry is rebuilt, and the token cache is keyed on what changes tokens only. From the
-//! reliability rounds (issue 20; round 4, issue 32) and the rows of docs/FAILURES.md; each
-//! finding's test failed before its fix.
+//! a multiple-choice task file or a cache entry that is missing, damaged or of another kind, and a
+//! resume on other data than the checkpoint's (other files, tokenizer or context length). Each is
+//! named with the file and the fix (exit 1, or 2 for a config error), nothing half-written is
+//! cached, a damaged cache entry is rebuilt, and the token cache is keyed on what changes tokens
+//! only. From the reliability rounds (issue 20; round 4, issue 32) and the rows of
+//! docs/FAILURES.md; each finding's test failed before its fix.
 
 use crate::common;
 

@@ -1,13 +1,14 @@
-//! `lockstep eval --model DIR`, with `--data FILE`: mean next-token loss and perplexity of a
-//! Hugging Face Llama directory on a file. Deterministic: the token stream (a `.tok`/`.bin`
-//! file, or text tokenized as `prepare` does, EOS after every document) is cut from its start
-//! into consecutive, non-overlapping windows of T + 1 tokens (T predictions each; a shorter
-//! tail is dropped), taken in order in batches. The loss is the mean over every predicted
-//! token.
+//! `lockstep eval --model DIR`: a Hugging Face Llama directory's mean next-token loss and
+//! perplexity on a file (`--data`), and its scores on multiple-choice tasks (`--task`).
 //!
-//! With `--task FILE` (repeatable): multiple-choice tasks scored as lm-evaluation-harness 0.4
-//! scores them (`data::tasks`; the loop is training's, `train::tasks`): acc, acc_norm, their
-//! standard errors and n per task, and with `--log-samples` every item's log-likelihoods.
+//! `--data` is deterministic: the token stream (a `.tok`/`.bin` file, or text tokenized as
+//! `prepare` does, EOS after every document) is cut from its start into consecutive,
+//! non-overlapping windows of T + 1 tokens (T predictions each; a shorter tail is dropped),
+//! taken in order in batches. The loss is the mean over every predicted token.
+//!
+//! `--task FILE` (repeatable) scores tasks as lm-evaluation-harness 0.4 scores them
+//! (`data::tasks`; the loop is training's, `train::tasks`): acc, acc_norm, their standard
+//! errors and n per task, and with `--log-samples` every item's log-likelihoods.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -440,16 +441,11 @@ fn print_tasks(args: &EvalArgs, e: &TaskEvaluation) {
             );
             continue;
         }
-        let pm = |se: Option<f64>| se.map_or(String::new(), |se| format!(" ± {se:.4}"));
         println!(
-            "[eval] {model} on {} ({}): acc {:.4}{} | acc_norm {:.4}{} | n {}",
+            "[eval] {model} on {} ({}): {}",
             s.task,
             task.path.display(),
-            s.acc,
-            pm(s.acc_stderr),
-            s.acc_norm,
-            pm(s.acc_norm_stderr),
-            s.n
+            s.summary()
         );
     }
     if !args.json {

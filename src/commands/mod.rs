@@ -1,5 +1,6 @@
 //! The Hugging Face interop and inference commands: `export` (checkpoint → transformers
-//! directory), `eval` (loss and perplexity of a model directory on a file) and `generate`
+//! directory), `eval` (loss and perplexity of a model directory on a file, scores on
+//! multiple-choice tasks) and `generate`
 //! (KV-cached sampling); `plan` (what a config needs per rank, before it runs); `wandb-sync`
 //! (a run's metrics into W&B afterwards); `env` (what a bug report needs). Shared here: what a
 //! model directory says about how it was trained, the device/dtype flags, and opening a model

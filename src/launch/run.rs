@@ -197,8 +197,8 @@ fn launch_plan(
 }
 
 /// What is done once per node before any worker starts, so no rank waits on it under a
-/// collective timeout: the task files checked, the data tokenized, a Hub model missing from the cache downloaded, and
-/// CPU workers checked against this host's memory and cores.
+/// collective timeout: the task files checked, the data tokenized, a Hub model missing from the
+/// cache downloaded, and CPU workers checked against this host's memory and cores.
 fn before_workers(resolved: &Resolved, plan: &LaunchPlan) -> Result<()> {
     // A bad task file is found here, once, before the data is prepared (every rank reads them
     // again to encode them).

@@ -43,7 +43,12 @@ pub fn estimate(
 ) -> Downstream {
     let split = s.tensor_parallel * s.context_parallel;
     let data_ranks = (s.world / split).max(1);
-    let align = tasks::row_align(s.tensor_parallel, s.context_parallel);
+    let sequence = if s.sequence_parallel {
+        s.tensor_parallel
+    } else {
+        1
+    };
+    let align = tasks::row_align(sequence, s.context_parallel);
     let head = 2.0 * (s.shape.vocab_size * s.shape.hidden_size) as f64;
     let mut per_rank = vec![0.0f64; data_ranks];
     let (mut flops, mut padded) = (0.0, 0);

@@ -433,23 +433,12 @@ fn source_line(by_source: &[(String, u64)]) -> String {
 }
 
 /// `hellaswag acc 0.2500 ± 0.0433, acc_norm 0.2700 ± 0.0446 (n 100) | … | 3.21 s`: each
-/// task's scores (lm-eval's standard errors; none for a single item).
-pub fn downstream_line(r: &TaskResults) -> String {
-    let pm = |se: Option<f64>| se.map_or(String::new(), |se| format!(" ± {se:.4}"));
+/// task's scores (lm-eval's standard errors; none for a single item) and the time.
+fn downstream_line(r: &TaskResults) -> String {
     let parts: Vec<String> = r
         .scores
         .iter()
-        .map(|s| {
-            format!(
-                "{} acc {:.4}{}, acc_norm {:.4}{} (n {})",
-                s.task,
-                s.acc,
-                pm(s.acc_stderr),
-                s.acc_norm,
-                pm(s.acc_norm_stderr),
-                s.n
-            )
-        })
+        .map(|s| format!("{} {}", s.task, s.summary()))
         .collect();
     format!("{} | {:.2} s", parts.join(" | "), r.seconds)
 }

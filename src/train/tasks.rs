@@ -105,17 +105,16 @@ pub struct TaskEval {
     requests: Requests,
     /// `training.eval_interval` (0 = only at the end).
     interval: usize,
-    /// What a row's length is a multiple of: T with tensor parallelism (sequence parallelism
-    /// cuts a batch's tokens in T), 2C with context parallelism (a row's chunks).
+    /// What a row's length is a multiple of (`tasks::row_align`): T with sequence parallelism,
+    /// 2C with context parallelism.
     align: usize,
     device: Device,
 }
 
 impl TaskEval {
     /// The tasks of `training.eval_tasks`, read and encoded with `data.tokenizer` for rows of
-    /// at most `training.context_length` tokens; None without any. A bad task file is a
-    /// config error naming the file, the line and the field.
-    /// The lead rank says what they are.
+    /// at most `training.context_length` tokens (the lead rank says what they are); None
+    /// without any. A bad task file is a config error naming the file, the line and the field.
     pub fn new(cfg: &Config, rank: &Rank) -> Result<Option<TaskEval>> {
         let Some((tasks, requests)) = tasks::of_config(cfg)? else {
             return Ok(None);
@@ -124,7 +123,7 @@ impl TaskEval {
             tasks,
             requests,
             interval: cfg.training.eval_interval,
-            align: tasks::row_align(rank.mesh.tensor, rank.mesh.context),
+            align: tasks::row_align(sequence_split(cfg, rank.mesh.tensor), rank.mesh.context),
             device: rank.device,
         };
         if rank.lead() {
@@ -133,7 +132,8 @@ impl TaskEval {
         Ok(Some(eval))
     }
 
-    /// Every `interval` steps and after the last step, as validation.
+    /// Every `interval` steps and after the last step, as validation (`last`: the run's last
+    /// step; a stop by signal saves its checkpoint without waiting for the tasks).
     pub fn due(&self, step: usize, last: bool) -> bool {
         eval_due(self.interval, step, last)
     }
@@ -194,5 +194,13 @@ impl TaskEval {
             self.requests.list.len(),
             self.requests.num_batches()
         )
+    }
+}
+
+/// The ranks sequence parallelism cuts a batch's tokens among: T with it, 1 without.
+fn sequence_split(cfg: &Config, tensor: usize) -> usize {
+    match cfg.system.sequence_parallel {
+        true => tensor,
+        false => 1,
     }
 }

@@ -273,7 +273,7 @@ impl<'a> Trainer<'a> {
                 _ => None,
             };
             let tasks = match &self.tasks {
-                Some(t) if t.due(step, last) => {
+                Some(t) if t.due(step, step == self.last_step) => {
                     phase::enter(Phase::Eval);
                     let r = t.run(&self.model, &self.opt, &mut *self.pg, &self.rank.mesh)?;
                     self.recorder

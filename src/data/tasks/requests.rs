@@ -200,10 +200,11 @@ impl Requests {
     }
 }
 
-/// What a row's length must be a multiple of on a mesh of `tensor` × `context` ranks per
-/// group: T (sequence parallelism cuts a batch's tokens in T) and 2C (context parallelism cuts
-/// a row into 2C chunks).
-pub fn row_align(tensor: usize, context: usize) -> usize {
+/// What a row's length must be a multiple of when sequence parallelism cuts a batch's tokens
+/// among `sequence` ranks (T, or 1 without it) and context parallelism a row into 2C chunks
+/// (`context` = C). Training's context is a multiple of both (the config's rules), so a padded
+/// row never outgrows it.
+pub fn row_align(sequence: usize, context: usize) -> usize {
     let chunks = if context > 1 { 2 * context } else { 1 };
     let gcd = |mut a: usize, mut b: usize| {
         while b != 0 {
@@ -211,7 +212,7 @@ pub fn row_align(tensor: usize, context: usize) -> usize {
         }
         a
     };
-    tensor.max(1) / gcd(tensor.max(1), chunks) * chunks
+    sequence.max(1) / gcd(sequence.max(1), chunks) * chunks
 }
 
 /// lm-eval's `tok_encode` and `_encode_pair` for one tokenizer.

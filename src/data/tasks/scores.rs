@@ -33,6 +33,22 @@ pub struct TaskScores {
     pub acc_norm_stderr: Option<f64>,
 }
 
+impl TaskScores {
+    /// `acc 0.2500 ± 0.0433, acc_norm 0.2700 ± 0.0446 (n 100)`: the console's words for them
+    /// (no ± for a single item).
+    pub fn summary(&self) -> String {
+        let pm = |se: Option<f64>| se.map_or(String::new(), |se| format!(" ± {se:.4}"));
+        format!(
+            "acc {:.4}{}, acc_norm {:.4}{} (n {})",
+            self.acc,
+            pm(self.acc_stderr),
+            self.acc_norm,
+            pm(self.acc_norm_stderr),
+            self.n
+        )
+    }
+}
+
 /// Every task's metrics and its items' results, from `lls` (request r's log-likelihood at
 /// index r of `requests.list`).
 pub fn score(
