@@ -8,8 +8,8 @@
 # usage: bash benches/gpu/accept.sh [--dry-run] [GROUP|STEP]...   (default: lease)
 #   lease        what one 15-minute GPU session runs in one device call, most needed first:
 #                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed
-#                c7-phases c6-default c5-compile c9-wheel c7-kernels (budget 420 s; c5 at
-#                micro-batches 8 and 16)
+#                c7-phases c6-default c5-compile c9-wheel c4-tasks c7-kernels (budget 420 s;
+#                c5 at micro-batches 8 and 16)
 #   rest         every step lease leaves out: c1-all c3-auto-free c6-variants c8
 #   correctness  c1 unit tests on CUDA: c1-nccl (the NCCL group of one rank), c1-model (the
 #                   model on CUDA against the CPU), c1-all (the whole unit suite)
@@ -17,7 +17,9 @@
 #                c3 `lockstep run --gpus 0`: c3-run (bf16 debug preset, asynchronous
 #                   checkpoint), c3-resume, c3-auto-free (--gpus auto-free)
 #                c4 c4-nan (the NaN guard on CUDA), c4-docmask (packed documents: variable-
-#                   length flash attention), c4-eval (eval and generate on CUDA against the CPU)
+#                   length flash attention), c4-eval (eval and generate on CUDA against the CPU),
+#                   c4-tasks (downstream evaluation in training and by eval --task on CUDA
+#                   against the CPU)
 #                c9 c9-wheel: the pip wheel (scripts/wheel.sh's manylinux binary and launcher)
 #                   installed beside this machine's torch, then env, train and generate on the
 #                   GPU from a clean environment
@@ -53,11 +55,11 @@ DRY=0
 LEASE=0
 # Every step, grouped by check, in the order `all` runs them.
 C1=(c1-nccl c1-model c1-all) C2=(c2) C3=(c3-run c3-resume c3-auto-free)
-C4=(c4-nan c4-docmask c4-eval) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7-phases c7-kernels) C8=(c8) C9=(c9-wheel)
+C4=(c4-nan c4-docmask c4-eval c4-tasks) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7-phases c7-kernels) C8=(c8) C9=(c9-wheel)
 ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C9[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
 # A GPU session's one call (15 minutes of device time, the machine's start included): every
 # figure the CUDA issue requires, cheapest first within what matters most.
-LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7-phases c6-default c5-compile c9-wheel c7-kernels)
+LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7-phases c6-default c5-compile c9-wheel c4-tasks c7-kernels)
 STEPS=()
 among() { [[ " ${*:2} " == *" $1 "* ]]; } # among WORD LIST...: whether WORD is in LIST
 add() {                                   # add STEP...: appended once each, in order
@@ -119,7 +121,8 @@ result() { # result PASS|FAIL|SKIP NAME FIGURE...
 # Each step's SECONDS is ~1.5x what it took on an H200 on 2026-11-28 (the report's section
 # timestamps: preflight 26 s, c2 29, c3-run 23, c3-resume 54, c4-eval 47, c5-speed at b=8 and
 # 16 48, c7-phases 12, c7-kernels 82 (eager and compile), c6 4 per variant, c5-compile 61 with
-# its 41 s of compilation, c9 9).
+# its 41 s of compilation, c9 9). c4-tasks (added 2026-12-02) has not run on a GPU yet: its 60
+# is a guess (a 4-step train of the small model and three evals of 800 short rows).
 time_for() {
   local left=$((BUDGET - (SECONDS - T0)))
   if [ "$left" -lt "$1" ]; then
@@ -338,7 +341,8 @@ for k in model.num_layers model.hidden_size model.num_attention_heads model.num_
   training.activation_checkpointing training.loss_chunk_tokens system.device system.zero_stage \
   system.memory_check logging.interval logging.memory_interval logging.tensorboard logging.verbose \
   logging.dir logging.run_name checkpoint.interval data.tokenizer debug.inject_nan_at_step \
-  debug.inject_nan_param data.document_masking data.reset_position_ids; do
+  debug.inject_nan_param data.document_masking data.reset_position_ids training.eval_interval \
+  training.eval_tasks; do
   grep -q "^$k " "$LOGS/config-keys.log" || absent="$absent $k"
 done
 if [ -z "$absent" ]; then result PASS config-keys "every key the checks set exists (lockstep config --keys)"; else result FAIL config-keys "unknown in this build:$absent"; fi
@@ -623,6 +627,66 @@ check_c4_eval() {
       result FAIL c4-generate "cpu fp32 [$cpu] | $DEV fp32 [$dev] | $DEV no cache [$nocache] | $DEV bf16 [$bf]"
     fi
   fi
+}
+
+# c4-tasks: downstream evaluation (docs/evaluation.md) on the device. A small model trains 4
+# steps with a task evaluated in training (data ranks together, the compute dtype); `eval
+# --task` then scores its checkpoint on the CPU in fp32 and on the device in fp32 and bf16.
+check_c4_tasks() {
+  section "c4 downstream evaluation on $DEV against the CPU"
+  time_for 60 c4-tasks || return 0
+  local task=$WORK/hamlet_mc.jsonl name=hamlet_mc
+  $PY "$HERE/accept_lib.py" mc-task "$ROOT/data/shakespeare/hamlet_gut.txt" "$task" 200 >"$LOGS/c4-tasks-file.log" 2>&1
+  run_logged c4-tasks-train 240 "$BIN" train --debug "${SMALL[@]}" --set system.device=$DEV --set training.dtype=bf16 \
+    --max-steps 4 --set training.eval_interval=2 --set "training.eval_tasks=$task" \
+    --set "logging.dir=$RUNS" --set logging.run_name=tasks --set logging.tensorboard=false
+  local rc=$? L=$LOGS/c4-tasks-train.log
+  local line
+  line=$(grep -a "Downstream | Step \[4/4\]" "$L" | tail -1 | sed 's/.*Downstream | //')
+  local ck=$RUNS/tasks/checkpoints/step_4
+  declare -A ACC
+  for v in cpu:fp32 $DEV:fp32 $DEV:bf16; do
+    d=${v%%:*} t=${v##*:}
+    run_logged "c4-tasks-$d-$t" 240 "$BIN" eval --model "$ck" --task "$task" --json --device "$d" --dtype "$t" \
+      --log-samples "$WORK/samples-$d-$t.jsonl"
+    ACC[$v]=$($PY "$HERE/accept_lib.py" json-field "$LOGS/c4-tasks-$d-$t.log" acc acc_norm n)
+  done
+  # The training pass's own numbers for step 4, from metrics.jsonl.
+  local trained
+  trained=$($PY -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+m = [r for r in rows if r.get("step") == 4 and "eval" in r]
+print("|".join(str(m[-1]["eval"][sys.argv[2]][k]) for k in ("acc", "acc_norm")) if m else "")' \
+    "$RUNS/tasks/metrics.jsonl" "$name" 2>>"$L")
+  if [ $rc -ne 0 ] || [ -z "$line" ] || [ -z "$trained" ] || [ -z "${ACC[cpu:fp32]}" ] || [ -z "${ACC[$DEV:fp32]}" ] || [ -z "${ACC[$DEV:bf16]}" ]; then
+    result FAIL c4-tasks "train exit $rc, its Downstream line '${line:-missing}', metrics '${trained:-missing}'; eval cpu '${ACC[cpu:fp32]}' $DEV fp32 '${ACC[$DEV:fp32]}' bf16 '${ACC[$DEV:bf16]}'; $(why c4-tasks-train) $(why c4-tasks-$DEV-fp32)"
+    rm -rf "$RUNS/tasks"
+    return 0
+  fi
+  # mc_compare A B: N, MAXABS, MAXREL, SAME, SAME_NORM of two sample files (N=0 if it failed).
+  mc_compare() {
+    unset N MAXABS MAXREL SAME SAME_NORM
+    eval "$($PY "$HERE/accept_lib.py" mc-compare "$1" "$2" 2>>"$LOGS/c4-tasks-file.log" ||
+      echo 'N=0 MAXABS=inf MAXREL=inf SAME=-1 SAME_NORM=-1')"
+  }
+  mc_compare "$WORK/samples-cpu-fp32.jsonl" "$WORK/samples-$DEV-fp32.jsonl"
+  local f32="$DEV fp32 vs cpu fp32: per-choice log-likelihood max abs $MAXABS, rel $MAXREL (tol 1e-4), same choice $SAME/$N, same norm choice $SAME_NORM/$N"
+  local ok=1
+  [ "$N" -gt 0 ] && awk -v r="$MAXREL" 'BEGIN { exit !(r + 0 < 1e-4) }' || ok=0
+  [ "$SAME" = "$N" ] && [ "$SAME_NORM" = "$N" ] && [ "${ACC[cpu:fp32]}" = "${ACC[$DEV:fp32]}" ] || ok=0
+  mc_compare "$WORK/samples-cpu-fp32.jsonl" "$WORK/samples-$DEV-bf16.jsonl"
+  local bf="$DEV bf16 vs cpu fp32: max rel $MAXREL (tol 2e-2), same choice $SAME/$N"
+  [ "$N" -gt 0 ] && awk -v r="$MAXREL" 'BEGIN { exit !(r + 0 < 2e-2) }' || ok=0
+  # Training evaluates in its compute dtype (bf16) from the same weights as the checkpoint.
+  local tb=${ACC[$DEV:bf16]%|*}
+  local intrain="in training (bf16, step 4): acc|acc_norm $trained, eval --dtype bf16 ${tb}"
+  [ "$trained" = "$tb" ] || intrain="$intrain DIFFERS"
+  if [ "$ok" = 1 ] && [ "$trained" = "$tb" ]; then
+    result PASS c4-tasks "$f32; $bf; $intrain; console: '$line'"
+  else
+    result FAIL c4-tasks "$f32; $bf; $intrain (acc|acc_norm|n cpu ${ACC[cpu:fp32]}, $DEV fp32 ${ACC[$DEV:fp32]})"
+  fi
+  rm -rf "$RUNS/tasks"
 }
 
 # c5: throughput of the 1B config against PyTorch on the same shapes, same machine, same call.

@@ -10,6 +10,12 @@ that the script evals (numbers and bare words only) or a one-line figure.
   json-field FILE KEY...             fields of the last JSON object line of FILE, '|'-separated
   plan-total PLAN.json               the configured layout's planned peak in GB
   peak-mib FILE                      the largest integer in a file of nvidia-smi samples
+  mc-task TEXT OUT N                 N four-choice items from TEXT's lines (query: a line's
+                                     first words; choices: its true ending and three others)
+                                     as a general-form task file (docs/evaluation.md)
+  mc-compare A B                     two `eval --log-samples` files: the largest per-choice
+                                     log-likelihood difference (absolute, relative) and how
+                                     many items pick the same choice
   unpack CARRY DEST                  CARRY/binaries.tar.xz (prepare.sh) into DEST: the two
                                      binaries and the wheel if packed, each checked against
                                      CARRY/<name>.sha256; exit 1 otherwise
@@ -156,6 +162,40 @@ def peak_mib(path):
     print(max(vals) if vals else "")
 
 
+def mc_task(text, out, n):
+    import random
+
+    rng = random.Random(0)
+    lines = [l.split() for l in open(text, errors="replace")]
+    lines = [w for w in lines if len(w) >= 8]
+    rng.shuffle(lines)
+    endings = [" ".join(w[5:]) for w in lines]
+    with open(out, "w") as f:
+        for i, words in enumerate(lines[:n]):
+            others = rng.sample([e for j, e in enumerate(endings) if j != i], 3)
+            gold = rng.randrange(4)
+            choices = others[:gold] + [endings[i]] + others[gold:]
+            f.write(json.dumps({"query": " ".join(words[:5]), "choices": choices, "gold": gold}) + "\n")
+
+
+def mc_compare(a, b):
+    def read(path):
+        return [json.loads(l) for l in open(path) if l.strip()]
+
+    sa, sb = read(a), read(b)
+    assert len(sa) == len(sb) and sa, f"{a}: {len(sa)} items, {b}: {len(sb)}"
+    absd = reld = 0.0
+    for x, y in zip(sa, sb):
+        for u, v in zip(x["loglikelihoods"], y["loglikelihoods"], strict=True):
+            absd = max(absd, abs(u - v))
+            reld = max(reld, abs(u - v) / max(abs(u), 1e-30))
+    print(f"N={len(sa)}")
+    print(f"MAXABS={absd:.3e}")
+    print(f"MAXREL={reld:.3e}")
+    print(f"SAME={sum(x['pred'] == y['pred'] for x, y in zip(sa, sb))}")
+    print(f"SAME_NORM={sum(x['pred_norm'] == y['pred_norm'] for x, y in zip(sa, sb))}")
+
+
 BINARIES = ("lockstep", "lockstep-unit")
 WHEEL = re.compile(r"lockstep-[0-9][0-9A-Za-z.]*-py3-none-[0-9A-Za-z_.]+\.whl")
 
@@ -203,6 +243,10 @@ def main(argv):
         plan_total(rest[0])
     elif cmd == "peak-mib":
         peak_mib(rest[0])
+    elif cmd == "mc-task":
+        mc_task(rest[0], rest[1], int(rest[2]))
+    elif cmd == "mc-compare":
+        mc_compare(rest[0], rest[1])
     elif cmd == "unpack":
         unpack(rest[0], rest[1])
     else:

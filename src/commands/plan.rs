@@ -147,6 +147,7 @@ fn downstream(
     let items = tasks.iter().map(|t| t.items.len()).sum();
     Ok(Some(plan::downstream::estimate(
         setting,
+        cfg.system.zero_stage,
         &requests,
         (tasks.len(), items),
         step_seconds,

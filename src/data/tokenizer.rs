@@ -35,8 +35,31 @@ const HF_EOS_CANDIDATES: &[&str] = &[
 ];
 
 /// Special-token spellings tried, in order, to find the beginning-of-sequence id of a Hugging
-/// Face tokenizer.
+/// Face tokenizer whose folder has no `tokenizer_config.json` naming it.
 const HF_BOS_CANDIDATES: &[&str] = &["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"];
+
+/// The beginning-of-sequence token of the tokenizer.json at `path`: the `bos_token` of the
+/// `tokenizer_config.json` beside it where that names one (a spelling, or an object with its
+/// `content`) or says `null` (none: Qwen's), as transformers reads it; else, with no such file
+/// or key or a spelling not in the vocabulary, the first of `HF_BOS_CANDIDATES` it has.
+fn hf_bos(path: &Path, inner: &tokenizers::Tokenizer) -> Option<(u32, String)> {
+    let named = |t: &str| inner.token_to_id(t).map(|id| (id, t.to_string()));
+    let config = std::fs::read(path.with_file_name("tokenizer_config.json")).ok();
+    let config: Option<serde_json::Value> = config.and_then(|b| serde_json::from_slice(&b).ok());
+    match config.as_ref().and_then(|c| c.get("bos_token")) {
+        Some(serde_json::Value::Null) => return None,
+        Some(v) => {
+            let spelling = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(|c| c.as_str()));
+            if let Some(found) = spelling.and_then(named) {
+                return Some(found);
+            }
+        }
+        None => {}
+    }
+    HF_BOS_CANDIDATES.iter().find_map(|t| named(t))
+}
 
 /// A text tokenizer shared (read-only) by all tokenization threads.
 pub struct Tokenizer {
@@ -58,6 +81,8 @@ enum Kind {
         inner: Box<tokenizers::Tokenizer>,
         /// lockstep's encoder where it reproduces this tokenizer.json exactly, else why not.
         fast: Result<Box<FastBpe>, String>,
+        /// Its beginning-of-sequence token (`hf_bos`).
+        bos: Option<(u32, String)>,
     },
 }
 
@@ -206,11 +231,13 @@ impl Tokenizer {
                 )
             })?;
         let vocab_size = inner.get_vocab_size(true);
+        let bos = hf_bos(&path, &inner);
         Ok(Tokenizer {
             kind: Kind::HuggingFace {
                 path,
                 inner: Box::new(inner),
                 fast,
+                bos,
             },
             vocab_size,
             eos_id,
@@ -315,15 +342,12 @@ impl Tokenizer {
         }
     }
 
-    /// A Hugging Face tokenizer's beginning-of-sequence token, id and spelling (the first of
-    /// `<s>`, `<|begin_of_text|>`, `<bos>`, `<|startoftext|>` it has); the embedded encodings
-    /// have none.
+    /// A Hugging Face tokenizer's beginning-of-sequence token, id and spelling, as
+    /// transformers' `bos_token_id` finds it (`hf_bos`); the embedded encodings have none.
     pub fn bos(&self) -> Option<(u32, String)> {
         match &self.kind {
             Kind::Tiktoken { .. } => None,
-            Kind::HuggingFace { inner, .. } => HF_BOS_CANDIDATES
-                .iter()
-                .find_map(|t| inner.token_to_id(t).map(|id| (id, t.to_string()))),
+            Kind::HuggingFace { bos, .. } => bos.clone(),
         }
     }
 
@@ -737,6 +761,37 @@ mod tests {
         assert!(!t.encode("hello </s> world").contains(&1));
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(t.definition_hash(), *blake3::hash(&bytes).as_bytes());
+    }
+
+    #[test]
+    fn bos_is_what_tokenizer_config_names_else_a_known_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_wordlevel_json(dir.path());
+        let json = std::fs::read_to_string(&path).unwrap();
+        // "<s>" in the vocabulary, after "to".. "not".
+        let json = json.replace(r#""not": 7}"#, r#""not": 7, "<s>": 8}"#);
+        std::fs::write(&path, json).unwrap();
+        let bos = |config: Option<&str>| {
+            let cfg = dir.path().join("tokenizer_config.json");
+            match config {
+                Some(c) => std::fs::write(&cfg, c).unwrap(),
+                None => std::fs::remove_file(&cfg).unwrap_or(()),
+            }
+            Tokenizer::load(path.to_str().unwrap()).unwrap().bos()
+        };
+        let s = Some((8, "<s>".to_string()));
+        assert_eq!(bos(None), s);
+        assert_eq!(bos(Some(r#"{"eos_token": "</s>"}"#)), s);
+        assert_eq!(bos(Some(r#"{"bos_token": null}"#)), None);
+        assert_eq!(
+            bos(Some(r#"{"bos_token": "hello"}"#)),
+            Some((2, "hello".into()))
+        );
+        let object = r#"{"bos_token": {"content": "world", "special": true}}"#;
+        assert_eq!(bos(Some(object)), Some((3, "world".into())));
+        // A spelling the vocabulary lacks, or a file that is not JSON: the known spellings.
+        assert_eq!(bos(Some(r#"{"bos_token": "<bos>"}"#)), s);
+        assert_eq!(bos(Some("not json")), s);
     }
 
     #[test]

@@ -23,7 +23,8 @@ use crate::model::Llama;
 
 /// Which batches a rank computes: batch b where b mod `ranks` = `rank`; with `lockstep`, every
 /// rank runs as many passes as the busiest (a pass gathers sharded parameters: a collective),
-/// the extra ones over batch 0 again, not counted.
+/// the extra ones over the last batch again (the shortest: rows are sorted longest first, and
+/// it may hold fewer), not counted.
 #[derive(Debug, Clone, Copy)]
 pub struct Deal {
     pub rank: usize,
@@ -58,7 +59,7 @@ pub fn score_requests(
     };
     let mut lls = vec![0f32; requests.list.len()];
     for pass in 0..passes {
-        let (b, counted) = mine.get(pass).map_or((0, false), |&b| (b, true));
+        let (b, counted) = mine.get(pass).map_or((batches - 1, false), |&b| (b, true));
         let batch = requests.batch(b, align);
         let dims = [batch.rows as i64, batch.seq as i64];
         let x = Tensor::from_slice(&batch.inputs)

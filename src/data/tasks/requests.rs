@@ -200,19 +200,19 @@ impl Requests {
     }
 }
 
-/// What a row's length must be a multiple of when sequence parallelism cuts a batch's tokens
-/// among `sequence` ranks (T, or 1 without it) and context parallelism a row into 2C chunks
-/// (`context` = C). Training's context is a multiple of both (the config's rules), so a padded
-/// row never outgrows it.
+/// What a row's length must be a multiple of when context parallelism cuts a row into 2C
+/// chunks (`context` = C, each rank keeping two) and sequence parallelism then cuts each rank's
+/// tokens among `sequence` ranks (T, or 1 without it): a row of s tokens leaves s/C on a rank,
+/// a multiple of T for any number of rows when s is a multiple of C·lcm(2, T) (T alone without
+/// CP). Training's context is a multiple of it (the config's rules), so a padded row never
+/// outgrows it.
 pub fn row_align(sequence: usize, context: usize) -> usize {
-    let chunks = if context > 1 { 2 * context } else { 1 };
-    let gcd = |mut a: usize, mut b: usize| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
-    sequence.max(1) / gcd(sequence.max(1), chunks) * chunks
+    let t = sequence.max(1);
+    match context {
+        0 | 1 => t,
+        c if t.is_multiple_of(2) => c * t,
+        c => c * 2 * t,
+    }
 }
 
 /// lm-eval's `tok_encode` and `_encode_pair` for one tokenizer.

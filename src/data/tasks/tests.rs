@@ -289,12 +289,13 @@ fn batches_hold_the_longest_rows_first_padded_and_masked() {
             .collect();
         assert_eq!(counted, want);
     }
-    // T with sequence parallelism, 2C with context parallelism, both: their least multiple.
-    let aligns: Vec<usize> = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (3, 2)]
+    // T with sequence parallelism, 2C with context parallelism, both: s/C a multiple of T
+    // (T = 4, C = 2: 8, where a row of 4 would leave 2 tokens a rank for 4 SP ranks).
+    let aligns: Vec<usize> = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (3, 2), (4, 4)]
         .iter()
         .map(|&(t, c)| row_align(t, c))
         .collect();
-    assert_eq!(aligns, [1, 2, 4, 4, 4, 12]);
+    assert_eq!(aligns, [1, 2, 4, 4, 8, 12, 16]);
     let last = r.batch(1, 1);
     assert_eq!(last.rows, 2);
     assert_eq!(
