@@ -267,27 +267,31 @@ fn check_tokenizer(args: &EvalArgs, opened: &Inference) -> Result<()> {
     Ok(())
 }
 
+/// `--context-length`, else the context the model was trained with (lockstep.json /
+/// trainer.json), else `fallback`; at most the model's max_position_embeddings.
+fn context_length(args: &EvalArgs, opened: &Inference, fallback: usize) -> Result<usize> {
+    let max = opened.shape.max_position_embeddings;
+    let ctx = args
+        .context_length
+        .or(TrainedWith::read(&opened.dir)?.context_length)
+        .unwrap_or(fallback);
+    ensure!(
+        ctx <= max,
+        "--context-length {ctx} exceeds the model's max_position_embeddings ({max}); pass at most that"
+    );
+    Ok(ctx)
+}
+
 /// Loss and perplexity of the opened model on `data`.
 pub fn eval_data(args: &EvalArgs, opened: &Inference, data: &Path) -> Result<EvalResult> {
     let start = Instant::now();
-    let Inference {
-        dir, shape, tok, ..
-    } = opened;
+    let Inference { shape, tok, .. } = opened;
     let stream = load_stream(args, data, tok.as_ref())?;
     if let Stream::File(file) = &stream {
         crate::data::check_file_ids_fit(data, file, shape.vocab_size)?;
     }
     let n = stream.len();
-    let trained = TrainedWith::read(dir)?;
-    let mut ctx = args
-        .context_length
-        .or(trained.context_length)
-        .unwrap_or(shape.max_position_embeddings.min(2048));
-    ensure!(
-        ctx <= shape.max_position_embeddings,
-        "--context-length {ctx} exceeds the model's max_position_embeddings ({}); pass at most that",
-        shape.max_position_embeddings
-    );
+    let mut ctx = context_length(args, opened, shape.max_position_embeddings.min(2048))?;
     ensure!(
         n >= 2,
         "--data {}: has {n} token(s); at least 2 are needed for one prediction",
@@ -349,16 +353,7 @@ pub fn eval_tasks(args: &EvalArgs, opened: &Inference, tasks: Vec<Task>) -> Resu
         );
     };
     let shape = &opened.shape;
-    let trained = TrainedWith::read(&opened.dir)?;
-    let ctx = args
-        .context_length
-        .or(trained.context_length)
-        .unwrap_or(shape.max_position_embeddings);
-    ensure!(
-        ctx <= shape.max_position_embeddings,
-        "--context-length {ctx} exceeds the model's max_position_embeddings ({}); pass at most that",
-        shape.max_position_embeddings
-    );
+    let ctx = context_length(args, opened, shape.max_position_embeddings)?;
     let rows = args.batch_size.unwrap_or(TASK_BATCH);
     let requests = Requests::build(&tasks, tok, ctx, rows)?;
     if let Some(bad) = requests

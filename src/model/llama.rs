@@ -445,8 +445,8 @@ impl Llama {
         let mut total: Option<Tensor> = None;
         units.before(self.head_unit())?;
         for (start, len) in chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
-            let part =
-                self.chunk_loss_sum(&flat.narrow(0, start, len), &targets.narrow(0, start, len));
+            let (rows, t) = (flat.narrow(0, start, len), targets.narrow(0, start, len));
+            let part = self.chunk_cross_entropy(&rows, &t, Reduction::Sum);
             total = Some(match total {
                 Some(t) => t + part,
                 None => part,
@@ -483,11 +483,17 @@ impl Llama {
         }
     }
 
-    /// Summed cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n].
-    pub(super) fn chunk_loss_sum(&self, hidden: &Tensor, targets: &Tensor) -> Tensor {
+    /// Cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n] (-100
+    /// ignored): summed (`Reduction::Sum`, the loss) or per token ([n], `Reduction::None`).
+    pub(super) fn chunk_cross_entropy(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        reduction: Reduction,
+    ) -> Tensor {
         self.lm_head(hidden)
             .to_kind(Kind::Float)
-            .cross_entropy_loss::<Tensor>(targets, None, Reduction::Sum, -100, 0.0)
+            .cross_entropy_loss::<Tensor>(targets, None, reduction, -100, 0.0)
     }
 
     /// How the training pass trades memory for compute (set from the config by the trainer).

@@ -59,15 +59,8 @@ impl Llama {
         units.before(self.head_unit())?;
         let parts: Vec<Tensor> = chunks(rows.size()[0], self.activation_memory().loss_chunk_tokens)
             .map(|(at, len)| {
-                self.lm_head(&rows.narrow(0, at, len))
-                    .to_kind(Kind::Float)
-                    .cross_entropy_loss::<Tensor>(
-                        &picked.narrow(0, at, len),
-                        None,
-                        Reduction::None,
-                        -100,
-                        0.0,
-                    )
+                let t = picked.narrow(0, at, len);
+                self.chunk_cross_entropy(&rows.narrow(0, at, len), &t, Reduction::None)
             })
             .collect();
         units.after(self.head_unit())?;

@@ -47,12 +47,7 @@ pub fn estimate(
 ) -> Downstream {
     let split = s.tensor_parallel * s.context_parallel;
     let data_ranks = (s.world / split).max(1);
-    let sequence = if s.sequence_parallel {
-        s.tensor_parallel
-    } else {
-        1
-    };
-    let align = tasks::row_align(sequence, s.context_parallel);
+    let align = tasks::row_align(s.tensor_parallel, s.sequence_parallel, s.context_parallel);
     let head = 2.0 * (s.shape.vocab_size * s.shape.hidden_size) as f64;
     let batches = requests.num_batches();
     let cost = |b: usize| {

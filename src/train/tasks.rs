@@ -106,8 +106,8 @@ pub struct TaskEval {
     requests: Requests,
     /// `training.eval_interval` (0 = only at the end).
     interval: usize,
-    /// What a row's length is a multiple of (`tasks::row_align`): T with sequence parallelism,
-    /// 2C with context parallelism.
+    /// What a row's length is a multiple of (`tasks::row_align`: T with sequence parallelism,
+    /// C·lcm(2, T) with context parallelism).
     align: usize,
     device: Device,
 }
@@ -124,7 +124,11 @@ impl TaskEval {
             tasks,
             requests,
             interval: cfg.training.eval_interval,
-            align: tasks::row_align(sequence_split(cfg, rank.mesh.tensor), rank.mesh.context),
+            align: tasks::row_align(
+                rank.mesh.tensor,
+                cfg.system.sequence_parallel,
+                rank.mesh.context,
+            ),
             device: rank.device,
         };
         if rank.lead() {
@@ -195,13 +199,5 @@ impl TaskEval {
             self.requests.list.len(),
             self.requests.num_batches()
         )
-    }
-}
-
-/// The ranks sequence parallelism cuts a batch's tokens among: T with it, 1 without.
-fn sequence_split(cfg: &Config, tensor: usize) -> usize {
-    match cfg.system.sequence_parallel {
-        true => tensor,
-        false => 1,
     }
 }

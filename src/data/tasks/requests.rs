@@ -200,14 +200,18 @@ impl Requests {
     }
 }
 
-/// What a row's length must be a multiple of when context parallelism cuts a row into 2C
-/// chunks (`context` = C, each rank keeping two) and sequence parallelism then cuts each rank's
-/// tokens among `sequence` ranks (T, or 1 without it): a row of s tokens leaves s/C on a rank,
-/// a multiple of T for any number of rows when s is a multiple of C·lcm(2, T) (T alone without
-/// CP). Training's context is a multiple of it (the config's rules), so a padded row never
-/// outgrows it.
-pub fn row_align(sequence: usize, context: usize) -> usize {
-    let t = sequence.max(1);
+/// What a row's length must be a multiple of on a mesh of `tensor` = T ranks (with
+/// `sequence_parallel`, the config's `system.sequence_parallel`) and `context` = C: context
+/// parallelism cuts a row into 2C chunks (each rank keeping two) and sequence parallelism then
+/// cuts each rank's tokens among the T ranks, so a row of s tokens leaves s/C on a rank, a
+/// multiple of T for any number of rows when s is a multiple of C·lcm(2, T) (T alone without
+/// CP; 1 without either). Training's context is a multiple of it (the config's rules), so a
+/// padded row never outgrows it.
+pub fn row_align(tensor: usize, sequence_parallel: bool, context: usize) -> usize {
+    let t = match sequence_parallel {
+        true => tensor.max(1),
+        false => 1,
+    };
     match context {
         0 | 1 => t,
         c if t.is_multiple_of(2) => c * t,

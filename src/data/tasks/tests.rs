@@ -293,9 +293,11 @@ fn batches_hold_the_longest_rows_first_padded_and_masked() {
     // (T = 4, C = 2: 8, where a row of 4 would leave 2 tokens a rank for 4 SP ranks).
     let aligns: Vec<usize> = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (3, 2), (4, 4)]
         .iter()
-        .map(|&(t, c)| row_align(t, c))
+        .map(|&(t, c)| row_align(t, true, c))
         .collect();
     assert_eq!(aligns, [1, 2, 4, 4, 8, 12, 16]);
+    // Without sequence parallelism T does not cut the tokens.
+    assert_eq!([row_align(4, false, 1), row_align(4, false, 2)], [1, 4]);
     let last = r.batch(1, 1);
     assert_eq!(last.rows, 2);
     assert_eq!(
