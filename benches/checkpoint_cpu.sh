@@ -34,7 +34,7 @@ shape=(--preset tiny --set model.hidden_size=1024 --set model.num_layers=12
   --set training.context_length=64 --set training.eval_batches=0
   --set logging.memory_interval=0 --set checkpoint.keep_last=1 --set system.num_threads=1)
 if [ "$nproc" = 1 ]; then launch=("$L" train); else launch=("$L" run --cpu --nproc "$nproc"); fi
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+source "$ROOT/benches/timing_lib.sh" # median
 # Each output line with the wall-clock second it arrived.
 stamp() { while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done; }
 # Seconds between the lines of step 1 and step $2 of stamped log $1.

@@ -27,7 +27,7 @@ fi
 cp "$LOCKSTEP_BIN" "$work/lockstep"
 L="$work/lockstep"
 cd "$work"
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+source "$ROOT/benches/timing_lib.sh" # median
 write_task() { # FILE N: a HellaSwag-shaped task of N items from the built-in corpus
   python3 - "$1" "$2" "$ROOT/data/shakespeare" <<'PY'
 import json, pathlib, random, sys

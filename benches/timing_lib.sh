@@ -1,4 +1,5 @@
-# Shared by the CPU benchmarks that time steps from the verbose timing line (source it).
+# Shared by the CPU benchmarks (source it): step times from the verbose timing line, and the
+# median of numbers on stdin.
 # The timing lines after the first window: mean per-step total (data + forward/backward +
 # exposed reduction + optimizer), then the forward/backward and exposed-reduction parts.
 step_ms() {

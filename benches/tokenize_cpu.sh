@@ -45,7 +45,7 @@ for f in ~/.cargo/registry/src/*/tiktoken-rs-0.12.*/assets/*.tiktoken; do
   cp "$f" "$TIKTOKEN_CACHE_DIR/$key"
 done
 bytes=$("$VENV/bin/python" -c "import json,sys; print(sum(len(json.loads(l)['text'].encode()) for l in open(sys.argv[1])))" "$work/corpus.jsonl")
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+source "$ROOT/benches/timing_lib.sh" # median
 all=$(nproc)
 echo "tokenize benchmark: $(date -u +%F), $all cores, corpus $(du -m "$work/corpus.jsonl" | cut -f1) MB .jsonl ($bytes bytes of text), $rounds rounds"
 declare -A res

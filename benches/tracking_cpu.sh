@@ -30,7 +30,7 @@ shape=(--preset tiny --set training.context_length=128 --set training.batch_size
   --set checkpoint.interval=0 --set system.num_threads=1 --max-steps "$steps")
 wandb=(--set logging.wandb.project=bench --set logging.wandb.mode=offline)
 mlflow=(--set logging.mlflow.tracking_uri=http://127.0.0.1:$port)
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+source "$ROOT/benches/timing_lib.sh" # median
 "$L" prepare "${shape[@]}" >/dev/null
 echo "lockstep tracking benchmark: $(date -u +%F), $(nproc) cores, 1 rank x 1 thread, $steps steps, a record every step, $reps rounds"
 declare -A tok wall

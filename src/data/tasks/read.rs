@@ -183,13 +183,7 @@ fn parse_item(obj: &Map<String, Value>, at: &str, line: usize) -> Result<Item, C
             ))
         })
     };
-    let wrong = |name: &str, v: &Value, want: &str| {
-        ConfigError(format!(
-            "{at}: \"{name}\" is {} ({}), expected {want}",
-            a_type(v),
-            shorten(v)
-        ))
-    };
+    let wrong = |name: &str, v: &Value, want: &str| wrong_type(at, name, v, want);
     let context = match field(form.context)? {
         Value::String(s) => s.clone(),
         v => return Err(wrong(form.context, v, "a string")),
@@ -251,13 +245,7 @@ fn gold_of(v: &Value, form: &Form, choices: &[String], at: &str) -> Result<Gold,
     } else {
         "a choice's index, a list of indices, or the text of a choice"
     };
-    let bad = || {
-        ConfigError(format!(
-            "{at}: \"{name}\" is {} ({}), expected {want}",
-            a_type(v),
-            shorten(v)
-        ))
-    };
+    let bad = || wrong_type(at, name, v, want);
     match v {
         Value::Number(x) => x.as_u64().ok_or_else(bad).and_then(index).map(Gold::One),
         Value::String(s) if hellaswag => match s.parse::<u64>() {
@@ -283,6 +271,15 @@ fn gold_of(v: &Value, form: &Form, choices: &[String], at: &str) -> Result<Gold,
         }
         _ => Err(bad()),
     }
+}
+
+/// `FILE:LINE: "field" is a number (3), expected a string`.
+fn wrong_type(at: &str, name: &str, v: &Value, want: &str) -> ConfigError {
+    ConfigError(format!(
+        "{at}: \"{name}\" is {} ({}), expected {want}",
+        a_type(v),
+        shorten(v)
+    ))
 }
 
 /// A JSON value's type with its article: "an array", "a string".

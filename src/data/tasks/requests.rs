@@ -177,9 +177,7 @@ impl Requests {
 
     /// The longest row's tokens (the RoPE table a model needs for these requests).
     pub fn longest_row(&self) -> usize {
-        self.order
-            .first()
-            .map_or(1, |&r| self.list[r].tokens.len() - 1)
+        self.batch_shape(0, 1).1
     }
 
     /// Items whose context lost tokens to the model's context length.
