@@ -95,6 +95,7 @@ fn main() {
     };
     let mut opt = Optimizer::new(
         &Llama::named_parameters(&vs),
+        model.parameters(),
         hp,
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,

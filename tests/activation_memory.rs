@@ -208,6 +208,7 @@ fn bf16_tied_gradients_match_in_every_mode() {
 /// when it is reported final and that every `after` closes an open `before`.
 struct Seen<'a> {
     vs: &'a VarStore,
+    table: &'a lockstep::model::Parameters,
     finals: Vec<GradUnit>,
     befores: Vec<GradUnit>,
     open: Vec<GradUnit>,
@@ -230,7 +231,7 @@ impl UnitEvents for Seen<'_> {
     fn grads_final(&mut self, unit: GradUnit) -> anyhow::Result<()> {
         assert!(self.open.contains(&unit), "{unit:?} final outside its use");
         for (n, t) in self.vs.variables() {
-            if GradUnit::of_parameter(&n) == Some(unit) {
+            if self.table.unit(&n).unwrap() == unit {
                 assert!(t.grad().defined(), "{unit:?}: {n}");
             }
         }
@@ -250,6 +251,7 @@ fn units_become_final_from_the_head_down_to_the_embedding() {
         let (x, y) = batch(3);
         let mut seen = Seen {
             vs: &vs,
+            table: model.parameters(),
             finals: Vec::new(),
             befores: Vec::new(),
             open: Vec::new(),

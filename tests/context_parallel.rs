@@ -14,7 +14,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, ContextParallel, DocumentMask,
-    Llama, LlamaShape, NoEvents, Split, TensorParallel,
+    Llama, LlamaShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -261,7 +261,7 @@ fn check(c: Case) -> f64 {
                 sum / c.cp as f64
             })
             .collect();
-        let split = Split::of(name);
+        let split = Parameters::llama(&shape()).split(name).unwrap();
         let got = match split {
             // Sequence parallelism: each TP rank's norm gradient covers its tokens.
             Split::Replicated if c.tp > 1 => parts.iter().fold(parts[0].zeros_like(), |a, b| a + b),
@@ -397,8 +397,17 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)]) -> (Vec<(String, Tens
     let model = Llama::new_with(&vs.root(), &shape(), SEQ as usize, Kind::Float, &mut make);
     let named = Llama::named_parameters(&vs);
     let mut pg = SingleProcess;
-    let mut opt =
-        Optimizer::new(&named, hp(), ZeroStage::Replicated, &pg, 25.0, Kind::Float).unwrap();
+    let table = model.parameters();
+    let mut opt = Optimizer::new(
+        &named,
+        table,
+        hp(),
+        ZeroStage::Replicated,
+        &pg,
+        25.0,
+        Kind::Float,
+    )
+    .unwrap();
     let mut guard = Guard::new(&training());
     let cfg = StepConfig {
         grad_accum: c.data,
@@ -429,8 +438,6 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)]) -> (Vec<(String, Tens
 type RankSteps = (Vec<(String, Tensor)>, Vec<f64>);
 
 fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
-    let whole: Vec<(String, Vec<i64>)> =
-        params.iter().map(|(n, p)| (n.clone(), p.size())).collect();
     let params = plain(params);
     let batches: Vec<Vec<(Plain, Plain)>> = (0..STEPS)
         .map(|s| {
@@ -449,19 +456,13 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         let stage3 = c.stage.shards_parameters();
         let (model, groups) = mesh_model(&vs, &mesh, pg, &params, stage3);
         let named = Llama::named_parameters(&vs);
-        let shapes: Vec<Vec<i64>> = named
-            .iter()
-            .map(|(n, _)| {
-                let w = &whole.iter().find(|(m, _)| m == n).unwrap().1;
-                Split::of(n).local_shape(w, c.tp)
-            })
-            .collect();
+        let table = model.parameters();
         let tensor = match (groups.tensor, groups.data) {
             (Some(tensor), Some(data)) => Some(TensorGroups {
                 data,
                 tensor,
                 sequence_parallel: true,
-                whole: whole.iter().cloned().collect(),
+                parameters: table.clone(),
             }),
             _ => None,
         };
@@ -476,12 +477,15 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
             tensor,
         };
         let mut opt =
-            Optimizer::with_shapes(&named, shapes, hp(), sharding, &*pg, 25.0, Kind::Float)
+            Optimizer::with_sharding(&named, table, hp(), sharding, &*pg, 25.0, Kind::Float)
                 .unwrap();
         if stage3 {
             for (n, _) in &named {
                 let full = params.iter().find(|(m, _)| m == n).unwrap().1.tensor();
-                let part = Split::of(n).shard(&full, mesh.tensor_rank(), c.tp);
+                let part = table
+                    .split(n)
+                    .unwrap()
+                    .shard(&full, mesh.tensor_rank(), c.tp);
                 opt.set_initial(n, &part).unwrap();
             }
         }
@@ -540,8 +544,9 @@ fn check_steps(c: Layout) {
         }
     }
     let tensor_groups = runs.len() / c.tp;
+    let table = Parameters::llama(&shape());
     for (i, (name, want)) in want.iter().enumerate() {
-        let split = Split::of(name);
+        let split = table.split(name).unwrap();
         for g in 0..tensor_groups {
             let group = &runs[g * c.tp..(g + 1) * c.tp];
             let parts: Vec<Tensor> = group.iter().map(|r| r.0[i].1.shallow_clone()).collect();

@@ -174,6 +174,7 @@ fn packed_documents_match_transformers_on_separate_sequences() {
     };
     let mut opt = Optimizer::new(
         &params,
+        model.parameters(),
         hp,
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,

@@ -128,6 +128,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
     };
     let mut opt = Optimizer::new(
         &params,
+        model.parameters(),
         hp,
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,

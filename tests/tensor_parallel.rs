@@ -15,7 +15,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Llama, LlamaShape,
-    NoEvents, Split, TensorParallel,
+    NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -246,6 +246,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
 
 /// Checks a case against the whole model; returns the worst relative error.
 fn check(c: Case) -> f64 {
+    let table = Parameters::llama(&shape(c.vocab, c.tied));
     let r = reference(&c);
     let runs = split_run(c, &r.params);
     let mut worst = 0.0f64;
@@ -259,7 +260,7 @@ fn check(c: Case) -> f64 {
         );
     }
     for (i, (name, want)) in r.grads.iter().enumerate() {
-        let split = Split::of(name);
+        let split = table.split(name).unwrap();
         let parts: Vec<Tensor> = runs
             .iter()
             .map(|run| run.grads[i].1.shallow_clone())
@@ -492,7 +493,9 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)], kind: Kind) -> RankSt
     let model = Llama::new_with(&vs.root(), &shape(256, false), 64, kind, &mut make);
     let named = Llama::named_parameters(&vs);
     let mut pg = SingleProcess;
-    let mut opt = Optimizer::new(&named, hp(), ZeroStage::Replicated, &pg, 25.0, kind).unwrap();
+    let table = model.parameters();
+    let mut opt =
+        Optimizer::new(&named, table, hp(), ZeroStage::Replicated, &pg, 25.0, kind).unwrap();
     let mut guard = Guard::new(&training());
     let cfg = StepConfig {
         grad_accum: c.data,
@@ -564,12 +567,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         let s = shape(256, false);
         let model = Llama::new_split(&vs.root(), &s, 64, Kind::Float, tp, &mut make).unwrap();
         let named = Llama::named_parameters(&vs);
-        let whole: Vec<Vec<i64>> = named.iter().map(|(n, _)| full(n).size()).collect();
-        let shapes: Vec<Vec<i64>> = named
-            .iter()
-            .zip(&whole)
-            .map(|((n, _), w)| Split::of(n).local_shape(w, c.tp))
-            .collect();
+        let table = model.parameters();
         let sharding = Sharding {
             stage: c.stage,
             hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
@@ -582,19 +580,16 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
                 data,
                 tensor,
                 sequence_parallel: c.sequence_parallel,
-                whole: named
-                    .iter()
-                    .map(|(n, _)| n.clone())
-                    .zip(whole.clone())
-                    .collect(),
+                parameters: table.clone(),
             }),
         };
         let mut opt =
-            Optimizer::with_shapes(&named, shapes, hp(), sharding, &*pg, 25.0, Kind::Float)
+            Optimizer::with_sharding(&named, table, hp(), sharding, &*pg, 25.0, Kind::Float)
                 .unwrap();
         if stage3 {
             for (n, _) in &named {
-                let part = Split::of(n).shard(&full(n), mesh.tensor_rank(), c.tp);
+                let split = table.split(n).unwrap();
+                let part = split.shard(&full(n), mesh.tensor_rank(), c.tp);
                 opt.set_initial(n, &part).unwrap();
             }
         }
@@ -662,8 +657,9 @@ fn check_steps(c: Layout) {
             "{c:?}: every rank has the same norm, bit for bit"
         );
     }
+    let table = Parameters::llama(&shape(256, false));
     for (i, (name, want)) in want.iter().enumerate() {
-        let split = Split::of(name);
+        let split = table.split(name).unwrap();
         for d in 0..c.data {
             let group = &runs[d * c.tp..(d + 1) * c.tp];
             let parts: Vec<Tensor> = group.iter().map(|r| r.0[i].1.shallow_clone()).collect();

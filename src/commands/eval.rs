@@ -204,7 +204,10 @@ pub fn evaluate_windows(
                 .to_device(device);
             let x = rows.narrow(1, 0, ctx as i64);
             let y = rows.narrow(1, 1, ctx as i64);
-            let mean = model.loss(&x, &y).double_value(&[]);
+            // Validation's loss, as training computes it.
+            let mean = model
+                .loss_units(&x, &y, None, &mut crate::model::NoEvents)?
+                .double_value(&[]);
             sum += mean * (n * ctx) as f64;
             first += n as u64;
         }

@@ -1,6 +1,7 @@
-//! Forward and backward of one micro-batch, a decoder layer at a time: activation
-//! checkpointing, the chunked LM head + cross-entropy, and a callback when a unit's gradients
-//! are final.
+//! Forward and backward of one micro-batch, a decoder half at a time, on one rank and on a
+//! tensor-parallel one alike (the group's operators are identities on one rank,
+//! tensor_parallel.rs): activation checkpointing, the chunked LM head + cross-entropy
+//! (head.rs), and a callback when a unit's gradients are final.
 //!
 //! ## Design note: why layer by layer in Rust, not a C++ checkpoint function
 //! libtorch's C++ API has no activation checkpointing (`torch.utils.checkpoint` is Python; the
@@ -24,8 +25,18 @@
 //! threads; tests in tests/activation_memory.rs, fp32 and bf16, GQA, tied and untied), and
 //! the time it costs is the recomputation itself (BENCHMARKS.md, section 6).
 //!
+//! ## A decoder half's graph
+//! A layer is two halves, `x + B(f(norm(x)))` each (attention, then the MLP; `Llama::half`).
+//! On one rank a half's graph is whole, from its input (a leaf) to its output, and its backward
+//! is one `backward_from`. On a tensor-parallel rank it is cut around the group's collectives:
+//! the norm's graph from the input (a leaf), the matmuls' from the gathered tokens (a leaf),
+//! and the residual added outside both; the collectives run between the two `backward_from`s.
+//! Cutting one rank's layer at the half costs nothing: the gradient that reaches the middle
+//! leaf is the one autograd would have carried there, summed in the same order, so every mode
+//! below gives bitwise the gradients of one whole backward through the layer.
+//!
 //! ## What each mode keeps (per decoder layer, between the forward and its backward)
-//! - `none`: the graph autograd builds — every tensor the layer's ops save.
+//! - `none`: both halves' graphs — every tensor the layer's ops save.
 //! - `full`: the layer's input, [batch, seq, hidden] fp32. The layer runs forward without a
 //!   graph and again, with one, during backward.
 //! - `selective`: the attention half's graph (input RMSNorm's input and output, q/k/v after
@@ -34,41 +45,50 @@
 //!   product, the down projection) runs without a graph and again, with one, during backward.
 //!   It keeps about a third of `none`'s tensors and recomputes no attention.
 //!
-//! ## The chunked LM head
-//! The final RMSNorm's output is kept once ([tokens, hidden] fp32). The LM head and the
-//! cross-entropy run on `loss_chunk_tokens` tokens at a time, without an autograd graph: a
-//! chunk's logits are computed, reduced to its summed loss and turned into their gradient in
-//! the same buffer (softmax − one-hot, what log-softmax + NLL's backward gives), the gradient
-//! for its rows of the hidden states is written into a [tokens, hidden] buffer and the head
-//! weight's gradient added in place; then the backward continues from that buffer into the
-//! final norm and the decoder. The loss is the sum over chunks divided by the number of targets
-//! (not -100), the same mean as one cross-entropy over all tokens (within 1e-6 in fp32; with
-//! bf16 the head weight's gradient differs at bf16 resolution).
-//!
 //! ## Order of the units whose gradients become final ([`GradUnit`])
 //! `LmHead` (untied only) → `FinalNorm` → `Layer(L-1)` → … → `Layer(0)` → `Embedding`. With
 //! tied embeddings there is no `LmHead` unit: the LM head's gradient lands in
 //! `model.embed_tokens.weight`, which is final only at `Embedding`.
 
 use anyhow::Result;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::autograd::{backward_from, grad_of, leaf};
 use super::documents::DocumentMask;
-use super::llama::Llama;
-use super::units::{chunks, wide, GradUnit, UnitEvents};
+use super::llama::{Half, Llama, Rows};
+use super::units::{GradUnit, UnitEvents};
 pub use crate::config::ActivationCheckpointing;
 use crate::sys::phase::{self, Phase};
 
-/// What a decoder layer keeps between its forward and its backward.
+/// A decoder half's graph, kept for its backward.
+enum HalfGraph {
+    /// One rank: the whole graph, from the half's input (a leaf) to its output.
+    Whole {
+        half: Half,
+        input: Tensor,
+        output: Tensor,
+    },
+    /// A tensor-parallel rank: the norm's graph from the input (a leaf) to the normed tokens,
+    /// and the matmuls' from the tokens they read (gathered, a leaf) to the rank's partial
+    /// output; the collectives between them and the residual are outside both.
+    Cut {
+        half: Half,
+        input: Tensor,
+        normed: Tensor,
+        gathered: Tensor,
+        partial: Tensor,
+    },
+}
+
+/// What a decoder layer keeps between its forward and its backward
+/// (`training.activation_checkpointing`).
 enum Kept {
-    /// `none`: the layer's graph, from its input (a leaf) to its output.
-    Graph { input: Tensor, output: Tensor },
-    /// `full`: the layer's input, without a graph.
+    /// `none`: both halves' graphs.
+    Graphs(HalfGraph, HalfGraph),
+    /// `full`: the layer's input (this rank's tokens).
     Input(Tensor),
-    /// `selective`: the attention half's graph, from the input (a leaf) to the residual after
-    /// attention.
-    Attention { input: Tensor, middle: Tensor },
+    /// `selective`: the attention half's graph and its output, the MLP half's input.
+    Attention(HalfGraph, Tensor),
 }
 
 impl Llama {
@@ -80,10 +100,12 @@ impl Llama {
     /// from it stops the pass; `units.before`/`after` bracket every use of a unit's parameters.
     /// Returns the unscaled mean loss (0-dim fp32, no graph).
     ///
-    /// With context parallelism every rank of the group passes the same rows and computes on
-    /// its chunks of them: the loss is the whole sequence's mean, and each rank's gradients are
-    /// C times its tokens' part of that mean's, so that the group's mean is the gradient (as
-    /// for data-parallel ranks, which the optimizer averages over together with them).
+    /// A tensor-parallel rank's gradients are those of its parts (the norm weights' partial
+    /// sums with sequence parallelism, tensor_parallel.rs), its loss the group's. With context
+    /// parallelism every rank of the group passes the same rows and computes on its chunks of
+    /// them: the loss is the whole sequence's mean, and each rank's gradients are C times its
+    /// tokens' part of that mean's, so that the group's mean is the gradient (as for
+    /// data-parallel ranks, which the optimizer averages over together with them).
     pub fn forward_backward(
         &self,
         inputs: &Tensor,
@@ -110,18 +132,16 @@ impl Llama {
         loss_scale: f64,
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
-        if self.tp.is_some() {
-            return self.forward_backward_split(inputs, targets, docs, loss_scale, units);
-        }
+        let rows = Rows::of(inputs);
         phase::enter(Phase::Forward);
         units.before(GradUnit::Embedding)?;
-        let embedded = self.embed(inputs);
+        let embedded = self.embed_local(inputs);
+        let mut x = self.leave(&embedded.detach())?;
         units.after(GradUnit::Embedding)?;
-        let mut x = embedded.detach();
         let mut kept = Vec::with_capacity(self.num_layers());
         for i in 0..self.num_layers() {
             units.before(GradUnit::Layer(i))?;
-            let (k, out) = self.layer_forward(&x, i, docs)?;
+            let (k, out) = self.layer_forward(&x, i, docs, rows)?;
             units.after(GradUnit::Layer(i))?;
             kept.push(k);
             x = out;
@@ -132,7 +152,7 @@ impl Llama {
         for (i, k) in kept.into_iter().enumerate().rev() {
             phase::enter(Phase::Backward);
             units.before(GradUnit::Layer(i))?;
-            grad = self.layer_backward(k, i, &grad, docs)?;
+            grad = self.layer_backward(k, i, &grad, docs, rows)?;
             units.grads_final(GradUnit::Layer(i))?;
             units.after(GradUnit::Layer(i))?;
         }
@@ -140,7 +160,7 @@ impl Llama {
         // The embedding's backward reads no weight, but its gradient must meet a parameter of
         // its full shape.
         units.before(GradUnit::Embedding)?;
-        backward_from(&embedded, &grad)?;
+        backward_from(&embedded, &self.leave_grad(&grad)?)?;
         units.grads_final(GradUnit::Embedding)?;
         units.after(GradUnit::Embedding)?;
         Ok(loss)
@@ -170,236 +190,130 @@ impl Llama {
         order
     }
 
-    /// Layer `i`'s forward on the residual stream `x` (no history): what it keeps for its
-    /// backward, and its output (no history).
+    /// Layer `i`'s forward on this rank's residual stream `x` (no history): what it keeps for
+    /// its backward, and its output (no history).
     fn layer_forward(
         &self,
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
+        rows: Rows,
     ) -> Result<(Kept, Tensor)> {
         Ok(match self.activation_memory().checkpointing {
             ActivationCheckpointing::None => {
-                let input = leaf(x);
-                let output = self.decoder_layer(&input, i, docs)?;
-                let next = output.detach();
-                (Kept::Graph { input, output }, next)
+                let (a, mid) = self.half_forward(Half::Attention, x, i, docs, rows)?;
+                let (m, out) = self.half_forward(Half::Mlp, &mid, i, docs, rows)?;
+                (Kept::Graphs(a, m), out)
             }
             ActivationCheckpointing::Full => {
-                let next = tch::no_grad(|| self.decoder_layer(x, i, docs))?;
-                (Kept::Input(x.shallow_clone()), next)
+                let out = tch::no_grad(|| -> Result<Tensor> {
+                    let mid = self.half(Half::Attention, x, i, docs, rows)?;
+                    self.half(Half::Mlp, &mid, i, docs, rows)
+                })?;
+                (Kept::Input(x.shallow_clone()), out)
             }
             ActivationCheckpointing::Selective => {
-                let input = leaf(x);
-                let middle = self.attention_block(&input, i, docs)?;
-                let next = tch::no_grad(|| self.mlp_block(&middle, i));
-                (Kept::Attention { input, middle }, next)
+                let (a, mid) = self.half_forward(Half::Attention, x, i, docs, rows)?;
+                let out = tch::no_grad(|| self.half(Half::Mlp, &mid, i, docs, rows))?;
+                (Kept::Attention(a, mid), out)
             }
         })
     }
 
     /// Layer `i`'s backward: the gradient w.r.t. its output in, w.r.t. its input out; its
-    /// parameters' gradients accumulate on the way (recomputing what was not kept). With
-    /// context parallelism the graph from the input ends at the attention output and the
-    /// attention's own backward (`finish_attention`) continues it from there; the input's
-    /// gradient is complete after both.
+    /// parameters' gradients accumulate on the way (recomputing what was not kept).
     fn layer_backward(
         &self,
         kept: Kept,
         i: usize,
         grad: &Tensor,
         docs: Option<&DocumentMask>,
+        rows: Rows,
     ) -> Result<Tensor> {
-        match kept {
-            Kept::Graph { input, output } => {
-                backward_from(&output, grad)?;
-                self.finish_attention()?;
-                grad_of(&input)
-            }
+        let (attention, mlp) = match kept {
+            Kept::Graphs(a, m) => (a, m),
             Kept::Input(x) => {
-                let input = leaf(&x);
-                let output = self.decoder_layer(&input, i, docs)?;
-                backward_from(&output, grad)?;
-                self.finish_attention()?;
-                grad_of(&input)
+                let (a, mid) = self.half_forward(Half::Attention, &x, i, docs, rows)?;
+                (a, self.half_forward(Half::Mlp, &mid, i, docs, rows)?.0)
             }
-            Kept::Attention { input, middle } => {
-                let mid = leaf(&middle);
-                let output = self.mlp_block(&mid, i);
-                backward_from(&output, grad)?;
-                backward_from(&middle, &grad_of(&mid)?)?;
-                self.finish_attention()?;
-                grad_of(&input)
-            }
-        }
-    }
-
-    /// Final norm, LM head and cross-entropy on the decoder's output `x` (no history), forward
-    /// and backward, chunk by chunk. Returns the mean loss and the gradient w.r.t. `x`.
-    ///
-    /// No autograd graph is built for the head: a chunk's logits are turned into their
-    /// cross-entropy and, in the same buffer, its gradient (`cross_entropy_in_place`), and the
-    /// head's two matmuls are done here — the weight cast to the compute dtype once per
-    /// micro-batch, not per chunk, and each chunk's weight gradient added into the parameter's
-    /// gradient in place (`addmm_` in fp32) rather than materialised as a [vocab, hidden]
-    /// tensor per chunk. A chunk then needs one [tokens, vocab] fp32 buffer (plus its compute
-    /// dtype copy with bf16) where autograd's log-softmax and its two gradients needed three.
-    fn head_forward_backward(
-        &self,
-        x: &Tensor,
-        targets: &Tensor,
-        loss_scale: f64,
-        units: &mut dyn UnitEvents,
-    ) -> Result<(Tensor, Tensor)> {
-        units.before(GradUnit::FinalNorm)?;
-        units.before(self.head_unit())?;
-        let top = leaf(x);
-        let normed = self.final_norm(&top);
-        let hidden = normed.detach().view([-1, normed.size()[2]]);
-        let targets = targets.reshape([-1]);
-        let count = self.counted_targets(&targets)?;
-        // d(loss_scale · Σ chunk sums / count) / d(chunk sum).
-        let compute = self.compute();
-        let kind = wide(compute);
-        let grad_scale = (loss_scale * self.gradient_share() / &count).to_kind(kind);
-        let weight = self.head_weight();
-        let grad_hidden = hidden.empty_like();
-        let mut head_grad = HeadGradient::new(weight, kind);
-        let mut loss_sum = Tensor::zeros([], (kind, x.device()));
-        tch::no_grad(|| -> Result<()> {
-            let w = weight.to_kind(compute);
-            for (start, len) in chunks(hidden.size()[0], self.activation_memory().loss_chunk_tokens)
-            {
-                phase::enter(Phase::Forward);
-                let rows = hidden.narrow(0, start, len).to_kind(compute);
-                let logits = rows.matmul(&w.tr()).to_kind(kind);
-                let (sum, d_logits) =
-                    cross_entropy_in_place(logits, &targets.narrow(0, start, len), &grad_scale);
-                loss_sum += sum / &count;
-                phase::enter(Phase::Backward);
-                let d_logits = d_logits.to_kind(compute);
-                grad_hidden
-                    .narrow(0, start, len)
-                    .copy_(&d_logits.matmul(&w));
-                head_grad.add(&d_logits, &rows);
-            }
-            Ok(())
-        })?;
-        head_grad.finish()?;
-        if !self.tied() {
-            units.grads_final(GradUnit::LmHead)?;
-        }
-        units.after(self.head_unit())?;
-        backward_from(&normed, &grad_hidden.view_as(&normed))?;
-        units.grads_final(GradUnit::FinalNorm)?;
-        units.after(GradUnit::FinalNorm)?;
-        Ok((self.sequence_loss(loss_sum)?, grad_of(&top)?))
-    }
-}
-
-/// The LM head weight's gradient over a micro-batch's chunks, added chunk by chunk without an
-/// autograd graph: in place into the parameter's `.grad` (`addmm_` when the chunks are in the
-/// gradient's dtype), or, before the parameter has one, into this micro-batch's own sum, which
-/// autograd turns into `.grad` at the end. No [vocab, hidden] tensor per chunk.
-pub(super) struct HeadGradient<'w> {
-    weight: &'w Tensor,
-    /// The gradient's dtype (fp32; fp64 for an fp64 model).
-    kind: Kind,
-    /// This micro-batch's sum, when the parameter had no gradient yet.
-    fresh: Option<Tensor>,
-}
-
-impl<'w> HeadGradient<'w> {
-    pub(super) fn new(weight: &'w Tensor, kind: Kind) -> Self {
-        HeadGradient {
-            weight,
-            kind,
-            fresh: None,
-        }
-    }
-
-    /// Adds d_logitsᵀ · rows of one chunk (both in the compute dtype). Under `no_grad`.
-    pub(super) fn add(&mut self, d_logits: &Tensor, rows: &Tensor) {
-        let accumulated = self.weight.grad();
-        let into = if accumulated.defined() {
-            Some(accumulated)
-        } else {
-            self.fresh.as_ref().map(Tensor::shallow_clone)
+            Kept::Attention(a, mid) => (a, self.half_forward(Half::Mlp, &mid, i, docs, rows)?.0),
         };
-        match into {
-            Some(mut g) if d_logits.kind() == self.kind => {
-                let _ = g.addmm_(&d_logits.tr(), rows);
+        let grad = self.half_backward(mlp, grad)?;
+        self.half_backward(attention, &grad)
+    }
+
+    /// Half `half` of layer `i` on this rank's tokens `x` (no history), with the graph its
+    /// backward needs: that graph, and the half's output (no history).
+    fn half_forward(
+        &self,
+        half: Half,
+        x: &Tensor,
+        i: usize,
+        docs: Option<&DocumentMask>,
+        rows: Rows,
+    ) -> Result<(HalfGraph, Tensor)> {
+        let input = leaf(x);
+        if self.tp.is_none() {
+            let output = self.half(half, &input, i, docs, rows)?;
+            let next = output.detach();
+            return Ok((
+                HalfGraph::Whole {
+                    half,
+                    input,
+                    output,
+                },
+                next,
+            ));
+        }
+        let layer = &self.layers[i];
+        let normed = self.rms_norm(&input, self.half_norm(half, layer));
+        let gathered = leaf(&self.matmul_input(&normed.detach())?);
+        let partial = self.half_matmuls(half, &gathered, layer, docs, rows)?;
+        let next = x + self.leave(&partial.detach())?;
+        let graph = HalfGraph::Cut {
+            half,
+            input,
+            normed,
+            gathered,
+            partial,
+        };
+        Ok((graph, next))
+    }
+
+    /// A half's backward: the gradient w.r.t. its output in, w.r.t. its input out. With
+    /// context parallelism the attention half's graph ends at the attention output, and the
+    /// attention's own backward (`finish_attention`) continues it from there.
+    fn half_backward(&self, graph: HalfGraph, grad: &Tensor) -> Result<Tensor> {
+        match graph {
+            HalfGraph::Whole {
+                half,
+                input,
+                output,
+            } => {
+                backward_from(&output, grad)?;
+                if half == Half::Attention {
+                    self.finish_attention()?;
+                }
+                grad_of(&input)
             }
-            Some(mut g) => g += d_logits.tr().matmul(rows),
-            None => self.fresh = Some(d_logits.tr().matmul(rows).to_kind(self.kind)),
+            HalfGraph::Cut {
+                half,
+                input,
+                normed,
+                gathered,
+                partial,
+            } => {
+                // In the partial output's dtype (the compute dtype): the cast one rank's
+                // autograd makes too, before the gather rather than after it, so bf16 travels.
+                let d_partial = self.leave_grad(&grad.to_kind(partial.kind()))?;
+                backward_from(&partial, &d_partial)?;
+                if half == Half::Attention {
+                    self.finish_attention()?;
+                }
+                let d_normed = self.enter_grad(&grad_of(&gathered)?)?;
+                backward_from(&normed, &d_normed.to_kind(normed.kind()))?;
+                Ok(grad_of(&input)? + grad)
+            }
         }
-    }
-
-    /// After the last chunk: the parameter's first gradient, if this was it, handed to
-    /// autograd, which creates `.grad` from it.
-    pub(super) fn finish(self) -> Result<()> {
-        match self.fresh {
-            Some(g) => backward_from(&self.weight.view_as(self.weight), &g),
-            None => Ok(()),
-        }
-    }
-}
-
-/// Cross-entropy of fp32 `logits` [n, vocab] against `targets` [n] (-100 = ignored), summed
-/// over the rows, and its gradient times `grad_scale` (0-dim), computed in the logits' own
-/// buffer: with m the row maximum and s = Σ exp(x − m), the loss of a row is m + ln s − x_t and
-/// its gradient exp(x − m)/s − onehot(t) — what log-softmax + NLL and their backward compute,
-/// without their two extra [n, vocab] tensors.
-fn cross_entropy_in_place(
-    logits: Tensor,
-    targets: &Tensor,
-    grad_scale: &Tensor,
-) -> (Tensor, Tensor) {
-    let kind = logits.kind();
-    let valid = targets.ne(-100).to_kind(kind).unsqueeze(1);
-    let target = targets.clamp_min(0).unsqueeze(1);
-    let picked = logits.gather(1, &target, false);
-    let max = logits.amax([1].as_slice(), true);
-    let mut e = logits;
-    let _ = e.g_sub_(&max).exp_();
-    let sum = e.sum_dim_intlist([1].as_slice(), true, kind);
-    let loss = ((&max + sum.log() - picked) * &valid).sum(kind);
-    let _ = e.g_div_(&sum);
-    let _ = e.scatter_add_(1, &target, &(-&valid));
-    let _ = e.g_mul_(&(valid * grad_scale));
-    (loss, e)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_cover_every_row_once() {
-        let c: Vec<_> = chunks(10, 4).collect();
-        assert_eq!(c, [(0, 4), (4, 4), (8, 2)]);
-        assert_eq!(chunks(10, 0).collect::<Vec<_>>(), [(0, 10)]);
-        assert_eq!(chunks(10, 64).collect::<Vec<_>>(), [(0, 10)]);
-    }
-
-    #[test]
-    fn every_parameter_name_has_a_unit() {
-        assert_eq!(
-            GradUnit::of_parameter("model.layers.12.mlp.up_proj.weight"),
-            Some(GradUnit::Layer(12))
-        );
-        assert_eq!(
-            GradUnit::of_parameter("lm_head.weight"),
-            Some(GradUnit::LmHead)
-        );
-        assert_eq!(
-            GradUnit::of_parameter("model.norm.weight"),
-            Some(GradUnit::FinalNorm)
-        );
-        assert_eq!(
-            GradUnit::of_parameter("model.embed_tokens.weight"),
-            Some(GradUnit::Embedding)
-        );
-        assert_eq!(GradUnit::of_parameter("model.other"), None);
     }
 }

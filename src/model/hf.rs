@@ -292,36 +292,7 @@ pub fn load_model(
 /// Every tensor a Hugging Face Llama of `shape` holds, in HF order, with its shape (no lm_head
 /// when tied).
 pub fn expected_tensors(shape: &LlamaShape) -> Vec<(String, Vec<i64>)> {
-    let s = shape;
-    let (d, hd, f) = (
-        s.hidden_size as i64,
-        s.head_dim() as i64,
-        s.intermediate_size as i64,
-    );
-    let (q, kv) = (s.num_heads as i64 * hd, s.num_kv_heads as i64 * hd);
-    let mut v = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![s.vocab_size as i64, d],
-    )];
-    for i in 0..s.num_layers {
-        let p = format!("model.layers.{i}");
-        v.extend([
-            (format!("{p}.input_layernorm.weight"), vec![d]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, d]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, d]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, d]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![d, q]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![d]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![f, d]),
-            (format!("{p}.mlp.up_proj.weight"), vec![f, d]),
-            (format!("{p}.mlp.down_proj.weight"), vec![d, f]),
-        ]);
-    }
-    v.push(("model.norm.weight".to_string(), vec![d]));
-    if !s.tie_word_embeddings {
-        v.push(("lm_head.weight".to_string(), vec![s.vocab_size as i64, d]));
-    }
-    v
+    super::Parameters::llama(shape).shapes()
 }
 
 /// The weights of a Hugging Face directory (single file or shards), read tensor by tensor from

@@ -7,15 +7,19 @@
 //! of the weights and activations (autocast semantics), while RMSNorm statistics, the residual
 //! stream and the loss stay fp32.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use tch::nn::{Init, Path};
 use tch::{Kind, Reduction, Tensor};
 
 use super::context_parallel::ContextParallel;
 use super::documents::DocumentMask;
 use super::flash;
+use super::params::Parameters;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
-use super::split::{Split, TensorParallel};
+use super::split::TensorParallel;
 use super::units::{
     chunks, counted_targets, wide, ActivationMemory, GradUnit, NoEvents, UnitEvents,
 };
@@ -30,6 +34,32 @@ pub(super) struct Layer {
     pub(super) gate_proj: Tensor,
     pub(super) up_proj: Tensor,
     pub(super) down_proj: Tensor,
+}
+
+/// A decoder layer's two halves, each `x + B(norm(x))`: attention, then the SwiGLU MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Half {
+    Attention,
+    Mlp,
+}
+
+/// A micro-batch's rows: batch and sequence length (a tensor-parallel rank's residual stream
+/// is flat tokens; attention needs the rows).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rows {
+    pub(super) batch: i64,
+    pub(super) seq: i64,
+}
+
+impl Rows {
+    /// The rows of token ids [batch, seq].
+    pub(super) fn of(tokens: &Tensor) -> Rows {
+        let size = tokens.size();
+        Rows {
+            batch: size[0],
+            seq: size[1],
+        }
+    }
 }
 
 pub struct Llama {
@@ -52,6 +82,8 @@ pub struct Llama {
     /// Context parallelism: this rank's place in its group, the group's collectives and the
     /// micro-batch in flight.
     pub(super) cp: Option<ContextParallel>,
+    /// Every parameter: name, whole shape, initialisation, split, unit.
+    parameters: Arc<Parameters>,
 }
 
 /// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
@@ -106,29 +138,15 @@ pub fn init_parameter(dims: &[i64], init: Init, device: tch::Device) -> Tensor {
     tch::nn::init(init, dims, device)
 }
 
-/// `<p>.<name>.weight`, made by `make` and registered in the VarStore as trainable.
-fn weight(p: &Path, name: &str, dims: &[i64], init: Init, make: &mut MakeParameter) -> Tensor {
-    let p = p / name;
-    let value = make(&p.path("weight"), dims, init);
-    p.add("weight", value, true)
-}
-
-fn linear_weight(
-    p: &Path,
-    name: &str,
-    (out, inp): (usize, usize),
-    std: f64,
-    make: &mut MakeParameter,
-) -> Tensor {
-    let init = Init::Randn {
-        mean: 0.0,
-        stdev: std,
-    };
-    weight(p, name, &[out as i64, inp as i64], init, make)
-}
-
-fn norm_weight(p: &Path, name: &str, dim: usize, make: &mut MakeParameter) -> Tensor {
-    weight(p, name, &[dim as i64], Init::Const(1.0), make)
+/// The parameter `name` (dotted, HF) with `value`, registered in the VarStore under `root` as
+/// trainable.
+fn register(root: &Path, name: &str, value: Tensor) -> Tensor {
+    let (path, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+    let p = path
+        .split('.')
+        .filter(|c| !c.is_empty())
+        .fold(root.clone(), |p, c| &p / c);
+    p.add(leaf, value, true)
 }
 
 impl Llama {
@@ -171,22 +189,7 @@ impl Llama {
             (shape.num_heads, shape.num_kv_heads, shape.intermediate_size),
             "the model",
         )?;
-        let (rank, size) = (tp.rank, tp.size);
-        let mut split = |name: &str, dims: &[i64], init: Init| -> Tensor {
-            let full = make(name, dims, init);
-            if full.numel() == 0 {
-                return full;
-            }
-            Split::of(name).shard(&full, rank, size)
-        };
-        Ok(Self::build(
-            root,
-            shape,
-            max_seq,
-            compute,
-            Some(tp),
-            &mut split,
-        ))
+        Ok(Self::build(root, shape, max_seq, compute, Some(tp), make))
     }
 
     fn build(
@@ -198,32 +201,47 @@ impl Llama {
         make: &mut MakeParameter,
     ) -> Llama {
         let s = shape;
-        let std = s.init_std;
-        let (d, hd) = (s.hidden_size, s.head_dim());
-        let (h, kv, f) = (s.num_heads * hd, s.num_kv_heads * hd, s.intermediate_size);
-        let model = root / "model";
-        let embed_tokens = linear_weight(&model, "embed_tokens", (s.vocab_size, d), std, make);
+        let table = Arc::new(Parameters::llama(s));
+        // Each parameter made whole, in the table's order (the random draws'), and kept whole
+        // or as this rank's part of it; a placeholder without elements (zero stage 3) as it is.
+        let mut made: HashMap<String, Tensor> = table
+            .iter()
+            .map(|p| {
+                let mut value = make(&p.name, &p.shape, p.init);
+                if let (Some(tp), true) = (&tp, value.numel() > 0) {
+                    value = p.split.shard(&value, tp.rank, tp.size);
+                }
+                (p.name.clone(), register(root, &p.name, value))
+            })
+            .collect();
+        let mut take = |name: &str| {
+            made.remove(name)
+                .unwrap_or_else(|| panic!("internal: {name} is not in Llama's table"))
+        };
+        let embed_tokens = take("model.embed_tokens.weight");
         let layers = (0..s.num_layers)
             .map(|i| {
-                let l = &model / "layers" / i;
-                let attn = &l / "self_attn";
-                let mlp = &l / "mlp";
+                let mut at = |name: &str| take(&format!("model.layers.{i}.{name}.weight"));
                 Layer {
-                    input_layernorm: norm_weight(&l, "input_layernorm", d, make),
-                    q_proj: linear_weight(&attn, "q_proj", (h, d), std, make),
-                    k_proj: linear_weight(&attn, "k_proj", (kv, d), std, make),
-                    v_proj: linear_weight(&attn, "v_proj", (kv, d), std, make),
-                    o_proj: linear_weight(&attn, "o_proj", (d, h), std, make),
-                    post_attention_layernorm: norm_weight(&l, "post_attention_layernorm", d, make),
-                    gate_proj: linear_weight(&mlp, "gate_proj", (f, d), std, make),
-                    up_proj: linear_weight(&mlp, "up_proj", (f, d), std, make),
-                    down_proj: linear_weight(&mlp, "down_proj", (d, f), std, make),
+                    input_layernorm: at("input_layernorm"),
+                    q_proj: at("self_attn.q_proj"),
+                    k_proj: at("self_attn.k_proj"),
+                    v_proj: at("self_attn.v_proj"),
+                    o_proj: at("self_attn.o_proj"),
+                    post_attention_layernorm: at("post_attention_layernorm"),
+                    gate_proj: at("mlp.gate_proj"),
+                    up_proj: at("mlp.up_proj"),
+                    down_proj: at("mlp.down_proj"),
                 }
             })
             .collect();
-        let norm = norm_weight(&model, "norm", d, make);
-        let lm_head = (!s.tie_word_embeddings)
-            .then(|| linear_weight(root, "lm_head", (s.vocab_size, d), std, make));
+        let norm = take("model.norm.weight");
+        let lm_head = (!s.tie_word_embeddings).then(|| take("lm_head.weight"));
+        assert!(
+            made.is_empty(),
+            "internal: Llama's table holds parameters it does not use"
+        );
+        let hd = s.head_dim();
         let rope = Rope::new(hd, s.rope_theta, s.rope_scaling, max_seq, root.device());
         let parts = tp.as_ref().map_or(1, |t| t.size);
         Llama {
@@ -231,6 +249,7 @@ impl Llama {
             kv_heads: s.num_kv_heads / parts,
             tp,
             cp: None,
+            parameters: table,
             shape: s.clone(),
             embed_tokens,
             layers,
@@ -258,8 +277,9 @@ impl Llama {
         self.lm_head(&hidden.expect("no events, no errors"))
     }
 
-    /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads; `units`
-    /// hears of each unit's use as in `forward_backward`.
+    /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads, with a
+    /// graph when called with one (a whole model only); `units` hears of each unit's use as in
+    /// `forward_backward`.
     pub(super) fn hidden(
         &self,
         tokens: &Tensor,
@@ -267,21 +287,37 @@ impl Llama {
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
         anyhow::ensure!(
-            self.tp.is_none(),
-            "internal: logits of a tensor-parallel rank (its loss is `loss_with`)"
+            self.tp.is_none() && self.cp.is_none(),
+            "internal: logits of a tensor- or context-parallel rank (its loss is `loss_units`)"
         );
-        units.before(GradUnit::Embedding)?;
-        let mut x = self.embed(tokens);
-        units.after(GradUnit::Embedding)?;
-        for i in 0..self.layers.len() {
-            units.before(GradUnit::Layer(i))?;
-            x = self.decoder_layer(&x, i, docs)?;
-            units.after(GradUnit::Layer(i))?;
-        }
+        let x = self.stack(tokens, docs, units)?;
         units.before(GradUnit::FinalNorm)?;
         let normed = self.final_norm(&x);
         units.after(GradUnit::FinalNorm)?;
         Ok(normed)
+    }
+
+    /// The embedding and the decoder layers on this rank's tokens: the last layer's output,
+    /// before the final norm — [batch, seq, hidden] on one rank, this rank's tokens [n/T,
+    /// hidden] (all n of them without sequence parallelism) of a tensor-parallel one. With a
+    /// graph when called with one (one rank only: a split model's graph is cut, backward.rs).
+    pub(super) fn stack(
+        &self,
+        tokens: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<Tensor> {
+        let rows = Rows::of(tokens);
+        units.before(GradUnit::Embedding)?;
+        let mut x = self.leave(&self.embed_local(tokens))?;
+        units.after(GradUnit::Embedding)?;
+        for i in 0..self.layers.len() {
+            units.before(GradUnit::Layer(i))?;
+            let mid = self.half(Half::Attention, &x, i, docs, rows)?;
+            x = self.half(Half::Mlp, &mid, i, docs, rows)?;
+            units.after(GradUnit::Layer(i))?;
+        }
+        Ok(x)
     }
 
     /// The token embeddings [batch, seq, hidden] (fp32) of ids [batch, seq]: the residual stream.
@@ -296,33 +332,56 @@ impl Llama {
         Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(wide(self.compute))
     }
 
-    /// Decoder layer `i` on the residual stream `x` (`docs`: the rows' documents, if packed).
-    pub(super) fn decoder_layer(
+    /// Half `half` of decoder layer `i` on the residual stream `x`: `x + B(f(norm(x)))`, B the
+    /// half's matmuls (attention or the MLP) and f the tokens they read — `norm(x)` itself on
+    /// one rank, all of the micro-batch's on a tensor-parallel rank, whose partial output the
+    /// group then sums (g, `leave`). `x` is [batch, seq, hidden] on one rank, this rank's
+    /// tokens [n/T, hidden] (or [n, hidden]) of a split model, whose graph this does not cut:
+    /// call it without one there (the training pass's split half is `half_forward`).
+    pub(super) fn half(
         &self,
+        half: Half,
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
-    ) -> anyhow::Result<Tensor> {
-        Ok(self.mlp_block(&self.attention_block(x, i, docs)?, i))
-    }
-
-    /// `x` + attention(RMSNorm(x)) of layer `i`: the first half of a decoder layer.
-    pub(super) fn attention_block(
-        &self,
-        x: &Tensor,
-        i: usize,
-        docs: Option<&DocumentMask>,
+        rows: Rows,
     ) -> anyhow::Result<Tensor> {
         let layer = &self.layers[i];
-        let h = self.rms_norm(x, &layer.input_layernorm);
+        let normed = self.rms_norm(x, self.half_norm(half, layer));
+        let partial = self.half_matmuls(half, &self.matmul_input(&normed)?, layer, docs, rows)?;
         // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor autograd
         // saved for backward.
-        Ok(x + self.attention(&h, layer, docs)?)
+        Ok(x + self.leave(&partial)?)
     }
-    /// `x` + SwiGLU(RMSNorm(x)) of layer `i`: the second half of a decoder layer.
-    pub(super) fn mlp_block(&self, x: &Tensor, i: usize) -> Tensor {
-        let layer = &self.layers[i];
-        x + self.mlp(&self.rms_norm(x, &layer.post_attention_layernorm), layer)
+
+    /// A half's matmuls on the normed tokens it reads (`matmul_input`): its (partial) output,
+    /// in their shape. A split model's tokens are flat [n, hidden]; attention takes them as
+    /// `rows`.
+    pub(super) fn half_matmuls(
+        &self,
+        half: Half,
+        h: &Tensor,
+        layer: &Layer,
+        docs: Option<&DocumentMask>,
+        rows: Rows,
+    ) -> anyhow::Result<Tensor> {
+        Ok(match half {
+            Half::Attention if h.dim() == 3 => self.attention(h, layer, docs)?,
+            Half::Attention => {
+                let d = h.size()[1];
+                let rows = h.view([rows.batch, rows.seq, d]);
+                self.attention(&rows, layer, docs)?.view([-1, d])
+            }
+            Half::Mlp => self.mlp(h, layer),
+        })
+    }
+
+    /// The RMSNorm weight in front of a half.
+    pub(super) fn half_norm<'a>(&self, half: Half, layer: &'a Layer) -> &'a Tensor {
+        match half {
+            Half::Attention => &layer.input_layernorm,
+            Half::Mlp => &layer.post_attention_layernorm,
+        }
     }
 
     /// SwiGLU of the normed `h`: down(silu(gate(h)) * up(h)).
@@ -349,6 +408,11 @@ impl Llama {
     /// The dtype the matmuls run in.
     pub(super) fn compute(&self) -> Kind {
         self.compute
+    }
+
+    /// The model's parameter table.
+    pub fn parameters(&self) -> &Arc<Parameters> {
+        &self.parameters
     }
 
     /// Whether the LM head is the embedding matrix (no separate `lm_head.weight`).
@@ -381,20 +445,24 @@ impl Llama {
             cache.layers.first().map_or(b, |(k, _)| k.size()[0]),
             "batch size differs from the cache's"
         );
+        let rows = Rows::of(tokens);
         let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
         for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter()).enumerate() {
             let h = self.rms_norm(&x, &layer.input_layernorm);
-            x = self.mlp_block(&(&x + self.attention_cached(&h, layer, kv, pos)), i);
+            let mid = &x + self.attention_cached(&h, layer, kv, pos);
+            x = self
+                .half(Half::Mlp, &mid, i, None, rows)
+                .expect("a whole model's MLP");
         }
         cache.len = pos + t;
         self.lm_head(&self.final_norm(&x))
     }
 
-    /// Mean next-token cross-entropy (fp32) of `inputs` [b, s] predicting `targets` [b, s]
-    /// (targets of -100 are ignored). The LM head runs in chunks of
-    /// `activation_memory().loss_chunk_tokens` tokens, so under `no_grad` (validation) the
-    /// [tokens, vocab] logits never exist at once; with a graph, every chunk's logits are kept
-    /// for backward. Training goes through `forward_backward` (backward.rs) instead.
+    /// Mean next-token cross-entropy (fp32) of a whole model's `inputs` [b, s] predicting
+    /// `targets` [b, s] (targets of -100 are ignored), through autograd: with a graph it is the
+    /// loss of one plain backward (the reference the training pass, `forward_backward`, is
+    /// tested against). The LM head runs in chunks of `activation_memory().loss_chunk_tokens`
+    /// tokens, each chunk's logits kept for backward. Validation goes through `loss_units`.
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         self.loss_with(inputs, targets, None)
     }
@@ -406,54 +474,25 @@ impl Llama {
         targets: &Tensor,
         docs: Option<&DocumentMask>,
     ) -> Tensor {
-        self.loss_units(inputs, targets, docs, &mut NoEvents)
-            .expect("no events, no errors")
-    }
-
-    /// `loss_with`, telling `units` of each unit's use (validation at zero stage 3).
-    pub fn loss_units(
-        &self,
-        inputs: &Tensor,
-        targets: &Tensor,
-        docs: Option<&DocumentMask>,
-        units: &mut dyn UnitEvents,
-    ) -> anyhow::Result<Tensor> {
-        if let Some(cp) = &self.cp {
-            let (inputs, targets) = cp.begin(inputs, targets, docs)?;
-            return self.loss_local(&inputs, &targets, None, units);
-        }
-        self.loss_local(inputs, targets, docs, units)
-    }
-
-    /// `loss_units` of the tokens this rank holds (with context parallelism, its chunks: the
-    /// mean is still the whole sequence's).
-    fn loss_local(
-        &self,
-        inputs: &Tensor,
-        targets: &Tensor,
-        docs: Option<&DocumentMask>,
-        units: &mut dyn UnitEvents,
-    ) -> anyhow::Result<Tensor> {
-        if self.tp.is_some() {
-            return self.loss_split(inputs, targets, docs, units);
-        }
-        let hidden = self.hidden(inputs, docs, units)?;
+        let hidden = self
+            .hidden(inputs, docs, &mut NoEvents)
+            .expect("a whole model's loss");
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
         let targets = targets.reshape([-1]);
-        let count = self.counted_targets(&targets)?;
         let mut total: Option<Tensor> = None;
-        units.before(self.head_unit())?;
         for (start, len) in chunks(flat.size()[0], self.memory.loss_chunk_tokens) {
             let (rows, t) = (flat.narrow(0, start, len), targets.narrow(0, start, len));
-            let part = self.chunk_cross_entropy(&rows, &t, Reduction::Sum);
+            let part = self
+                .lm_head(&rows)
+                .to_kind(Kind::Float)
+                .cross_entropy_loss::<Tensor>(&t, None, Reduction::Sum, -100, 0.0);
             total = Some(match total {
                 Some(t) => t + part,
                 None => part,
             });
         }
-        units.after(self.head_unit())?;
-        self.sequence_loss(total.expect("at least one token") / count)
+        total.expect("at least one token") / counted_targets(&targets)
     }
 
     /// The targets a mean divides by (not -100), as an fp32 tensor: this rank's, or with
@@ -481,19 +520,6 @@ impl Llama {
             Some(cp) => cp.sum(&part),
             None => Ok(part),
         }
-    }
-
-    /// Cross-entropy (fp32) of the logits of `hidden` [n, d] against `targets` [n] (-100
-    /// ignored): summed (`Reduction::Sum`, the loss) or per token ([n], `Reduction::None`).
-    pub(super) fn chunk_cross_entropy(
-        &self,
-        hidden: &Tensor,
-        targets: &Tensor,
-        reduction: Reduction,
-    ) -> Tensor {
-        self.lm_head(hidden)
-            .to_kind(Kind::Float)
-            .cross_entropy_loss::<Tensor>(targets, None, reduction, -100, 0.0)
     }
 
     /// How the training pass trades memory for compute (set from the config by the trainer).

@@ -1,7 +1,8 @@
 //! The LLaMA model: shape, RoPE, the decoder (with packed-document attention), the training
-//! pass (forward + backward a layer at a time, activation checkpointing, the chunked LM head,
-//! tensor and context parallelism), the log-likelihood of chosen tokens (multiple-choice
-//! evaluation), Hugging Face directories (load and write), and KV-cached generation.
+//! pass (forward + backward a decoder half at a time, activation checkpointing, tensor and
+//! context parallelism), the chunked LM head with its cross-entropy (training, validation and
+//! the log-likelihood of chosen tokens for multiple-choice evaluation), Hugging Face
+//! directories (load and write), and KV-cached generation.
 
 mod autograd;
 pub mod backward;
@@ -11,10 +12,11 @@ mod device_tests;
 pub mod documents;
 mod flash;
 pub mod generate;
+mod head;
 pub mod hf;
 pub mod llama;
+pub mod params;
 pub mod rope;
-mod score;
 pub mod shape;
 pub mod split;
 mod tensor_parallel;
@@ -24,6 +26,7 @@ pub use backward::ActivationCheckpointing;
 pub use context_parallel::ContextParallel;
 pub use documents::DocumentMask;
 pub use llama::{KvCache, Llama};
+pub use params::{Parameter, Parameters};
 pub use shape::{AttentionBackend, LlamaShape};
 pub use split::{Split, TensorParallel, TpComm};
 pub use units::{ActivationMemory, GradUnit, NoEvents, UnitEvents};

@@ -80,17 +80,6 @@ impl LlamaShape {
         self.attention_matrix_params() + self.mlp_matrix_params()
     }
 
-    /// Trainable parameters (the LM head counted once when tied).
-    pub fn num_parameters(&self) -> usize {
-        let d = self.hidden_size;
-        let head = if self.tie_word_embeddings {
-            0
-        } else {
-            self.vocab_size * d
-        };
-        self.vocab_size * d + self.num_layers * (self.layer_matrix_params() + 2 * d) + d + head
-    }
-
     /// Training FLOPs per token: 6 per matmul weight (forward + backward; the embedding lookup is
     /// no matmul, the LM head is) plus causal attention scores and values, 6·L·seq·d (PaLM's
     /// 12·L·seq·d halved by the causal mask).
@@ -98,43 +87,5 @@ impl LlamaShape {
         let d = self.hidden_size;
         let matmul = self.num_layers * self.layer_matrix_params() + self.vocab_size * d;
         6.0 * matmul as f64 + 6.0 * (self.num_layers * seq * d) as f64
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn llama31_8b() -> LlamaShape {
-        LlamaShape {
-            vocab_size: 128256,
-            hidden_size: 4096,
-            num_layers: 32,
-            num_heads: 32,
-            num_kv_heads: 8,
-            intermediate_size: 14336,
-            max_position_embeddings: 131072,
-            rope_theta: 500000.0,
-            rope_scaling: None,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: false,
-            init_std: 0.02,
-            attention: AttentionBackend::Sdpa,
-        }
-    }
-
-    #[test]
-    fn parameter_count_matches_llama_3_1_8b() {
-        // Meta's model card: 8.03B parameters.
-        assert_eq!(llama31_8b().num_parameters(), 8_030_261_248);
-    }
-
-    #[test]
-    fn flops_per_token_is_six_n_plus_attention() {
-        let s = llama31_8b();
-        let non_embedding =
-            s.num_parameters() - s.vocab_size * s.hidden_size - 32 * 2 * 4096 - 4096;
-        let expected = 6.0 * non_embedding as f64 + 6.0 * 32.0 * 8192.0 * 4096.0;
-        assert!((s.flops_per_token(8192) - expected).abs() / expected < 1e-12);
     }
 }

@@ -1,9 +1,10 @@
 //! How a model is split among the T ranks of a tensor-parallel group (`system.tensor_parallel`):
-//! each parameter's [`Split`], the group's collectives as the model sees them ([`TpComm`],
-//! implemented over a process group by the trainer), and the four operators between a
-//! decoder half's matmuls and the residual stream ([`TensorParallel`]: f and g in Megatron's
-//! terms, with and without sequence parallelism). The training pass of a split model is
-//! `tensor_parallel.rs`; the layout is described there.
+//! the kinds of [`Split`] a parameter has (each parameter's is in its model's table,
+//! params.rs), the group's collectives as the model sees them ([`TpComm`], implemented over a
+//! process group by the trainer), and the four operators between a decoder half's matmuls and
+//! the residual stream ([`TensorParallel`]: f and g in Megatron's terms, with and without
+//! sequence parallelism). The layout is described in tensor_parallel.rs; the training pass,
+//! one for every T, is backward.rs.
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -92,7 +93,8 @@ impl TensorParallel {
     }
 }
 
-/// How one parameter is split among the ranks of a tensor-parallel group.
+/// How one parameter is split among the ranks of a tensor-parallel group (each parameter's is
+/// in its model's table, `params.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
     /// Whole on every rank (the RMSNorm weights).
@@ -106,18 +108,6 @@ pub enum Split {
 }
 
 impl Split {
-    /// The split of the parameter with this Hugging Face name.
-    pub fn of(name: &str) -> Split {
-        let leaf = name.trim_end_matches(".weight");
-        let last = leaf.rsplit('.').next().unwrap_or(leaf);
-        match last {
-            "q_proj" | "k_proj" | "v_proj" | "gate_proj" | "up_proj" => Split::Rows,
-            "o_proj" | "down_proj" => Split::Columns,
-            "embed_tokens" | "lm_head" => Split::Vocab,
-            _ => Split::Replicated,
-        }
-    }
-
     /// The dimension cut, if any.
     pub fn dim(self) -> Option<usize> {
         match self {
@@ -308,25 +298,6 @@ pub fn padded(n: usize, size: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_parameter_has_its_split() {
-        for (name, split) in [
-            ("model.layers.3.self_attn.q_proj.weight", Split::Rows),
-            ("model.layers.3.self_attn.k_proj.weight", Split::Rows),
-            ("model.layers.3.self_attn.v_proj.weight", Split::Rows),
-            ("model.layers.3.self_attn.o_proj.weight", Split::Columns),
-            ("model.layers.3.mlp.gate_proj.weight", Split::Rows),
-            ("model.layers.3.mlp.up_proj.weight", Split::Rows),
-            ("model.layers.3.mlp.down_proj.weight", Split::Columns),
-            ("model.layers.3.input_layernorm.weight", Split::Replicated),
-            ("model.norm.weight", Split::Replicated),
-            ("model.embed_tokens.weight", Split::Vocab),
-            ("lm_head.weight", Split::Vocab),
-        ] {
-            assert_eq!(Split::of(name), split, "{name}");
-        }
-    }
 
     /// Any range of any part, written as pieces of the whole and read back through the whole,
     /// is itself; a column split's pieces are few (whole rows merge) and cover only the range.

@@ -40,13 +40,14 @@ impl ActivationMemory {
 /// micro-batch, in the order listed in the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GradUnit {
-    /// `lm_head.weight` (untied models only).
+    /// The LM head (untied models only; Llama's `lm_head.weight`).
     LmHead,
-    /// `model.norm.weight`.
+    /// The final norm (`model.norm.weight`).
     FinalNorm,
-    /// Every `model.layers.{i}.*` parameter.
+    /// Decoder layer i: every `model.layers.{i}.*` parameter.
     Layer(usize),
-    /// `model.embed_tokens.weight` (with tied embeddings, also the LM head).
+    /// The token embedding (`model.embed_tokens.weight`; with tied embeddings, also the LM
+    /// head).
     Embedding,
 }
 
@@ -74,42 +75,24 @@ pub struct NoEvents;
 impl UnitEvents for NoEvents {}
 
 impl GradUnit {
-    /// The parameters of `names` grouped by unit, units in the order backward finishes them
-    /// (a parameter no unit claims counts as the embedding's: final only at the very end).
-    pub fn group_in_backward_order(names: &[&str]) -> Vec<(GradUnit, Vec<usize>)> {
+    /// The parameters whose units are `units` (one per parameter, from the model's table)
+    /// grouped by unit, units in the order backward finishes them.
+    pub fn group_in_backward_order(units: &[GradUnit]) -> Vec<(GradUnit, Vec<usize>)> {
         let rank_of = |u: GradUnit| match u {
             GradUnit::LmHead => (0, 0),
             GradUnit::FinalNorm => (1, 0),
             GradUnit::Layer(i) => (2, usize::MAX - i),
             GradUnit::Embedding => (3, 0),
         };
-        let mut units: Vec<(GradUnit, Vec<usize>)> = Vec::new();
-        for (i, name) in names.iter().enumerate() {
-            let unit = GradUnit::of_parameter(name).unwrap_or(GradUnit::Embedding);
-            match units.iter_mut().find(|(u, _)| *u == unit) {
+        let mut groups: Vec<(GradUnit, Vec<usize>)> = Vec::new();
+        for (i, &unit) in units.iter().enumerate() {
+            match groups.iter_mut().find(|(u, _)| *u == unit) {
                 Some((_, list)) => list.push(i),
-                None => units.push((unit, vec![i])),
+                None => groups.push((unit, vec![i])),
             }
         }
-        units.sort_by_key(|(u, _)| rank_of(*u));
-        units
-    }
-
-    /// The unit that holds the parameter with this Hugging Face name.
-    pub fn of_parameter(name: &str) -> Option<GradUnit> {
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            return rest
-                .split('.')
-                .next()
-                .and_then(|i| i.parse().ok())
-                .map(GradUnit::Layer);
-        }
-        match name {
-            "lm_head.weight" => Some(GradUnit::LmHead),
-            "model.norm.weight" => Some(GradUnit::FinalNorm),
-            "model.embed_tokens.weight" => Some(GradUnit::Embedding),
-            _ => None,
-        }
+        groups.sort_by_key(|(u, _)| rank_of(*u));
+        groups
     }
 }
 
@@ -143,4 +126,17 @@ pub(super) fn concat(parts: Vec<Tensor>, device: tch::Device) -> Tensor {
 /// the device so that no host sync is needed.
 pub(super) fn counted_targets(targets: &Tensor) -> Tensor {
     targets.ne(-100).sum(Kind::Float)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_row_once() {
+        let c: Vec<_> = chunks(10, 4).collect();
+        assert_eq!(c, [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(chunks(10, 0).collect::<Vec<_>>(), [(0, 10)]);
+        assert_eq!(chunks(10, 64).collect::<Vec<_>>(), [(0, 10)]);
+    }
 }

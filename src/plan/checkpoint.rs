@@ -110,7 +110,7 @@ pub fn writing_ranks(s: &Setting) -> usize {
 
 /// Bytes of one save: the fp32 weights and the two moments.
 pub fn bytes_per_save(s: &Setting) -> f64 {
-    BYTES_PER_PARAM * s.shape.num_parameters() as f64
+    BYTES_PER_PARAM * s.parameters.count() as f64
 }
 
 /// Bytes one writing rank writes per save (the mean share).
@@ -244,7 +244,7 @@ mod tests {
             ),
         ] {
             let (s, l) = setting(&sets, world);
-            let p = s.shape.num_parameters() as f64;
+            let p = s.parameters.count() as f64;
             let c = build(&s, &l, 1.0);
             assert_eq!(c.writing_ranks, writers, "{sets:?}");
             assert!(close(c.bytes_per_save, 12.0 * p));
@@ -272,7 +272,7 @@ mod tests {
     fn a_synchronous_save_stalls_for_the_write_an_asynchronous_one_for_the_copy() {
         let (mut s, l) = setting(&["system.zero_stage=0", "checkpoint.interval=10"], 8);
         let c = build(&s, &l, 2.0);
-        let node = 12.0 * s.shape.num_parameters() as f64;
+        let node = 12.0 * s.parameters.count() as f64;
         assert_eq!(c.gather_seconds, 0.0, "stage 0 holds the fp32 weights");
         assert!(close(c.write_seconds, node / 2e9));
         assert!(close(c.stall_sync_seconds, c.write_seconds));
@@ -304,7 +304,7 @@ mod tests {
     fn sharded_fp32_masters_are_gathered_before_either_save() {
         let (s, l) = setting(&["system.zero_stage=3"], 8);
         let c = build(&s, &l, 1.0);
-        let p = s.shape.num_parameters() as f64;
+        let p = s.parameters.count() as f64;
         let gather = 7.0 / 8.0 * 4.0 * p / s.intra_bw;
         assert!(close(c.gather_seconds, gather));
         assert!(close(c.stall_sync_seconds, gather + c.write_seconds));

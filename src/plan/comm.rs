@@ -126,7 +126,7 @@ mod tests {
                 ],
                 16,
             );
-            let p = s.shape.num_parameters() as f64;
+            let p = s.parameters.count() as f64;
             let (d, v) = (4096.0, 128_256.0);
             let f = 15.0 / 16.0;
             // The final norm and the head are gathered once; a tied embedding serves as the
@@ -154,7 +154,7 @@ mod tests {
             &["model.vocab_size=128256", "training.grad_accum_nums=4"],
             8,
         );
-        let p = s.shape.num_parameters() as f64;
+        let p = s.parameters.count() as f64;
         let f = 7.0 / 8.0;
         let stage_1 = 2.0 * f * 4.0 * p + f * 2.0 * p;
         let stage_2 = f * 4.0 * p + f * 2.0 * p;
@@ -172,7 +172,7 @@ mod tests {
     #[test]
     fn hybrid_sharding_moves_the_slices_across_groups() {
         let (mut s, l) = test_setting(&["model.vocab_size=128256"], 64);
-        let p = s.shape.num_parameters() as f64;
+        let p = s.parameters.count() as f64;
         let whole = bytes_per_step(&s, &l, ZeroStage::Gradients, 64);
         s.shard_degree = 8;
         let (inside, across) = traffic(&s, &l, ZeroStage::Gradients, 64);

@@ -151,7 +151,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     let sh = &s.shape;
     Report {
         model: ModelSummary {
-            parameters: sh.num_parameters(),
+            parameters: s.parameters.count(),
             layers: sh.num_layers,
             hidden_size: sh.hidden_size,
             heads: sh.num_heads,

@@ -6,12 +6,14 @@ use serde::Serialize;
 use super::budget;
 use super::device::{bf16_compute, Device};
 use crate::config::{Config, ZeroStage};
-use crate::model::{ActivationCheckpointing, LlamaShape};
+use crate::model::{ActivationCheckpointing, LlamaShape, Parameters};
 
 /// The fixed facts of a run: model, context, precision, device and ranks.
 #[derive(Debug, Clone)]
 pub struct Setting {
     pub shape: LlamaShape,
+    /// The model's parameter table (of `shape`): what it counts and how TP splits it.
+    pub parameters: std::sync::Arc<Parameters>,
     pub context: usize,
     /// bf16 matmuls (master weights and moments stay fp32).
     pub bf16: bool,
@@ -125,6 +127,7 @@ impl Setting {
         let tensor_parallel = cfg.system.tensor_parallel.max(1);
         let context_parallel = cfg.system.context_parallel.max(1);
         Setting {
+            parameters: std::sync::Arc::new(Parameters::llama(&shape)),
             shape,
             context: cfg.training.context_length,
             bf16,

@@ -94,12 +94,10 @@ pub struct Share {
 pub fn share(s: &Setting) -> Share {
     let sh = &s.shape;
     let t = s.tensor_parallel as f64;
-    let d = sh.hidden_size as f64;
     let attention = sh.attention_matrix_params() as f64 / t;
     let mlp = sh.mlp_matrix_params() as f64 / t;
     let vocab = padded_vocab(s) as f64 / t;
-    let tables = if sh.tie_word_embeddings { 1.0 } else { 2.0 };
-    let parameters = sh.num_layers as f64 * (attention + mlp + 2.0 * d) + d + tables * vocab * d;
+    let parameters = s.parameters.local_count(s.tensor_parallel) as f64;
     Share {
         attention,
         mlp,
@@ -188,7 +186,7 @@ mod tests {
         let (one, _) = at(1, &[]);
         let (eight, _) = at(8, &[]);
         let (a, b) = (share(&one), share(&eight));
-        assert_eq!(a.parameters, one.shape.num_parameters() as f64);
+        assert_eq!(a.parameters, one.parameters.count() as f64);
         assert_eq!(padded_vocab(&one), 128_256);
         assert_eq!(b.attention * 8.0, a.attention);
         assert_eq!(b.mlp * 8.0, a.mlp);

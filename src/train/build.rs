@@ -6,8 +6,6 @@
 //! that hold the same parameters (`system.zero_stage`, `system.shard_degree`,
 //! `system.reduce_dtype`).
 
-use std::collections::HashMap;
-
 use anyhow::{Context, Result};
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
@@ -22,7 +20,7 @@ use crate::dist::buckets::broadcast_parameters;
 use crate::dist::{MeshGroups, ProcessGroup, SharedGroup};
 use crate::model::llama::{init_parameter, MakeParameter};
 use crate::model::{
-    hf, ActivationMemory, ContextParallel, Llama, LlamaShape, Split, TensorParallel,
+    hf, ActivationMemory, ContextParallel, Llama, LlamaShape, Parameters, TensorParallel,
 };
 use crate::sys::phase::{self, Phase};
 
@@ -41,9 +39,9 @@ struct Part {
 }
 
 impl Part {
-    /// This rank's part of the whole parameter `name`.
-    fn of(&self, name: &str, whole: &Tensor) -> Tensor {
-        Split::of(name).shard(whole, self.rank, self.size)
+    /// This rank's part of the whole parameter `name` of `table`.
+    fn of(&self, table: &Parameters, name: &str, whole: &Tensor) -> Result<Tensor> {
+        Ok(table.split(name)?.shard(whole, self.rank, self.size))
     }
 }
 
@@ -109,13 +107,12 @@ fn model(
     Llama::new_split(&vs.root(), shape, max_seq, compute, tp, make)
 }
 
-/// The run's optimizer over `params` (of shapes `shapes`, this rank's parts; `whole` the whole
-/// shapes by name): `system.zero_stage` on the data ranks of the mesh, hybrid sharding among
-/// them, `system.reduce_dtype`.
+/// The run's optimizer over `params` (this rank's parts of `model`'s): `system.zero_stage` on
+/// the data ranks of the mesh, hybrid sharding among them, `system.reduce_dtype`.
 fn optimizer(
     cfg: &Config,
-    (params, shapes): (&[(String, Tensor)], Vec<Vec<i64>>),
-    whole: HashMap<String, Vec<i64>>,
+    params: &[(String, Tensor)],
+    model: &Llama,
     compute: Kind,
     pg: &mut dyn ProcessGroup,
     groups: MeshGroups,
@@ -125,7 +122,7 @@ fn optimizer(
             data,
             tensor,
             sequence_parallel: cfg.system.sequence_parallel,
-            whole,
+            parameters: model.parameters().clone(),
         }),
         _ => None,
     };
@@ -140,9 +137,9 @@ fn optimizer(
         tensor,
     };
     let hp = AdamWParams::from_config(&cfg.training);
-    Optimizer::with_shapes(
+    Optimizer::with_sharding(
         params,
-        shapes,
+        model.parameters(),
         hp,
         sharding,
         pg,
@@ -164,31 +161,26 @@ fn build_whole(
     (groups, part): (MeshGroups, Option<Part>),
 ) -> Result<Built> {
     let device = vs.device();
-    let mut whole = HashMap::new();
     let model = model(
         cfg,
         shape,
         vs,
         compute,
         part.as_ref(),
-        &mut |name, dims, init| {
-            whole.insert(name.to_string(), dims.to_vec());
-            init_parameter(dims, init, device)
-        },
+        &mut |_, dims, init| init_parameter(dims, init, device),
     )?;
+    let table = model.parameters();
     if let Some(dir) = &cfg.model.model_path {
         let path = crate::data::hub::resolve_model(dir)?;
         let read = match &part {
             None => hf::load_weights(&path, vs),
             Some(p) => {
-                let wanted: Vec<(String, Vec<i64>)> =
-                    whole.iter().map(|(n, s)| (n.clone(), s.clone())).collect();
                 let variables = vs.variables();
-                hf::read_weights(&path, &wanted, |name, value| {
+                hf::read_weights(&path, &table.shapes(), |name, value| {
                     let param = variables
                         .get(name)
                         .with_context(|| format!("internal: no parameter {name}"))?;
-                    let value = p.of(name, &value.to_kind(param.kind()));
+                    let value = p.of(table, name, &value.to_kind(param.kind()))?;
                     tch::no_grad(|| param.shallow_clone().copy_(&value.to_device(device)));
                     Ok(())
                 })
@@ -213,8 +205,7 @@ fn build_whole(
     // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
     // joined it into the ring's timeout naming that rank, rather than a hang later.
     pg.barrier()?;
-    let shapes = params.iter().map(|(_, p)| p.size()).collect();
-    let opt = optimizer(cfg, (&params, shapes), whole, compute, pg, groups)?;
+    let opt = optimizer(cfg, &params, &model, compute, pg, groups)?;
     Ok(Built { model, params, opt })
 }
 
@@ -233,53 +224,28 @@ fn build_sharded(
     (groups, part): (MeshGroups, Option<Part>),
 ) -> Result<Built> {
     let device = vs.device();
-    let mut made: Vec<(String, Vec<i64>, tch::nn::Init)> = Vec::new();
-    let model = model(
-        cfg,
-        shape,
-        vs,
-        compute,
-        part.as_ref(),
-        &mut |name, dims, init| {
-            made.push((name.to_string(), dims.to_vec(), init));
-            Tensor::empty([0], (Kind::Float, device))
-        },
-    )?;
+    let model = model(cfg, shape, vs, compute, part.as_ref(), &mut |_, _, _| {
+        Tensor::empty([0], (Kind::Float, device))
+    })?;
     let params = Llama::named_parameters(vs);
-    let whole: HashMap<String, Vec<i64>> = made
-        .iter()
-        .map(|(n, dims, _)| (n.clone(), dims.clone()))
-        .collect();
-    let shapes = params
-        .iter()
-        .map(|(n, _)| {
-            let dims = whole
-                .get(n)
-                .ok_or_else(|| anyhow::anyhow!("internal: parameter {n} was not made"))?;
-            Ok(match &part {
-                Some(p) => Split::of(n).local_shape(dims, p.size),
-                None => dims.clone(),
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let opt = optimizer(cfg, (&params, shapes), whole, compute, pg, groups)?;
+    let opt = optimizer(cfg, &params, &model, compute, pg, groups)?;
+    let table = model.parameters();
     let mine = |name: &str, value: Tensor| match &part {
-        Some(p) => p.of(name, &value),
-        None => value,
+        Some(p) => p.of(table, name, &value),
+        None => Ok(value),
     };
     match &cfg.model.model_path {
         None => {
-            for (name, dims, init) in made {
-                let value = mine(&name, init_parameter(&dims, init, device));
-                opt.set_initial(&name, &value)?;
+            // The table's order is `Llama::new`'s: the same random draws as a replicated run.
+            for p in table.iter() {
+                let value = mine(&p.name, init_parameter(&p.shape, p.init, device))?;
+                opt.set_initial(&p.name, &value)?;
             }
         }
         Some(dir) => {
             let path = crate::data::hub::resolve_model(dir)?;
-            let wanted: Vec<(String, Vec<i64>)> =
-                made.into_iter().map(|(n, dims, _)| (n, dims)).collect();
-            hf::read_weights(&path, &wanted, |name, value| {
-                opt.set_initial(name, &mine(name, value))
+            hf::read_weights(&path, &table.shapes(), |name, value| {
+                opt.set_initial(name, &mine(name, value)?)
             })
             .with_context(|| format!("model.model_path = {dir}"))?;
             loaded(rank, dir, &path, shape);

@@ -733,7 +733,7 @@ fn print_summary(
     );
     println!(
         "{tag} Model: {:.2}M parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}",
-        shape.num_parameters() as f64 / 1e6,
+        crate::model::Parameters::llama(shape).count() as f64 / 1e6,
         shape.num_layers,
         shape.hidden_size,
         shape.num_heads,

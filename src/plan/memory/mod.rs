@@ -21,7 +21,7 @@
 //! per chunk of C tokens, one fp32 [C, V] buffer (the logits, then their gradient in place),
 //! plus their bf16 form with bf16 compute.
 //!
-//! With tensor parallelism (T ranks, `plan/tensor.rs`; the pass is `model/tensor_parallel.rs`)
+//! With tensor parallelism (T ranks, `plan/tensor.rs`; the pass is `model/backward.rs`)
 //! every parameter term counts the rank's share (the matrices and vocabulary rows over T, the
 //! norms whole) before the zero stage divides it. Of the activations, what lives inside the
 //! attention and MLP blocks is divided by T: q/k/v, the attention output and its log-sum-exp,
@@ -311,7 +311,7 @@ fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
         0.0
     };
     let gathered_masters = if super::checkpoint::gathers_masters(s, stage) {
-        4.0 * s.shape.num_parameters() as f64 / super::checkpoint::writing_ranks(s) as f64
+        4.0 * s.parameters.count() as f64 / super::checkpoint::writing_ranks(s) as f64
     } else {
         0.0
     };

@@ -28,7 +28,7 @@ fn layer(s: &Setting) -> f64 {
 fn stage_3_keeps_slices_of_masters_moments_and_gradients_and_the_units_in_use() {
     let (s, l) = stage_3(&["training.activation_checkpointing=full"]);
     let m = estimate(&s, &l);
-    let p = s.shape.num_parameters() as f64;
+    let p = s.parameters.count() as f64;
     let (d, v) = (4096.0, 128_256.0);
     assert_eq!(m.weights, 0.0, "no working copy between uses");
     assert!(close(m.master_weights, 4.0 * p / 8.0));
@@ -79,7 +79,7 @@ fn gradient_accumulation_is_counted_where_it_keeps_memory() {
             let dtype = format!("training.dtype={}", if bf16 { "bf16" } else { "fp32" });
             let accum = format!("training.grad_accum_nums={accum}");
             let (s, l) = test_setting(&[&stage, &dtype, &accum], 8);
-            (estimate(&s, &l), s.shape.num_parameters() as f64)
+            (estimate(&s, &l), s.parameters.count() as f64)
         };
         let ((one, p), (four, _)) = (estimate_with(1), estimate_with(4));
         let head_peak = four.peak_during == PeakPhase::LmHead;
@@ -202,7 +202,7 @@ fn on_cpu(extra: &[&str], world: usize) -> (Setting, Layout) {
 fn a_cpu_rank_keeps_its_staging_copy_through_the_steps_after_its_first_save() {
     for world in [1, 4] {
         let (s, l) = on_cpu(&["checkpoint.interval=10"], world);
-        let p = s.shape.num_parameters() as f64;
+        let p = s.parameters.count() as f64;
         let step = during_step(&s, &l);
         assert!(close(step.staging, 12.0 * p / world as f64), "{step:?}");
         let sync = Setting {
@@ -226,7 +226,7 @@ fn one_save_after_the_last_step_meets_the_model_state_alone() {
     // checkpoint.interval = 0, or not below training.max_steps: no save between steps.
     for interval in ["checkpoint.interval=0", "checkpoint.interval=100"] {
         let (s, l) = on_cpu(&[interval], 1);
-        let p = s.shape.num_parameters() as f64;
+        let p = s.parameters.count() as f64;
         let step = during_step(&s, &l);
         assert_eq!(step.staging, 0.0, "{interval}");
         let save = during_save(&s, &l);
@@ -252,7 +252,7 @@ fn one_save_after_the_last_step_meets_the_model_state_alone() {
         ],
         4,
     );
-    let p = s.shape.num_parameters() as f64;
+    let p = s.parameters.count() as f64;
     let save = during_save(&s, &l);
     assert_eq!(save.weights, 0.0);
     assert!(close(save.master_weights, p));
@@ -281,7 +281,7 @@ fn a_tp_rank_holds_an_eighth_of_the_matrices_and_the_norms_whole() {
         let (one, l) = split(1, true, &[stage]);
         let (eight, _) = split(8, true, &[stage]);
         let (a, b) = (estimate(&one, &l), estimate(&eight, &l));
-        let p = one.shape.num_parameters() as f64;
+        let p = one.parameters.count() as f64;
         let share = (p - norms) / 8.0 + norms;
         // Stage 0: fp32 weights and moments whole on each of the 8 ranks; stage 1 over 1
         // data-parallel rank at T = 8 (8 at T = 1).

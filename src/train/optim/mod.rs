@@ -37,8 +37,7 @@ pub use state::{
 use crate::config::ZeroStage;
 use crate::dist::overlap::{with_queue, CommQueue};
 use crate::dist::{on_group, ProcessGroup, SharedGroup};
-use crate::model::Split;
-use crate::model::{GradUnit, UnitEvents};
+use crate::model::{GradUnit, Parameters, UnitEvents};
 use reduce::GradReducer;
 use replicated::AdamW;
 use sharded::{ShardRanks, ShardedAdamW};
@@ -67,41 +66,55 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
-    /// `stage` 0 → replicated; 1-3 → sharded over `pg`'s ranks. The parameters (fp32) must
-    /// already be identical on every rank (the sharded masters are copied from them). `compute`
-    /// is the matmul dtype: sharded with bf16 compute, the working parameters become bf16 and
-    /// the fp32 masters live only in the slices; replicated keeps fp32 parameters and casts.
+    /// `stage` 0 → replicated; 1-3 → sharded over `pg`'s ranks, for the parameters `params`
+    /// of the model whose table is `table` (their units and splits; the parameters hold their
+    /// whole values). The parameters (fp32) must already be identical on every rank (the
+    /// sharded masters are copied from them). `compute` is the matmul dtype: sharded with bf16
+    /// compute, the working parameters become bf16 and the fp32 masters live only in the
+    /// slices; replicated keeps fp32 parameters and casts.
     pub fn new(
         params: &[(String, Tensor)],
+        table: &Parameters,
         hp: AdamWParams,
         stage: ZeroStage,
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
         compute: Kind,
     ) -> Result<Optimizer> {
-        let shapes = params.iter().map(|(_, p)| p.size()).collect();
         let sharding = Sharding {
             stage,
             hybrid: None,
             reduce: Kind::Float,
             tensor: None,
         };
-        Self::with_shapes(params, shapes, hp, sharding, pg, bucket_mb, compute)
+        Self::with_sharding(params, table, hp, sharding, pg, bucket_mb, compute)
     }
 
-    /// [`Optimizer::new`] with the parameters' full shapes given: at stage 3 the parameters may
-    /// be empty placeholders (`Llama::new_with`), given their values one at a time by
+    /// [`Optimizer::new`] sharded as `sharding` says: the parameters are this rank's parts of
+    /// the table's (with tensor parallelism), of the shapes the table gives them, and at stage
+    /// 3 may be empty placeholders (`Llama::new_with`), given their values one at a time by
     /// [`Optimizer::set_initial`]. With `sharding.hybrid` the state is sharded inside this
     /// rank's shard group and replicated across the groups.
-    pub fn with_shapes(
+    pub fn with_sharding(
         params: &[(String, Tensor)],
-        shapes: Vec<Vec<i64>>,
+        table: &Parameters,
         hp: AdamWParams,
         sharding: Sharding,
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
         compute: Kind,
     ) -> Result<Optimizer> {
+        let parts = match &sharding.tensor {
+            Some(t) => t.place()?.1,
+            None => 1,
+        };
+        let mut shapes = Vec::with_capacity(params.len());
+        let mut units = Vec::with_capacity(params.len());
+        for (name, _) in params {
+            let p = table.get(name)?;
+            shapes.push(p.split.local_shape(&p.shape, parts));
+            units.push(p.unit);
+        }
         let Sharding {
             stage,
             hybrid,
@@ -131,7 +144,7 @@ impl Optimizer {
                 );
                 (
                     Layout::Replicated(AdamW::new(named, hp)),
-                    GradReducer::all_reduce(params, (world, data), bucket_mb, reduce),
+                    GradReducer::all_reduce(params, &units, (world, data), bucket_mb, reduce),
                 )
             }
             _ => {
@@ -150,12 +163,16 @@ impl Optimizer {
                         group: None,
                     },
                 };
-                let sharded =
-                    ShardedAdamW::new(named, shapes, hp, stage, ranks, bucket_mb, compute);
+                let members = sharded::Members {
+                    named,
+                    shapes,
+                    units: &units,
+                };
+                let sharded = ShardedAdamW::new(members, hp, stage, ranks, bucket_mb, compute);
                 let reducer = if stage.shards_gradients() {
                     GradReducer::reduce_scatter(params, &sharded, reduce)
                 } else {
-                    GradReducer::all_reduce(params, (world, data), bucket_mb, reduce)
+                    GradReducer::all_reduce(params, &units, (world, data), bucket_mb, reduce)
                 };
                 (Layout::Sharded(Box::new(sharded)), reducer)
             }
@@ -291,11 +308,11 @@ impl Optimizer {
             Layout::Replicated(o) => o
                 .params
                 .iter()
-                .filter(|p| Split::of(&p.name) == Split::Replicated)
+                .filter(|p| t.replicated(&p.name))
                 .map(|p| p.param.grad())
                 .filter(Tensor::defined)
                 .collect(),
-            Layout::Sharded(o) => o.gradient_pieces(|name| Split::of(name) == Split::Replicated),
+            Layout::Sharded(o) => o.gradient_pieces(|name| t.replicated(name)),
         };
         if grads.is_empty() {
             return Ok(());
@@ -315,7 +332,7 @@ impl Optimizer {
     pub fn poison_gradient(&self, name: &str) {
         if let Some(t) = &self.tensor {
             let first = t.place().is_ok_and(|(rank, _)| rank == 0);
-            if !first && Split::of(name) != Split::Replicated {
+            if !first && !t.replicated(name) {
                 return;
             }
         }
@@ -342,7 +359,7 @@ impl Optimizer {
     /// tensor group (in rank order); those of the whole ones (the norms, equal on every rank of
     /// the tensor group) once.
     fn split_grad_norm(&self, t: &TensorGroups, pg: &mut dyn ProcessGroup) -> Result<f64> {
-        let split = |name: &str| Split::of(name) != Split::Replicated;
+        let split = |name: &str| !t.replicated(name);
         let (parts, whole) = match &self.layout {
             Layout::Replicated(o) => {
                 let of = |want: bool| -> Vec<Tensor> {
@@ -465,10 +482,7 @@ impl Optimizer {
                 .params
                 .into_iter()
                 .map(|(name, w, numel)| {
-                    let whole = t
-                        .whole
-                        .get(&name)
-                        .map_or(numel, |s| s.iter().product::<i64>() as usize);
+                    let whole = t.parameters.get(&name).map_or(numel, |p| p.numel());
                     (name, w * size, whole)
                 })
                 .collect(),
@@ -717,8 +731,18 @@ mod tests {
             w.shallow_clone(),
         )];
         let pg = crate::dist::SingleProcess;
-        let opt = Optimizer::new(&params, hp, ZeroStage::Parameters, &pg, 25.0, Kind::Float)?
-            .with_prefetch(0);
+        let unit = GradUnit::Layer(0);
+        let table = crate::model::params::table_of(&[(&params[0].0, &w, unit)]);
+        let opt = Optimizer::new(
+            &params,
+            &table,
+            hp,
+            ZeroStage::Parameters,
+            &pg,
+            25.0,
+            Kind::Float,
+        )?
+        .with_prefetch(0);
         Ok((params, opt))
     }
 

@@ -72,22 +72,19 @@ enum Plan {
     },
 }
 
-fn split(named: &[(String, Tensor)]) -> (Vec<(GradUnit, Vec<usize>)>, Vec<Tensor>) {
-    let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
-    let params = named.iter().map(|(_, p)| p.shallow_clone()).collect();
-    (GradUnit::group_in_backward_order(&names), params)
-}
-
 impl GradReducer {
-    /// All-reduce of replicated gradients over `world` data-parallel ranks (their `group`, or
-    /// the caller's when None) in buckets of `bucket_mb`, sent as `kind`.
+    /// All-reduce of replicated gradients of `named` (whose units are `of`, one per
+    /// parameter) over `world` data-parallel ranks (their `group`, or the caller's when None)
+    /// in buckets of `bucket_mb`, sent as `kind`.
     pub fn all_reduce(
         named: &[(String, Tensor)],
+        of: &[GradUnit],
         (world, group): (usize, Option<SharedGroup>),
         bucket_mb: f64,
         kind: Kind,
     ) -> GradReducer {
-        let (units, params) = split(named);
+        let units = GradUnit::group_in_backward_order(of);
+        let params: Vec<Tensor> = named.iter().map(|(_, p)| p.shallow_clone()).collect();
         if world == 1 {
             return GradReducer {
                 units,
@@ -319,6 +316,7 @@ mod tests {
         use super::super::{AdamWParams, Optimizer};
         use crate::config::ZeroStage;
         use crate::dist::SingleProcess;
+        use crate::model::params::table_of;
         let hp = AdamWParams {
             beta1: 0.9,
             beta2: 0.95,
@@ -332,7 +330,8 @@ mod tests {
             let w = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
             let params = vec![("model.norm.weight".to_string(), w.shallow_clone())];
             let mut pg = SingleProcess;
-            let opt = Optimizer::new(&params, hp, stage, &pg, 25.0, Kind::BFloat16)?;
+            let table = table_of(&[("model.norm.weight", &w, GradUnit::FinalNorm)]);
+            let opt = Optimizer::new(&params, &table, hp, stage, &pg, 25.0, Kind::BFloat16)?;
             assert_eq!(w.kind(), Kind::BFloat16, "bf16 working parameters");
             for (micro, c) in [1.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0]
                 .into_iter()
@@ -353,15 +352,16 @@ mod tests {
 
     #[test]
     fn units_come_in_the_order_backward_finishes_them() {
-        let names = [
-            "model.embed_tokens.weight",
-            "model.layers.0.mlp.up_proj.weight",
-            "model.layers.1.mlp.up_proj.weight",
-            "model.layers.0.input_layernorm.weight",
-            "model.norm.weight",
-            "lm_head.weight",
-        ];
-        let units = GradUnit::group_in_backward_order(&names);
+        // embed_tokens, layers.0.mlp.up_proj, layers.1.mlp.up_proj, layers.0.input_layernorm,
+        // norm, lm_head.
+        let units = GradUnit::group_in_backward_order(&[
+            GradUnit::Embedding,
+            GradUnit::Layer(0),
+            GradUnit::Layer(1),
+            GradUnit::Layer(0),
+            GradUnit::FinalNorm,
+            GradUnit::LmHead,
+        ]);
         let order: Vec<(GradUnit, Vec<usize>)> = vec![
             (GradUnit::LmHead, vec![5]),
             (GradUnit::FinalNorm, vec![4]),
@@ -385,7 +385,13 @@ mod tests {
         .map(|(n, k)| (n.to_string(), Tensor::zeros([*k as i64], opts)))
         .collect();
         // 1 MB = 262,144 fp32 elements: norm + layer 1 fit, layer 0 starts a new bucket.
-        let r = GradReducer::all_reduce(&named, (2, None), 1.0, Kind::Float);
+        let units = [
+            GradUnit::Embedding,
+            GradUnit::Layer(0),
+            GradUnit::Layer(1),
+            GradUnit::FinalNorm,
+        ];
+        let r = GradReducer::all_reduce(&named, &units, (2, None), 1.0, Kind::Float);
         let Plan::AllReduce(b, _) = &r.plan else {
             panic!()
         };

@@ -82,16 +82,23 @@ pub struct ShardedAdamW {
     shard: Option<SharedGroup>,
 }
 
+/// The parameters a sharded optimizer holds: by name, their full shapes (this rank's parts'
+/// with tensor parallelism) and units, in one order.
+pub struct Members<'a> {
+    pub named: Vec<(String, Tensor)>,
+    pub shapes: Vec<Vec<i64>>,
+    pub units: &'a [GradUnit],
+}
+
 impl ShardedAdamW {
-    /// Shards `params` of full shapes `shapes` over `world` ranks. Whole parameters (fp32,
+    /// Shards `members` (parameters of full shapes `shapes`) over `world` ranks. Whole parameters (fp32,
     /// identical on every rank, e.g. after the initial broadcast) give the master slices their
     /// values; at stage 3 the parameters may instead be empty placeholders whose values come
     /// one at a time through [`ShardedAdamW::set_initial`]. With a `working` dtype other than
     /// fp32 the parameters are converted in place; at stage 3 they are emptied (their slices
     /// live on in `master`).
     pub fn new(
-        params: Vec<(String, Tensor)>,
-        shapes: Vec<Vec<i64>>,
+        members: Members,
         hp: AdamWParams,
         stage: ZeroStage,
         ranks: ShardRanks,
@@ -103,6 +110,11 @@ impl ShardedAdamW {
             rank,
             world,
         } = ranks;
+        let Members {
+            named: params,
+            shapes,
+            units: param_units,
+        } = members;
         let numel = |s: &[i64]| s.iter().product::<i64>() as usize;
         let layout = FlatLayout::new(
             params
@@ -124,9 +136,8 @@ impl ShardedAdamW {
         let zeros = || Tensor::zeros([layout.shard as i64], (Kind::Float, device));
         let pieces = layout.pieces(layout.owned(rank));
         let units = if stage.shards_gradients() {
-            let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
             let position = layout.positions();
-            GradUnit::group_in_backward_order(&names)
+            GradUnit::group_in_backward_order(param_units)
                 .into_iter()
                 .map(|(unit, members)| {
                     let at: Vec<usize> = members.iter().map(|&i| position[i]).collect();

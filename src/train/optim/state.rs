@@ -73,8 +73,9 @@ pub struct TensorGroups {
     /// `system.sequence_parallel`: the norm weights' gradients are partial sums over the
     /// tensor group's tokens, added across it before the update.
     pub sequence_parallel: bool,
-    /// Every parameter's whole shape, by name (the layouts see the parts' shapes).
-    pub whole: std::collections::HashMap<String, Vec<i64>>,
+    /// The model's parameter table: each parameter's whole shape (the layouts see the parts'
+    /// shapes) and split.
+    pub parameters: std::sync::Arc<crate::model::Parameters>,
 }
 
 /// How the state is sharded (the stage, and across which ranks) and how gradients travel.

@@ -33,10 +33,18 @@ impl TensorGroups {
     }
 
     fn whole_shape(&self, name: &str) -> Result<&[i64]> {
-        self.whole
-            .get(name)
-            .map(Vec::as_slice)
-            .with_context(|| format!("internal: no whole shape for {name}"))
+        Ok(&self.parameters.get(name)?.shape)
+    }
+
+    /// How the parameter `name` is split (from the model's table).
+    pub fn split(&self, name: &str) -> Result<Split> {
+        self.parameters.split(name)
+    }
+
+    /// Whether the parameter `name` is whole on every rank of the group (the optimizer checked
+    /// at its construction that the table holds every parameter it was given).
+    pub fn replicated(&self, name: &str) -> bool {
+        matches!(self.parameters.split(name), Ok(Split::Replicated))
     }
 
     /// Every rank's `t` (the same shape on each), in rank order: a collective of the group.
@@ -60,7 +68,7 @@ impl TensorGroups {
     pub fn whole(&self, parts: &[(String, Tensor)]) -> Result<Vec<Tensor>> {
         parts
             .iter()
-            .map(|(name, value)| match Split::of(name) {
+            .map(|(name, value)| match self.split(name)? {
                 Split::Replicated => Ok(value.shallow_clone()),
                 split => {
                     let all = self.gather(&value.contiguous())?;
@@ -89,7 +97,7 @@ impl TensorGroups {
         };
         let mut moments = Vec::new();
         for piece in local.moments {
-            let split = Split::of(&piece.name);
+            let split = self.split(&piece.name)?;
             let full = self.whole_shape(&piece.name)?;
             let (m, v) = (piece.exp_avg.reshape(-1), piece.exp_avg_sq.reshape(-1));
             let parts = match split {
@@ -157,14 +165,16 @@ impl StateSource for PartSource<'_> {
 
     fn weight_range(&self, name: &str, _part: &[i64], range: &Range<usize>) -> Result<Tensor> {
         let full = self.groups.whole_shape(name)?;
-        Split::of(name).read_part(full, self.place, range, |r| {
-            self.whole.weight_range(name, full, &r)
-        })
+        self.groups
+            .split(name)?
+            .read_part(full, self.place, range, |r| {
+                self.whole.weight_range(name, full, &r)
+            })
     }
 
     fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
         let full = self.groups.whole_shape(name)?;
-        let split = Split::of(name);
+        let split = self.groups.split(name)?;
         let mut second = None;
         let first = split.read_part(full, self.place, range, |r| {
             let (m, v) = self.whole.moments(name, &r)?;
