@@ -69,6 +69,8 @@ fn main() {
         loss_chunk_tokens: arg("--chunk", 0),
     };
     let shape = LlamaShape {
+        family: Default::default(),
+        head_size: None,
         vocab_size: vocab,
         hidden_size: 256,
         num_layers: 4,

@@ -105,7 +105,8 @@ pub enum Command {
 /// The flags that shape the config (resolution order: preset < file < --set < named flags).
 #[derive(Args, Debug, Clone, Default, PartialEq)]
 pub struct ConfigArgs {
-    /// Preset to start from: production (default), debug, tiny.
+    /// Preset to start from: production (default), debug, tiny, qwen3-tiny, qwen3-0.6b,
+    /// qwen3-1.7b, qwen3-4b, qwen3-8b.
     #[arg(long, value_name = "NAME")]
     pub preset: Option<String>,
     /// Same as --preset debug.

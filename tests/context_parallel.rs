@@ -28,6 +28,8 @@ const SEQ: i64 = 256;
 
 fn shape() -> LlamaShape {
     LlamaShape {
+        family: Default::default(),
+        head_size: None,
         vocab_size: VOCAB,
         hidden_size: 64,
         num_layers: 2,
@@ -261,7 +263,7 @@ fn check(c: Case) -> f64 {
                 sum / c.cp as f64
             })
             .collect();
-        let split = Parameters::llama(&shape()).split(name).unwrap();
+        let split = Parameters::of(&shape()).split(name).unwrap();
         let got = match split {
             // Sequence parallelism: each TP rank's norm gradient covers its tokens.
             Split::Replicated if c.tp > 1 => parts.iter().fold(parts[0].zeros_like(), |a, b| a + b),
@@ -544,7 +546,7 @@ fn check_steps(c: Layout) {
         }
     }
     let tensor_groups = runs.len() / c.tp;
-    let table = Parameters::llama(&shape());
+    let table = Parameters::of(&shape());
     for (i, (name, want)) in want.iter().enumerate() {
         let split = table.split(name).unwrap();
         for g in 0..tensor_groups {

@@ -84,6 +84,22 @@ fn export_loads_in_transformers_and_eval_matches() {
     let bpe: Vec<String> = base.iter().cloned().chain(bpe_run).collect();
     common::ok(dir, &common::with(&bpe, &["train"], &["--max-steps", "2"]));
     common::ok(dir, &common::with(&bpe, &["export"], &["--hf", "hfbpe"]));
+    // A Qwen3 run (q_norm/k_norm, heads of 32 where hidden / heads is 16): its export loads
+    // as Qwen3ForCausalLM with transformers' logits.
+    let qwen: Vec<String> = base
+        .iter()
+        .cloned()
+        .chain(strings(&[
+            "--set",
+            "logging.run_name=qwen",
+            "--set",
+            "model.architecture=qwen3",
+            "--set",
+            "model.head_dim=32",
+        ]))
+        .collect();
+    common::ok(dir, &common::with(&qwen, &["train"], &["--max-steps", "2"]));
+    common::ok(dir, &common::with(&qwen, &["export"], &["--hf", "hfqwen"]));
     common::ok(
         dir,
         &common::with(&base, &["export"], &["--hf", "hf32", "--dtype", "fp32"]),
@@ -196,6 +212,7 @@ fn export_loads_in_transformers_and_eval_matches() {
                 {"path": dir.join("sharded"), "dtype": "float32", "shards": shards.len()},
                 {"path": dir.join("hfbpe"), "dtype": "float32", "shards": 1, "logits": false,
                  "text": SAMPLE},
+                {"path": dir.join("hfqwen"), "dtype": "float32", "shards": 1},
             ],
             "eval": {"dir": hf32, "context_length": 48},
         })
@@ -237,6 +254,11 @@ fn export_loads_in_transformers_and_eval_matches() {
         err < 1e-5 && max_abs / scale < 1e-5,
         "fp32 export logits differ: L2 {err:e}, max {max_abs:e} of {scale}"
     );
+    let qwen_config = read_json(&dir.join("hfqwen/config.json"));
+    assert_eq!(qwen_config["architectures"], json!(["Qwen3ForCausalLM"]));
+    assert_eq!(qwen_config["head_dim"], 32);
+    let err = rel_l2(&logits_of(&dir.join("hfqwen"), &g), &hf_logits(4));
+    assert!(err < 1e-5, "Qwen3 export logits differ by {err:e}");
     // bf16: transformers computes in bf16 on the rounded weights; close to fp32, not equal.
     let err16 = rel_l2(&hf_logits(1), &ours);
     assert!(
@@ -346,7 +368,34 @@ fn export_loads_in_transformers_and_eval_matches() {
     );
     let text = common::output_text(&out);
     assert!(
-        text.contains("model_type is \"gpt2\"; lockstep trains Llama-architecture models"),
+        text.contains(
+            "model_type \"gpt2\" is not a family lockstep trains; it trains llama, qwen3"
+        ),
+        "{text}"
+    );
+    // model.architecture naming another family than model_path's config.json: exit 2.
+    let out = common::run(
+        dir,
+        &common::with(
+            &base,
+            &["train"],
+            &[
+                "--max-steps",
+                "1",
+                "--set",
+                "model.model_path=hf32",
+                "--set",
+                "model.architecture=qwen3",
+                "--set",
+                "logging.run_name=mismatch",
+            ],
+        ),
+    );
+    let text = common::output_text(&out);
+    assert!(!dir.join("runs/mismatch/checkpoints/step_1").exists());
+    assert!(
+        out.status.code() == Some(2)
+            && text.contains("model.architecture = \"qwen3\" but hf32/config.json is a LlamaForCausalLM model (model_type \"llama\"); set model.architecture = \"llama\" or \"auto\""),
         "{text}"
     );
 
@@ -507,18 +556,16 @@ fn greedy(eos: Vec<i64>, max_new_tokens: usize) -> GenerateOptions {
     }
 }
 
-/// Greedy `lockstep generate` on a random model saved by transformers emits exactly
-/// transformers' `generate(do_sample=False)` tokens, stopping at the EOS of its
-/// generation_config.json; KV-cached decoding equals recomputing the whole sequence.
-#[test]
-fn generate_matches_transformers_and_cache_matches_recompute() {
-    tch::set_num_threads(1);
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    common::run_python(
-        "tests/reference/hf_interop.py",
-        &["generate", dir.to_str().unwrap()],
-    );
+/// Greedy `lockstep generate` (KV-cached and not) of the random model `hf_interop.py generate
+/// DIR extra…` saved, against transformers' `generate`: the prompts, transformers' outputs, the
+/// EOS id and the token limit.
+fn cli_generate_matches_transformers(
+    dir: &Path,
+    extra_args: &[&str],
+) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, i64, usize) {
+    let mut args = vec!["generate", dir.to_str().unwrap()];
+    args.extend(extra_args);
+    common::run_python("tests/reference/hf_interop.py", &args);
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("generate.json")).unwrap()).unwrap();
     let ids = |v: &Value| -> Vec<i64> {
@@ -578,6 +625,28 @@ fn generate_matches_transformers_and_cache_matches_recompute() {
             assert_eq!(got["stop"], stop);
         }
     }
+    (prompts, outputs, eos, n)
+}
+
+/// The same for Qwen3 (q_norm/k_norm, head_dim apart from hidden / heads).
+#[test]
+fn qwen3_generate_matches_transformers() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, outputs, _, _) = cli_generate_matches_transformers(tmp.path(), &["--qwen3"]);
+    assert!(outputs.iter().all(|o| !o.is_empty()));
+}
+
+/// Greedy `lockstep generate` on a random model saved by transformers emits exactly
+/// transformers' `generate(do_sample=False)` tokens, stopping at the EOS of its
+/// generation_config.json; KV-cached decoding equals recomputing the whole sequence.
+#[test]
+fn generate_matches_transformers_and_cache_matches_recompute() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (prompts, outputs, eos, n) = cli_generate_matches_transformers(dir, &[]);
+    let model_dir = dir.join("model");
     assert!(
         outputs[0].len() < n && outputs[0].last() == Some(&eos),
         "prompt 0 stops at EOS"

@@ -1,4 +1,5 @@
-//! lockstep's LLaMA against transformers' LlamaForCausalLM on the same weights and batch: loss,
+//! lockstep's LLaMA and Qwen3 against transformers' LlamaForCausalLM and Qwen3ForCausalLM on the
+//! same weights and batch: loss,
 //! every gradient norm, and parameters after 3 AdamW steps with clipping, within 1e-5 relative.
 //! The model runs as training runs it by default: the LM head + cross-entropy in chunks (here
 //! of 40 tokens, so the 3 × 32-token batch spans three, one of them partial), and the
@@ -13,7 +14,9 @@ use std::path::Path;
 
 use lockstep::config::{self, Sources};
 use lockstep::dist::SingleProcess;
-use lockstep::model::{hf, ActivationCheckpointing, ActivationMemory, AttentionBackend, Llama};
+use lockstep::model::{
+    hf, ActivationCheckpointing, ActivationMemory, AttentionBackend, Family, Llama,
+};
 use lockstep::tensor_io::{self, SafeFile};
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Optimizer};
@@ -50,7 +53,7 @@ fn batch(dir: &Path) -> (Tensor, Tensor) {
     (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1))
 }
 
-fn check_against_reference(tied: bool, llama3_rope: bool) {
+fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     tch::set_num_threads(1);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
@@ -61,6 +64,9 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
     if llama3_rope {
         args.push("--llama3-rope");
     }
+    if family == Family::Qwen3 {
+        args.push("--qwen3");
+    }
     common::run_python("tests/reference/hf_llama.py", &args);
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
@@ -68,6 +74,14 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
     let (x, y) = batch(dir);
 
     let (vs, model) = load_model(dir, AttentionBackend::Sdpa);
+    assert_eq!(model.shape.family, family, "config.json's model_type read");
+    if family == Family::Qwen3 {
+        assert_eq!(
+            model.shape.head_dim(),
+            16,
+            "head_dim apart from hidden / heads"
+        );
+    }
     let loss = model.loss(&x, &y);
     let want = reference["loss"].as_f64().unwrap();
     assert!(
@@ -200,15 +214,22 @@ fn check_against_reference(tied: bool, llama3_rope: bool) {
 
 #[test]
 fn untied_llama_matches_transformers() {
-    check_against_reference(false, false);
+    check_against_reference(false, false, Family::Llama);
 }
 
 #[test]
 fn tied_llama_matches_transformers() {
-    check_against_reference(true, false);
+    check_against_reference(true, false, Family::Llama);
 }
 
 #[test]
 fn llama3_rope_scaling_matches_transformers() {
-    check_against_reference(false, true);
+    check_against_reference(false, true, Family::Llama);
+}
+
+/// Qwen3: q_norm/k_norm before RoPE and a head_dim of 16 where hidden / heads is 8, tied as
+/// the small Qwen3 models are.
+#[test]
+fn tied_qwen3_matches_transformers() {
+    check_against_reference(true, false, Family::Qwen3);
 }

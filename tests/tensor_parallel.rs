@@ -14,8 +14,8 @@ use common::ranks::{each_rank, rel_tensor as rel, Plain};
 use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
-    ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Llama, LlamaShape,
-    NoEvents, Parameters, Split, TensorParallel,
+    ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Family, Llama,
+    LlamaShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -25,6 +25,8 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 
 fn shape(vocab: usize, tied: bool) -> LlamaShape {
     LlamaShape {
+        family: Default::default(),
+        head_size: None,
         vocab_size: vocab,
         hidden_size: 64,
         num_layers: 2,
@@ -39,6 +41,17 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
     }
+}
+
+/// `shape(vocab, tied)` as Qwen3 where `qwen3` says: q_norm/k_norm, and heads of 16 where
+/// hidden / heads is 8.
+fn family_shape(vocab: usize, tied: bool, qwen3: bool) -> LlamaShape {
+    let mut s = shape(vocab, tied);
+    if qwen3 {
+        s.family = Family::Qwen3;
+        s.head_size = Some(16);
+    }
+    s
 }
 
 /// One case: the model's shape and how the pass runs.
@@ -57,6 +70,8 @@ struct Case {
     docs: bool,
     /// The matmuls' dtype.
     compute: Kind,
+    /// Qwen3 (its head norms are whole on every rank, each rank's gradient its heads' part).
+    qwen3: bool,
 }
 
 impl Case {
@@ -123,7 +138,7 @@ fn fp64_gradients(c: &Case, params: &[(String, Tensor)]) -> Vec<Tensor> {
     };
     let mut model = Llama::new_with(
         &vs.root(),
-        &shape(c.vocab, c.tied),
+        &family_shape(c.vocab, c.tied, c.qwen3),
         64,
         Kind::Double,
         &mut make,
@@ -144,7 +159,12 @@ fn fp64_gradients(c: &Case, params: &[(String, Tensor)]) -> Vec<Tensor> {
 fn reference(c: &Case) -> Reference {
     tch::manual_seed(1234);
     let vs = VarStore::new(Device::Cpu);
-    let mut model = Llama::new(&vs.root(), &shape(c.vocab, c.tied), 64, c.compute);
+    let mut model = Llama::new(
+        &vs.root(),
+        &family_shape(c.vocab, c.tied, c.qwen3),
+        64,
+        c.compute,
+    );
     model.set_activation_memory(ActivationMemory {
         checkpointing: ActivationCheckpointing::None,
         loss_chunk_tokens: 0,
@@ -204,7 +224,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
         };
         let mut model = Llama::new_split(
             &vs.root(),
-            &shape(c.vocab, c.tied),
+            &family_shape(c.vocab, c.tied, c.qwen3),
             64,
             c.compute,
             tp,
@@ -246,7 +266,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
 
 /// Checks a case against the whole model; returns the worst relative error.
 fn check(c: Case) -> f64 {
-    let table = Parameters::llama(&shape(c.vocab, c.tied));
+    let table = Parameters::of(&family_shape(c.vocab, c.tied, c.qwen3));
     let r = reference(&c);
     let runs = split_run(c, &r.params);
     let mut worst = 0.0f64;
@@ -281,6 +301,8 @@ fn check(c: Case) -> f64 {
                 }
                 parts[0].shallow_clone()
             }
+            // A head's norm: each rank's gradient covers its heads.
+            Split::Shared => parts.iter().fold(parts[0].zeros_like(), |a, b| a + b),
             _ => split.unshard(&parts, &want.size()),
         };
         let e = rel(&got, want);
@@ -311,6 +333,7 @@ fn case(tp: usize) -> Case {
         chunk: 0,
         docs: false,
         compute: Kind::Float,
+        qwen3: false,
     }
 }
 
@@ -438,6 +461,7 @@ struct Layout {
     sequence_parallel: bool,
     /// Hybrid sharding: data ranks per shard group (0 = all of them).
     shard: usize,
+    qwen3: bool,
 }
 
 const STEPS: usize = 3;
@@ -490,7 +514,13 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)], kind: Kind) -> RankSt
             .to_kind(kind)
             .copy()
     };
-    let model = Llama::new_with(&vs.root(), &shape(256, false), 64, kind, &mut make);
+    let model = Llama::new_with(
+        &vs.root(),
+        &family_shape(256, false, c.qwen3),
+        64,
+        kind,
+        &mut make,
+    );
     let named = Llama::named_parameters(&vs);
     let mut pg = SingleProcess;
     let table = model.parameters();
@@ -564,7 +594,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
                 full(name)
             }
         };
-        let s = shape(256, false);
+        let s = family_shape(256, false, c.qwen3);
         let model = Llama::new_split(&vs.root(), &s, 64, Kind::Float, tp, &mut make).unwrap();
         let named = Llama::named_parameters(&vs);
         let table = model.parameters();
@@ -638,7 +668,12 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
 fn check_steps(c: Layout) {
     tch::manual_seed(99);
     let vs = VarStore::new(Device::Cpu);
-    let _ = Llama::new(&vs.root(), &shape(256, false), 64, Kind::Float);
+    let _ = Llama::new(
+        &vs.root(),
+        &family_shape(256, false, c.qwen3),
+        64,
+        Kind::Float,
+    );
     let params: Vec<(String, Tensor)> = Llama::named_parameters(&vs)
         .iter()
         .map(|(n, p)| (n.clone(), p.detach().copy()))
@@ -657,7 +692,7 @@ fn check_steps(c: Layout) {
             "{c:?}: every rank has the same norm, bit for bit"
         );
     }
-    let table = Parameters::llama(&shape(256, false));
+    let table = Parameters::of(&family_shape(256, false, c.qwen3));
     for (i, (name, want)) in want.iter().enumerate() {
         let split = table.split(name).unwrap();
         for d in 0..c.data {
@@ -699,6 +734,7 @@ fn tp2_and_tp4_steps_equal_one_rank_after_three_clipped_adamw_steps() {
             stage: ZeroStage::Replicated,
             sequence_parallel,
             shard: 0,
+            qwen3: false,
         });
     }
 }
@@ -718,6 +754,7 @@ fn tp2_by_data2_at_stages_0_2_3_equal_data_parallel_at_stage_0() {
             stage,
             sequence_parallel: true,
             shard: 0,
+            qwen3: false,
         });
     }
 }
@@ -732,6 +769,32 @@ fn tp2_with_hybrid_sharding_over_data4_equals_data_parallelism() {
             stage,
             sequence_parallel: true,
             shard: 2,
+            qwen3: false,
+        });
+    }
+}
+
+/// Qwen3's head norms (whole on every rank, read for each rank's own heads): the pass at TP 2
+/// and 4 with and without sequence parallelism, and whole steps at TP 2 × data 2 (stages 0
+/// and 3), where the optimizer sums their gradients over the tensor group.
+#[test]
+fn qwen3_head_norms_split_like_one_rank() {
+    for (tp, sequence_parallel) in [(2, true), (4, false)] {
+        let worst = check(Case {
+            sequence_parallel,
+            qwen3: true,
+            ..case(tp)
+        });
+        eprintln!("qwen3 tp {tp} sp {sequence_parallel}: worst gradient {worst:e}");
+    }
+    for stage in [ZeroStage::Replicated, ZeroStage::Parameters] {
+        check_steps(Layout {
+            tp: 2,
+            data: 2,
+            stage,
+            sequence_parallel: false,
+            shard: 0,
+            qwen3: true,
         });
     }
 }

@@ -93,6 +93,19 @@ choice! {
 }
 
 choice! {
+    /// `model.architecture`: the model family (src/model/registry.rs).
+    Architecture {
+        /// `model.model_path`'s `model_type` (config.json), else llama.
+        Auto = "auto",
+        /// Llama 2/3: RMSNorm, GQA attention with RoPE, SwiGLU.
+        Llama = "llama",
+        /// Qwen3 dense: Llama's layers with an RMSNorm of each query and key head (q_norm,
+        /// k_norm) before RoPE, and a head size apart from hidden / heads.
+        Qwen3 = "qwen3",
+    }
+}
+
+choice! {
     /// `model.attention_backend`. The aliases are transformers' `attn_implementation` names.
     AttentionBackend {
         /// libtorch's scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).

@@ -12,6 +12,29 @@ pub const PRESETS: &[(&str, &str)] = &[
     ),
     ("debug", include_str!("../../config/presets/debug.json")),
     ("tiny", include_str!("../../config/presets/tiny.json")),
+    // Qwen3 dense: `tiny`'s size with Qwen3's layers (q_norm/k_norm, heads of 64 where
+    // hidden / heads is 32, tied embeddings), and the released shapes (Hugging Face's
+    // Qwen/Qwen3-*-Base config.json: every layer, vocabulary 151,936, RoPE base 1e6).
+    (
+        "qwen3-tiny",
+        include_str!("../../config/presets/qwen3-tiny.json"),
+    ),
+    (
+        "qwen3-0.6b",
+        include_str!("../../config/presets/qwen3-0.6b.json"),
+    ),
+    (
+        "qwen3-1.7b",
+        include_str!("../../config/presets/qwen3-1.7b.json"),
+    ),
+    (
+        "qwen3-4b",
+        include_str!("../../config/presets/qwen3-4b.json"),
+    ),
+    (
+        "qwen3-8b",
+        include_str!("../../config/presets/qwen3-8b.json"),
+    ),
 ];
 
 pub fn get(name: &str) -> Result<&'static str, ConfigError> {

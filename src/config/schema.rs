@@ -5,8 +5,8 @@
 use serde_json::Value;
 
 use super::choices::{
-    ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
+    ActivationCheckpointing, Architecture, AttentionBackend, DeviceChoice, DistBackendChoice,
+    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
 };
 
 /// What a key accepts.
@@ -214,11 +214,13 @@ macro_rules! keys {
 }
 
 keys! {
-    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
+    "model.architecture", Kind::Choice(Architecture::NAMES), "\"auto\"", "The model family: llama, qwen3 (Llama's layers with q_norm/k_norm, an RMSNorm of each query and key head before RoPE), or auto = model.model_path's model_type (config.json), else llama. Set with model_path, it must match the directory's model_type.";
+    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
     "model.num_layers", Kind::Count, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
     "model.hidden_size", Kind::Count, "4096", "Residual stream width.";
     "model.num_attention_heads", Kind::Count, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";
     "model.num_key_value_heads", Kind::Count, "8", "Key/value heads (grouped-query attention); must divide num_attention_heads.";
+    "model.head_dim", Kind::OptUInt, "null", "Width of one attention head; null = hidden_size / num_attention_heads. Qwen3 sets it apart (Qwen3-8B: hidden 4096, 32 heads of 128). Must be even (RoPE).";
     "model.intermediate_size", Kind::Count, "14336", "SwiGLU MLP width.";
     "model.vocab_size", Kind::OptUInt, "null", "Embedding rows; null = the tokenizer's vocabulary size. Must be >= the tokenizer's.";
     "model.max_position_embeddings", Kind::UInt, "131072", "Longest context the model supports; training.context_length may not exceed it.";

@@ -192,6 +192,23 @@ fn impossible_shapes_are_rejected_with_a_fix() {
         "{e}"
     );
     assert!(e.contains("e.g. 32"), "{e}");
+    let e = error_of(&set(&["model.head_dim=7"]));
+    assert!(
+        e.contains("model.head_dim = 7: RoPE needs an even head dimension"),
+        "{e}"
+    );
+    let e = error_of(&set(&["model.architecture=mixtral"]));
+    assert!(
+        e.contains("model.architecture=mixtral: expected one of auto | llama | qwen3"),
+        "{e}"
+    );
+    // With head_dim set, the heads need not divide hidden_size (Qwen3-0.6B: d 1024, 16 heads
+    // of 128).
+    assert!(crate::config::resolve(&set(&[
+        "model.num_attention_heads=24",
+        "model.head_dim=128"
+    ]))
+    .is_ok());
     let e = error_of(&set(&["model.num_key_value_heads=5"]));
     assert!(
         e.contains("model.num_key_value_heads = 5 does not divide model.num_attention_heads = 32"),

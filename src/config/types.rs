@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::choices::{
-    ActivationCheckpointing, AttentionBackend, DeviceChoice, DistBackendChoice, DtypeChoice,
-    FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
+    ActivationCheckpointing, Architecture, AttentionBackend, DeviceChoice, DistBackendChoice,
+    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -23,11 +23,13 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    pub architecture: Architecture,
     pub model_path: Option<String>,
     pub num_layers: usize,
     pub hidden_size: usize,
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
+    pub head_dim: Option<usize>,
     pub intermediate_size: usize,
     pub vocab_size: Option<usize>,
     pub max_position_embeddings: usize,

@@ -36,7 +36,14 @@ fn check_shape(c: &Config, bad: &mut impl FnMut(String)) {
                 .into(),
         );
     }
-    if m.num_attention_heads > 0 && !m.hidden_size.is_multiple_of(m.num_attention_heads) {
+    if let Some(hd) = m.head_dim {
+        if hd == 0 || !hd.is_multiple_of(2) {
+            bad(format!(
+                "model.head_dim = {hd}: RoPE needs an even head dimension of at least 2 (null = \
+                 model.hidden_size / model.num_attention_heads)"
+            ));
+        }
+    } else if m.num_attention_heads > 0 && !m.hidden_size.is_multiple_of(m.num_attention_heads) {
         bad(format!(
             "model.num_attention_heads = {} does not divide model.hidden_size = {}; pick a head count that divides it (e.g. {})",
             m.num_attention_heads,

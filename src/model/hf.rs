@@ -1,4 +1,5 @@
-//! Hugging Face Llama directories: `config.json` → `LlamaShape`, and `model.safetensors` (or a
+//! Hugging Face directories of the families lockstep trains (Llama, Qwen3): `config.json` →
+//! `LlamaShape`, and `model.safetensors` (or a
 //! sharded `model.safetensors.index.json`) → the VarStore, optionally keeping only the first N
 //! layers. Names are already HF's, so loading is a checked copy by name.
 
@@ -10,8 +11,9 @@ use serde_json::Value;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::shape::{AttentionBackend, Llama3RopeScaling, LlamaShape};
-use crate::config::ModelConfig;
+use super::registry::Family;
+use super::shape::{head_size, AttentionBackend, Llama3RopeScaling, LlamaShape};
+use crate::config::{ConfigError, ModelConfig};
 use crate::tensor_io::SafeFile;
 
 /// Shape from `<dir>/config.json`. `m.num_layers` below the checkpoint's keeps the first layers.
@@ -19,19 +21,13 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
-            "model.model_path: cannot read {}; point it at a Hugging Face Llama directory",
+            "model.model_path: cannot read {}; point it at a Hugging Face Llama or Qwen3 directory",
             path.display()
         )
     })?;
     let c: Value =
         serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    let model_type = c["model_type"].as_str().unwrap_or("");
-    ensure!(
-        model_type == "llama",
-        "{}: model_type is {}; lockstep trains Llama-architecture models (model_type \"llama\")",
-        path.display(),
-        c["model_type"]
-    );
+    let family = family_of(&c, &path, m)?;
     let uint = |key: &str| -> Result<usize> {
         c[key]
             .as_u64()
@@ -62,13 +58,69 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         m.num_layers,
         path.display()
     );
-    if let Some(hd) = c["head_dim"].as_u64() {
-        ensure!(
-            hd as usize == hidden_size / num_heads,
-            "{}: head_dim {hd} != hidden_size / num_attention_heads; such checkpoints are not supported",
-            path.display()
-        );
+    let head_dim = c["head_dim"].as_u64().map(|v| v as usize);
+    ensure!(
+        head_dim.is_none_or(|hd| hd > 0 && hd.is_multiple_of(2)),
+        "{}: head_dim {} is not even; RoPE needs an even head dimension",
+        path.display(),
+        c["head_dim"]
+    );
+    let (rope_theta, rope_scaling) = rope_of(&c, &path)?;
+    Ok(LlamaShape {
+        family,
+        head_size: head_size(head_dim, hidden_size, num_heads),
+        vocab_size: uint("vocab_size")?,
+        hidden_size,
+        num_layers: m.num_layers,
+        num_heads,
+        num_kv_heads: c["num_key_value_heads"]
+            .as_u64()
+            .map_or(num_heads, |v| v as usize),
+        intermediate_size: uint("intermediate_size")?,
+        max_position_embeddings: uint("max_position_embeddings")?,
+        rope_theta,
+        rope_scaling,
+        rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+        tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+        init_std: c["initializer_range"].as_f64().unwrap_or(m.init_std),
+        attention: m.attention_backend,
+    })
+}
+
+/// The family of a config.json `c` (at `path`), checked against `model.architecture`: both are
+/// bad inputs of the config (exit 2), a directory of a family lockstep does not train and a
+/// `model.architecture` naming another family than the directory's. Attention lockstep's
+/// decoder does not compute is refused rather than silently widened to the whole context.
+fn family_of(c: &Value, path: &Path, m: &ModelConfig) -> Result<Family> {
+    let model_type = c["model_type"].as_str().unwrap_or("");
+    let family = Family::of_model_type(model_type)
+        .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+    if let Some(want) = Family::of_choice(m.architecture).filter(|&w| w != family) {
+        return Err(ConfigError(format!(
+            "model.architecture = \"{}\" but {} is a {} model (model_type \"{model_type}\"); set \
+             model.architecture = \"{}\" or \"auto\"",
+            want.name(),
+            path.display(),
+            family.hf_class(),
+            family.name()
+        ))
+        .into());
     }
+    let sliding = c["use_sliding_window"].as_bool().unwrap_or(false)
+        || c["layer_types"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|l| l.as_str() != Some("full_attention")));
+    ensure!(
+        !sliding,
+        "{}: sliding-window attention (use_sliding_window / layer_types) is not supported; \
+         lockstep attends over the whole context",
+        path.display()
+    );
+    Ok(family)
+}
+
+/// RoPE's base and its Llama 3.1 scaling from a config.json `c` (at `path`).
+fn rope_of(c: &Value, path: &Path) -> Result<(f64, Option<Llama3RopeScaling>)> {
     // transformers v4 writes rope_theta at the top level; v5 nests it in rope_parameters.
     let rope = &c["rope_parameters"];
     let rope_theta = c["rope_theta"]
@@ -104,23 +156,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
             path.display()
         ),
     };
-    Ok(LlamaShape {
-        vocab_size: uint("vocab_size")?,
-        hidden_size,
-        num_layers: m.num_layers,
-        num_heads,
-        num_kv_heads: c["num_key_value_heads"]
-            .as_u64()
-            .map_or(num_heads, |v| v as usize),
-        intermediate_size: uint("intermediate_size")?,
-        max_position_embeddings: uint("max_position_embeddings")?,
-        rope_theta,
-        rope_scaling,
-        rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-        tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
-        init_std: c["initializer_range"].as_f64().unwrap_or(m.init_std),
-        attention: m.attention_backend,
-    })
+    Ok((rope_theta, rope_scaling))
 }
 
 /// The safetensors files of a directory: the shards named by the index, or model.safetensors.
@@ -215,11 +251,12 @@ pub fn read_weights(
 }
 
 /// A transformers `config.json` for `shape` (v4's top-level rope_theta and v5's rope_parameters
-/// both written, so either version loads it as LlamaForCausalLM).
+/// both written, so either version loads it as the family's class, `LlamaForCausalLM` or
+/// `Qwen3ForCausalLM`).
 pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
-    serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    let mut c = serde_json::json!({
+        "architectures": [shape.family.hf_class()],
+        "model_type": shape.family.name(),
         "hidden_act": "silu",
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -238,7 +275,11 @@ pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
         "attention_bias": false,
         "mlp_bias": false,
         "torch_dtype": dtype,
-    })
+    });
+    if shape.family == Family::Qwen3 {
+        c["use_sliding_window"] = Value::Bool(false);
+    }
+    c
 }
 
 /// The shape of a Hugging Face Llama directory at its full depth (every layer it has).
@@ -292,7 +333,7 @@ pub fn load_model(
 /// Every tensor a Hugging Face Llama of `shape` holds, in HF order, with its shape (no lm_head
 /// when tied).
 pub fn expected_tensors(shape: &LlamaShape) -> Vec<(String, Vec<i64>)> {
-    super::Parameters::llama(shape).shapes()
+    super::Parameters::of(shape).shapes()
 }
 
 /// The weights of a Hugging Face directory (single file or shards), read tensor by tensor from

@@ -30,6 +30,9 @@ pub(super) struct Layer {
     pub(super) k_proj: Tensor,
     pub(super) v_proj: Tensor,
     pub(super) o_proj: Tensor,
+    /// Qwen3: the RMSNorm weights [head_dim] of each query and key head, before RoPE.
+    pub(super) q_norm: Option<Tensor>,
+    pub(super) k_norm: Option<Tensor>,
     pub(super) post_attention_layernorm: Tensor,
     pub(super) gate_proj: Tensor,
     pub(super) up_proj: Tensor,
@@ -201,7 +204,7 @@ impl Llama {
         make: &mut MakeParameter,
     ) -> Llama {
         let s = shape;
-        let table = Arc::new(Parameters::llama(s));
+        let table = Arc::new(Parameters::of(s));
         // Each parameter made whole, in the table's order (the random draws'), and kept whole
         // or as this rank's part of it; a placeholder without elements (zero stage 3) as it is.
         let mut made: HashMap<String, Tensor> = table
@@ -221,8 +224,11 @@ impl Llama {
         let embed_tokens = take("model.embed_tokens.weight");
         let layers = (0..s.num_layers)
             .map(|i| {
+                let qk_norm = s.family.qk_norm();
                 let mut at = |name: &str| take(&format!("model.layers.{i}.{name}.weight"));
                 Layer {
+                    q_norm: qk_norm.then(|| at("self_attn.q_norm")),
+                    k_norm: qk_norm.then(|| at("self_attn.k_norm")),
                     input_layernorm: at("input_layernorm"),
                     q_proj: at("self_attn.q_proj"),
                     k_proj: at("self_attn.k_proj"),
@@ -577,15 +583,23 @@ impl Llama {
         let s = &self.shape;
         let (b, t) = (h.size()[0], h.size()[1]);
         let hd = s.head_dim() as i64;
-        let heads =
-            |w: &Tensor, n: usize| self.linear(h, w).view([b, t, n as i64, hd]).transpose(1, 2);
+        // [b, n, t, head_dim], each head RMS-normed first where the family does (Qwen3),
+        // back in the projection's dtype.
+        let heads = |w: &Tensor, n: usize, norm: Option<&Tensor>| {
+            let x = self.linear(h, w).view([b, t, n as i64, hd]);
+            let x = match norm {
+                Some(weight) => self.rms_norm(&x, weight).to_kind(x.kind()),
+                None => x,
+            };
+            x.transpose(1, 2)
+        };
         let rotate = |x: Tensor| match positions {
             Some(p) => self.rope.apply_positions(&x, p),
             None => self.rope.apply_at(&x, pos),
         };
-        let q = rotate(heads(&layer.q_proj, self.heads));
-        let k = rotate(heads(&layer.k_proj, self.kv_heads));
-        (q, k, heads(&layer.v_proj, self.kv_heads))
+        let q = rotate(heads(&layer.q_proj, self.heads, layer.q_norm.as_ref()));
+        let k = rotate(heads(&layer.k_proj, self.kv_heads, layer.k_norm.as_ref()));
+        (q, k, heads(&layer.v_proj, self.kv_heads, None))
     }
 
     /// Causal attention of queries at positions past..past + t over keys and values at

@@ -1,7 +1,7 @@
 //! The parameter table: every parameter a model holds, with its Hugging Face name, whole shape,
 //! initialisation, tensor-parallel split and gradient unit, in creation order (the order of a
 //! fresh initialisation's random draws, and Hugging Face's). An architecture emits it once
-//! (`Parameters::llama`); the model is built from it (`Llama::new`), and the tensor-parallel
+//! (`Parameters::of`); the model is built from it (`Llama::new`), and the tensor-parallel
 //! split, the optimizer's handling of split parameters, the units zero stage 3 gathers and
 //! gradients are reduced by, the Hugging Face reader and `lockstep plan` read it. A name it does
 //! not hold is an error, never a guess.
@@ -55,10 +55,13 @@ impl Parameters {
         Parameters { list, index }
     }
 
-    /// Llama's: the embedding, per decoder layer its two RMSNorm weights and seven matrices
-    /// (q, k, v and gate, up column-parallel; o and down row-parallel), the final norm, and
-    /// the LM head unless tied. Matrices are normal(0, init_std), norms ones.
-    pub fn llama(shape: &LlamaShape) -> Parameters {
+    /// The table of `shape`'s family. Llama's: the embedding, per decoder layer its two
+    /// RMSNorm weights and seven matrices (q, k, v and gate, up column-parallel; o and down
+    /// row-parallel), the final norm, and the LM head unless tied. Qwen3 adds per layer the
+    /// RMSNorm weights of a query and a key head ([head_dim], whole on every rank, each rank's
+    /// gradient its heads' part: `Split::Shared`). Matrices are normal(0, init_std), norms
+    /// ones.
+    pub fn of(shape: &LlamaShape) -> Parameters {
         let s = shape;
         let (d, hd) = (s.hidden_size as i64, s.head_dim() as i64);
         let (q, kv) = (s.num_heads as i64 * hd, s.num_kv_heads as i64 * hd);
@@ -82,6 +85,12 @@ impl Parameters {
                 ("self_attn.o_proj", [d, q], Split::Columns),
             ] {
                 t.matrix(&format!("{p}.{name}.weight"), dims, split, unit);
+            }
+            if s.family.qk_norm() {
+                for name in ["q_norm", "k_norm"] {
+                    let name = format!("{p}.self_attn.{name}.weight");
+                    t.push(&name, vec![hd], Init::Const(1.0), Split::Shared, unit);
+                }
             }
             t.norm(&format!("{p}.post_attention_layernorm.weight"), d, unit);
             for (name, dims, split) in [
@@ -222,6 +231,8 @@ mod tests {
 
     fn llama31_8b() -> LlamaShape {
         LlamaShape {
+            family: crate::model::registry::Family::Llama,
+            head_size: None,
             vocab_size: 128256,
             hidden_size: 4096,
             num_layers: 32,
@@ -240,7 +251,7 @@ mod tests {
 
     #[test]
     fn llama_3_1_8b_has_its_8_03b_parameters_in_hf_order() {
-        let t = Parameters::llama(&llama31_8b());
+        let t = Parameters::of(&llama31_8b());
         assert_eq!(t.count(), 8_030_261_248);
         assert_eq!(t.len(), 1 + 32 * 9 + 2);
         let names: Vec<&str> = t.iter().map(|p| p.name.as_str()).take(4).collect();
@@ -259,19 +270,48 @@ mod tests {
         assert_eq!(t.local_count(8), (t.count() - norms) / 8 + norms);
     }
 
+    /// Qwen3-8B (Hugging Face's config.json): the model card's 8.19B parameters, 6.95B of them
+    /// outside the embedding and the untied LM head; each layer's q_norm and k_norm [128]
+    /// whole on every rank of a TP group.
+    #[test]
+    fn qwen3_8b_has_its_8_19b_parameters_and_head_norms() {
+        let s = LlamaShape {
+            family: crate::model::registry::Family::Qwen3,
+            head_size: Some(128),
+            vocab_size: 151936,
+            hidden_size: 4096,
+            num_layers: 36,
+            num_heads: 32,
+            num_kv_heads: 8,
+            intermediate_size: 12288,
+            rope_theta: 1e6,
+            ..llama31_8b()
+        };
+        let t = Parameters::of(&s);
+        assert_eq!(t.count(), 8_190_735_360);
+        assert_eq!(t.count() - 2 * 151936 * 4096, 6_946_075_648);
+        let q = t.get("model.layers.35.self_attn.q_norm.weight").unwrap();
+        assert_eq!((q.shape.clone(), q.split), (vec![128], Split::Shared));
+        assert_eq!(
+            t.unit("model.layers.35.self_attn.k_norm.weight").unwrap(),
+            GradUnit::Layer(35)
+        );
+        assert!(!Parameters::of(&llama31_8b()).contains("model.layers.0.self_attn.q_norm.weight"));
+    }
+
     #[test]
     fn flops_per_token_is_six_per_matrix_weight_plus_attention() {
         let s = llama31_8b();
         // The embedding is a lookup; the (untied) LM head is a matmul; norms are no matmuls.
         let norms = 32 * 2 * 4096 + 4096;
-        let matmul = Parameters::llama(&s).count() - s.vocab_size * s.hidden_size - norms;
+        let matmul = Parameters::of(&s).count() - s.vocab_size * s.hidden_size - norms;
         let expected = 6.0 * matmul as f64 + 6.0 * 32.0 * 8192.0 * 4096.0;
         assert!((s.flops_per_token(8192) - expected).abs() / expected < 1e-12);
     }
 
     #[test]
     fn every_parameter_has_its_split_and_unit_and_no_other_name_does() {
-        let t = Parameters::llama(&llama31_8b());
+        let t = Parameters::of(&llama31_8b());
         for (name, split, unit) in [
             (
                 "model.layers.3.self_attn.q_proj.weight",
@@ -334,6 +374,6 @@ mod tests {
         }
         let mut tied = llama31_8b();
         tied.tie_word_embeddings = true;
-        assert!(!Parameters::llama(&tied).contains("lm_head.weight"));
+        assert!(!Parameters::of(&tied).contains("lm_head.weight"));
     }
 }

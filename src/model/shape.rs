@@ -3,8 +3,15 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::registry::Family;
 pub use crate::config::AttentionBackend;
 use crate::config::ModelConfig;
+
+/// `head_dim` as a shape keeps it: None where it is hidden / heads (so that a shape compares
+/// equal however it was written).
+pub fn head_size(head_dim: Option<usize>, hidden: usize, heads: usize) -> Option<usize> {
+    head_dim.filter(|&hd| heads == 0 || hd != hidden / heads)
+}
 
 /// Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"` in config.json): long wavelengths
 /// are divided by `factor`, short ones kept, and those in between interpolated.
@@ -18,11 +25,17 @@ pub struct Llama3RopeScaling {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaShape {
+    /// The model family (absent in checkpoints written before there were others: Llama).
+    #[serde(default)]
+    pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
+    /// The width of one attention head where it is not hidden_size / num_heads (`head_dim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_size: Option<usize>,
     pub intermediate_size: usize,
     pub max_position_embeddings: usize,
     pub rope_theta: f64,
@@ -45,6 +58,8 @@ impl LlamaShape {
              set it to at least {tokenizer_vocab} or null"
         );
         Ok(LlamaShape {
+            family: Family::of_choice(m.architecture).unwrap_or_default(),
+            head_size: head_size(m.head_dim, m.hidden_size, m.num_attention_heads),
             vocab_size,
             hidden_size: m.hidden_size,
             num_layers: m.num_layers,
@@ -61,8 +76,15 @@ impl LlamaShape {
         })
     }
 
+    /// The width of one attention head.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_heads
+        self.head_size.unwrap_or(self.hidden_size / self.num_heads)
+    }
+
+    /// The width of all query heads together (the attention output's; hidden_size unless
+    /// `head_dim` is set apart).
+    pub fn query_width(&self) -> usize {
+        self.num_heads * self.head_dim()
     }
 
     /// Weights of one decoder layer's attention projections (q, k, v, o).
@@ -86,6 +108,6 @@ impl LlamaShape {
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let d = self.hidden_size;
         let matmul = self.num_layers * self.layer_matrix_params() + self.vocab_size * d;
-        6.0 * matmul as f64 + 6.0 * (self.num_layers * seq * d) as f64
+        6.0 * matmul as f64 + 6.0 * (self.num_layers * seq * self.query_width()) as f64
     }
 }

@@ -97,8 +97,13 @@ impl TensorParallel {
 /// in its model's table, `params.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
-    /// Whole on every rank (the RMSNorm weights).
+    /// Whole on every rank, read by every rank for all its tokens (the RMSNorm weights of the
+    /// residual stream): its gradients are equal across the group, or with sequence
+    /// parallelism partial sums over each rank's tokens.
     Replicated,
+    /// Whole on every rank, read by each rank for its own heads (Qwen3's q_norm and k_norm, an
+    /// RMSNorm of one head): each rank's gradient is its heads' part, summed over the group.
+    Shared,
     /// Column-parallel linear: dim 0 (output features) cut in T.
     Rows,
     /// Row-parallel linear: dim 1 (input features) cut in T.
@@ -108,10 +113,15 @@ pub enum Split {
 }
 
 impl Split {
+    /// Whether every rank holds the whole parameter.
+    pub fn is_whole(self) -> bool {
+        self.dim().is_none()
+    }
+
     /// The dimension cut, if any.
     pub fn dim(self) -> Option<usize> {
         match self {
-            Split::Replicated => None,
+            Split::Replicated | Split::Shared => None,
             Split::Rows | Split::Vocab => Some(0),
             Split::Columns => Some(1),
         }
@@ -178,7 +188,7 @@ impl Split {
     ) -> Result<Tensor> {
         let numel = full.iter().product::<i64>() as usize;
         match self {
-            Split::Replicated => read(range.clone()),
+            Split::Replicated | Split::Shared => read(range.clone()),
             Split::Rows | Split::Vocab => {
                 let part = self.local_shape(full, size).iter().product::<i64>() as usize;
                 let start = rank * part;
@@ -226,7 +236,9 @@ impl Split {
     ) -> Vec<(Range<usize>, Tensor)> {
         let numel = full.iter().product::<i64>() as usize;
         match self {
-            Split::Replicated => vec![(range.clone(), parts[0].1.shallow_clone())],
+            Split::Replicated | Split::Shared => {
+                vec![(range.clone(), parts[0].1.shallow_clone())]
+            }
             Split::Rows | Split::Vocab => {
                 let part = self.local_shape(full, size).iter().product::<i64>() as usize;
                 parts

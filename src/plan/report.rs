@@ -102,10 +102,13 @@ pub struct Report {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelSummary {
+    /// The family (`model.architecture`, resolved).
+    pub architecture: &'static str,
     pub parameters: usize,
     pub layers: usize,
     pub hidden_size: usize,
     pub heads: usize,
+    pub head_dim: usize,
     pub kv_heads: usize,
     pub intermediate_size: usize,
     pub vocab_size: usize,
@@ -151,7 +154,9 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     let sh = &s.shape;
     Report {
         model: ModelSummary {
+            architecture: sh.family.name(),
             parameters: s.parameters.count(),
+            head_dim: sh.head_dim(),
             layers: sh.num_layers,
             hidden_size: sh.hidden_size,
             heads: sh.num_heads,
@@ -608,11 +613,13 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
     let _ =
         writeln!(
         o,
-        "Model: {:.3} B parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}{}{}",
+        "Model: {} {:.3} B parameters | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}{}{}",
+        m.architecture,
         m.parameters as f64 / 1e9,
         m.layers,
         m.hidden_size,
         m.heads,
+        m.head_dim,
         m.kv_heads,
         m.intermediate_size,
         m.vocab_size,

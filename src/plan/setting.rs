@@ -127,7 +127,7 @@ impl Setting {
         let tensor_parallel = cfg.system.tensor_parallel.max(1);
         let context_parallel = cfg.system.context_parallel.max(1);
         Setting {
-            parameters: std::sync::Arc::new(Parameters::llama(&shape)),
+            parameters: std::sync::Arc::new(Parameters::of(&shape)),
             shape,
             context: cfg.training.context_length,
             bf16,

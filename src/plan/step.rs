@@ -18,7 +18,9 @@ pub struct Flops {
 pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
     let sh = &s.shape;
     let model = sh.flops_per_token(s.context);
-    let d = sh.hidden_size as f64;
+    // Attention's scores and values span the query heads' width (hidden_size unless head_dim
+    // is set apart, as Qwen3's is).
+    let d = sh.query_width() as f64;
     let layers = sh.num_layers as f64;
     let attn_proj = sh.attention_matrix_params() as f64;
     let mlp = sh.mlp_matrix_params() as f64;

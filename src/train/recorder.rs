@@ -90,7 +90,7 @@ impl About<'_> {
             "version": env!("CARGO_PKG_VERSION"),
             "world_size": rank.place.world,
             "preset": resolved.preset,
-            "parameters": crate::model::Parameters::llama(self.shape).count(),
+            "parameters": crate::model::Parameters::of(self.shape).count(),
             "tokens_per_step": tokens_per_step,
             "device": format!("{:?}", rank.device),
             "data": self.data,

@@ -732,11 +732,13 @@ fn print_summary(
         run_dir.join("config.json").display(),
     );
     println!(
-        "{tag} Model: {:.2}M parameters | {} layers, d {}, {} heads / {} kv heads, FFN {}, vocab {}",
-        crate::model::Parameters::llama(shape).count() as f64 / 1e6,
+        "{tag} Model: {} {:.2}M parameters | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}",
+        shape.family.name(),
+        crate::model::Parameters::of(shape).count() as f64 / 1e6,
         shape.num_layers,
         shape.hidden_size,
         shape.num_heads,
+        shape.head_dim(),
         shape.num_kv_heads,
         shape.intermediate_size,
         shape.vocab_size

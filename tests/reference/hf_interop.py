@@ -19,8 +19,9 @@ usage:
   hf_interop.py tokenizer WORK TEXT_FILE
       Trains a 512-token byte-level BPE (special tokens <s>, </s>) on TEXT_FILE with `tokenizers`
       and saves it as WORK/tokenizer.json.
-  hf_interop.py generate WORK
-      Saves a small random LlamaForCausalLM (GQA, random RMSNorm weights) to WORK/model and writes
+  hf_interop.py generate WORK [--qwen3]
+      Saves a small random LlamaForCausalLM (GQA, random RMSNorm weights; with --qwen3 a
+      Qwen3ForCausalLM with head_dim 16 apart from hidden / heads = 8) to WORK/model and writes
       WORK/generate.json: prompts and transformers' greedy `generate` outputs. The EOS id in the saved
       generation_config.json is a token that greedy decoding of prompt 0 emits partway, so that
       prompt stops early at EOS.
@@ -113,7 +114,13 @@ def check():
 
 def generate():
     torch.manual_seed(0)
-    config = LlamaConfig(
+    qwen3 = "--qwen3" in sys.argv
+    if qwen3:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    Config, Model = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
+    extra = {"head_dim": 16, "use_sliding_window": False} if qwen3 else {}
+    config = Config(
+        **extra,
         vocab_size=384,
         hidden_size=64,
         intermediate_size=176,
@@ -128,7 +135,7 @@ def generate():
         pad_token_id=None,
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(config).float()
+    model = Model(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

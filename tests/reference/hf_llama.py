@@ -4,7 +4,10 @@ Builds a small random LlamaForCausalLM (GQA, RMSNorm weights that are not all on
 as a Hugging Face directory, and records on a fixed batch: the loss, every parameter's gradient
 norm, then the losses, pre-clip gradient norms (summed in fp64) and parameters after 3 AdamW steps with clipping.
 
-usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope]
+With --qwen3 the model is a Qwen3ForCausalLM instead: Llama's layers with q_norm/k_norm, and a
+head_dim (16) apart from hidden_size / heads (8).
+
+usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope] [--qwen3]
 """
 import json
 import sys
@@ -12,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 out = sys.argv[1]
 tied = "--tied" in sys.argv
@@ -23,7 +26,11 @@ if "--llama3-rope" in sys.argv:
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
 torch.manual_seed(0)
-config = LlamaConfig(
+qwen3 = "--qwen3" in sys.argv
+Config, Model = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
+extra = {"head_dim": 16, "use_sliding_window": False} if qwen3 else {}
+config = Config(
+    **extra,
     vocab_size=384,
     hidden_size=64,
     intermediate_size=176,
@@ -36,7 +43,7 @@ config = LlamaConfig(
     tie_word_embeddings=tied,
     attn_implementation="sdpa",
 )
-model = LlamaForCausalLM(config).float()
+model = Model(config).float()
 with torch.no_grad():
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):

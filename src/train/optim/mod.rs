@@ -295,24 +295,26 @@ impl Optimizer {
         }
     }
 
-    /// Sequence parallelism: each rank of a tensor group computed the norm weights' gradients
-    /// from its own tokens, so the step's gradient is their sum over the group (summed after
-    /// the data-parallel mean, which commutes with it). The gradients of the whole parameters
-    /// at stages 0 and 1, this rank's slice's pieces of them at stages 2 and 3: the ranks of a
-    /// tensor group hold equal parts of every layer, so their slices line up.
+    /// The gradients of whole parameters that each rank of a tensor group computed a part of
+    /// (`TensorGroups::partial`: with sequence parallelism the norms from its own tokens, and
+    /// always a head's norm from its own heads): the step's gradient is their sum over the
+    /// group (summed after the data-parallel mean, which commutes with it). The gradients of
+    /// the whole parameters at stages 0 and 1, this rank's slice's pieces of them at stages 2
+    /// and 3: the ranks of a tensor group hold equal parts of every layer, so their slices line
+    /// up.
     fn add_partial_gradients(&self) -> Result<()> {
-        let Some(t) = self.tensor.as_ref().filter(|t| t.sequence_parallel) else {
+        let Some(t) = self.tensor.as_ref() else {
             return Ok(());
         };
         let grads = match &self.layout {
             Layout::Replicated(o) => o
                 .params
                 .iter()
-                .filter(|p| t.replicated(&p.name))
+                .filter(|p| t.partial(&p.name))
                 .map(|p| p.param.grad())
                 .filter(Tensor::defined)
                 .collect(),
-            Layout::Sharded(o) => o.gradient_pieces(|name| t.replicated(name)),
+            Layout::Sharded(o) => o.gradient_pieces(|name| t.partial(name)),
         };
         if grads.is_empty() {
             return Ok(());

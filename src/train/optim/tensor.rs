@@ -44,7 +44,18 @@ impl TensorGroups {
     /// Whether the parameter `name` is whole on every rank of the group (the optimizer checked
     /// at its construction that the table holds every parameter it was given).
     pub fn replicated(&self, name: &str) -> bool {
-        matches!(self.parameters.split(name), Ok(Split::Replicated))
+        self.parameters.split(name).is_ok_and(Split::is_whole)
+    }
+
+    /// Whether each rank's gradient of the whole parameter `name` is a part of the step's, to
+    /// be summed over the group: a head's norm always, the residual stream's norms with
+    /// sequence parallelism (each rank saw its tokens).
+    pub fn partial(&self, name: &str) -> bool {
+        match self.parameters.split(name) {
+            Ok(Split::Shared) => true,
+            Ok(Split::Replicated) => self.sequence_parallel,
+            _ => false,
+        }
     }
 
     /// Every rank's `t` (the same shape on each), in rank order: a collective of the group.
@@ -69,7 +80,7 @@ impl TensorGroups {
         parts
             .iter()
             .map(|(name, value)| match self.split(name)? {
-                Split::Replicated => Ok(value.shallow_clone()),
+                Split::Replicated | Split::Shared => Ok(value.shallow_clone()),
                 split => {
                     let all = self.gather(&value.contiguous())?;
                     Ok(split.unshard(&all, self.whole_shape(name)?))
@@ -101,8 +112,8 @@ impl TensorGroups {
             let full = self.whole_shape(&piece.name)?;
             let (m, v) = (piece.exp_avg.reshape(-1), piece.exp_avg_sq.reshape(-1));
             let parts = match split {
-                Split::Replicated if lead => vec![(rank, m, v)],
-                Split::Replicated => Vec::new(),
+                Split::Replicated | Split::Shared if lead => vec![(rank, m, v)],
+                Split::Replicated | Split::Shared => Vec::new(),
                 Split::Rows | Split::Vocab => vec![(rank, m, v)],
                 Split::Columns => {
                     let (ms, vs) = (self.gather(&m)?, self.gather(&v)?);
