@@ -284,7 +284,7 @@ fn write_contents(
         context_length,
     } = *from;
     let (kind, dtype_name) = dtype(&args.dtype);
-    let tensors = hf::expected_tensors(shape);
+    let tensors = crate::model::Parameters::of(shape).shapes();
     let written = hf::write_weights(dir, &tensors, kind, args.max_shard_mb * 1_000_000, |name| {
         let t = weights.tensor(name)?;
         let what = format_args!("{}: {name}", source.display());

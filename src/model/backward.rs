@@ -114,13 +114,12 @@ impl Llama {
         loss_scale: f64,
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
+        let (inputs, targets, docs) = self.local_rows(inputs, targets, docs)?;
+        let loss = self.forward_backward_local(&inputs, &targets, docs, loss_scale, units)?;
         if let Some(cp) = &self.cp {
-            let (inputs, targets) = cp.begin(inputs, targets, docs)?;
-            let loss = self.forward_backward_local(&inputs, &targets, None, loss_scale, units)?;
             cp.end()?;
-            return Ok(loss);
         }
-        self.forward_backward_local(inputs, targets, docs, loss_scale, units)
+        Ok(loss)
     }
 
     /// [`Llama::forward_backward`] of the tokens this rank holds.
@@ -206,10 +205,7 @@ impl Llama {
                 (Kept::Graphs(a, m), out)
             }
             ActivationCheckpointing::Full => {
-                let out = tch::no_grad(|| -> Result<Tensor> {
-                    let mid = self.half(Half::Attention, x, i, docs, rows)?;
-                    self.half(Half::Mlp, &mid, i, docs, rows)
-                })?;
+                let out = tch::no_grad(|| self.layer(x, i, docs, rows))?;
                 (Kept::Input(x.shallow_clone()), out)
             }
             ActivationCheckpointing::Selective => {

@@ -94,15 +94,8 @@ impl Llama {
         units: &mut dyn UnitEvents,
     ) -> Result<Tensor> {
         tch::no_grad(|| {
-            // This rank's tokens: all of them, or its chunks with CP (the mean is still the
-            // whole sequence's).
-            let (inputs, targets, docs) = match &self.cp {
-                Some(cp) => {
-                    let (i, t) = cp.begin(inputs, targets, docs)?;
-                    (i, t, None)
-                }
-                None => (inputs.shallow_clone(), targets.shallow_clone(), docs),
-            };
+            // With CP this rank's chunks; the mean is still the whole sequence's.
+            let (inputs, targets, docs) = self.local_rows(inputs, targets, docs)?;
             let x = self.stack(&inputs, docs, units)?;
             let targets = targets.reshape([-1]);
             let count = self.counted_targets(&targets)?;
@@ -125,10 +118,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let b = inputs.size()[0];
         tch::no_grad(|| {
-            let (inputs, targets) = match &self.cp {
-                Some(cp) => cp.begin(inputs, targets, None)?,
-                None => (inputs.shallow_clone(), targets.shallow_clone()),
-            };
+            let (inputs, targets, _) = self.local_rows(inputs, targets, None)?;
             let targets = targets.reshape([-1]);
             // Only the positions whose targets count go through the LM head: a continuation is
             // a few tokens of its row, and the head is most of a small model's work.

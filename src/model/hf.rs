@@ -330,12 +330,6 @@ pub fn load_model(
     Ok((vs, model))
 }
 
-/// Every tensor a Hugging Face Llama of `shape` holds, in HF order, with its shape (no lm_head
-/// when tied).
-pub fn expected_tensors(shape: &LlamaShape) -> Vec<(String, Vec<i64>)> {
-    super::Parameters::of(shape).shapes()
-}
-
 /// The weights of a Hugging Face directory (single file or shards), read tensor by tensor from
 /// memory maps.
 pub struct Weights {
@@ -392,7 +386,7 @@ impl Weights {
     /// Fails, naming what differs, unless the weights hold every tensor of `shape` with the
     /// right dimensions.
     pub fn check(&self, shape: &LlamaShape, what: &Path) -> Result<()> {
-        for (name, dims) in expected_tensors(shape) {
+        for (name, dims) in super::Parameters::of(shape).shapes() {
             ensure!(
                 self.contains(&name),
                 "{}: the weights have no tensor {name}; config.json and the weights disagree",

@@ -275,12 +275,8 @@ impl Llama {
     /// `forward` of packed rows whose documents attend only within themselves and/or restart
     /// their positions, as `docs` says (None = plain causal rows).
     pub fn forward_with(&self, tokens: &Tensor, docs: Option<&DocumentMask>) -> Tensor {
-        assert!(
-            self.cp.is_none(),
-            "internal: logits of a context-parallel rank (its loss is `loss_with`)"
-        );
         let hidden = self.hidden(tokens, docs, &mut NoEvents);
-        self.lm_head(&hidden.expect("no events, no errors"))
+        self.lm_head(&hidden.expect("a whole model's logits"))
     }
 
     /// The final-normed hidden states [batch, seq, hidden] (fp32) the LM head reads, with a
@@ -319,8 +315,7 @@ impl Llama {
         units.after(GradUnit::Embedding)?;
         for i in 0..self.layers.len() {
             units.before(GradUnit::Layer(i))?;
-            let mid = self.half(Half::Attention, &x, i, docs, rows)?;
-            x = self.half(Half::Mlp, &mid, i, docs, rows)?;
+            x = self.layer(&x, i, docs, rows)?;
             units.after(GradUnit::Layer(i))?;
         }
         Ok(x)
@@ -336,6 +331,18 @@ impl Llama {
         // The residual stream is fp32 even when the weights themselves are bf16 (a sharded
         // optimizer keeps the fp32 masters apart); a no-op for fp32 weights.
         Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(wide(self.compute))
+    }
+
+    /// Decoder layer `i` on the residual stream `x`: its attention half, then its MLP half.
+    pub(super) fn layer(
+        &self,
+        x: &Tensor,
+        i: usize,
+        docs: Option<&DocumentMask>,
+        rows: Rows,
+    ) -> anyhow::Result<Tensor> {
+        let mid = self.half(Half::Attention, x, i, docs, rows)?;
+        self.half(Half::Mlp, &mid, i, docs, rows)
     }
 
     /// Half `half` of decoder layer `i` on the residual stream `x`: `x + B(f(norm(x)))`, B the
@@ -499,6 +506,24 @@ impl Llama {
             });
         }
         total.expect("at least one token") / counted_targets(&targets)
+    }
+
+    /// This rank's tokens of rows `inputs` and `targets` [b, s], and the documents its pass
+    /// reads: all of them; with context parallelism its chunks [b, 2m], the micro-batch in
+    /// flight then holding their documents (`ContextParallel::begin`; a training pass ends it).
+    pub(super) fn local_rows<'d>(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        docs: Option<&'d DocumentMask>,
+    ) -> anyhow::Result<(Tensor, Tensor, Option<&'d DocumentMask>)> {
+        match &self.cp {
+            Some(cp) => {
+                let (inputs, targets) = cp.begin(inputs, targets, docs)?;
+                Ok((inputs, targets, None))
+            }
+            None => Ok((inputs.shallow_clone(), targets.shallow_clone(), docs)),
+        }
     }
 
     /// The targets a mean divides by (not -100), as an fp32 tensor: this rank's, or with

@@ -171,7 +171,8 @@ impl Parameters {
 }
 
 /// A table of whole parameters `(name, value, unit)` (tests of what reads a table).
-pub fn table_of(entries: &[(&str, &tch::Tensor, GradUnit)]) -> Parameters {
+#[cfg(test)]
+pub(crate) fn table_of(entries: &[(&str, &tch::Tensor, GradUnit)]) -> Parameters {
     Parameters::new(
         entries
             .iter()

@@ -18,7 +18,6 @@ use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
 use super::tasks::TaskResults;
 use crate::config::Resolved;
-use crate::model::LlamaShape;
 use crate::run::checkpoints::TrainerState;
 use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::record::TaskMetrics;
@@ -70,10 +69,11 @@ impl Window {
     }
 }
 
-/// What a run is, for the trackers' run config beside the resolved config: the model's shape
+/// What a run is, for the trackers' run config beside the resolved config: the model's size
 /// and the data (each source's name, weight, tokenizer and token counts).
 pub struct About<'a> {
-    pub shape: &'a LlamaShape,
+    /// The model's parameters (its table's count).
+    pub parameters: usize,
     pub data: Option<&'a serde_json::Value>,
 }
 
@@ -90,7 +90,7 @@ impl About<'_> {
             "version": env!("CARGO_PKG_VERSION"),
             "world_size": rank.place.world,
             "preset": resolved.preset,
-            "parameters": crate::model::Parameters::of(self.shape).count(),
+            "parameters": self.parameters,
             "tokens_per_step": tokens_per_step,
             "device": format!("{:?}", rank.device),
             "data": self.data,

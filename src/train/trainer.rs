@@ -157,7 +157,7 @@ impl<'a> Trainer<'a> {
             print_summary(
                 resolved,
                 &rank,
-                &shape,
+                (&shape, model.parameters().count()),
                 compute,
                 &run_dir,
                 checkpointer.root(),
@@ -170,7 +170,7 @@ impl<'a> Trainer<'a> {
             _ => None,
         };
         let about = About {
-            shape: &shape,
+            parameters: model.parameters().count(),
             data: state.data.as_ref(),
         };
         let recorder = Recorder::new(resolved, &rank, &run_dir, &about, mfu_basis, state.step)?;
@@ -674,7 +674,7 @@ fn write_config(run_dir: &std::path::Path, resolved: &Resolved) -> Result<()> {
 fn print_summary(
     resolved: &Resolved,
     rank: &Rank,
-    shape: &LlamaShape,
+    (shape, parameters): (&LlamaShape, usize),
     compute: tch::Kind,
     run_dir: &std::path::Path,
     checkpoints: &std::path::Path,
@@ -734,7 +734,7 @@ fn print_summary(
     println!(
         "{tag} Model: {} {:.2}M parameters | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}",
         shape.family.name(),
-        crate::model::Parameters::of(shape).count() as f64 / 1e6,
+        parameters as f64 / 1e6,
         shape.num_layers,
         shape.hidden_size,
         shape.num_heads,
