@@ -84,6 +84,7 @@ fn main() {
         tie_word_embeddings: false,
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
+        moe: None,
     };
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);

@@ -43,6 +43,7 @@ fn shape() -> LlamaShape {
         tie_word_embeddings: false,
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
+        moe: None,
     }
 }
 

@@ -1,6 +1,8 @@
-//! lockstep's LLaMA and Qwen3 against transformers' LlamaForCausalLM and Qwen3ForCausalLM on the
-//! same weights and batch: loss,
-//! every gradient norm, and parameters after 3 AdamW steps with clipping, within 1e-5 relative.
+//! lockstep's Llama, Qwen3, Qwen3-MoE and Mixtral against transformers' LlamaForCausalLM,
+//! Qwen3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM on the same weights and batch:
+//! loss, every gradient norm, and parameters after 3 AdamW steps with clipping, within 1e-5
+//! relative; for the mixtures of experts also the router's choices and the load-balancing
+//! loss (transformers' `aux_loss`), which the objective adds.
 //! The model runs as training runs it by default: the LM head + cross-entropy in chunks (here
 //! of 40 tokens, so the 3 × 32-token batch spans three, one of them partial), and the
 //! training steps with full activation checkpointing.
@@ -24,9 +26,9 @@ use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-fn load_model(dir: &Path, backend: AttentionBackend) -> (VarStore, Llama) {
+fn load_model(dir: &Path, backend: AttentionBackend, layers: usize) -> (VarStore, Llama) {
     let mut m = config::resolve(&Sources::default()).unwrap().config.model;
-    m.num_layers = 2;
+    m.num_layers = layers;
     m.attention_backend = backend;
     let shape = hf::shape_from_dir(&dir.join("model"), &m).unwrap();
     assert_eq!(
@@ -64,25 +66,30 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     if llama3_rope {
         args.push("--llama3-rope");
     }
-    if family == Family::Qwen3 {
-        args.push("--qwen3");
-    }
+    args.extend(match family {
+        Family::Llama => None,
+        Family::Qwen3 => Some("--qwen3"),
+        Family::Qwen3Moe => Some("--qwen3-moe"),
+        Family::Mixtral => Some("--mixtral"),
+    });
+    let layers = if family == Family::Qwen3Moe { 3 } else { 2 };
     common::run_python("tests/reference/hf_llama.py", &args);
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
     let (x, y) = batch(dir);
 
-    let (vs, model) = load_model(dir, AttentionBackend::Sdpa);
+    let (vs, model) = load_model(dir, AttentionBackend::Sdpa, layers);
     assert_eq!(model.shape.family, family, "config.json's model_type read");
-    if family == Family::Qwen3 {
+    if family.qk_norm() {
         assert_eq!(
             model.shape.head_dim(),
             16,
             "head_dim apart from hidden / heads"
         );
     }
-    let loss = model.loss(&x, &y);
+    let objective = model.objective(&x, &y);
+    let loss = &objective.cross_entropy;
     let want = reference["loss"].as_f64().unwrap();
     assert!(
         rel(loss.double_value(&[]), want) < 1e-5,
@@ -90,7 +97,10 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
         loss.double_value(&[])
     );
     assert!(want > 5.0, "a random model's loss is near ln(vocab)");
-    loss.backward();
+    if family.is_moe() {
+        check_routing(&model, &objective, &reference, &x);
+    }
+    objective.total().backward();
     let grad_norms = reference["grad_norms"].as_object().unwrap();
     let params = Llama::named_parameters(&vs);
     assert_eq!(
@@ -127,7 +137,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     }
 
     // The math backend is the same function.
-    let (_, math) = load_model(dir, AttentionBackend::Math);
+    let (_, math) = load_model(dir, AttentionBackend::Math, layers);
     assert!(rel(math.loss(&x, &y).double_value(&[]), want) < 1e-5);
 
     let before: HashMap<String, Tensor> = params
@@ -181,6 +191,16 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
         )
         .unwrap();
         assert!(out.event.is_none(), "the guard lets a finite step through");
+        if family.is_moe() {
+            // The training pass's load-balancing loss, logged: the first step's weights are
+            // the reference's.
+            let log = model.take_router_log();
+            assert_eq!(log.micro_batches, 1);
+            if step == 0 {
+                let want = reference["aux_loss"].as_f64().unwrap();
+                assert!(rel(log.aux(), want) < 1e-5, "aux {} vs {want}", log.aux());
+            }
+        }
         let want_l = reference["step_losses"][step].as_f64().unwrap();
         let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
         assert!(rel(out.loss, want_l) < 1e-5, "step {step} loss");
@@ -212,6 +232,32 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     }
 }
 
+/// The router's top-k experts per token of every MoE layer, and the load-balancing loss,
+/// against transformers'.
+fn check_routing(
+    model: &Llama,
+    objective: &lockstep::model::Objective,
+    reference: &serde_json::Value,
+    x: &Tensor,
+) {
+    let want = reference["aux_loss"].as_f64().unwrap();
+    let aux = objective.aux.as_ref().expect("a MoE model's aux loss");
+    assert!(
+        rel(aux.double_value(&[]), want) < 1e-5,
+        "aux_loss {} vs transformers {want}",
+        aux.double_value(&[])
+    );
+    let choices = model.router_choices(x);
+    let layers = reference["choices"].as_object().unwrap();
+    assert_eq!(choices.len(), layers.len(), "the same MoE layers");
+    for (layer, got) in &choices {
+        let want: Vec<Vec<i64>> = serde_json::from_value(layers[&layer.to_string()].clone())
+            .unwrap_or_else(|_| panic!("transformers routes layer {layer}"));
+        let got: Vec<Vec<i64>> = Vec::<Vec<i64>>::try_from(got).unwrap();
+        assert_eq!(got, want, "layer {layer}: the experts of each token");
+    }
+}
+
 #[test]
 fn untied_llama_matches_transformers() {
     check_against_reference(false, false, Family::Llama);
@@ -232,4 +278,17 @@ fn llama3_rope_scaling_matches_transformers() {
 #[test]
 fn tied_qwen3_matches_transformers() {
     check_against_reference(true, false, Family::Qwen3);
+}
+
+/// Qwen3-MoE: 3 layers, the middle one dense (`mlp_only_layers`), the others 8 experts of
+/// width 32 with top-2 routing renormalised; untied.
+#[test]
+fn qwen3_moe_matches_transformers() {
+    check_against_reference(false, false, Family::Qwen3Moe);
+}
+
+/// Mixtral: 2 layers of 4 experts, top 2, Llama's attention.
+#[test]
+fn mixtral_matches_transformers() {
+    check_against_reference(false, false, Family::Mixtral);
 }

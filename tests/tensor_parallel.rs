@@ -40,6 +40,7 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
         tie_word_embeddings: tied,
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
+        moe: None,
     }
 }
 

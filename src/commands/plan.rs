@@ -99,7 +99,7 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     // A model read from model.model_path is checked against system.tensor_parallel here.
     crate::config::check_tensor_parallel(
         cfg.system.tensor_parallel,
-        (shape.num_heads, shape.num_kv_heads, shape.intermediate_size),
+        (shape.num_heads, shape.num_kv_heads, &shape.mlp_widths()),
         "the model (model.model_path's config.json)",
     )?;
     let setting = Setting::new(

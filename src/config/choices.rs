@@ -102,6 +102,10 @@ choice! {
         /// Qwen3 dense: Llama's layers with an RMSNorm of each query and key head (q_norm,
         /// k_norm) before RoPE, and a head size apart from hidden / heads.
         Qwen3 = "qwen3",
+        /// Qwen3-MoE: Qwen3's attention, mixture-of-experts MLPs (model.num_experts).
+        Qwen3Moe = "qwen3_moe",
+        /// Mixtral: Llama's attention, mixture-of-experts MLPs (model.num_experts).
+        Mixtral = "mixtral",
     }
 }
 

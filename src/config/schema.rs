@@ -214,7 +214,7 @@ macro_rules! keys {
 }
 
 keys! {
-    "model.architecture", Kind::Choice(Architecture::NAMES), "\"auto\"", "The model family: llama, qwen3 (Llama's layers with q_norm/k_norm, an RMSNorm of each query and key head before RoPE), or auto = model.model_path's model_type (config.json), else llama. Set with model_path, it must match the directory's model_type.";
+    "model.architecture", Kind::Choice(Architecture::NAMES), "\"auto\"", "The model family: llama, qwen3 (Llama's layers with q_norm/k_norm, an RMSNorm of each query and key head before RoPE), qwen3_moe (Qwen3's attention, mixture-of-experts MLPs), mixtral (Llama's attention, mixture-of-experts MLPs), or auto = model.model_path's model_type (config.json), else llama. Set with model_path, it must match the directory's model_type.";
     "model.model_path", Kind::OptStr, "null", "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
     "model.num_layers", Kind::Count, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
     "model.hidden_size", Kind::Count, "4096", "Residual stream width.";
@@ -222,6 +222,13 @@ keys! {
     "model.num_key_value_heads", Kind::Count, "8", "Key/value heads (grouped-query attention); must divide num_attention_heads.";
     "model.head_dim", Kind::OptUInt, "null", "Width of one attention head; null = hidden_size / num_attention_heads. Qwen3 sets it apart (Qwen3-8B: hidden 4096, 32 heads of 128). Must be even (RoPE).";
     "model.intermediate_size", Kind::Count, "14336", "SwiGLU MLP width.";
+    "model.num_experts", Kind::UInt, "0", "Experts of each mixture-of-experts MLP (architecture qwen3_moe or mixtral; Qwen3-30B-A3B: 128, Mixtral-8x7B: 8); 0 = a dense model (llama, qwen3). Every token goes to model.num_experts_per_tok of them, dropless (docs/models.md).";
+    "model.num_experts_per_tok", Kind::Count, "2", "Experts each token is routed to (top-k of the router's softmax); at most model.num_experts.";
+    "model.moe_intermediate_size", Kind::OptUInt, "null", "SwiGLU width of one expert; null = model.intermediate_size (Mixtral's convention). Qwen3-MoE sets it apart (Qwen3-30B-A3B: 768, its dense layers' intermediate_size 6144).";
+    "model.decoder_sparse_step", Kind::Count, "1", "Layer i is a mixture of experts where i + 1 is a multiple of this (Qwen3-MoE's decoder_sparse_step; 1 = every layer), a dense MLP of model.intermediate_size otherwise.";
+    "model.norm_topk_prob", Kind::Bool, "true", "Renormalise each token's k routing weights to sum to 1 (Qwen3-MoE's norm_topk_prob; Mixtral always does).";
+    "model.router_aux_loss_coef", Kind::Float, "0.001", "Weight of the load-balancing loss (Switch Transformer's, as transformers' load_balancing_loss_func computes it over all MoE layers of a micro-batch) in the training objective; logged as aux_loss. 0 = none.";
+    "model.router_z_loss_coef", Kind::Float, "0.0", "Weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of each MoE layer's router logits, summed over layers) in the training objective; logged as z_loss when set. 0 = none.";
     "model.vocab_size", Kind::OptUInt, "null", "Embedding rows; null = the tokenizer's vocabulary size. Must be >= the tokenizer's.";
     "model.max_position_embeddings", Kind::UInt, "131072", "Longest context the model supports; training.context_length may not exceed it.";
     "model.rope_theta", Kind::Float, "500000.0", "RoPE base frequency.";

@@ -68,11 +68,80 @@ fn check_shape(c: &Config, bad: &mut impl FnMut(String)) {
             nearest_divisor(m.num_attention_heads, m.num_key_value_heads)
         ));
     }
+    check_experts(m, bad);
     if t.context_length > m.max_position_embeddings {
         bad(format!(
             "training.context_length = {} exceeds model.max_position_embeddings = {}; lower the context or raise the model maximum",
             t.context_length, m.max_position_embeddings
         ));
+    }
+}
+
+/// The mixture-of-experts keys against the family: experts for a MoE family only (a model
+/// from `model.model_path` brings its own, checked when it is read), k within the experts,
+/// loss weights that do not reward imbalance.
+fn check_experts(m: &super::ModelConfig, bad: &mut impl FnMut(String)) {
+    use super::Architecture as A;
+    let moe_family = matches!(m.architecture, A::Qwen3Moe | A::Mixtral);
+    if m.model_path.is_none() {
+        if m.num_experts > 0 && !moe_family {
+            bad(format!(
+                "model.num_experts = {}: model.architecture = \"{}\" is a dense family; set \
+                 model.architecture to qwen3_moe or mixtral for a mixture of experts, or \
+                 model.num_experts = 0",
+                m.num_experts, m.architecture
+            ));
+        }
+        if m.num_experts == 0 && moe_family {
+            bad(format!(
+                "model.architecture = \"{}\" is a mixture of experts and model.num_experts = 0; \
+                 set model.num_experts (e.g. 8) or a dense architecture (llama, qwen3)",
+                m.architecture
+            ));
+        }
+        if m.num_experts > 0 && m.num_experts_per_tok > m.num_experts {
+            bad(format!(
+                "model.num_experts_per_tok = {} exceeds model.num_experts = {}: a token goes \
+                 to at most every expert; valid: 1..={}",
+                m.num_experts_per_tok, m.num_experts, m.num_experts
+            ));
+        }
+        if m.architecture == A::Mixtral
+            && m.moe_intermediate_size
+                .is_some_and(|w| w != m.intermediate_size)
+        {
+            bad(format!(
+                "model.moe_intermediate_size = {}: a Mixtral expert is model.intermediate_size \
+                 = {} wide (Mixtral's config.json has one width); set it to null",
+                m.moe_intermediate_size.unwrap_or(0),
+                m.intermediate_size
+            ));
+        }
+        if m.architecture == A::Mixtral && m.decoder_sparse_step != 1 {
+            bad(format!(
+                "model.decoder_sparse_step = {}: every Mixtral layer is a mixture of experts; \
+                 set it to 1 (or model.architecture = qwen3_moe for dense layers between)",
+                m.decoder_sparse_step
+            ));
+        }
+        if m.moe_intermediate_size == Some(0) {
+            bad(
+                "model.moe_intermediate_size = 0: an expert needs a width of at least 1 (null = \
+                 model.intermediate_size)"
+                    .into(),
+            );
+        }
+    }
+    for (key, v) in [
+        ("model.router_aux_loss_coef", m.router_aux_loss_coef),
+        ("model.router_z_loss_coef", m.router_z_loss_coef),
+    ] {
+        if v < 0.0 {
+            bad(format!(
+                "{key} = {v}: a negative weight rewards the imbalance the loss measures; use 0 \
+                 (off) or more"
+            ));
+        }
     }
 }
 
@@ -87,13 +156,9 @@ fn check_tensor_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
     if m.model_path.is_none() {
         if let Err(e) = check_tensor_parallel(
             tp,
-            (
-                m.num_attention_heads,
-                m.num_key_value_heads,
-                m.intermediate_size,
-            ),
+            (m.num_attention_heads, m.num_key_value_heads, &mlp_widths(m)),
             "the model (model.num_attention_heads, model.num_key_value_heads, \
-             model.intermediate_size)",
+             model.intermediate_size, model.moe_intermediate_size)",
         ) {
             bad(e.0);
         }
@@ -514,19 +579,26 @@ fn divides_heads(c: &Config, t: usize) -> bool {
     m.model_path.is_some()
         || tensor_parallel_splits(
             t,
-            (
-                m.num_attention_heads,
-                m.num_key_value_heads,
-                m.intermediate_size,
-            ),
+            (m.num_attention_heads, m.num_key_value_heads, &mlp_widths(m)),
         )
 }
 
+/// The MLP widths tensor parallelism splits in the configured model: the dense MLP's, and
+/// one expert's where it has experts (as `LlamaShape::mlp_widths`).
+fn mlp_widths(m: &super::ModelConfig) -> Vec<usize> {
+    let mut w = vec![m.intermediate_size];
+    if m.num_experts > 0 {
+        w.push(m.moe_intermediate_size.unwrap_or(m.intermediate_size));
+    }
+    w
+}
+
 /// The tensor-parallel rule, written once: `t` ranks split a model of `heads` attention
-/// heads, `kv_heads` KV heads and an MLP of `ffn` features when each divides evenly, so every
-/// rank holds whole heads and an equal part of the MLP.
-pub fn tensor_parallel_splits(t: usize, (heads, kv_heads, ffn): (usize, usize, usize)) -> bool {
-    heads.is_multiple_of(t) && kv_heads.is_multiple_of(t) && ffn.is_multiple_of(t)
+/// heads, `kv_heads` KV heads and MLPs of `ffn` features (the dense MLP's and one expert's,
+/// `LlamaShape::mlp_widths`) when each divides evenly, so every rank holds whole heads and
+/// an equal part of every MLP and expert.
+pub fn tensor_parallel_splits(t: usize, (heads, kv_heads, ffn): (usize, usize, &[usize])) -> bool {
+    heads.is_multiple_of(t) && kv_heads.is_multiple_of(t) && ffn.iter().all(|f| f.is_multiple_of(t))
 }
 
 /// `system.tensor_parallel` against a model of `heads` attention heads, `kv_heads` KV heads
@@ -534,7 +606,7 @@ pub fn tensor_parallel_splits(t: usize, (heads, kv_heads, ffn): (usize, usize, u
 /// came from.
 pub fn check_tensor_parallel(
     tp: usize,
-    (heads, kv_heads, ffn): (usize, usize, usize),
+    (heads, kv_heads, ffn): (usize, usize, &[usize]),
     source: &str,
 ) -> Result<(), ConfigError> {
     let fits = |t: usize| tensor_parallel_splits(t, (heads, kv_heads, ffn));
@@ -547,8 +619,13 @@ pub fn check_tensor_parallel(
         .collect();
     Err(ConfigError(format!(
         "system.tensor_parallel = {tp}: must divide the attention heads ({heads}), the KV heads \
-         ({kv_heads}) and the MLP's intermediate size ({ffn}) of {source}, so every rank holds \
-         whole heads and an equal part of the MLP; valid: {}",
+         ({kv_heads}) and the MLP's intermediate size ({}) of {source}, so every rank holds \
+         whole heads and an equal part of the MLP{}; valid: {}",
+        ffn[0],
+        match ffn.get(1) {
+            Some(e) => format!(" and of each expert (width {e})"),
+            None => String::new(),
+        },
         valid.join(", ")
     )))
 }

@@ -53,9 +53,10 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::autograd::{backward_from, grad_of, leaf};
+use super::autograd::{backward_from, backward_from_many, grad_of, leaf};
 use super::documents::DocumentMask;
 use super::llama::{Half, Llama, Rows};
+use super::moe::{RouteSummary, RouterLoss, Routing};
 use super::units::{GradUnit, UnitEvents};
 pub use crate::config::ActivationCheckpointing;
 use crate::sys::phase::{self, Phase};
@@ -67,6 +68,7 @@ enum HalfGraph {
         half: Half,
         input: Tensor,
         output: Tensor,
+        routing: Option<Routing>,
     },
     /// A tensor-parallel rank: the norm's graph from the input (a leaf) to the normed tokens,
     /// and the matmuls' from the tokens they read (gathered, a leaf) to the rank's partial
@@ -77,7 +79,17 @@ enum HalfGraph {
         normed: Tensor,
         gathered: Tensor,
         partial: Tensor,
+        routing: Option<Routing>,
     },
+}
+
+impl HalfGraph {
+    /// A MoE half's routing, with its graph.
+    fn routing(&self) -> Option<&Routing> {
+        match self {
+            HalfGraph::Whole { routing, .. } | HalfGraph::Cut { routing, .. } => routing.as_ref(),
+        }
+    }
 }
 
 /// What a decoder layer keeps between its forward and its backward
@@ -138,20 +150,23 @@ impl Llama {
         let mut x = self.leave(&embedded.detach())?;
         units.after(GradUnit::Embedding)?;
         let mut kept = Vec::with_capacity(self.num_layers());
+        let mut routes = Vec::new();
         for i in 0..self.num_layers() {
             units.before(GradUnit::Layer(i))?;
-            let (k, out) = self.layer_forward(&x, i, docs, rows)?;
+            let (k, out, routing) = self.layer_forward(&x, i, docs, rows)?;
             units.after(GradUnit::Layer(i))?;
+            routes.extend(routing.map(|r| (i, r)));
             kept.push(k);
             x = out;
         }
+        let router = self.router_loss(routes, loss_scale)?;
 
         let (loss, mut grad) = self.head_forward_backward(&x, targets, loss_scale, units)?;
 
         for (i, k) in kept.into_iter().enumerate().rev() {
             phase::enter(Phase::Backward);
             units.before(GradUnit::Layer(i))?;
-            grad = self.layer_backward(k, i, &grad, docs, rows)?;
+            grad = self.layer_backward(k, i, &grad, docs, rows, router.as_ref())?;
             units.grads_final(GradUnit::Layer(i))?;
             units.after(GradUnit::Layer(i))?;
         }
@@ -189,35 +204,63 @@ impl Llama {
         order
     }
 
+    /// A mixture of experts' auxiliary losses of this micro-batch from its MoE layers'
+    /// routing (None for a dense model), logged for the trainer. Their gradients are scaled
+    /// like the cross-entropy's (`loss_scale`, the context-parallel share), and by 1/T on a
+    /// tensor-parallel rank: every rank of the group routes the same tokens, and the router's
+    /// gradient is summed over the group (moe.rs).
+    fn router_loss(
+        &self,
+        routes: Vec<(usize, RouteSummary)>,
+        loss_scale: f64,
+    ) -> Result<Option<RouterLoss>> {
+        let Some(moe) = self.shape.moe.as_ref().filter(|_| !routes.is_empty()) else {
+            return Ok(None);
+        };
+        let tp = self.tp.as_ref().map_or(1, |t| t.size) as f64;
+        let scale = loss_scale * self.gradient_share() / tp;
+        let global = |t: &Tensor| match &self.cp {
+            Some(cp) => cp.sum(t),
+            None => Ok(t.shallow_clone()),
+        };
+        let loss = RouterLoss::new(&routes, moe, self.router_z_loss(), scale, global)?;
+        self.router_log().with(|log| log.add(&loss, &routes));
+        Ok(Some(loss))
+    }
+
     /// Layer `i`'s forward on this rank's residual stream `x` (no history): what it keeps for
-    /// its backward, and its output (no history).
+    /// its backward, its output (no history), and a MoE layer's routing in sums.
     fn layer_forward(
         &self,
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
         rows: Rows,
-    ) -> Result<(Kept, Tensor)> {
+    ) -> Result<(Kept, Tensor, Option<RouteSummary>)> {
         Ok(match self.activation_memory().checkpointing {
             ActivationCheckpointing::None => {
                 let (a, mid) = self.half_forward(Half::Attention, x, i, docs, rows)?;
                 let (m, out) = self.half_forward(Half::Mlp, &mid, i, docs, rows)?;
-                (Kept::Graphs(a, m), out)
+                let route = m.routing().map(Routing::summary);
+                (Kept::Graphs(a, m), out, route)
             }
             ActivationCheckpointing::Full => {
-                let out = tch::no_grad(|| self.layer(x, i, docs, rows))?;
-                (Kept::Input(x.shallow_clone()), out)
+                let (out, routing) = tch::no_grad(|| self.layer(x, i, docs, rows))?;
+                let route = routing.as_ref().map(Routing::summary);
+                (Kept::Input(x.shallow_clone()), out, route)
             }
             ActivationCheckpointing::Selective => {
                 let (a, mid) = self.half_forward(Half::Attention, x, i, docs, rows)?;
-                let out = tch::no_grad(|| self.half(Half::Mlp, &mid, i, docs, rows))?;
-                (Kept::Attention(a, mid), out)
+                let (out, routing) = tch::no_grad(|| self.half(Half::Mlp, &mid, i, docs, rows))?;
+                let route = routing.as_ref().map(Routing::summary);
+                (Kept::Attention(a, mid), out, route)
             }
         })
     }
 
     /// Layer `i`'s backward: the gradient w.r.t. its output in, w.r.t. its input out; its
-    /// parameters' gradients accumulate on the way (recomputing what was not kept).
+    /// parameters' gradients accumulate on the way (recomputing what was not kept), a MoE
+    /// layer's with its part of the `router` losses.
     fn layer_backward(
         &self,
         kept: Kept,
@@ -225,6 +268,7 @@ impl Llama {
         grad: &Tensor,
         docs: Option<&DocumentMask>,
         rows: Rows,
+        router: Option<&RouterLoss>,
     ) -> Result<Tensor> {
         let (attention, mlp) = match kept {
             Kept::Graphs(a, m) => (a, m),
@@ -234,8 +278,8 @@ impl Llama {
             }
             Kept::Attention(a, mid) => (a, self.half_forward(Half::Mlp, &mid, i, docs, rows)?.0),
         };
-        let grad = self.half_backward(mlp, grad)?;
-        self.half_backward(attention, &grad)
+        let grad = self.half_backward(mlp, grad, router)?;
+        self.half_backward(attention, &grad, None)
     }
 
     /// Half `half` of layer `i` on this rank's tokens `x` (no history), with the graph its
@@ -250,21 +294,20 @@ impl Llama {
     ) -> Result<(HalfGraph, Tensor)> {
         let input = leaf(x);
         if self.tp.is_none() {
-            let output = self.half(half, &input, i, docs, rows)?;
+            let (output, routing) = self.half(half, &input, i, docs, rows)?;
             let next = output.detach();
-            return Ok((
-                HalfGraph::Whole {
-                    half,
-                    input,
-                    output,
-                },
-                next,
-            ));
+            let graph = HalfGraph::Whole {
+                half,
+                input,
+                output,
+                routing,
+            };
+            return Ok((graph, next));
         }
         let layer = &self.layers[i];
         let normed = self.rms_norm(&input, self.half_norm(half, layer));
         let gathered = leaf(&self.matmul_input(&normed.detach())?);
-        let partial = self.half_matmuls(half, &gathered, layer, docs, rows)?;
+        let (partial, routing) = self.half_matmuls(half, &gathered, layer, docs, rows)?;
         let next = x + self.leave(&partial.detach())?;
         let graph = HalfGraph::Cut {
             half,
@@ -272,21 +315,38 @@ impl Llama {
             normed,
             gathered,
             partial,
+            routing,
         };
         Ok((graph, next))
     }
 
-    /// A half's backward: the gradient w.r.t. its output in, w.r.t. its input out. With
-    /// context parallelism the attention half's graph ends at the attention output, and the
-    /// attention's own backward (`finish_attention`) continues it from there.
-    fn half_backward(&self, graph: HalfGraph, grad: &Tensor) -> Result<Tensor> {
+    /// A half's backward: the gradient w.r.t. its output in, w.r.t. its input out; a MoE
+    /// half's with its layer's term of the `router` losses. With context parallelism the
+    /// attention half's graph ends at the attention output, and the attention's own
+    /// backward (`finish_attention`) continues it from there.
+    fn half_backward(
+        &self,
+        graph: HalfGraph,
+        grad: &Tensor,
+        router: Option<&RouterLoss>,
+    ) -> Result<Tensor> {
+        let term = match (graph.routing(), router) {
+            (Some(r), Some(loss)) => Some(loss.term(r)),
+            _ => None,
+        };
+        // Back-propagates the half's output (with the term beside it, a gradient of 1).
+        let back = |root: &Tensor, grad: &Tensor| match &term {
+            Some(t) => backward_from_many(&[root, t], &[grad, &t.ones_like()]),
+            None => backward_from(root, grad),
+        };
         match graph {
             HalfGraph::Whole {
                 half,
                 input,
                 output,
+                ..
             } => {
-                backward_from(&output, grad)?;
+                back(&output, grad)?;
                 if half == Half::Attention {
                     self.finish_attention()?;
                 }
@@ -298,11 +358,12 @@ impl Llama {
                 normed,
                 gathered,
                 partial,
+                ..
             } => {
                 // In the partial output's dtype (the compute dtype): the cast one rank's
                 // autograd makes too, before the gather rather than after it, so bf16 travels.
                 let d_partial = self.leave_grad(&grad.to_kind(partial.kind()))?;
-                backward_from(&partial, &d_partial)?;
+                back(&partial, &d_partial)?;
                 if half == Half::Attention {
                     self.finish_attention()?;
                 }

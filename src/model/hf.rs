@@ -1,4 +1,4 @@
-//! Hugging Face directories of the families lockstep trains (Llama, Qwen3): `config.json` →
+//! Hugging Face directories of the families lockstep trains (Llama, Qwen3, Qwen3-MoE, Mixtral): `config.json` →
 //! `LlamaShape`, and `model.safetensors` (or a
 //! sharded `model.safetensors.index.json`) → the VarStore, optionally keeping only the first N
 //! layers. Names are already HF's, so loading is a checked copy by name.
@@ -12,7 +12,7 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
 use super::registry::Family;
-use super::shape::{head_size, AttentionBackend, Llama3RopeScaling, LlamaShape};
+use super::shape::{head_size, AttentionBackend, Llama3RopeScaling, LlamaShape, MoeShape};
 use crate::config::{ConfigError, ModelConfig};
 use crate::tensor_io::SafeFile;
 
@@ -66,7 +66,10 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         c["head_dim"]
     );
     let (rope_theta, rope_scaling) = rope_of(&c, &path)?;
+    let intermediate_size = uint("intermediate_size")?;
+    let moe = moe_of(&c, &path, family, intermediate_size)?;
     Ok(LlamaShape {
+        moe,
         family,
         head_size: head_size(head_dim, hidden_size, num_heads),
         vocab_size: uint("vocab_size")?,
@@ -76,7 +79,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
         num_kv_heads: c["num_key_value_heads"]
             .as_u64()
             .map_or(num_heads, |v| v as usize),
-        intermediate_size: uint("intermediate_size")?,
+        intermediate_size,
         max_position_embeddings: uint("max_position_embeddings")?,
         rope_theta,
         rope_scaling,
@@ -117,6 +120,89 @@ fn family_of(c: &Value, path: &Path, m: &ModelConfig) -> Result<Family> {
         path.display()
     );
     Ok(family)
+}
+
+/// The mixture-of-experts MLPs of a config.json `c` (at `path`) of `family`: None for a
+/// dense family (or a Qwen3-MoE without experts). A k above the experts is a bad input of the
+/// config (exit 2); Mixtral's training-time jitter of the router's input is refused rather
+/// than left out.
+fn moe_of(
+    c: &Value,
+    path: &Path,
+    family: Family,
+    intermediate_size: usize,
+) -> Result<Option<MoeShape>> {
+    if !family.is_moe() {
+        return Ok(None);
+    }
+    let key = |k: &str| c[k].as_u64().map(|v| v as usize);
+    let num_experts = key("num_experts").or(key("num_local_experts")).unwrap_or(0);
+    if num_experts == 0 {
+        return Ok(None);
+    }
+    let top_k = key("num_experts_per_tok")
+        .with_context(|| format!("{}: missing integer num_experts_per_tok", path.display()))?;
+    if top_k == 0 || top_k > num_experts {
+        return Err(ConfigError(format!(
+            "{}: num_experts_per_tok = {top_k} with {num_experts} experts; each token goes to \
+             1..={num_experts} of them",
+            path.display()
+        ))
+        .into());
+    }
+    let jitter = c["router_jitter_noise"].as_f64().unwrap_or(0.0);
+    ensure!(
+        jitter == 0.0,
+        "{}: router_jitter_noise = {jitter}; lockstep's router reads the tokens as they are, so \
+         this checkpoint's training noise is not supported (set it to 0.0)",
+        path.display()
+    );
+    let aux_loss_coef = c["router_aux_loss_coef"].as_f64().unwrap_or(0.001);
+    let shape = if family == Family::Mixtral {
+        ensure!(
+            c["sliding_window"].is_null(),
+            "{}: sliding_window = {}; sliding-window attention is not supported, lockstep \
+             attends over the whole context",
+            path.display(),
+            c["sliding_window"]
+        );
+        MoeShape {
+            num_experts,
+            top_k,
+            expert_size: intermediate_size,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+            norm_topk_prob: true,
+            aux_loss_coef,
+        }
+    } else {
+        let sparse_step = key("decoder_sparse_step").unwrap_or(1);
+        ensure!(
+            sparse_step >= 1,
+            "{}: decoder_sparse_step = 0; every (step)th layer is a mixture of experts, so it is \
+             at least 1",
+            path.display()
+        );
+        MoeShape {
+            num_experts,
+            top_k,
+            expert_size: key("moe_intermediate_size").with_context(|| {
+                format!("{}: missing integer moe_intermediate_size", path.display())
+            })?,
+            sparse_step,
+            dense_layers: c["mlp_only_layers"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64().map(|v| v as usize))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            norm_topk_prob: c["norm_topk_prob"].as_bool().unwrap_or(false),
+            aux_loss_coef,
+        }
+    };
+    Ok(Some(shape))
 }
 
 /// RoPE's base and its Llama 3.1 scaling from a config.json `c` (at `path`).
@@ -276,8 +362,37 @@ pub fn config_json(shape: &LlamaShape, dtype: &str) -> Value {
         "mlp_bias": false,
         "torch_dtype": dtype,
     });
-    if shape.family == Family::Qwen3 {
+    if shape.family.qk_norm() {
         c["use_sliding_window"] = Value::Bool(false);
+    }
+    if let Some(m) = &shape.moe {
+        let extra = match shape.family {
+            Family::Mixtral => serde_json::json!({
+                "num_local_experts": m.num_experts,
+                "router_jitter_noise": 0.0,
+                "sliding_window": null,
+            }),
+            _ => serde_json::json!({
+                "num_experts": m.num_experts,
+                "moe_intermediate_size": m.expert_size,
+                "decoder_sparse_step": m.sparse_step,
+                "mlp_only_layers": m.dense_layers,
+                "norm_topk_prob": m.norm_topk_prob,
+            }),
+        };
+        let common = serde_json::json!({
+            "num_experts_per_tok": m.top_k,
+            "router_aux_loss_coef": m.aux_loss_coef,
+            "output_router_logits": false,
+        });
+        for (k, v) in extra
+            .as_object()
+            .into_iter()
+            .chain(common.as_object())
+            .flatten()
+        {
+            c[k] = v.clone();
+        }
     }
     c
 }

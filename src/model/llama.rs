@@ -16,6 +16,7 @@ use tch::{Kind, Reduction, Tensor};
 use super::context_parallel::ContextParallel;
 use super::documents::DocumentMask;
 use super::flash;
+use super::moe::{Mlp, RouterLog, RouterLogCell, Routing, SwiGlu};
 use super::params::Parameters;
 use super::rope::Rope;
 use super::shape::{AttentionBackend, LlamaShape};
@@ -34,9 +35,8 @@ pub(super) struct Layer {
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
     pub(super) post_attention_layernorm: Tensor,
-    pub(super) gate_proj: Tensor,
-    pub(super) up_proj: Tensor,
-    pub(super) down_proj: Tensor,
+    /// The dense SwiGLU MLP or a mixture of experts (moe.rs).
+    pub(super) mlp: Mlp,
 }
 
 /// A decoder layer's two halves, each `x + B(norm(x))`: attention, then the SwiGLU MLP.
@@ -87,6 +87,36 @@ pub struct Llama {
     pub(super) cp: Option<ContextParallel>,
     /// Every parameter: name, whole shape, initialisation, split, unit.
     parameters: Arc<Parameters>,
+    /// Weight of the router z-loss in the training objective (`model.router_z_loss_coef`).
+    router_z_loss: f64,
+    /// The router's figures since the trainer last read them (MoE models).
+    router_log: RouterLogCell,
+}
+
+/// A whole model's training objective through autograd ([`Llama::objective`]).
+pub struct Objective {
+    /// The mean next-token cross-entropy (0-dim fp32): the loss the log shows.
+    pub cross_entropy: Tensor,
+    /// A MoE model's load-balancing loss (transformers' `aux_loss`, unweighted).
+    pub aux: Option<Tensor>,
+    /// A MoE model's router z-loss (unweighted).
+    pub z: Option<Tensor>,
+    /// Their weights (`model.router_aux_loss_coef`, `model.router_z_loss_coef`).
+    weights: (f64, f64),
+}
+
+impl Objective {
+    /// What training minimises: the cross-entropy plus the weighted router losses.
+    pub fn total(&self) -> Tensor {
+        let mut t = self.cross_entropy.shallow_clone();
+        if let Some(aux) = &self.aux {
+            t = t + aux * self.weights.0;
+        }
+        if let (Some(z), true) = (&self.z, self.weights.1 > 0.0) {
+            t = t + z * self.weights.1;
+        }
+        t
+    }
 }
 
 /// Keys and values of the tokens seen so far, per layer, for KV-cached decoding: buffers of
@@ -189,7 +219,7 @@ impl Llama {
     ) -> anyhow::Result<Llama> {
         crate::config::check_tensor_parallel(
             tp.size,
-            (shape.num_heads, shape.num_kv_heads, shape.intermediate_size),
+            (shape.num_heads, shape.num_kv_heads, &shape.mlp_widths()),
             "the model",
         )?;
         Ok(Self::build(root, shape, max_seq, compute, Some(tp), make))
@@ -226,6 +256,27 @@ impl Llama {
             .map(|i| {
                 let qk_norm = s.family.qk_norm();
                 let mut at = |name: &str| take(&format!("model.layers.{i}.{name}.weight"));
+                let mlp = match s.family.moe_names().filter(|_| s.is_sparse(i)) {
+                    Some(n) => {
+                        let b = n.block;
+                        let experts = s.moe.as_ref().map_or(0, |m| m.num_experts);
+                        Mlp::Experts {
+                            router: at(&format!("{b}.gate")),
+                            experts: (0..experts)
+                                .map(|e| SwiGlu {
+                                    gate: at(&format!("{b}.experts.{e}.{}", n.gate)),
+                                    up: at(&format!("{b}.experts.{e}.{}", n.up)),
+                                    down: at(&format!("{b}.experts.{e}.{}", n.down)),
+                                })
+                                .collect(),
+                        }
+                    }
+                    None => Mlp::Dense(SwiGlu {
+                        gate: at("mlp.gate_proj"),
+                        up: at("mlp.up_proj"),
+                        down: at("mlp.down_proj"),
+                    }),
+                };
                 Layer {
                     q_norm: qk_norm.then(|| at("self_attn.q_norm")),
                     k_norm: qk_norm.then(|| at("self_attn.k_norm")),
@@ -235,9 +286,7 @@ impl Llama {
                     v_proj: at("self_attn.v_proj"),
                     o_proj: at("self_attn.o_proj"),
                     post_attention_layernorm: at("post_attention_layernorm"),
-                    gate_proj: at("mlp.gate_proj"),
-                    up_proj: at("mlp.up_proj"),
-                    down_proj: at("mlp.down_proj"),
+                    mlp,
                 }
             })
             .collect();
@@ -264,6 +313,8 @@ impl Llama {
             rope,
             compute,
             memory: ActivationMemory::default(),
+            router_z_loss: 0.0,
+            router_log: RouterLogCell::default(),
         }
     }
 
@@ -292,11 +343,22 @@ impl Llama {
             self.tp.is_none() && self.cp.is_none(),
             "internal: logits of a tensor- or context-parallel rank (its loss is `loss_units`)"
         );
-        let x = self.stack(tokens, docs, units)?;
+        Ok(self.hidden_routed(tokens, docs, units)?.0)
+    }
+
+    /// [`Llama::hidden`] and how each MoE layer routed the tokens (decoder layer index, its
+    /// routing), with their graph when called with one.
+    fn hidden_routed(
+        &self,
+        tokens: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<(Tensor, Vec<(usize, Routing)>)> {
+        let (x, routings) = self.stack_routed(tokens, docs, units)?;
         units.before(GradUnit::FinalNorm)?;
         let normed = self.final_norm(&x);
         units.after(GradUnit::FinalNorm)?;
-        Ok(normed)
+        Ok((normed, routings))
     }
 
     /// The embedding and the decoder layers on this rank's tokens: the last layer's output,
@@ -309,16 +371,29 @@ impl Llama {
         docs: Option<&DocumentMask>,
         units: &mut dyn UnitEvents,
     ) -> anyhow::Result<Tensor> {
+        Ok(self.stack_routed(tokens, docs, units)?.0)
+    }
+
+    /// [`Llama::stack`] and each MoE layer's routing (its index, the routing).
+    fn stack_routed(
+        &self,
+        tokens: &Tensor,
+        docs: Option<&DocumentMask>,
+        units: &mut dyn UnitEvents,
+    ) -> anyhow::Result<(Tensor, Vec<(usize, Routing)>)> {
         let rows = Rows::of(tokens);
         units.before(GradUnit::Embedding)?;
         let mut x = self.leave(&self.embed_local(tokens))?;
         units.after(GradUnit::Embedding)?;
+        let mut routings = Vec::new();
         for i in 0..self.layers.len() {
             units.before(GradUnit::Layer(i))?;
-            x = self.layer(&x, i, docs, rows)?;
+            let (out, routing) = self.layer(&x, i, docs, rows)?;
             units.after(GradUnit::Layer(i))?;
+            routings.extend(routing.map(|r| (i, r)));
+            x = out;
         }
-        Ok(x)
+        Ok((x, routings))
     }
 
     /// The token embeddings [batch, seq, hidden] (fp32) of ids [batch, seq]: the residual stream.
@@ -333,15 +408,16 @@ impl Llama {
         Tensor::embedding(&self.embed_tokens, tokens, -1, false, false).to_kind(wide(self.compute))
     }
 
-    /// Decoder layer `i` on the residual stream `x`: its attention half, then its MLP half.
+    /// Decoder layer `i` on the residual stream `x`: its attention half, then its MLP half;
+    /// the output, and a MoE layer's routing.
     pub(super) fn layer(
         &self,
         x: &Tensor,
         i: usize,
         docs: Option<&DocumentMask>,
         rows: Rows,
-    ) -> anyhow::Result<Tensor> {
-        let mid = self.half(Half::Attention, x, i, docs, rows)?;
+    ) -> anyhow::Result<(Tensor, Option<Routing>)> {
+        let (mid, _) = self.half(Half::Attention, x, i, docs, rows)?;
         self.half(Half::Mlp, &mid, i, docs, rows)
     }
 
@@ -350,7 +426,8 @@ impl Llama {
     /// one rank, all of the micro-batch's on a tensor-parallel rank, whose partial output the
     /// group then sums (g, `leave`). `x` is [batch, seq, hidden] on one rank, this rank's
     /// tokens [n/T, hidden] (or [n, hidden]) of a split model, whose graph this does not cut:
-    /// call it without one there (the training pass's split half is `half_forward`).
+    /// call it without one there (the training pass's split half is `half_forward`). With the
+    /// output comes a MoE half's routing.
     pub(super) fn half(
         &self,
         half: Half,
@@ -358,18 +435,19 @@ impl Llama {
         i: usize,
         docs: Option<&DocumentMask>,
         rows: Rows,
-    ) -> anyhow::Result<Tensor> {
+    ) -> anyhow::Result<(Tensor, Option<Routing>)> {
         let layer = &self.layers[i];
         let normed = self.rms_norm(x, self.half_norm(half, layer));
-        let partial = self.half_matmuls(half, &self.matmul_input(&normed)?, layer, docs, rows)?;
+        let (partial, routing) =
+            self.half_matmuls(half, &self.matmul_input(&normed)?, layer, docs, rows)?;
         // Out of place on purpose: tch's `+=` is add_, which would clobber a tensor autograd
         // saved for backward.
-        Ok(x + self.leave(&partial)?)
+        Ok((x + self.leave(&partial)?, routing))
     }
 
     /// A half's matmuls on the normed tokens it reads (`matmul_input`): its (partial) output,
-    /// in their shape. A split model's tokens are flat [n, hidden]; attention takes them as
-    /// `rows`.
+    /// in their shape, and a MoE half's routing. A split model's tokens are flat [n, hidden];
+    /// attention takes them as `rows`.
     pub(super) fn half_matmuls(
         &self,
         half: Half,
@@ -377,15 +455,15 @@ impl Llama {
         layer: &Layer,
         docs: Option<&DocumentMask>,
         rows: Rows,
-    ) -> anyhow::Result<Tensor> {
+    ) -> anyhow::Result<(Tensor, Option<Routing>)> {
         Ok(match half {
-            Half::Attention if h.dim() == 3 => self.attention(h, layer, docs)?,
+            Half::Attention if h.dim() == 3 => (self.attention(h, layer, docs)?, None),
             Half::Attention => {
                 let d = h.size()[1];
                 let rows = h.view([rows.batch, rows.seq, d]);
-                self.attention(&rows, layer, docs)?.view([-1, d])
+                (self.attention(&rows, layer, docs)?.view([-1, d]), None)
             }
-            Half::Mlp => self.mlp(h, layer),
+            Half::Mlp => self.mlp(h, &layer.mlp),
         })
     }
 
@@ -395,12 +473,6 @@ impl Llama {
             Half::Attention => &layer.input_layernorm,
             Half::Mlp => &layer.post_attention_layernorm,
         }
-    }
-
-    /// SwiGLU of the normed `h`: down(silu(gate(h)) * up(h)).
-    pub(super) fn mlp(&self, h: &Tensor, layer: &Layer) -> Tensor {
-        let gate = self.linear(h, &layer.gate_proj).silu();
-        self.linear(&(gate * self.linear(h, &layer.up_proj)), &layer.down_proj)
     }
 
     /// The RMSNorm after the last decoder layer.
@@ -465,7 +537,8 @@ impl Llama {
             let mid = &x + self.attention_cached(&h, layer, kv, pos);
             x = self
                 .half(Half::Mlp, &mid, i, None, rows)
-                .expect("a whole model's MLP");
+                .expect("a whole model's MLP")
+                .0;
         }
         cache.len = pos + t;
         self.lm_head(&self.final_norm(&x))
@@ -490,6 +563,12 @@ impl Llama {
         let hidden = self
             .hidden(inputs, docs, &mut NoEvents)
             .expect("a whole model's loss");
+        self.head_loss(&hidden, targets)
+    }
+
+    /// The mean cross-entropy of final-normed hidden states [b, s, hidden] predicting
+    /// `targets` [b, s], the LM head in chunks, through autograd.
+    fn head_loss(&self, hidden: &Tensor, targets: &Tensor) -> Tensor {
         let d = hidden.size()[2];
         let flat = hidden.view([-1, d]);
         let targets = targets.reshape([-1]);
@@ -506,6 +585,84 @@ impl Llama {
             });
         }
         total.expect("at least one token") / counted_targets(&targets)
+    }
+
+    /// The training objective of a whole model's `inputs` [b, s] predicting `targets`, through
+    /// autograd (the reference the training pass is tested against, as `loss`): the mean
+    /// cross-entropy and, for a mixture of experts, the load-balancing and z-losses of every
+    /// MoE layer's routing (moe.rs).
+    pub fn objective(&self, inputs: &Tensor, targets: &Tensor) -> Objective {
+        let (hidden, routings) = self
+            .hidden_routed(inputs, None, &mut NoEvents)
+            .expect("a whole model's loss");
+        let cross_entropy = self.head_loss(&hidden, targets);
+        let Some(moe) = self.shape.moe.as_ref().filter(|_| !routings.is_empty()) else {
+            return Objective {
+                cross_entropy,
+                aux: None,
+                z: None,
+                weights: (0.0, 0.0),
+            };
+        };
+        let e = moe.num_experts;
+        let mut counts = vec![0i64; e];
+        let mut rows = 0;
+        for (_, r) in &routings {
+            counts.iter_mut().zip(&r.counts).for_each(|(a, b)| *a += b);
+            rows += r.tokens();
+        }
+        let n = rows as f64;
+        let share = Tensor::from_slice(&counts).to_kind(Kind::Float) / n;
+        let probs = routings
+            .iter()
+            .map(|(_, r)| r.probs.sum_dim_intlist(0, false, Kind::Float))
+            .reduce(|a, b| a + b)
+            .expect("a MoE layer")
+            / n;
+        let aux = (share * probs).sum(Kind::Float) * e as f64;
+        let z = routings
+            .iter()
+            .map(|(_, r)| {
+                let lse = r.logits.to_kind(Kind::Float).logsumexp(&[-1i64][..], false);
+                lse.square().mean(Kind::Float)
+            })
+            .reduce(|a, b| a + b)
+            .expect("a MoE layer");
+        Objective {
+            cross_entropy,
+            aux: Some(aux),
+            z: Some(z),
+            weights: (moe.aux_loss_coef, self.router_z_loss),
+        }
+    }
+
+    /// Each MoE layer's experts for every token of `tokens` [b, s]: (decoder layer index,
+    /// [b·s, k] int64, in descending order of the router's probability). A whole model,
+    /// inference only.
+    pub fn router_choices(&self, tokens: &Tensor) -> Vec<(usize, Tensor)> {
+        let (_, routings) = tch::no_grad(|| self.hidden_routed(tokens, None, &mut NoEvents))
+            .expect("a whole model's routing");
+        routings.into_iter().map(|(i, r)| (i, r.choices)).collect()
+    }
+
+    /// Sets the router z-loss's weight in the training objective (`model.router_z_loss_coef`;
+    /// 0, the default, leaves it out).
+    pub fn set_router_z_loss(&mut self, coef: f64) {
+        self.router_z_loss = coef;
+    }
+
+    pub(super) fn router_z_loss(&self) -> f64 {
+        self.router_z_loss
+    }
+
+    /// The router's figures (mean auxiliary losses, per-expert token counts) of the training
+    /// passes since the last call; empty for a dense model.
+    pub fn take_router_log(&self) -> RouterLog {
+        self.router_log.with(std::mem::take)
+    }
+
+    pub(super) fn router_log(&self) -> &RouterLogCell {
+        &self.router_log
     }
 
     /// This rank's tokens of rows `inputs` and `targets` [b, s], and the documents its pass

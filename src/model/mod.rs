@@ -1,6 +1,6 @@
 //! The LLaMA model: shape, RoPE, the decoder (with packed-document attention), the training
 //! pass (forward + backward a decoder half at a time, activation checkpointing, tensor and
-//! context parallelism), the chunked LM head with its cross-entropy (training, validation and
+//! context parallelism), mixture-of-experts MLPs, the chunked LM head with its cross-entropy (training, validation and
 //! the log-likelihood of chosen tokens for multiple-choice evaluation), Hugging Face
 //! directories (load and write), and KV-cached generation.
 
@@ -15,6 +15,7 @@ pub mod generate;
 mod head;
 pub mod hf;
 pub mod llama;
+mod moe;
 pub mod params;
 pub mod registry;
 pub mod rope;
@@ -26,9 +27,10 @@ pub mod units;
 pub use backward::ActivationCheckpointing;
 pub use context_parallel::ContextParallel;
 pub use documents::DocumentMask;
-pub use llama::{KvCache, Llama};
+pub use llama::{KvCache, Llama, Objective};
+pub use moe::RouterLog;
 pub use params::{Parameter, Parameters};
 pub use registry::Family;
-pub use shape::{AttentionBackend, LlamaShape};
+pub use shape::{AttentionBackend, LlamaShape, MoeShape};
 pub use split::{Split, TensorParallel, TpComm};
 pub use units::{ActivationMemory, GradUnit, NoEvents, UnitEvents};

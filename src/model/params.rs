@@ -59,8 +59,12 @@ impl Parameters {
     /// RMSNorm weights and seven matrices (q, k, v and gate, up column-parallel; o and down
     /// row-parallel), the final norm, and the LM head unless tied. Qwen3 adds per layer the
     /// RMSNorm weights of a query and a key head ([head_dim], whole on every rank, each rank's
-    /// gradient its heads' part: `Split::Shared`). Matrices are normal(0, init_std), norms
-    /// ones.
+    /// gradient its heads' part: `Split::Shared`). A mixture-of-experts layer (Qwen3-MoE,
+    /// Mixtral; `MoeShape::is_sparse`) has, in place of the dense MLP, its router
+    /// `{block}.gate.weight` [experts, hidden] (whole on every rank of a TP group, each rank's
+    /// gradient its part of the experts' widths: `Split::Shared`) and per expert its SwiGLU
+    /// matrices, split by width like the dense MLP's (`{block}.experts.{e}.{gate,up,down}`,
+    /// the names of `Family::moe_names`). Matrices are normal(0, init_std), norms ones.
     pub fn of(shape: &LlamaShape) -> Parameters {
         let s = shape;
         let (d, hd) = (s.hidden_size as i64, s.head_dim() as i64);
@@ -93,12 +97,36 @@ impl Parameters {
                 }
             }
             t.norm(&format!("{p}.post_attention_layernorm.weight"), d, unit);
-            for (name, dims, split) in [
-                ("mlp.gate_proj", [f, d], Split::Rows),
-                ("mlp.up_proj", [f, d], Split::Rows),
-                ("mlp.down_proj", [d, f], Split::Columns),
-            ] {
-                t.matrix(&format!("{p}.{name}.weight"), dims, split, unit);
+            match (s.family.moe_names(), &s.moe) {
+                (Some(n), Some(moe)) if moe.is_sparse(i) => {
+                    let (b, fe) = (format!("{p}.{}", n.block), moe.expert_size as i64);
+                    let experts = moe.num_experts as i64;
+                    t.matrix(
+                        &format!("{b}.gate.weight"),
+                        [experts, d],
+                        Split::Shared,
+                        unit,
+                    );
+                    for e in 0..moe.num_experts {
+                        for (name, dims, split) in [
+                            (n.gate, [fe, d], Split::Rows),
+                            (n.up, [fe, d], Split::Rows),
+                            (n.down, [d, fe], Split::Columns),
+                        ] {
+                            let name = format!("{b}.experts.{e}.{name}.weight");
+                            t.matrix(&name, dims, split, unit);
+                        }
+                    }
+                }
+                _ => {
+                    for (name, dims, split) in [
+                        ("mlp.gate_proj", [f, d], Split::Rows),
+                        ("mlp.up_proj", [f, d], Split::Rows),
+                        ("mlp.down_proj", [d, f], Split::Columns),
+                    ] {
+                        t.matrix(&format!("{p}.{name}.weight"), dims, split, unit);
+                    }
+                }
             }
         }
         t.norm("model.norm.weight", d, GradUnit::FinalNorm);
@@ -247,6 +275,7 @@ mod tests {
             tie_word_embeddings: false,
             init_std: 0.02,
             attention: crate::config::AttentionBackend::Sdpa,
+            moe: None,
         }
     }
 

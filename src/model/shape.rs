@@ -7,6 +7,21 @@ use super::registry::Family;
 pub use crate::config::AttentionBackend;
 use crate::config::ModelConfig;
 
+impl MoeShape {
+    /// The experts of `model.num_experts` (None where it is 0: a dense model).
+    fn from_config(m: &ModelConfig) -> Option<MoeShape> {
+        (m.num_experts > 0).then(|| MoeShape {
+            num_experts: m.num_experts,
+            top_k: m.num_experts_per_tok,
+            expert_size: m.moe_intermediate_size.unwrap_or(m.intermediate_size),
+            sparse_step: m.decoder_sparse_step,
+            dense_layers: Vec::new(),
+            norm_topk_prob: m.norm_topk_prob,
+            aux_loss_coef: m.router_aux_loss_coef,
+        })
+    }
+}
+
 /// `head_dim` as a shape keeps it: None where it is hidden / heads (so that a shape compares
 /// equal however it was written).
 pub fn head_size(head_dim: Option<usize>, hidden: usize, heads: usize) -> Option<usize> {
@@ -21,6 +36,36 @@ pub struct Llama3RopeScaling {
     pub low_freq_factor: f64,
     pub high_freq_factor: f64,
     pub original_max_position_embeddings: usize,
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks `top_k` of `num_experts`
+/// SwiGLU experts for every token (moe.rs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeShape {
+    /// Experts per MoE layer (`num_experts`; Mixtral's `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// One expert's SwiGLU width (Qwen3-MoE's `moe_intermediate_size`; Mixtral's
+    /// `intermediate_size`).
+    pub expert_size: usize,
+    /// Layer i is a MoE layer where (i + 1) is a multiple of this (`decoder_sparse_step`) and
+    /// i is not in `dense_layers`; the others have a dense MLP of `intermediate_size`.
+    pub sparse_step: usize,
+    /// `mlp_only_layers`: layers with a dense MLP whatever the step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+    /// The k routing weights renormalised to sum to 1 (`norm_topk_prob`; always for Mixtral).
+    pub norm_topk_prob: bool,
+    /// Weight of the load-balancing loss in the training objective (`router_aux_loss_coef`).
+    pub aux_loss_coef: f64,
+}
+
+impl MoeShape {
+    /// Whether decoder layer `i` is a mixture of experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        (i + 1).is_multiple_of(self.sparse_step) && !self.dense_layers.contains(&i)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,6 +91,9 @@ pub struct LlamaShape {
     pub tie_word_embeddings: bool,
     pub init_std: f64,
     pub attention: AttentionBackend,
+    /// The mixture-of-experts MLPs of a MoE family; None for a dense one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeShape>,
 }
 
 impl LlamaShape {
@@ -73,6 +121,7 @@ impl LlamaShape {
             tie_word_embeddings: m.tie_word_embeddings,
             init_std: m.init_std,
             attention: m.attention_backend,
+            moe: MoeShape::from_config(m),
         })
     }
 
@@ -92,22 +141,52 @@ impl LlamaShape {
         self.hidden_size * self.head_dim() * (2 * self.num_heads + 2 * self.num_kv_heads)
     }
 
-    /// Weights of one decoder layer's MLP (gate, up, down).
+    /// Weights of one dense MLP (gate, up, down).
     pub fn mlp_matrix_params(&self) -> usize {
         3 * self.hidden_size * self.intermediate_size
     }
 
-    /// Weights of one decoder layer's matrices (the norms are negligible and not matmuls).
-    fn layer_matrix_params(&self) -> usize {
-        self.attention_matrix_params() + self.mlp_matrix_params()
+    /// Whether decoder layer `i`'s MLP is a mixture of experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
     }
 
-    /// Training FLOPs per token: 6 per matmul weight (forward + backward; the embedding lookup is
-    /// no matmul, the LM head is) plus causal attention scores and values, 6·L·seq·d (PaLM's
-    /// 12·L·seq·d halved by the causal mask).
+    /// The MLP widths tensor parallelism splits: the dense MLP's, and one expert's where the
+    /// model has experts.
+    pub fn mlp_widths(&self) -> Vec<usize> {
+        let mut w = vec![self.intermediate_size];
+        w.extend(self.moe.as_ref().map(|m| m.expert_size));
+        w
+    }
+
+    /// Matrix weights of decoder layer `i`'s MLP that one token is multiplied by: the dense
+    /// MLP's, or a MoE layer's router and its k experts (`active`) or all of its experts.
+    pub fn layer_mlp_params(&self, i: usize, active: bool) -> usize {
+        match self.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(m) => {
+                let experts = if active { m.top_k } else { m.num_experts };
+                self.hidden_size * (m.num_experts + 3 * m.expert_size * experts)
+            }
+            None => self.mlp_matrix_params(),
+        }
+    }
+
+    /// Matrix weights of the decoder layers (norms are negligible and not matmuls): all of
+    /// them, or with `active` those one token is multiplied by (its k experts of each MoE
+    /// layer; the same for a dense model).
+    pub fn decoder_matrix_params(&self, active: bool) -> usize {
+        (0..self.num_layers)
+            .map(|i| self.attention_matrix_params() + self.layer_mlp_params(i, active))
+            .sum()
+    }
+
+    /// Training FLOPs per token: 6 per matmul weight a token is multiplied by (forward +
+    /// backward; the embedding lookup is no matmul, the LM head is; a MoE layer's k experts
+    /// and its router, not the others) plus causal attention scores and values, 6·L·seq·d
+    /// (PaLM's 12·L·seq·d halved by the causal mask).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let d = self.hidden_size;
-        let matmul = self.num_layers * self.layer_matrix_params() + self.vocab_size * d;
+        let matmul = self.decoder_matrix_params(true) + self.vocab_size * d;
         6.0 * matmul as f64 + 6.0 * (self.num_layers * seq * self.query_width()) as f64
     }
 }

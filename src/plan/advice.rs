@@ -268,7 +268,7 @@ fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
                 && t.is_multiple_of(s.tensor_parallel)
                 && crate::config::tensor_parallel_splits(
                     t,
-                    (sh.num_heads, sh.num_kv_heads, sh.intermediate_size),
+                    (sh.num_heads, sh.num_kv_heads, &sh.mlp_widths()),
                 )
                 && s.node_size.is_multiple_of(t)
                 && (s.world / c).is_multiple_of(t)

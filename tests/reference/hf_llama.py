@@ -5,9 +5,13 @@ as a Hugging Face directory, and records on a fixed batch: the loss, every param
 norm, then the losses, pre-clip gradient norms (summed in fp64) and parameters after 3 AdamW steps with clipping.
 
 With --qwen3 the model is a Qwen3ForCausalLM instead: Llama's layers with q_norm/k_norm, and a
-head_dim (16) apart from hidden_size / heads (8).
+head_dim (16) apart from hidden_size / heads (8). With --qwen3-moe it is a Qwen3MoeForCausalLM of
+3 layers, the middle one dense (mlp_only_layers), the others 8 experts of width 32 with top-2
+routing renormalised; with --mixtral a MixtralForCausalLM of 2 layers of 4 experts, top 2. For
+those two the objective is the cross-entropy plus router_aux_loss_coef (0.02) x transformers'
+aux_loss, and the reference also holds aux_loss and each MoE layer's top-k experts per token.
 
-usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope] [--qwen3]
+usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope] [--qwen3 | --qwen3-moe | --mixtral]
 """
 import json
 import sys
@@ -15,7 +19,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 out = sys.argv[1]
 tied = "--tied" in sys.argv
@@ -26,15 +31,27 @@ if "--llama3-rope" in sys.argv:
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
 torch.manual_seed(0)
-qwen3 = "--qwen3" in sys.argv
-Config, Model = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
-extra = {"head_dim": 16, "use_sliding_window": False} if qwen3 else {}
+Config, Model = LlamaConfig, LlamaForCausalLM
+extra = {"num_hidden_layers": 2}
+moe = False
+if "--qwen3" in sys.argv:
+    Config, Model = Qwen3Config, Qwen3ForCausalLM
+    extra.update(head_dim=16, use_sliding_window=False)
+elif "--qwen3-moe" in sys.argv:
+    Config, Model, moe = Qwen3MoeConfig, Qwen3MoeForCausalLM, True
+    extra.update(head_dim=16, use_sliding_window=False, num_hidden_layers=3, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                 norm_topk_prob=True)
+elif "--mixtral" in sys.argv:
+    Config, Model, moe = MixtralConfig, MixtralForCausalLM, True
+    extra.update(num_local_experts=4, num_experts_per_tok=2)
+if moe:
+    extra.update(router_aux_loss_coef=0.02, output_router_logits=True)
 config = Config(
     **extra,
     vocab_size=384,
     hidden_size=64,
     intermediate_size=176,
-    num_hidden_layers=2,
     num_attention_heads=8,
     num_key_value_heads=2,
     max_position_embeddings=128,
@@ -56,14 +73,60 @@ save_file({"tokens": tokens}, f"{out}/batch.safetensors")
 inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
 
+def objective():
+    """(cross-entropy, what training minimises, the model's outputs)."""
+    outputs = model(input_ids=inputs)
+    logits = outputs.logits
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    total = ce + config.router_aux_loss_coef * outputs.aux_loss if moe else ce
+    return ce, total, outputs
+
+
 def loss_fn():
-    logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    ce, total, _ = objective()
+    loss_fn.ce = ce.item()
+    return total
 
 
-loss = loss_fn()
-loss.backward()
-grad_norms = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+mixtral = "--mixtral" in sys.argv
+
+
+def checkpoint_named(pairs):
+    """(name, tensor) as a checkpoint names them: transformers 5 holds each MoE layer's
+    experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) and writes them one tensor
+    per expert and matrix (`mlp.experts.E.gate_proj.weight`; Mixtral's
+    `block_sparse_moe.experts.E.w1.weight`, its router `block_sparse_moe.gate.weight`)."""
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if mixtral else "mlp"
+    for name, t in pairs:
+        prefix, _, leaf = name.rpartition(".mlp.")
+        if leaf == "experts.gate_up_proj":
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{block}.experts.{e}.{names[0]}.weight", t[e, :half]
+                yield f"{prefix}.{block}.experts.{e}.{names[1]}.weight", t[e, half:]
+        elif leaf == "experts.down_proj":
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{block}.experts.{e}.{names[2]}.weight", t[e]
+        elif leaf == "gate.weight":
+            yield f"{prefix}.{block}.gate.weight", t
+        else:
+            yield name, t
+
+
+loss, total, outputs = objective()
+moe_ref = {}
+if moe:
+    moe_ref["aux_loss"] = outputs.aux_loss.item()
+    # Each MoE layer's experts per token, as the router ranks them (descending probability).
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    moe_ref["choices"] = {
+        str(i): torch.topk(F.softmax(logits.float(), -1), config.num_experts_per_tok, -1).indices.tolist()
+        for i, logits in zip(sparse, outputs.router_logits)
+    }
+total.backward()
+grad_norms = {n: g.norm().item()
+              for n, g in checkpoint_named((n, p.grad) for n, p in model.named_parameters())}
 model.zero_grad(set_to_none=True)
 
 decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -84,10 +147,12 @@ for _ in range(3):
     for p in model.parameters():
         p.grad.mul_(coef)
     opt.step()
-    step_losses.append(l.item())
+    step_losses.append(loss_fn.ce)
     step_norms.append(norm.item())
 
-params = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+params = {n: p.detach().clone().contiguous()
+          for n, p in checkpoint_named(model.named_parameters())}
 save_file(params, f"{out}/after.safetensors")
 with open(f"{out}/reference.json", "w") as f:
-    json.dump({"loss": loss.item(), "grad_norms": grad_norms, "step_losses": step_losses, "step_grad_norms": step_norms}, f)
+    json.dump({"loss": loss.item(), "grad_norms": grad_norms, "step_losses": step_losses,
+               "step_grad_norms": step_norms, **moe_ref}, f)
