@@ -106,7 +106,7 @@ pub enum Command {
 #[derive(Args, Debug, Clone, Default, PartialEq)]
 pub struct ConfigArgs {
     /// Preset to start from: production (default), debug, tiny, qwen3-tiny, qwen3-0.6b,
-    /// qwen3-1.7b, qwen3-4b, qwen3-8b.
+    /// qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-moe-tiny, qwen3-30b-a3b, mixtral-8x7b.
     #[arg(long, value_name = "NAME")]
     pub preset: Option<String>,
     /// Same as --preset debug.

@@ -15,7 +15,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Family, Llama,
-    LlamaShape, NoEvents, Parameters, Split, TensorParallel,
+    LlamaShape, MoeShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -44,13 +44,25 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
     }
 }
 
-/// `shape(vocab, tied)` as Qwen3 where `qwen3` says: q_norm/k_norm, and heads of 16 where
-/// hidden / heads is 8.
-fn family_shape(vocab: usize, tied: bool, qwen3: bool) -> LlamaShape {
+/// `shape(vocab, tied)` of `family`: Qwen3's q_norm/k_norm and heads of 16 where hidden /
+/// heads is 8; Qwen3-MoE's besides, layer 0 a mixture of 4 experts of width 32 (top 2,
+/// renormalised), layer 1 dense.
+fn family_shape(vocab: usize, tied: bool, family: Family) -> LlamaShape {
     let mut s = shape(vocab, tied);
-    if qwen3 {
-        s.family = Family::Qwen3;
+    s.family = family;
+    if family.qk_norm() {
         s.head_size = Some(16);
+    }
+    if family.is_moe() {
+        s.moe = Some(MoeShape {
+            num_experts: 4,
+            top_k: 2,
+            expert_size: 32,
+            sparse_step: 1,
+            dense_layers: vec![1],
+            norm_topk_prob: true,
+            aux_loss_coef: 0.02,
+        });
     }
     s
 }
@@ -71,8 +83,9 @@ struct Case {
     docs: bool,
     /// The matmuls' dtype.
     compute: Kind,
-    /// Qwen3 (its head norms are whole on every rank, each rank's gradient its heads' part).
-    qwen3: bool,
+    /// Qwen3 (its head norms are whole on every rank, each rank's gradient its heads' part),
+    /// Qwen3-MoE (its router too, its experts split by width), or Llama.
+    family: Family,
 }
 
 impl Case {
@@ -139,7 +152,7 @@ fn fp64_gradients(c: &Case, params: &[(String, Tensor)]) -> Vec<Tensor> {
     };
     let mut model = Llama::new_with(
         &vs.root(),
-        &family_shape(c.vocab, c.tied, c.qwen3),
+        &family_shape(c.vocab, c.tied, c.family),
         64,
         Kind::Double,
         &mut make,
@@ -162,7 +175,7 @@ fn reference(c: &Case) -> Reference {
     let vs = VarStore::new(Device::Cpu);
     let mut model = Llama::new(
         &vs.root(),
-        &family_shape(c.vocab, c.tied, c.qwen3),
+        &family_shape(c.vocab, c.tied, c.family),
         64,
         c.compute,
     );
@@ -225,7 +238,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
         };
         let mut model = Llama::new_split(
             &vs.root(),
-            &family_shape(c.vocab, c.tied, c.qwen3),
+            &family_shape(c.vocab, c.tied, c.family),
             64,
             c.compute,
             tp,
@@ -267,7 +280,7 @@ fn split_run(c: Case, params: &[(String, Tensor)]) -> Vec<RankRun> {
 
 /// Checks a case against the whole model; returns the worst relative error.
 fn check(c: Case) -> f64 {
-    let table = Parameters::of(&family_shape(c.vocab, c.tied, c.qwen3));
+    let table = Parameters::of(&family_shape(c.vocab, c.tied, c.family));
     let r = reference(&c);
     let runs = split_run(c, &r.params);
     let mut worst = 0.0f64;
@@ -334,7 +347,7 @@ fn case(tp: usize) -> Case {
         chunk: 0,
         docs: false,
         compute: Kind::Float,
-        qwen3: false,
+        family: Family::Llama,
     }
 }
 
@@ -462,7 +475,7 @@ struct Layout {
     sequence_parallel: bool,
     /// Hybrid sharding: data ranks per shard group (0 = all of them).
     shard: usize,
-    qwen3: bool,
+    family: Family,
 }
 
 const STEPS: usize = 3;
@@ -517,7 +530,7 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)], kind: Kind) -> RankSt
     };
     let model = Llama::new_with(
         &vs.root(),
-        &family_shape(256, false, c.qwen3),
+        &family_shape(256, false, c.family),
         64,
         kind,
         &mut make,
@@ -595,7 +608,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
                 full(name)
             }
         };
-        let s = family_shape(256, false, c.qwen3);
+        let s = family_shape(256, false, c.family);
         let model = Llama::new_split(&vs.root(), &s, 64, Kind::Float, tp, &mut make).unwrap();
         let named = Llama::named_parameters(&vs);
         let table = model.parameters();
@@ -671,7 +684,7 @@ fn check_steps(c: Layout) {
     let vs = VarStore::new(Device::Cpu);
     let _ = Llama::new(
         &vs.root(),
-        &family_shape(256, false, c.qwen3),
+        &family_shape(256, false, c.family),
         64,
         Kind::Float,
     );
@@ -693,7 +706,7 @@ fn check_steps(c: Layout) {
             "{c:?}: every rank has the same norm, bit for bit"
         );
     }
-    let table = Parameters::of(&family_shape(256, false, c.qwen3));
+    let table = Parameters::of(&family_shape(256, false, c.family));
     for (i, (name, want)) in want.iter().enumerate() {
         let split = table.split(name).unwrap();
         for d in 0..c.data {
@@ -735,7 +748,7 @@ fn tp2_and_tp4_steps_equal_one_rank_after_three_clipped_adamw_steps() {
             stage: ZeroStage::Replicated,
             sequence_parallel,
             shard: 0,
-            qwen3: false,
+            family: Family::Llama,
         });
     }
 }
@@ -755,7 +768,7 @@ fn tp2_by_data2_at_stages_0_2_3_equal_data_parallel_at_stage_0() {
             stage,
             sequence_parallel: true,
             shard: 0,
-            qwen3: false,
+            family: Family::Llama,
         });
     }
 }
@@ -770,7 +783,7 @@ fn tp2_with_hybrid_sharding_over_data4_equals_data_parallelism() {
             stage,
             sequence_parallel: true,
             shard: 2,
-            qwen3: false,
+            family: Family::Llama,
         });
     }
 }
@@ -783,7 +796,7 @@ fn qwen3_head_norms_split_like_one_rank() {
     for (tp, sequence_parallel) in [(2, true), (4, false)] {
         let worst = check(Case {
             sequence_parallel,
-            qwen3: true,
+            family: Family::Qwen3,
             ..case(tp)
         });
         eprintln!("qwen3 tp {tp} sp {sequence_parallel}: worst gradient {worst:e}");
@@ -795,7 +808,38 @@ fn qwen3_head_norms_split_like_one_rank() {
             stage,
             sequence_parallel: false,
             shard: 0,
-            qwen3: true,
+            family: Family::Qwen3,
+        });
+    }
+}
+
+/// Qwen3-MoE under tensor parallelism: every expert split by its width like the dense MLP,
+/// the router whole on every rank (each rank's gradient its part of the experts', summed over
+/// the group), the load-balancing loss back-propagated 1/T on each rank. The pass at TP 2
+/// with sequence parallelism and at TP 4 with selective recomputation, and whole steps at TP
+/// 2 × data 2 at stages 0 and 3.
+#[test]
+fn moe_experts_split_by_width_like_one_rank() {
+    for (tp, sequence_parallel, checkpointing) in [
+        (2, true, ActivationCheckpointing::None),
+        (4, false, ActivationCheckpointing::Selective),
+    ] {
+        let worst = check(Case {
+            sequence_parallel,
+            checkpointing,
+            family: Family::Qwen3Moe,
+            ..case(tp)
+        });
+        eprintln!("qwen3_moe tp {tp} sp {sequence_parallel}: worst gradient {worst:e}");
+    }
+    for stage in [ZeroStage::Replicated, ZeroStage::Parameters] {
+        check_steps(Layout {
+            tp: 2,
+            data: 2,
+            stage,
+            sequence_parallel: true,
+            shard: 0,
+            family: Family::Qwen3Moe,
         });
     }
 }

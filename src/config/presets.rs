@@ -35,6 +35,21 @@ pub const PRESETS: &[(&str, &str)] = &[
         "qwen3-8b",
         include_str!("../../config/presets/qwen3-8b.json"),
     ),
+    // Mixtures of experts: Qwen3-MoE's layers at `tiny`'s size (8 experts of 256, top 2), and
+    // the released shapes (Hugging Face's Qwen/Qwen3-30B-A3B-Base and
+    // mistralai/Mixtral-8x7B-v0.1 config.json).
+    (
+        "qwen3-moe-tiny",
+        include_str!("../../config/presets/qwen3-moe-tiny.json"),
+    ),
+    (
+        "qwen3-30b-a3b",
+        include_str!("../../config/presets/qwen3-30b-a3b.json"),
+    ),
+    (
+        "mixtral-8x7b",
+        include_str!("../../config/presets/mixtral-8x7b.json"),
+    ),
 ];
 
 pub fn get(name: &str) -> Result<&'static str, ConfigError> {

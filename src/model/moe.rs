@@ -245,7 +245,7 @@ impl RouterLoss {
             aux_grad,
             z_weight: z_coef * scale / per_layer,
             aux,
-            z: z / per_layer,
+            z: if z_coef > 0.0 { z / per_layer } else { 0.0 },
         })
     }
 

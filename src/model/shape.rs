@@ -171,6 +171,37 @@ impl LlamaShape {
         }
     }
 
+    /// The largest MLP of a decoder layer in matrix weights (all of a MoE layer's experts and
+    /// its router): what a zero stage 3 gather of a layer holds beside its attention.
+    pub fn largest_mlp_params(&self) -> usize {
+        (0..self.num_layers)
+            .map(|i| self.layer_mlp_params(i, false))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The widest MLP activation per token of a layer: the dense MLP's width, or a MoE
+    /// layer's k experts' together (each token's k copies).
+    pub fn mlp_activation_width(&self) -> usize {
+        (0..self.num_layers)
+            .map(|i| match self.moe.as_ref().filter(|m| m.is_sparse(i)) {
+                Some(m) => m.top_k * m.expert_size,
+                None => self.intermediate_size,
+            })
+            .max()
+            .unwrap_or(self.intermediate_size)
+    }
+
+    /// Parameters of the experts a token does not use: per MoE layer, E − k experts' SwiGLU
+    /// matrices (the whole model's count minus this is the active count).
+    pub fn inactive_expert_params(&self) -> usize {
+        let Some(m) = &self.moe else { return 0 };
+        let per_expert = 3 * self.hidden_size * m.expert_size;
+        (0..self.num_layers).filter(|&i| m.is_sparse(i)).count()
+            * (m.num_experts - m.top_k)
+            * per_expert
+    }
+
     /// Matrix weights of the decoder layers (norms are negligible and not matmuls): all of
     /// them, or with `active` those one token is multiplied by (its k experts of each MoE
     /// layer; the same for a dense model).

@@ -113,6 +113,18 @@ pub struct ModelSummary {
     pub intermediate_size: usize,
     pub vocab_size: usize,
     pub tied_embeddings: bool,
+    /// A mixture of experts: the parameters one token uses (its k experts per MoE layer).
+    pub active_parameters: usize,
+    /// Experts per MoE layer, k, one expert's width, and the MoE layers (None: dense).
+    pub experts: Option<ExpertsSummary>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ExpertsSummary {
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_size: usize,
+    pub moe_layers: usize,
 }
 
 pub fn build(s: &Setting, l: &Layout) -> Report {
@@ -164,6 +176,13 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
             intermediate_size: sh.intermediate_size,
             vocab_size: sh.vocab_size,
             tied_embeddings: sh.tie_word_embeddings,
+            active_parameters: s.parameters.count() - sh.inactive_expert_params(),
+            experts: sh.moe.as_ref().map(|m| ExpertsSummary {
+                experts: m.num_experts,
+                top_k: m.top_k,
+                expert_size: m.expert_size,
+                moe_layers: (0..sh.num_layers).filter(|&i| m.is_sparse(i)).count(),
+            }),
         },
         device: s.device,
         compute_dtype: if s.bf16 { "bf16" } else { "fp32" },
@@ -613,9 +632,17 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
     let _ =
         writeln!(
         o,
-        "Model: {} {:.3} B parameters | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}{}{}",
+        "Model: {} {:.3} B parameters{} | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}{}{}",
         m.architecture,
         m.parameters as f64 / 1e9,
+        m.experts.as_ref().map_or(String::new(), |e| format!(
+            " ({:.3} B active: {} of {} experts of width {} in {} MoE layers)",
+            m.active_parameters as f64 / 1e9,
+            e.top_k,
+            e.experts,
+            e.expert_size,
+            e.moe_layers
+        )),
         m.layers,
         m.hidden_size,
         m.heads,

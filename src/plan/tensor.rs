@@ -82,7 +82,8 @@ pub fn padded_vocab(s: &Setting) -> usize {
 pub struct Share {
     /// Matrix elements of one decoder layer's attention (q, k, v, o) on this rank.
     pub attention: f64,
-    /// Matrix elements of one decoder layer's MLP (gate, up, down) on this rank.
+    /// Matrix elements of one decoder layer's MLP (gate, up, down; of a MoE layer every
+    /// expert and the router) on this rank: the largest layer's.
     pub mlp: f64,
     /// Rows of the embedding (and of an untied LM head) on this rank.
     pub vocab: f64,
@@ -95,7 +96,7 @@ pub fn share(s: &Setting) -> Share {
     let sh = &s.shape;
     let t = s.tensor_parallel as f64;
     let attention = sh.attention_matrix_params() as f64 / t;
-    let mlp = sh.mlp_matrix_params() as f64 / t;
+    let mlp = sh.largest_mlp_params() as f64 / t;
     let vocab = padded_vocab(s) as f64 / t;
     let parameters = s.parameters.local_count(s.tensor_parallel) as f64;
     Share {

@@ -84,6 +84,8 @@ pub struct StepLine<'a> {
     pub tokens_per_s: f64,
     pub eta_s: f64,
     pub mfu: Option<f64>,
+    /// A mixture of experts' load-balancing loss (unweighted).
+    pub aux_loss: Option<f64>,
 }
 
 impl std::fmt::Display for StepLine<'_> {
@@ -102,6 +104,9 @@ impl std::fmt::Display for StepLine<'_> {
         )?;
         if let Some(mfu) = self.mfu {
             write!(f, " | MFU: {:.1}%", mfu * 100.0)?;
+        }
+        if let Some(aux) = self.aux_loss {
+            write!(f, " | Aux: {aux:.4}")?;
         }
         Ok(())
     }
@@ -309,6 +314,7 @@ mod tests {
             tokens_per_s: 5123.4,
             eta_s: 330.0,
             mfu: None,
+            aux_loss: None,
         };
         assert_eq!(
             line.to_string(),
@@ -321,6 +327,11 @@ mod tests {
             ..line
         };
         assert!(gpu.to_string().ends_with("| ETA: 5:30:12 | MFU: 41.2%"));
+        let moe = StepLine {
+            aux_loss: Some(2.00381),
+            ..gpu
+        };
+        assert!(moe.to_string().ends_with("| MFU: 41.2% | Aux: 2.0038"));
     }
 
     #[test]

@@ -65,6 +65,17 @@ pub struct MetricsRecord {
     /// Seconds the downstream evaluation took (not counted in tokens_per_s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_time_s: Option<f64>,
+    /// A mixture of experts: the load-balancing loss (unweighted), mean over rank 0's
+    /// micro-batches since the previous record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// The router z-loss (unweighted) likewise, where `model.router_z_loss_coef` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub z_loss: Option<f64>,
+    /// Per MoE layer (its decoder layer index), the tokens each expert got on rank 0 since
+    /// the previous record (k per token).
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub expert_load: IndexMap<String, Vec<u64>>,
 }
 
 /// One multiple-choice task's scores, as lm-evaluation-harness reports them.
@@ -120,6 +131,18 @@ impl MetricsRecord {
         put("memory/rss_gb".into(), self.rss_gb);
         put("memory/gpu_used_gb".into(), self.gpu_used_gb);
         put("guard/events".into(), count(self.guard_events));
+        put("train/aux_loss".into(), self.aux_loss);
+        put("train/z_loss".into(), self.z_loss);
+        // Each MoE layer's busiest expert over the mean (1 = even load).
+        for (layer, load) in &self.expert_load {
+            let total: u64 = load.iter().sum();
+            let max = load.iter().copied().max().unwrap_or(0);
+            let mean = total as f64 / load.len().max(1) as f64;
+            put(
+                format!("moe/imbalance/layer_{layer}"),
+                (mean > 0.0).then(|| max as f64 / mean),
+            );
+        }
         out
     }
 }

@@ -76,6 +76,7 @@ pub fn build(
         build_whole(cfg, shape, vs, compute, rank, pg, (groups, part))?
     };
     model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
+    model.set_router_z_loss(cfg.model.router_z_loss_coef);
     if let Some(group) = context {
         let comm = GroupComm::new(group)?;
         let (at, size) = (rank.mesh.context_rank(), rank.mesh.context);

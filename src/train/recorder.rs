@@ -18,6 +18,7 @@ use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
 use super::tasks::TaskResults;
 use crate::config::Resolved;
+use crate::model::RouterLog;
 use crate::run::checkpoints::TrainerState;
 use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
 use crate::telemetry::record::TaskMetrics;
@@ -233,6 +234,7 @@ impl Recorder {
         out: &StepOutcome,
         (val, tasks): (Option<&Validation>, Option<&TaskResults>),
         by_source: &[(String, u64)],
+        router: &RouterLog,
     ) -> Result<()> {
         let w = &self.window;
         let n = w.steps.max(1) as f64;
@@ -253,8 +255,12 @@ impl Recorder {
                 tokens_per_s: tok_s,
                 eta_s: step_time * self.max_steps.saturating_sub(state.step) as f64,
                 mfu,
+                aux_loss: (router.micro_batches > 0).then(|| router.aux()),
             };
             println!("{line}");
+            if router.micro_batches > 0 {
+                println!("{tag} {}", expert_line(router));
+            }
             if let Some(v) = val {
                 // A mixture's sources each have their own held-out loss.
                 let per_source: String = match v.by_source.as_slice() {
@@ -315,6 +321,7 @@ impl Recorder {
                 val,
                 tasks,
                 by_source,
+                router,
             };
             records.write(state, &point)?;
         }
@@ -417,6 +424,29 @@ impl Recorder {
 
 /// `Data: web 1.23M tokens (50.1%) | code 615.2k tokens (24.9%) | …`: what each source of a
 /// mixture has supplied so far.
+/// The experts' load since the previous line: each MoE layer's busiest expert over the mean
+/// (1.00 = even), the worst layer named.
+fn expert_line(router: &RouterLog) -> String {
+    let layers = router.imbalance();
+    let mean = layers.iter().map(|l| l.1).sum::<f64>() / layers.len().max(1) as f64;
+    let worst = layers.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+    let worst = worst.map_or(String::new(), |(layer, r, expert)| {
+        format!(" | worst: layer {layer} {r:.2} (expert {expert})")
+    });
+    let z = if router.z_sum != 0.0 {
+        format!(" | z-loss {:.4}", router.z())
+    } else {
+        String::new()
+    };
+    format!(
+        "Experts | busiest over mean load: {mean:.2} over {} MoE layers{worst} | aux {:.4}{z} | \
+         {} micro-batches",
+        layers.len(),
+        router.aux(),
+        router.micro_batches
+    )
+}
+
 fn source_line(by_source: &[(String, u64)]) -> String {
     let total: u64 = by_source.iter().map(|(_, n)| n).sum();
     let parts: Vec<String> = by_source
@@ -455,6 +485,8 @@ struct Point<'a> {
     tasks: Option<&'a TaskResults>,
     /// Tokens per source so far (a mixture only).
     by_source: &'a [(String, u64)],
+    /// A mixture of experts' router figures since the previous record (rank 0's).
+    router: &'a RouterLog,
 }
 
 impl Drop for Recorder {
@@ -491,7 +523,9 @@ impl Records {
             val,
             tasks,
             by_source,
+            router,
         } = *p;
+        let routed = router.micro_batches > 0;
         let mut guard = indexmap::IndexMap::new();
         for (_, kind, _) in self.guard.drain(..) {
             *guard.entry(kind).or_insert(0) += 1;
@@ -539,6 +573,13 @@ impl Records {
                 })
                 .unwrap_or_default(),
             eval_time_s: tasks.map(|r| r.seconds),
+            aux_loss: routed.then(|| router.aux()),
+            z_loss: (routed && router.z_sum != 0.0).then(|| router.z()),
+            expert_load: router
+                .counts
+                .iter()
+                .map(|(layer, c)| (layer.to_string(), c.iter().map(|&n| n as u64).collect()))
+                .collect(),
         };
         self.metrics.record(&record)?;
         let series = record.series();

@@ -289,8 +289,9 @@ impl<'a> Trainer<'a> {
             {
                 let by_source = self.loader.tokens_by_source(self.state.samples_consumed);
                 let evals = (val.as_ref(), tasks.as_ref());
+                let router = self.model.take_router_log();
                 self.recorder
-                    .log(&self.state, plan.lr, &out, evals, &by_source)?;
+                    .log(&self.state, plan.lr, &out, evals, &by_source, &router)?;
             }
             if self.recorder.memory_due(step) {
                 self.recorder.memory(&self.opt.state_bytes());
@@ -731,8 +732,19 @@ fn print_summary(
         resolved.preset,
         run_dir.join("config.json").display(),
     );
+    // A mixture of experts: what one token uses of it.
+    let experts = shape.moe.as_ref().map_or(String::new(), |m| {
+        let active = parameters - shape.inactive_expert_params();
+        format!(
+            " ({:.2}M active: {} of {} experts of width {})",
+            active as f64 / 1e6,
+            m.top_k,
+            m.num_experts,
+            m.expert_size
+        )
+    });
     println!(
-        "{tag} Model: {} {:.2}M parameters | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}",
+        "{tag} Model: {} {:.2}M parameters{experts} | {} layers, d {}, {} heads of {} / {} kv heads, FFN {}, vocab {}",
         shape.family.name(),
         parameters as f64 / 1e6,
         shape.num_layers,

@@ -234,6 +234,11 @@ struct Dims {
     /// What the activations kept between blocks are divided by: T with sequence parallelism,
     /// else 1.
     seq: f64,
+    /// Bytes per token a MoE layer's graph keeps beyond its experts' [tokens·k, F]
+    /// intermediates: the gathered tokens [tokens·k, d] (compute dtype), the weighted
+    /// outputs (fp32), the router's logits and probabilities [tokens, E]; 0 for a dense
+    /// model.
+    moe: f64,
 }
 
 impl Dims {
@@ -246,7 +251,7 @@ impl Dims {
             params: share.parameters,
             layers: sh.num_layers as f64,
             d,
-            f: sh.intermediate_size as f64 / t,
+            f: sh.mlp_activation_width() as f64 / t,
             q: sh.num_heads as f64 * hd / t,
             kv: sh.num_kv_heads as f64 * hd / t,
             heads: sh.num_heads as f64 / t,
@@ -254,6 +259,10 @@ impl Dims {
             attn_params: share.attention,
             mlp_params: share.mlp,
             seq: if s.splits_sequence() { t } else { 1.0 },
+            moe: sh.moe.as_ref().map_or(0.0, |m| {
+                let k = m.top_k as f64;
+                (s.compute_bytes() + 4.0) * k * d + 8.0 * m.num_experts as f64
+            }),
         }
     }
 }
@@ -642,7 +651,7 @@ fn layer_bytes(s: &Setting, m: &Dims) -> LayerBytes {
             + c * m.q
             + 4.0 * m.d / m.seq
             + whole_per_block,
-        mlp: norm(2.0) + 4.0 * c * m.f + whole_per_block,
+        mlp: norm(2.0) + 4.0 * c * m.f + m.moe + whole_per_block,
         in_flight: 2.0 * 4.0 * m.d / m.seq + (4.0 + c) * m.f + split_gradients,
         embedded: if split { 4.0 * m.d } else { 0.0 },
     }
