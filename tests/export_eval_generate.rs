@@ -100,6 +100,34 @@ fn export_loads_in_transformers_and_eval_matches() {
         .collect();
     common::ok(dir, &common::with(&qwen, &["train"], &["--max-steps", "2"]));
     common::ok(dir, &common::with(&qwen, &["export"], &["--hf", "hfqwen"]));
+    // Mixtures of experts: a Qwen3-MoE run (4 experts of width 32, top 2, the second layer
+    // dense) and a Mixtral run (4 experts, top 2): their exports load as
+    // Qwen3MoeForCausalLM and MixtralForCausalLM with transformers' logits.
+    for (name, extra) in [
+        (
+            "qwenmoe",
+            &[
+                "model.architecture=qwen3_moe",
+                "model.num_experts=4",
+                "model.moe_intermediate_size=32",
+                "model.decoder_sparse_step=2",
+            ][..],
+        ),
+        (
+            "mixtral",
+            &["model.architecture=mixtral", "model.num_experts=4"][..],
+        ),
+    ] {
+        let mut run = base.clone();
+        for set in std::iter::once(format!("logging.run_name={name}"))
+            .chain(extra.iter().map(|e| e.to_string()))
+        {
+            run.extend(["--set".to_string(), set]);
+        }
+        common::ok(dir, &common::with(&run, &["train"], &["--max-steps", "2"]));
+        let out = format!("hf{name}");
+        common::ok(dir, &common::with(&run, &["export"], &["--hf", &out]));
+    }
     common::ok(
         dir,
         &common::with(&base, &["export"], &["--hf", "hf32", "--dtype", "fp32"]),
@@ -213,6 +241,8 @@ fn export_loads_in_transformers_and_eval_matches() {
                 {"path": dir.join("hfbpe"), "dtype": "float32", "shards": 1, "logits": false,
                  "text": SAMPLE},
                 {"path": dir.join("hfqwen"), "dtype": "float32", "shards": 1},
+                {"path": dir.join("hfqwenmoe"), "dtype": "float32", "shards": 1},
+                {"path": dir.join("hfmixtral"), "dtype": "float32", "shards": 1},
             ],
             "eval": {"dir": hf32, "context_length": 48},
         })
@@ -259,6 +289,24 @@ fn export_loads_in_transformers_and_eval_matches() {
     assert_eq!(qwen_config["head_dim"], 32);
     let err = rel_l2(&logits_of(&dir.join("hfqwen"), &g), &hf_logits(4));
     assert!(err < 1e-5, "Qwen3 export logits differ by {err:e}");
+    for (i, name, class) in [
+        (5, "hfqwenmoe", "Qwen3MoeForCausalLM"),
+        (6, "hfmixtral", "MixtralForCausalLM"),
+    ] {
+        let config = read_json(&dir.join(name).join("config.json"));
+        assert_eq!(config["architectures"], json!([class]));
+        assert_eq!(config["num_experts_per_tok"], 2);
+        let err = rel_l2(&logits_of(&dir.join(name), &g), &hf_logits(i));
+        assert!(err < 1e-5, "{class} export logits differ by {err:e}");
+    }
+    let moe = read_json(&dir.join("hfqwenmoe/config.json"));
+    assert_eq!(
+        (
+            moe["num_experts"].clone(),
+            moe["decoder_sparse_step"].clone()
+        ),
+        (json!(4), json!(2))
+    );
     // bf16: transformers computes in bf16 on the rounded weights; close to fp32, not equal.
     let err16 = rel_l2(&hf_logits(1), &ours);
     assert!(
@@ -369,7 +417,8 @@ fn export_loads_in_transformers_and_eval_matches() {
     let text = common::output_text(&out);
     assert!(
         text.contains(
-            "model_type \"gpt2\" is not a family lockstep trains; it trains llama, qwen3"
+            "model_type \"gpt2\" is not a family lockstep trains; it trains llama, qwen3, \
+             qwen3_moe, mixtral"
         ),
         "{text}"
     );
@@ -635,6 +684,18 @@ fn qwen3_generate_matches_transformers() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, outputs, _, _) = cli_generate_matches_transformers(tmp.path(), &["--qwen3"]);
     assert!(outputs.iter().all(|o| !o.is_empty()));
+}
+
+/// The same for the mixtures of experts: Qwen3-MoE (a dense layer among sparse ones) and
+/// Mixtral, each token's experts chosen by lockstep's router as transformers' does.
+#[test]
+fn moe_generate_matches_transformers() {
+    tch::set_num_threads(1);
+    for family in ["--qwen3-moe", "--mixtral"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (_, outputs, _, _) = cli_generate_matches_transformers(tmp.path(), &[family]);
+        assert!(outputs.iter().all(|o| !o.is_empty()), "{family}");
+    }
 }
 
 /// Greedy `lockstep generate` on a random model saved by transformers emits exactly

@@ -19,9 +19,11 @@ usage:
   hf_interop.py tokenizer WORK TEXT_FILE
       Trains a 512-token byte-level BPE (special tokens <s>, </s>) on TEXT_FILE with `tokenizers`
       and saves it as WORK/tokenizer.json.
-  hf_interop.py generate WORK [--qwen3]
+  hf_interop.py generate WORK [--qwen3 | --qwen3-moe | --mixtral]
       Saves a small random LlamaForCausalLM (GQA, random RMSNorm weights; with --qwen3 a
-      Qwen3ForCausalLM with head_dim 16 apart from hidden / heads = 8) to WORK/model and writes
+      Qwen3ForCausalLM with head_dim 16 apart from hidden / heads = 8; with --qwen3-moe a
+      Qwen3MoeForCausalLM, layer 0 of 4 experts (top 2), layer 1 dense; with --mixtral a
+      MixtralForCausalLM of 4 experts, top 2) to WORK/model and writes
       WORK/generate.json: prompts and transformers' greedy `generate` outputs. The EOS id in the saved
       generation_config.json is a token that greedy decoding of prompt 0 emits partway, so that
       prompt stops early at EOS.
@@ -114,11 +116,18 @@ def check():
 
 def generate():
     torch.manual_seed(0)
-    qwen3 = "--qwen3" in sys.argv
-    if qwen3:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-    Config, Model = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
-    extra = {"head_dim": 16, "use_sliding_window": False} if qwen3 else {}
+    Config, Model, extra = LlamaConfig, LlamaForCausalLM, {}
+    if "--qwen3" in sys.argv:
+        from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
+        extra = {"head_dim": 16, "use_sliding_window": False}
+    elif "--qwen3-moe" in sys.argv:
+        from transformers import Qwen3MoeConfig as Config, Qwen3MoeForCausalLM as Model
+        extra = {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                 "norm_topk_prob": True}
+    elif "--mixtral" in sys.argv:
+        from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2}
     config = Config(
         **extra,
         vocab_size=384,
@@ -140,7 +149,7 @@ def generate():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-            elif p.dim() == 2:
+            elif p.dim() >= 2:
                 # Larger weights than the default init make the logits peaked, so greedy choices
                 # are far from ties and the sequences vary instead of repeating one token.
                 p.normal_(0.0, 0.2)
