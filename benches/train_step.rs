@@ -13,14 +13,21 @@
 //! one chunk) set the activation-memory variant (`benches/activation_memory.sh` runs them
 //! interleaved); the defaults are the shape above with everything kept.
 //!
+//! With `--experts E` every MLP is a Qwen3-MoE mixture of E experts of width `--expert-size`
+//! (default 344), top 2 (so a token's expert FLOPs are the dense FFN's), with the
+//! load-balancing loss; `benches/moe_cpu.sh` runs it against transformers' Qwen3MoeForCausalLM.
+//!
 //! usage: cargo bench --bench train_step -- [--steps N] [--threads T] [--vocab V]
-//!        [--checkpointing MODE] [--chunk TOKENS] [--doc-len L]
+//!        [--checkpointing MODE] [--chunk TOKENS] [--doc-len L] [--experts E]
+//!        [--expert-size F]
 
 use std::time::Instant;
 
 use lockstep::config::{self, AttentionBackend, Sources};
 use lockstep::dist::SingleProcess;
-use lockstep::model::{ActivationCheckpointing, ActivationMemory, DocumentMask, Llama, LlamaShape};
+use lockstep::model::{
+    ActivationCheckpointing, ActivationMemory, DocumentMask, Family, Llama, LlamaShape, MoeShape,
+};
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Optimizer};
 use lockstep::train::{train_step, Batch, StepConfig, StepOutcome, StepPlan};
@@ -68,8 +75,22 @@ fn main() {
         checkpointing,
         loss_chunk_tokens: arg("--chunk", 0),
     };
+    let experts = arg("--experts", 0);
+    let moe = (experts > 0).then(|| MoeShape {
+        num_experts: experts,
+        top_k: 2,
+        expert_size: arg("--expert-size", 344),
+        sparse_step: 1,
+        dense_layers: Vec::new(),
+        norm_topk_prob: true,
+        aux_loss_coef: 0.001,
+    });
     let shape = LlamaShape {
-        family: Default::default(),
+        family: if moe.is_some() {
+            Family::Qwen3Moe
+        } else {
+            Family::Llama
+        },
         head_size: None,
         vocab_size: vocab,
         hidden_size: 256,
@@ -84,7 +105,7 @@ fn main() {
         tie_word_embeddings: false,
         init_std: 0.02,
         attention: AttentionBackend::Sdpa,
-        moe: None,
+        moe,
     };
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);
@@ -194,7 +215,7 @@ fn main() {
         String::new()
     };
     println!(
-        "lockstep tiny step (vocab {vocab}, checkpointing {checkpointing}, chunk {}): median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}; {split}{masking}",
+        "lockstep tiny step (vocab {vocab}, checkpointing {checkpointing}, chunk {}, experts {experts}): median {:.0} tok/s over {steps} steps (min {:.0}, max {:.0}); CPU {:.3} s/step; threads {}; first loss {first_loss:.4}; {split}{masking}",
         memory.loss_chunk_tokens,
         tok_s[steps / 2],
         tok_s[0],

@@ -277,3 +277,101 @@ fn units_become_final_from_the_head_down_to_the_embedding() {
         assert_eq!(seen.befores[5], head);
     }
 }
+
+/// A mixture of experts (Qwen3-MoE: layers 0 and 2 of 4 experts, top 2, layer 1 dense) with
+/// the load-balancing and z-losses: every checkpointing mode gives bitwise the same loss and
+/// gradients (the MoE half is recomputed in `full` and `selective`, its routing with it), and
+/// those of one autograd backward through the whole objective within 1e-6; the losses the
+/// pass logs are the objective's.
+#[test]
+fn moe_gradients_match_in_every_mode_with_the_router_losses() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    tch::set_num_threads(1);
+    let mut m = config::resolve(&Sources::default()).unwrap().config.model;
+    m.architecture = lockstep::config::Architecture::Qwen3Moe;
+    m.num_layers = 3;
+    m.hidden_size = 64;
+    m.num_attention_heads = 8;
+    m.num_key_value_heads = 2;
+    m.intermediate_size = 160;
+    m.num_experts = 4;
+    m.moe_intermediate_size = Some(48);
+    m.router_aux_loss_coef = 0.05;
+    m.rope_theta = 10000.0;
+    let mut shape = lockstep::model::LlamaShape::from_config(&m, 300).unwrap();
+    shape.moe.as_mut().unwrap().dense_layers = vec![1];
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let mut model = Llama::new(&vs.root(), &shape, 64, Kind::Float);
+    model.set_router_z_loss(1e-3);
+    let batches = [batch(1), batch(2)];
+    let (ref_loss, ref_grads) = grads(&vs, || {
+        let mut total = 0.0;
+        for (x, y) in &batches {
+            let o = model.objective(x, y);
+            (o.total() / batches.len() as f64).backward();
+            total += o.cross_entropy.double_value(&[]);
+        }
+        total / batches.len() as f64
+    });
+    let (aux, z): (Vec<f64>, Vec<f64>) = batches
+        .iter()
+        .map(|(x, y)| {
+            let o = tch::no_grad(|| model.objective(x, y));
+            (
+                o.aux.unwrap().double_value(&[]),
+                o.z.unwrap().double_value(&[]),
+            )
+        })
+        .unzip();
+    let mut by_mode = Vec::new();
+    for mode in MODES {
+        model.set_activation_memory(ActivationMemory {
+            checkpointing: mode,
+            loss_chunk_tokens: 29,
+        });
+        let _ = model.take_router_log();
+        by_mode.push((mode, grads(&vs, || pass(&model, &batches))));
+        let log = model.take_router_log();
+        assert_eq!(log.micro_batches, 2, "{mode}");
+        let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+        assert!(
+            rel(log.aux(), (aux[0] + aux[1]) / 2.0) < 1e-6,
+            "{mode}: aux"
+        );
+        assert!(rel(log.z(), (z[0] + z[1]) / 2.0) < 1e-6, "{mode}: z");
+        let layers: Vec<usize> = log.counts.iter().map(|(l, _)| *l).collect();
+        assert_eq!(layers, [0, 2], "the MoE layers' loads");
+        for (_, c) in &log.counts {
+            assert_eq!(c.iter().sum::<i64>(), 2 * 2 * 3 * 32, "k slots per token");
+        }
+    }
+    let (_, (none_loss, none_grads)) = &by_mode[0];
+    for (mode, (loss, g)) in &by_mode[1..] {
+        assert_eq!(loss, none_loss, "{mode}: loss");
+        assert_bitwise(g, none_grads, &format!("moe {mode} vs none"));
+    }
+    assert!((none_loss - ref_loss).abs() / ref_loss < 1e-6);
+    let (grad_err, worst) = max_rel(none_grads, &ref_grads, None);
+    eprintln!("moe: worst grad rel diff {grad_err:e} ({worst})");
+    assert!(
+        grad_err < 1e-6,
+        "{worst} differs from the autograd objective's by {grad_err:e}"
+    );
+    // The router's gradient holds the losses' part: without them it is another.
+    let router = "model.layers.0.mlp.gate.weight";
+    model.set_router_z_loss(0.0);
+    let mut plain = shape.clone();
+    plain.moe.as_mut().unwrap().aux_loss_coef = 0.0;
+    let vs2 = VarStore::new(Device::Cpu);
+    let mut copy = |name: &str, _: &[i64], _: tch::nn::Init| vs.variables()[name].detach().copy();
+    let without = Llama::new_with(&vs2.root(), &plain, 64, Kind::Float, &mut copy);
+    let (_, g) = grads(&vs2, || pass(&without, &batches));
+    let pick = |g: &[(String, Tensor)]| g.iter().find(|(n, _)| n == router).unwrap().1.copy();
+    let (with, bare) = (pick(none_grads), pick(&g));
+    let d = (&with - &bare).norm().double_value(&[]) / with.norm().double_value(&[]);
+    assert!(
+        d > 1e-3,
+        "the router losses move the router's gradient by {d:e}"
+    );
+}

@@ -14,7 +14,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, ContextParallel, DocumentMask,
-    Llama, LlamaShape, NoEvents, Parameters, Split, TensorParallel,
+    Family, Llama, LlamaShape, MoeShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -26,7 +26,26 @@ const VOCAB: usize = 256;
 const BATCH: i64 = 2;
 const SEQ: i64 = 256;
 
-fn shape() -> LlamaShape {
+/// The model: Llama, or with `moe` Qwen3-MoE's layers (layer 0 a mixture of 4 experts of
+/// width 32, top 2, with the load-balancing loss; layer 1 dense).
+fn shape(moe: bool) -> LlamaShape {
+    let mut s = llama();
+    if moe {
+        s.family = Family::Qwen3Moe;
+        s.moe = Some(MoeShape {
+            num_experts: 4,
+            top_k: 2,
+            expert_size: 32,
+            sparse_step: 1,
+            dense_layers: vec![1],
+            norm_topk_prob: true,
+            aux_loss_coef: 0.05,
+        });
+    }
+    s
+}
+
+fn llama() -> LlamaShape {
     LlamaShape {
         family: Default::default(),
         head_size: None,
@@ -57,6 +76,9 @@ struct Case {
     docs: bool,
     /// Micro-batches accumulated into the gradients.
     micro: usize,
+    /// A mixture of experts (`shape(true)`): its load-balancing loss counts the whole
+    /// sequence's routing, which the CP group's ranks hold apart.
+    moe: bool,
 }
 
 /// The rows' documents: row 0 has boundaries at 32 (a chunk edge at C = 4), 96 (inside a
@@ -103,10 +125,10 @@ struct Reference {
     exact: Vec<Tensor>,
 }
 
-fn initial() -> Vec<(String, Tensor)> {
+fn initial(moe: bool) -> Vec<(String, Tensor)> {
     tch::manual_seed(1234);
     let vs = VarStore::new(Device::Cpu);
-    let _ = Llama::new(&vs.root(), &shape(), SEQ as usize, Kind::Float);
+    let _ = Llama::new(&vs.root(), &shape(moe), SEQ as usize, Kind::Float);
     Llama::named_parameters(&vs)
         .iter()
         .map(|(n, p)| (n.clone(), p.detach().copy()))
@@ -114,7 +136,7 @@ fn initial() -> Vec<(String, Tensor)> {
 }
 
 fn reference(c: &Case) -> Reference {
-    let params = initial();
+    let params = initial(c.moe);
     let (loss, grads) = one_rank(c, &params, Kind::Float);
     let (_, exact) = one_rank(c, &params, Kind::Double);
     Reference {
@@ -132,7 +154,7 @@ fn one_rank(c: &Case, params: &[(String, Tensor)], kind: Kind) -> (f64, Vec<(Str
         let p = &params.iter().find(|(n, _)| n == name).unwrap().1;
         p.detach().to_kind(kind).copy()
     };
-    let mut model = Llama::new_with(&vs.root(), &shape(), SEQ as usize, kind, &mut make);
+    let mut model = Llama::new_with(&vs.root(), &shape(c.moe), SEQ as usize, kind, &mut make);
     model.set_activation_memory(ActivationMemory::default());
     let docs = documents(c);
     let mut loss = 0.0;
@@ -157,6 +179,7 @@ fn mesh_model(
     pg: &mut dyn lockstep::dist::ProcessGroup,
     params: &[(String, Plain)],
     placeholders: bool,
+    moe: bool,
 ) -> (Llama, lockstep::dist::MeshGroups) {
     let mut groups = mesh.groups(pg).unwrap();
     let full = |name: &str| params.iter().find(|(n, _)| n == name).unwrap().1.tensor();
@@ -173,7 +196,7 @@ fn mesh_model(
             let tp = TensorParallel::new(mesh.tensor_rank(), mesh.tensor, true, Box::new(comm));
             Llama::new_split(
                 &vs.root(),
-                &shape(),
+                &shape(moe),
                 SEQ as usize,
                 Kind::Float,
                 tp,
@@ -181,7 +204,13 @@ fn mesh_model(
             )
             .unwrap()
         }
-        None => Llama::new_with(&vs.root(), &shape(), SEQ as usize, Kind::Float, &mut make),
+        None => Llama::new_with(
+            &vs.root(),
+            &shape(moe),
+            SEQ as usize,
+            Kind::Float,
+            &mut make,
+        ),
     };
     if let Some(g) = groups.context.take() {
         let comm = GroupComm::new(g).unwrap();
@@ -209,7 +238,7 @@ fn mesh_pass(c: Case, params: &[(String, Tensor)]) -> Vec<(f64, Vec<(String, Ten
     let runs = each_rank(world, |pg| {
         let mesh = Mesh::new(pg.rank(), world, c.tp, c.cp, 0);
         let vs = VarStore::new(Device::Cpu);
-        let (mut model, _groups) = mesh_model(&vs, &mesh, pg, &params, false);
+        let (mut model, _groups) = mesh_model(&vs, &mesh, pg, &params, false, c.moe);
         model.set_activation_memory(memory(&c));
         let docs = documents(&c);
         let mut loss = 0.0;
@@ -264,8 +293,10 @@ fn check(c: Case) -> f64 {
                 sum / c.cp as f64
             })
             .collect();
-        let split = Parameters::of(&shape()).split(name).unwrap();
+        let split = Parameters::of(&shape(c.moe)).split(name).unwrap();
         let got = match split {
+            // The router: each TP rank's gradient is its part of the experts'.
+            Split::Shared => parts.iter().fold(parts[0].zeros_like(), |a, b| a + b),
             // Sequence parallelism: each TP rank's norm gradient covers its tokens.
             Split::Replicated if c.tp > 1 => parts.iter().fold(parts[0].zeros_like(), |a, b| a + b),
             Split::Replicated => parts[0].shallow_clone(),
@@ -295,6 +326,7 @@ fn case(cp: usize) -> Case {
         checkpointing: ActivationCheckpointing::None,
         docs: false,
         micro: 1,
+        moe: false,
     }
 }
 
@@ -305,6 +337,26 @@ fn cp2_and_cp4_equal_one_rank_with_and_without_documents() {
             let worst = check(Case { docs, ..case(cp) });
             eprintln!("C = {cp}, documents {docs}: worst gradient {worst:e}");
         }
+    }
+}
+
+/// A mixture of experts at C = 2 and 4 (and C 2 × T 2): each rank routes its chunks' tokens,
+/// and the load-balancing loss's counts and totals are the whole sequence's (summed over the
+/// group), so the router's gradients are one rank's.
+#[test]
+fn moe_router_losses_count_the_whole_sequence() {
+    for (cp, tp, checkpointing) in [
+        (2, 1, ActivationCheckpointing::None),
+        (4, 1, ActivationCheckpointing::Full),
+        (2, 2, ActivationCheckpointing::Selective),
+    ] {
+        let worst = check(Case {
+            tp,
+            checkpointing,
+            moe: true,
+            ..case(cp)
+        });
+        eprintln!("moe C = {cp}, T = {tp}: worst gradient {worst:e}");
     }
 }
 
@@ -397,7 +449,13 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)]) -> (Vec<(String, Tens
     let mut make = |name: &str, _dims: &[i64], _init: tch::nn::Init| {
         params.iter().find(|(n, _)| n == name).unwrap().1.copy()
     };
-    let model = Llama::new_with(&vs.root(), &shape(), SEQ as usize, Kind::Float, &mut make);
+    let model = Llama::new_with(
+        &vs.root(),
+        &shape(false),
+        SEQ as usize,
+        Kind::Float,
+        &mut make,
+    );
     let named = Llama::named_parameters(&vs);
     let mut pg = SingleProcess;
     let table = model.parameters();
@@ -457,7 +515,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
         let mesh = Mesh::new(pg.rank(), world, c.tp, c.cp, c.shard);
         let vs = VarStore::new(Device::Cpu);
         let stage3 = c.stage.shards_parameters();
-        let (model, groups) = mesh_model(&vs, &mesh, pg, &params, stage3);
+        let (model, groups) = mesh_model(&vs, &mesh, pg, &params, stage3, false);
         let named = Llama::named_parameters(&vs);
         let table = model.parameters();
         let tensor = match (groups.tensor, groups.data) {
@@ -536,7 +594,7 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
 }
 
 fn check_steps(c: Layout) {
-    let params = initial();
+    let params = initial(false);
     let (want, want_norms) = one_rank_steps(&c, &params);
     let runs = mesh_steps(c, &params);
     for (rank, (_, norms)) in runs.iter().enumerate() {
@@ -547,7 +605,7 @@ fn check_steps(c: Layout) {
         }
     }
     let tensor_groups = runs.len() / c.tp;
-    let table = Parameters::of(&shape());
+    let table = Parameters::of(&shape(false));
     for (i, (name, want)) in want.iter().enumerate() {
         let split = table.split(name).unwrap();
         for g in 0..tensor_groups {
@@ -594,7 +652,7 @@ fn cp_steps_at_stage_3_and_with_tp_equal_the_single_dimension_runs() {
 /// every rank of the group within 1e-6, with the head in chunks that cut rows apart.
 #[test]
 fn row_log_likelihoods_of_every_layout_equal_one_rank() {
-    let params = initial();
+    let params = initial(false);
     let x = token_ids(21, VOCAB, BATCH, SEQ);
     let y = token_ids(22, VOCAB, BATCH, SEQ);
     let counted = Tensor::zeros([BATCH, SEQ], (Kind::Bool, Device::Cpu));
@@ -610,7 +668,7 @@ fn row_log_likelihoods_of_every_layout_equal_one_rank() {
             let p = &params.iter().find(|(n, _)| n == name).unwrap().1;
             p.detach().to_kind(kind).copy()
         };
-        let mut model = Llama::new_with(&vs.root(), &shape(), SEQ as usize, kind, &mut make);
+        let mut model = Llama::new_with(&vs.root(), &shape(false), SEQ as usize, kind, &mut make);
         model.set_activation_memory(memory(&case(1)));
         let rows = model.row_log_likelihoods(&x, &y, &mut NoEvents).unwrap();
         let exact = tch::no_grad(|| {
@@ -644,7 +702,7 @@ fn row_log_likelihoods_of_every_layout_equal_one_rank() {
         let runs = each_rank(world, |pg| {
             let mesh = Mesh::new(pg.rank(), world, tp, cp, 0);
             let vs = VarStore::new(Device::Cpu);
-            let (mut model, _groups) = mesh_model(&vs, &mesh, pg, &plain_params, false);
+            let (mut model, _groups) = mesh_model(&vs, &mesh, pg, &plain_params, false, false);
             model.set_activation_memory(memory(&case(cp)));
             let rows = model
                 .row_log_likelihoods(&x.tensor(), &y.tensor(), &mut NoEvents)

@@ -422,6 +422,21 @@ fn export_loads_in_transformers_and_eval_matches() {
         ),
         "{text}"
     );
+    // A MoE config.json whose k exceeds its experts: exit 2, the file and the valid range.
+    let mut cfg = read_json(&dir.join("hfqwenmoe/config.json"));
+    cfg["num_experts_per_tok"] = json!(9);
+    std::fs::create_dir(dir.join("topk")).unwrap();
+    std::fs::write(dir.join("topk/config.json"), cfg.to_string()).unwrap();
+    let out = common::run(
+        dir,
+        &strings(&["eval", "--model", "topk", "--data", "doc1.tok"]),
+    );
+    let text = common::output_text(&out);
+    assert!(
+        out.status.code() == Some(2)
+            && text.contains("topk/config.json: num_experts_per_tok = 9 with 4 experts; each token goes to 1..=4 of them"),
+        "{text}"
+    );
     // model.architecture naming another family than model_path's config.json: exit 2.
     let out = common::run(
         dir,

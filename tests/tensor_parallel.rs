@@ -816,8 +816,8 @@ fn qwen3_head_norms_split_like_one_rank() {
 /// Qwen3-MoE under tensor parallelism: every expert split by its width like the dense MLP,
 /// the router whole on every rank (each rank's gradient its part of the experts', summed over
 /// the group), the load-balancing loss back-propagated 1/T on each rank. The pass at TP 2
-/// with sequence parallelism and at TP 4 with selective recomputation, and whole steps at TP
-/// 2 × data 2 at stages 0 and 3.
+/// with sequence parallelism and at TP 4 with selective recomputation, and 3 clipped AdamW
+/// steps at TP 2 × data 2 at stages 0 and 3.
 #[test]
 fn moe_experts_split_by_width_like_one_rank() {
     for (tp, sequence_parallel, checkpointing) in [
@@ -832,6 +832,8 @@ fn moe_experts_split_by_width_like_one_rank() {
         });
         eprintln!("qwen3_moe tp {tp} sp {sequence_parallel}: worst gradient {worst:e}");
     }
+    // At stage 3 a unit is a decoder layer with its experts (tests/zero.rs runs stage 3
+    // without TP).
     for stage in [ZeroStage::Replicated, ZeroStage::Parameters] {
         check_steps(Layout {
             tp: 2,

@@ -749,3 +749,94 @@ fn stage_3_validates_with_uneven_windows_and_a_rank_without_any() {
         );
     }
 }
+
+/// A mixture of experts (Qwen3-MoE: 4 experts of width 32, top 2, the load-balancing loss
+/// on) through `lockstep run`: ZeRO-3 on 2 ranks (a unit is a decoder layer with its
+/// experts) trains like stage 0 on 2 ranks; its checkpoint resumes on 1 rank and continues
+/// the same losses, and the NaN guard names an expert's tensor.
+#[test]
+fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &[],
+        &[
+            "--max-steps",
+            "6",
+            "--set",
+            "model.architecture=qwen3_moe",
+            "--set",
+            "model.num_experts=4",
+            "--set",
+            "model.moe_intermediate_size=32",
+            "--set",
+            "model.router_aux_loss_coef=0.02",
+            "--set",
+            "training.learning_rate=3e-3",
+            "--set",
+            "training.min_lr=3e-4",
+        ],
+    );
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let run = |world: usize, stage: usize, name: &str, extra: &[&str]| {
+        let per_rank = (4 / world).to_string();
+        let mut tail = vec![
+            "--set".to_string(),
+            format!("training.batch_size={per_rank}"),
+            "--set".into(),
+            format!("system.zero_stage={stage}"),
+            "--set".into(),
+            format!("logging.run_name={name}"),
+        ];
+        tail.extend(extra.iter().map(|s| s.to_string()));
+        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+        let nproc = world.to_string();
+        let out = ok(
+            dir,
+            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
+        );
+        (
+            out,
+            losses(&dir.join("runs").join(name).join("metrics.jsonl")),
+        )
+    };
+    let (out, zero) = run(2, 0, "zero", &[]);
+    assert!(
+        out.contains("active: 2 of 4 experts of width 32") && out.contains("| Aux: "),
+        "{out}"
+    );
+    assert!(zero[0].1 - zero[5].1 > 0.01, "real training: {zero:?}");
+    let (_, three) = run(2, 3, "three", &["--stop-at-step", "3"]);
+    close_losses(&three, &zero[..3], 1e-6);
+    let ckpt = dir.join("runs/three/checkpoints/step_3");
+    let ckpt = ckpt.to_str().unwrap();
+    let (_, resumed) = run(1, 0, "resumed", &["--resume", ckpt]);
+    assert_eq!(resumed.first().map(|s| s.0), Some(4), "continues at step 4");
+    close_losses(&resumed, &zero[3..], 1e-5);
+    // The per-expert load is in metrics.jsonl.
+    let record = std::fs::read_to_string(dir.join("runs/zero/metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(record.lines().last().unwrap()).unwrap();
+    let load = last["expert_load"]["0"].as_array().unwrap();
+    assert_eq!(load.len(), 4, "{last}");
+    assert!(last["aux_loss"].as_f64().unwrap() > 0.0, "{last}");
+    // A NaN in one expert's gradient: the guard's report names it.
+    const EXPERT: &str = "model.layers.1.mlp.experts.2.up_proj.weight";
+    let out = common::run(
+        dir,
+        &with(
+            &base,
+            &["train"],
+            &[
+                "--set",
+                "logging.run_name=nan",
+                "--set",
+                "debug.inject_nan_at_step=2",
+                "--set",
+                &format!("debug.inject_nan_param={EXPERT}"),
+            ],
+        ),
+    );
+    let text = common::output_text(&out);
+    assert!(!out.status.success() && text.contains(EXPERT), "{text}");
+}

@@ -215,7 +215,7 @@ macro_rules! keys {
 
 keys! {
     "model.architecture", Kind::Choice(Architecture::NAMES), "\"auto\"", "The model family: llama, qwen3 (Llama's layers with q_norm/k_norm, an RMSNorm of each query and key head before RoPE), qwen3_moe (Qwen3's attention, mixture-of-experts MLPs), mixtral (Llama's attention, mixture-of-experts MLPs), or auto = model.model_path's model_type (config.json), else llama. Set with model_path, it must match the directory's model_type.";
-    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
+    "model.model_path", Kind::OptStr, "null", "Hugging Face Llama, Qwen3, Qwen3-MoE or Mixtral directory (config.json + model.safetensors or a sharded index) to start from, or a Hugging Face id owner/name[@revision] from the local hub cache, downloaded into it when missing (HF_ENDPOINT, HF_TOKEN; never with HF_HUB_OFFLINE=1); its config.json sets the model shape. Alias: model.init_from.";
     "model.num_layers", Kind::Count, "4", "Decoder layers. With model_path, keeps only the first N layers of the checkpoint.";
     "model.hidden_size", Kind::Count, "4096", "Residual stream width.";
     "model.num_attention_heads", Kind::Count, "32", "Query heads; must divide hidden_size, and hidden_size / heads must be even (RoPE).";

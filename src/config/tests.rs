@@ -197,11 +197,67 @@ fn impossible_shapes_are_rejected_with_a_fix() {
         e.contains("model.head_dim = 7: RoPE needs an even head dimension"),
         "{e}"
     );
-    let e = error_of(&set(&["model.architecture=mixtral"]));
+    let e = error_of(&set(&["model.architecture=deepseek"]));
     assert!(
-        e.contains("model.architecture=mixtral: expected one of auto | llama | qwen3"),
+        e.contains(
+            "model.architecture=deepseek: expected one of auto | llama | qwen3 | qwen3_moe | mixtral"
+        ),
         "{e}"
     );
+    // Mixtures of experts: experts only for a MoE family, k within them, a width TP splits.
+    let e = error_of(&set(&["model.num_experts=8"]));
+    assert!(
+        e.contains("model.num_experts = 8: model.architecture = \"auto\" is a dense family"),
+        "{e}"
+    );
+    let e = error_of(&set(&["model.architecture=mixtral"]));
+    assert!(
+        e.contains(
+            "model.architecture = \"mixtral\" is a mixture of experts and model.num_experts = 0"
+        ),
+        "{e}"
+    );
+    let e = error_of(&set(&[
+        "model.architecture=qwen3_moe",
+        "model.num_experts=4",
+        "model.num_experts_per_tok=5",
+    ]));
+    assert!(
+        e.contains("model.num_experts_per_tok = 5 exceeds model.num_experts = 4")
+            && e.contains("valid: 1..=4"),
+        "{e}"
+    );
+    let e = error_of(&set(&[
+        "model.architecture=mixtral",
+        "model.num_experts=8",
+        "model.moe_intermediate_size=100",
+    ]));
+    assert!(
+        e.contains("model.moe_intermediate_size = 100: a Mixtral expert"),
+        "{e}"
+    );
+    let e = error_of(&set(&["model.router_aux_loss_coef=-0.1"]));
+    assert!(
+        e.contains("model.router_aux_loss_coef = -0.1: a negative weight"),
+        "{e}"
+    );
+    let e = error_of(&set(&[
+        "model.architecture=qwen3_moe",
+        "model.num_experts=8",
+        "model.moe_intermediate_size=100",
+        "system.tensor_parallel=8",
+    ]));
+    assert!(
+        e.contains("system.tensor_parallel = 8: must divide")
+            && e.contains("and of each expert (width 100)")
+            && e.contains("valid: 1, 2, 4"),
+        "{e}"
+    );
+    assert!(crate::config::resolve(&Sources {
+        preset: Some("qwen3-moe-tiny".into()),
+        ..Default::default()
+    })
+    .is_ok());
     // With head_dim set, the heads need not divide hidden_size (Qwen3-0.6B: d 1024, 16 heads
     // of 128).
     assert!(crate::config::resolve(&set(&[

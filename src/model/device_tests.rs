@@ -7,6 +7,10 @@
 //!   CPU (fp32 within 1e-5; bf16 compute within bf16's resolution of the fp32 result);
 //! - the training pass (layer by layer, each activation-checkpointing mode, the chunked LM
 //!   head) against one whole backward on the device;
+//! - a mixture of experts (Qwen3-MoE: 4 experts, top 2, a dense layer between two MoE
+//!   layers): the same experts chosen for every token, the objective (cross-entropy plus the
+//!   load-balancing and z-losses) and every gradient on the device against the CPU, and the
+//!   training pass against one backward of that objective on the device;
 //! - KV-cached greedy decoding on the device against uncached decoding and the CPU's tokens;
 //! - variable-length flash attention (packed documents, CUDA bf16 only) against SDPA with the
 //!   block-diagonal mask, forward and backward;
@@ -217,6 +221,110 @@ fn training_pass_matches_one_whole_backward_on_the_device() {
                 );
                 assert!(err < tol, "{what}: gradient of {name}");
             }
+        }
+    }
+}
+
+/// A 3-layer Qwen3-MoE model: layers 0 and 2 route to 2 of 4 experts of width 48, layer 1
+/// is a dense MLP of width 352; the load-balancing loss weighted 0.05.
+fn moe_shape(vocab: usize) -> LlamaShape {
+    let mut m = crate::config::resolve(&crate::config::Sources::default())
+        .unwrap()
+        .config
+        .model;
+    m.architecture = crate::config::Architecture::Qwen3Moe;
+    m.num_layers = 3;
+    m.hidden_size = 128;
+    m.num_attention_heads = 8;
+    m.num_key_value_heads = 2;
+    m.intermediate_size = 352;
+    m.num_experts = 4;
+    m.moe_intermediate_size = Some(48);
+    m.router_aux_loss_coef = 0.05;
+    m.rope_theta = 10000.0;
+    let mut shape = LlamaShape::from_config(&m, vocab).unwrap();
+    shape.moe.as_mut().unwrap().dense_layers = vec![1];
+    shape
+}
+
+/// The grouped experts (a sort by expert, one matmul per expert's block, `index_add` back)
+/// and the router losses on the device: in fp32 the same experts for every token and the
+/// CPU's objective and gradients; in either dtype the training pass (the router losses'
+/// gradient added in each MoE layer's backward) equals one backward of the objective.
+#[test]
+fn mixture_of_experts_on_the_device_matches_the_cpu() {
+    let device = test_device();
+    let shape = moe_shape(384);
+    for (compute, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+        let ((cpu_vs, mut cpu), (dev_vs, mut dev)) = twin_models(&shape, device, compute);
+        cpu.set_router_z_loss(1e-3);
+        dev.set_router_z_loss(1e-3);
+        let (xc, yc) = batch(384, Device::Cpu);
+        let (xd, yd) = batch(384, device);
+        let what = format!("MoE {compute:?} on {device:?}");
+        let objective = |model: &Llama, x: &Tensor, y: &Tensor| {
+            let o = model.objective(x, y);
+            o.total().backward();
+            [
+                o.cross_entropy.double_value(&[]),
+                o.aux.unwrap().double_value(&[]),
+                o.z.unwrap().double_value(&[]),
+            ]
+        };
+        let got = objective(&dev, &xd, &yd);
+        let got_g = take_grads(&dev_vs);
+        if compute == Kind::Float {
+            let chosen = |m: &Llama, x: &Tensor| -> Vec<(usize, Vec<i64>)> {
+                m.router_choices(x)
+                    .into_iter()
+                    .map(|(l, c)| {
+                        (
+                            l,
+                            Vec::<i64>::try_from(c.to_device(Device::Cpu).view([-1])).unwrap(),
+                        )
+                    })
+                    .collect()
+            };
+            let routes = chosen(&dev, &xd);
+            assert_eq!(routes.iter().map(|r| r.0).collect::<Vec<_>>(), [0, 2]);
+            assert_eq!(routes, chosen(&cpu, &xc), "{what}: the experts chosen");
+            let want = objective(&cpu, &xc, &yc);
+            let want_g = take_grads(&cpu_vs);
+            let (g_err, g_name) = max_rel(&got_g, &want_g);
+            println!(
+                "{what}: cross-entropy, aux, z {got:?} vs CPU {want:?}; worst gradient \
+                 {g_name} rel {g_err:.2e}"
+            );
+            for (name, (a, b)) in ["cross-entropy", "aux", "z"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                assert!(rel_scalar(*a, *b) < tol, "{what}: {name} {a} vs {b}");
+            }
+            assert!(g_err < 1e-4, "{what}: gradient of {g_name}");
+        }
+        for mode in [ActivationCheckpointing::None, ActivationCheckpointing::Full] {
+            dev.set_activation_memory(ActivationMemory {
+                checkpointing: mode,
+                loss_chunk_tokens: 40,
+            });
+            let _ = dev.take_router_log();
+            let loss = dev
+                .forward_backward(&xd, &yd, None, 1.0, &mut crate::model::NoEvents)
+                .unwrap()
+                .double_value(&[]);
+            let log = dev.take_router_log();
+            let (err, name) = max_rel(&take_grads(&dev_vs), &got_g);
+            println!(
+                "{what} {mode:?}: loss rel {:.2e}, aux rel {:.2e}, worst gradient {name} rel {err:.2e} \
+                 against the objective's backward",
+                rel_scalar(loss, got[0]),
+                rel_scalar(log.aux(), got[1]),
+            );
+            assert!(rel_scalar(loss, got[0]) < tol, "{what} {mode:?}: loss");
+            assert!(rel_scalar(log.aux(), got[1]) < tol, "{what} {mode:?}: aux");
+            assert!(rel_scalar(log.z(), got[2]) < tol, "{what} {mode:?}: z");
+            assert!(err < tol, "{what} {mode:?}: gradient of {name}");
         }
     }
 }

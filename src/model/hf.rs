@@ -21,7 +21,7 @@ pub fn shape_from_dir(dir: &Path, m: &ModelConfig) -> Result<LlamaShape> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
-            "model.model_path: cannot read {}; point it at a Hugging Face Llama or Qwen3 directory",
+            "model.model_path: cannot read {}; point it at a Hugging Face Llama, Qwen3, Qwen3-MoE or Mixtral directory",
             path.display()
         )
     })?;

@@ -108,14 +108,14 @@ pub struct Objective {
 impl Objective {
     /// What training minimises: the cross-entropy plus the weighted router losses.
     pub fn total(&self) -> Tensor {
-        let mut t = self.cross_entropy.shallow_clone();
-        if let Some(aux) = &self.aux {
-            t = t + aux * self.weights.0;
-        }
-        if let (Some(z), true) = (&self.z, self.weights.1 > 0.0) {
-            t = t + z * self.weights.1;
-        }
-        t
+        // Out of place: tch's `+=` is add_, which would change `cross_entropy` itself.
+        let aux = self.aux.as_ref().map(|aux| aux * self.weights.0);
+        let z = self.z.as_ref().filter(|_| self.weights.1 > 0.0);
+        let z = z.map(|z| z * self.weights.1);
+        [aux, z]
+            .into_iter()
+            .flatten()
+            .fold(self.cross_entropy.shallow_clone(), |t, term| t + term)
     }
 }
 
@@ -463,7 +463,11 @@ impl Llama {
                 let rows = h.view([rows.batch, rows.seq, d]);
                 (self.attention(&rows, layer, docs)?.view([-1, d]), None)
             }
-            Half::Mlp => self.mlp(h, &layer.mlp),
+            Half::Mlp => {
+                let linear = |x: &Tensor, w: &Tensor| self.linear(x, w);
+                let moe = self.shape.moe.as_ref();
+                layer.mlp.forward(h, moe, &linear, self.compute)
+            }
         })
     }
 

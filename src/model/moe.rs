@@ -46,7 +46,6 @@ use std::sync::Mutex;
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
-use super::llama::Llama;
 use super::shape::MoeShape;
 
 /// A SwiGLU MLP's matrices: down(silu(gate(h)) · up(h)) — the dense MLP, or one expert.
@@ -108,86 +107,95 @@ pub(super) struct RouteSummary {
     tokens: i64,
 }
 
-impl Llama {
-    /// SwiGLU of the normed `h`: down(silu(gate(h)) * up(h)).
-    pub(super) fn swiglu(&self, h: &Tensor, m: &SwiGlu) -> Tensor {
-        let gate = self.linear(h, &m.gate).silu();
-        self.linear(&(gate * self.linear(h, &m.up)), &m.down)
-    }
+/// A matmul of the model's: `x · w^T` in its compute dtype (`Llama::linear`).
+pub(super) type Linear<'a> = &'a dyn Fn(&Tensor, &Tensor) -> Tensor;
 
-    /// The MLP of the normed tokens `h` ([.., hidden]): its (partial) output in `h`'s shape,
-    /// and for a mixture of experts how it routed them.
-    pub(super) fn mlp(&self, h: &Tensor, mlp: &Mlp) -> (Tensor, Option<Routing>) {
-        match mlp {
-            Mlp::Dense(m) => (self.swiglu(h, m), None),
+impl SwiGlu {
+    /// down(silu(gate(h)) * up(h)) of the normed `h`.
+    pub(super) fn forward(&self, h: &Tensor, linear: Linear) -> Tensor {
+        let gate = linear(h, &self.gate).silu();
+        linear(&(gate * linear(h, &self.up)), &self.down)
+    }
+}
+
+impl Mlp {
+    /// The MLP of the normed tokens `h` ([.., hidden]) with the model's matmuls, whose dtype
+    /// is `compute`: its (partial) output in `h`'s shape, and for a mixture of experts (of
+    /// shape `moe`) how it routed them.
+    pub(super) fn forward(
+        &self,
+        h: &Tensor,
+        moe: Option<&MoeShape>,
+        linear: Linear,
+        compute: Kind,
+    ) -> (Tensor, Option<Routing>) {
+        match self {
+            Mlp::Dense(m) => (m.forward(h, linear), None),
             Mlp::Experts { router, experts } => {
-                let moe = self.shape.moe.as_ref().expect("a MoE layer has a MoeShape");
+                let moe = moe.expect("a MoE layer has a MoeShape");
                 let d = *h.size().last().expect("tokens of hidden features");
                 let flat = h.reshape([-1, d]);
-                let (routing, weights) = self.route(&flat, router, moe);
-                let y = self.experts(&flat, &routing, &weights, experts);
+                let (routing, weights) = route(&flat, router, moe, linear);
+                let y = grouped(&flat, &routing, &weights, experts, linear).to_kind(compute);
                 (y.view(h.size().as_slice()), Some(routing))
             }
         }
     }
+}
 
-    /// The router on tokens `h` [n, hidden]: its routing and each token's k weights [n, k]
-    /// (fp32).
-    fn route(&self, h: &Tensor, router: &Tensor, moe: &MoeShape) -> (Routing, Tensor) {
-        let logits = self.linear(h, router);
-        let probs = logits.softmax(-1, Kind::Float);
-        let (top, choices) = probs.topk(moe.top_k as i64, -1, true, true);
-        let weights = if moe.norm_topk_prob {
-            &top / top.sum_dim_intlist(-1, true, Kind::Float)
-        } else {
-            top
-        };
-        let counts = tch::no_grad(|| {
-            choices
-                .view([-1])
-                .bincount::<Tensor>(None, moe.num_experts as i64)
-                .to_device(tch::Device::Cpu)
-        });
-        let counts = Vec::<i64>::try_from(&counts).expect("int64 counts");
-        let routing = Routing {
-            logits,
-            probs,
-            choices,
-            counts,
-        };
-        (routing, weights)
-    }
+/// The router on tokens `h` [n, hidden]: its routing and each token's k weights [n, k]
+/// (fp32).
+fn route(h: &Tensor, router: &Tensor, moe: &MoeShape, linear: Linear) -> (Routing, Tensor) {
+    let logits = linear(h, router);
+    let probs = logits.softmax(-1, Kind::Float);
+    let (top, choices) = probs.topk(moe.top_k as i64, -1, true, true);
+    let weights = if moe.norm_topk_prob {
+        &top / top.sum_dim_intlist(-1, true, Kind::Float)
+    } else {
+        top
+    };
+    let counts = tch::no_grad(|| {
+        choices
+            .view([-1])
+            .bincount::<Tensor>(None, moe.num_experts as i64)
+            .to_device(tch::Device::Cpu)
+    });
+    let counts = Vec::<i64>::try_from(&counts).expect("int64 counts");
+    let routing = Routing {
+        logits,
+        probs,
+        choices,
+        counts,
+    };
+    (routing, weights)
+}
 
-    /// The experts' outputs for tokens `h` [n, hidden] routed by `routing` with `weights`
-    /// [n, k]: Σ_k weight · expert(h), [n, hidden] in the compute dtype (the module docs'
-    /// grouped computation).
-    fn experts(
-        &self,
-        h: &Tensor,
-        routing: &Routing,
-        weights: &Tensor,
-        experts: &[SwiGlu],
-    ) -> Tensor {
-        let (n, d) = (h.size()[0], h.size()[1]);
-        let k = routing.choices.size()[1];
-        // [n·k] slot indices, sorted by expert; slot s is token s / k's choice s % k.
-        let order = routing.choices.view([-1]).argsort_stable(true, 0, false);
-        let token = order.floor_divide_scalar(k);
-        let gathered = h.index_select(0, &token);
-        let mut outputs = Vec::with_capacity(experts.len());
-        let mut start = 0;
-        for (expert, &count) in experts.iter().zip(&routing.counts) {
-            if count > 0 {
-                outputs.push(self.swiglu(&gathered.narrow(0, start, count), expert));
-                start += count;
-            }
+/// The experts' outputs for tokens `h` [n, hidden] routed by `routing` with `weights`
+/// [n, k]: Σ_k weight · expert(h), [n, hidden] fp32 (the module docs' grouped computation).
+fn grouped(
+    h: &Tensor,
+    routing: &Routing,
+    weights: &Tensor,
+    experts: &[SwiGlu],
+    linear: Linear,
+) -> Tensor {
+    let (n, d) = (h.size()[0], h.size()[1]);
+    let k = routing.choices.size()[1];
+    // [n·k] slot indices, sorted by expert; slot s is token s / k's choice s % k.
+    let order = routing.choices.view([-1]).argsort_stable(true, 0, false);
+    let token = order.floor_divide_scalar(k);
+    let gathered = h.index_select(0, &token);
+    let mut outputs = Vec::with_capacity(experts.len());
+    let mut start = 0;
+    for (expert, &count) in experts.iter().zip(&routing.counts) {
+        if count > 0 {
+            outputs.push(expert.forward(&gathered.narrow(0, start, count), linear));
+            start += count;
         }
-        let out = Tensor::cat(&outputs, 0).to_kind(Kind::Float);
-        let w = weights.view([-1]).index_select(0, &order).unsqueeze(1);
-        Tensor::zeros([n, d], (Kind::Float, h.device()))
-            .index_add(0, &token, &(out * w))
-            .to_kind(self.compute())
     }
+    let out = Tensor::cat(&outputs, 0).to_kind(Kind::Float);
+    let w = weights.view([-1]).index_select(0, &order).unsqueeze(1);
+    Tensor::zeros([n, d], (Kind::Float, h.device())).index_add(0, &token, &(out * w))
 }
 
 /// The auxiliary losses of one micro-batch's routing, from every MoE layer's counts and
