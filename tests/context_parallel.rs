@@ -14,7 +14,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, ContextParallel, DocumentMask,
-    Family, Llama, LlamaShape, MoeShape, NoEvents, Parameters, Split, TensorParallel,
+    Family, Llama, LlamaShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -32,15 +32,7 @@ fn shape(moe: bool) -> LlamaShape {
     let mut s = llama();
     if moe {
         s.family = Family::Qwen3Moe;
-        s.moe = Some(MoeShape {
-            num_experts: 4,
-            top_k: 2,
-            expert_size: 32,
-            sparse_step: 1,
-            dense_layers: vec![1],
-            norm_topk_prob: true,
-            aux_loss_coef: 0.05,
-        });
+        s.moe = Some(common::tiny_moe(0.05));
     }
     s
 }

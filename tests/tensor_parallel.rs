@@ -15,7 +15,7 @@ use lockstep::config::{self, ZeroStage};
 use lockstep::dist::{Mesh, SingleProcess};
 use lockstep::model::{
     ActivationCheckpointing, ActivationMemory, AttentionBackend, DocumentMask, Family, Llama,
-    LlamaShape, MoeShape, NoEvents, Parameters, Split, TensorParallel,
+    LlamaShape, NoEvents, Parameters, Split, TensorParallel,
 };
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
@@ -54,15 +54,7 @@ fn family_shape(vocab: usize, tied: bool, family: Family) -> LlamaShape {
         s.head_size = Some(16);
     }
     if family.is_moe() {
-        s.moe = Some(MoeShape {
-            num_experts: 4,
-            top_k: 2,
-            expert_size: 32,
-            sparse_step: 1,
-            dense_layers: vec![1],
-            norm_topk_prob: true,
-            aux_loss_coef: 0.02,
-        });
+        s.moe = Some(common::tiny_moe(0.02));
     }
     s
 }

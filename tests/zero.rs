@@ -471,6 +471,37 @@ fn each_rank_holds_a_1_over_n_share_of_the_optimizer_state() {
     );
 }
 
+/// `lockstep run --cpu` of `base` on `world` ranks at zero `stage` (global batch `global`,
+/// each rank its share) as run `name`, with `extra` arguments: its output and its losses.
+fn run_ranks(
+    dir: &Path,
+    base: &[String],
+    global: usize,
+    (world, stage): (usize, usize),
+    name: &str,
+    extra: &[&str],
+) -> (String, Vec<(u64, f64)>) {
+    let mut tail = vec![
+        "--set".to_string(),
+        format!("training.batch_size={}", global / world),
+        "--set".into(),
+        format!("system.zero_stage={stage}"),
+        "--set".into(),
+        format!("logging.run_name={name}"),
+    ];
+    tail.extend(extra.iter().map(|s| s.to_string()));
+    let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+    let nproc = world.to_string();
+    let out = ok(
+        dir,
+        &with(base, &["run", "--cpu", "--nproc", &nproc], &tail),
+    );
+    (
+        out,
+        losses(&dir.join("runs").join(name).join("metrics.jsonl")),
+    )
+}
+
 /// A checkpoint written by 2 ranks at stage 3, stopped at step 5, continues on 1 rank at stage
 /// 0, on 3 ranks at stage 1 and on 3 ranks at stage 3 with the same global sample order: the
 /// losses of steps 6–10 track the uninterrupted 2-rank stage-2 run. transformers, `eval` and
@@ -493,27 +524,8 @@ fn a_sharded_checkpoint_resumes_on_other_world_sizes_and_stages() {
     );
     ok(dir, &with(&base, &["prepare"], &[]));
     // Global batch 12 = 2 × 6 = 1 × 12 = 3 × 4.
-    let run = |world: usize, stage: usize, name: &str, extra: &[&str]| {
-        let per_rank = (12 / world).to_string();
-        let mut tail = vec![
-            "--set".to_string(),
-            format!("training.batch_size={per_rank}"),
-            "--set".into(),
-            format!("system.zero_stage={stage}"),
-            "--set".into(),
-            format!("logging.run_name={name}"),
-        ];
-        tail.extend(extra.iter().map(|s| s.to_string()));
-        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-        ok(
-            dir,
-            &with(
-                &base,
-                &["run", "--cpu", "--nproc", &world.to_string()],
-                &tail,
-            ),
-        );
-        losses(&dir.join("runs").join(name).join("metrics.jsonl"))
+    let run = |world, stage, name: &str, extra: &[&str]| {
+        run_ranks(dir, &base, 12, (world, stage), name, extra).1
     };
     let straight = run(2, 2, "straight", &[]);
     let first = run(2, 3, "first", &["--stop-at-step", "5"]);
@@ -779,27 +791,8 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
         ],
     );
     ok(dir, &with(&base, &["prepare"], &[]));
-    let run = |world: usize, stage: usize, name: &str, extra: &[&str]| {
-        let per_rank = (4 / world).to_string();
-        let mut tail = vec![
-            "--set".to_string(),
-            format!("training.batch_size={per_rank}"),
-            "--set".into(),
-            format!("system.zero_stage={stage}"),
-            "--set".into(),
-            format!("logging.run_name={name}"),
-        ];
-        tail.extend(extra.iter().map(|s| s.to_string()));
-        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-        let nproc = world.to_string();
-        let out = ok(
-            dir,
-            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
-        );
-        (
-            out,
-            losses(&dir.join("runs").join(name).join("metrics.jsonl")),
-        )
+    let run = |world, stage, name: &str, extra: &[&str]| {
+        run_ranks(dir, &base, 4, (world, stage), name, extra)
     };
     let (out, zero) = run(2, 0, "zero", &[]);
     assert!(

@@ -62,8 +62,9 @@ fn rel_scalar(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-30)
 }
 
-/// A 2-layer GQA model (8 query heads over 2 kv heads, head_dim 16).
-fn shape(vocab: usize, tied: bool) -> LlamaShape {
+/// The default config's model section with a 2-layer GQA model (8 query heads over 2 kv
+/// heads, head_dim 16, MLP width 352).
+fn small_model() -> crate::config::ModelConfig {
     let mut m = crate::config::resolve(&crate::config::Sources::default())
         .unwrap()
         .config
@@ -74,6 +75,12 @@ fn shape(vocab: usize, tied: bool) -> LlamaShape {
     m.num_key_value_heads = 2;
     m.intermediate_size = 352;
     m.rope_theta = 10000.0;
+    m
+}
+
+/// The 2-layer GQA model of `small_model`.
+fn shape(vocab: usize, tied: bool) -> LlamaShape {
+    let mut m = small_model();
     m.tie_word_embeddings = tied;
     LlamaShape::from_config(&m, vocab).unwrap()
 }
@@ -228,20 +235,12 @@ fn training_pass_matches_one_whole_backward_on_the_device() {
 /// A 3-layer Qwen3-MoE model: layers 0 and 2 route to 2 of 4 experts of width 48, layer 1
 /// is a dense MLP of width 352; the load-balancing loss weighted 0.05.
 fn moe_shape(vocab: usize) -> LlamaShape {
-    let mut m = crate::config::resolve(&crate::config::Sources::default())
-        .unwrap()
-        .config
-        .model;
+    let mut m = small_model();
     m.architecture = crate::config::Architecture::Qwen3Moe;
     m.num_layers = 3;
-    m.hidden_size = 128;
-    m.num_attention_heads = 8;
-    m.num_key_value_heads = 2;
-    m.intermediate_size = 352;
     m.num_experts = 4;
     m.moe_intermediate_size = Some(48);
     m.router_aux_loss_coef = 0.05;
-    m.rope_theta = 10000.0;
     let mut shape = LlamaShape::from_config(&m, vocab).unwrap();
     shape.moe.as_mut().unwrap().dense_layers = vec![1];
     shape

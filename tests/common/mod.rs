@@ -605,3 +605,17 @@ pub fn rust_files(dir: &Path) -> Vec<PathBuf> {
     walk(dir, Path::new(""), &mut out);
     out
 }
+
+/// A mixture of 4 experts of width 32, top 2 (renormalised), every layer a MoE layer but
+/// layer 1 (dense), the load-balancing loss weighted `aux_loss_coef`.
+pub fn tiny_moe(aux_loss_coef: f64) -> lockstep::model::MoeShape {
+    lockstep::model::MoeShape {
+        num_experts: 4,
+        top_k: 2,
+        expert_size: 32,
+        sparse_step: 1,
+        dense_layers: vec![1],
+        norm_topk_prob: true,
+        aux_loss_coef,
+    }
+}
