@@ -26,7 +26,10 @@
 //! same (gathered) tokens with the whole router, computes its part of every expert and its
 //! partial output, which the group sums. The router's gradient on a rank is its part of the
 //! experts' (`Split::Shared`: summed over the group). The load-balancing and z-loss terms
-//! are the same on every rank, so each rank back-propagates 1/T of them (`aux_share`).
+//! are the same on every rank, so each rank back-propagates 1/T of them (backward.rs,
+//! `router_loss`). Replicating the experts over the group instead would spare two
+//! collectives per MoE layer but all-reduce every expert's gradient over the group and hold
+//! T× their memory (BENCHMARKS.md §20 has the figures for Qwen3-30B-A3B).
 //!
 //! ## The auxiliary losses (what the training objective adds to the cross-entropy)
 //! - load balancing (Switch Transformer's, transformers' `load_balancing_loss_func`): over
