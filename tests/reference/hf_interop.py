@@ -156,7 +156,7 @@ def generate():
     model.eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (5, 1, 17)]
-    new_tokens = 24
+    new_tokens = 32
 
     def greedy(prompt):
         with torch.no_grad():
