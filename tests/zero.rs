@@ -39,6 +39,28 @@ fn bitwise(a: &HashMap<String, tch::Tensor>, b: &HashMap<String, tch::Tensor>) -
     a.len() == b.len() && a.iter().all(|(n, x)| x.equal(&b[n]))
 }
 
+/// `lockstep run --cpu` of `base` on `world` ranks at zero `stage` as run `name` (its folder
+/// `dir/runs/name`), then the `extra` arguments: its output (the run must succeed).
+fn run_at(
+    dir: &Path,
+    base: &[String],
+    (world, stage): (usize, usize),
+    name: &str,
+    extra: &[&str],
+) -> String {
+    let sets = [
+        format!("system.zero_stage={stage}"),
+        format!("logging.run_name={name}"),
+    ];
+    let mut tail: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    tail.extend(extra);
+    let nproc = world.to_string();
+    ok(
+        dir,
+        &with(base, &["run", "--cpu", "--nproc", &nproc], &tail),
+    )
+}
+
 fn close_losses(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64) {
     assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
     for ((sa, la), (sb, lb)) in a.iter().zip(b) {
@@ -72,18 +94,8 @@ fn sharded_stages_train_like_replicated_data_parallelism() {
     ok(dir, &with(&base, &["prepare"], &[]));
     let train = |world: usize, stage: usize| {
         let name = format!("w{world}-s{stage}");
-        let nproc = world.to_string();
-        let sets = [
-            format!("system.zero_stage={stage}"),
-            format!("logging.run_name={name}"),
-            "training.max_grad_norm=1.0".to_string(),
-        ];
-        let mut args = vec!["run".to_string(), "--cpu".into(), "--nproc".into(), nproc];
-        args.extend(base.iter().cloned());
-        for s in sets {
-            args.extend(["--set".to_string(), s]);
-        }
-        ok(dir, &args);
+        let extra = ["--set", "training.max_grad_norm=1.0"];
+        run_at(dir, &base, (world, stage), &name, &extra);
         dir.join("runs").join(name)
     };
     for world in [2, 3] {
@@ -185,21 +197,8 @@ fn stage_3_trains_like_stage_0_with_accumulation_bf16_and_every_checkpointing_mo
     ok(dir, &with(&base, &["prepare"], &[]));
     let train = |world: usize, stage: usize, sets: &[&str]| -> Finished {
         let name = format!("w{world}-s{stage}-{}", sets.join("-").replace('=', "_"));
-        let mut tail = vec![
-            "--set".to_string(),
-            format!("system.zero_stage={stage}"),
-            "--set".into(),
-            format!("logging.run_name={name}"),
-        ];
-        for s in sets {
-            tail.extend(["--set".to_string(), s.to_string()]);
-        }
-        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-        let nproc = world.to_string();
-        ok(
-            dir,
-            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
-        );
+        let extra: Vec<&str> = sets.iter().flat_map(|s| ["--set", *s]).collect();
+        run_at(dir, &base, (world, stage), &name, &extra);
         let run = dir.join("runs").join(name);
         let ckpt = run.join("checkpoints/step_5");
         (
@@ -258,23 +257,10 @@ fn hybrid_sharding_trains_like_stage_0_and_its_checkpoint_resumes_elsewhere() {
     ok(dir, &with(&base, &["prepare"], &[]));
     let train = |world: usize, stage: usize, degree: usize, extra: &[&str]| -> Finished {
         let name = format!("w{world}-s{stage}-d{degree}");
-        let mut tail = vec![
-            "--max-steps".to_string(),
-            "5".into(),
-            "--set".into(),
-            format!("system.zero_stage={stage}"),
-            "--set".into(),
-            format!("system.shard_degree={degree}"),
-            "--set".into(),
-            format!("logging.run_name={name}"),
-        ];
-        tail.extend(extra.iter().map(|s| s.to_string()));
-        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-        let nproc = world.to_string();
-        ok(
-            dir,
-            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
-        );
+        let shard = format!("system.shard_degree={degree}");
+        let mut tail = vec!["--max-steps", "5", "--set", &shard];
+        tail.extend(extra);
+        run_at(dir, &base, (world, stage), &name, &tail);
         let run = dir.join("runs").join(name);
         let ckpt = run.join("checkpoints/step_5");
         (
@@ -303,23 +289,8 @@ fn hybrid_sharding_trains_like_stage_0_and_its_checkpoint_resumes_elsewhere() {
     let ckpt = ckpt.to_str().unwrap();
     let resume = |world: usize, stage: usize, batch: &str| {
         let name = format!("resumed-w{world}-s{stage}");
-        let tail = [
-            "--set",
-            &format!("system.zero_stage={stage}"),
-            "--set",
-            batch,
-            "--set",
-            &format!("logging.run_name={name}"),
-            "--resume",
-            ckpt,
-            "--max-steps",
-            "7",
-        ];
-        let nproc = world.to_string();
-        ok(
-            dir,
-            &with(&base, &["run", "--cpu", "--nproc", &nproc], &tail),
-        );
+        let tail = ["--set", batch, "--resume", ckpt, "--max-steps", "7"];
+        run_at(dir, &base, (world, stage), &name, &tail);
         losses(&dir.join("runs").join(name).join("metrics.jsonl"))
     };
     let two = resume(2, 1, "training.batch_size=4");
@@ -401,19 +372,7 @@ fn each_rank_holds_a_1_over_n_share_of_the_optimizer_state() {
     let mut bytes = Vec::new();
     for (world, stage) in [(1, 0), (2, 2), (3, 1), (2, 3)] {
         let name = format!("w{world}-s{stage}");
-        let out = ok(
-            dir,
-            &with(
-                &base,
-                &["run", "--cpu", "--nproc", &world.to_string()],
-                &[
-                    "--set",
-                    &format!("system.zero_stage={stage}"),
-                    "--set",
-                    &format!("logging.run_name={name}"),
-                ],
-            ),
-        );
+        let out = run_at(dir, &base, (world, stage), &name, &[]);
         let memory = out
             .lines()
             .rev()
@@ -481,21 +440,10 @@ fn run_ranks(
     name: &str,
     extra: &[&str],
 ) -> (String, Vec<(u64, f64)>) {
-    let mut tail = vec![
-        "--set".to_string(),
-        format!("training.batch_size={}", global / world),
-        "--set".into(),
-        format!("system.zero_stage={stage}"),
-        "--set".into(),
-        format!("logging.run_name={name}"),
-    ];
-    tail.extend(extra.iter().map(|s| s.to_string()));
-    let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-    let nproc = world.to_string();
-    let out = ok(
-        dir,
-        &with(base, &["run", "--cpu", "--nproc", &nproc], &tail),
-    );
+    let batch = format!("training.batch_size={}", global / world);
+    let mut tail = vec!["--set", &batch];
+    tail.extend(extra);
+    let out = run_at(dir, base, (world, stage), name, &tail);
     (
         out,
         losses(&dir.join("runs").join(name).join("metrics.jsonl")),
@@ -684,21 +632,8 @@ fn the_overlapped_reduction_is_bitwise_the_one_after_backward() {
         let mut ckpts = Vec::new();
         for overlap in [true, false] {
             let name = format!("s{stage}-o{overlap}");
-            ok(
-                dir,
-                &with(
-                    &base,
-                    &["run", "--cpu", "--nproc", "2"],
-                    &[
-                        "--set",
-                        &format!("system.zero_stage={stage}"),
-                        "--set",
-                        &format!("system.overlap_comm={overlap}"),
-                        "--set",
-                        &format!("logging.run_name={name}"),
-                    ],
-                ),
-            );
+            let set = format!("system.overlap_comm={overlap}");
+            run_at(dir, &base, (2, stage), &name, &["--set", &set]);
             ckpts.push(dir.join("runs").join(name));
         }
         assert_eq!(
@@ -740,13 +675,8 @@ fn stage_3_validates_with_uneven_windows_and_a_rank_without_any() {
     ok(dir, &with(&base, &["prepare"], &[]));
     let val_loss = |stage: usize, batches: usize| -> f64 {
         let name = format!("s{stage}-b{batches}");
-        let sets = [
-            format!("system.zero_stage={stage}"),
-            format!("training.eval_batches={batches}"),
-            format!("logging.run_name={name}"),
-        ];
-        let tail: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
-        ok(dir, &with(&base, &["run", "--cpu", "--nproc", "3"], &tail));
+        let set = format!("training.eval_batches={batches}");
+        run_at(dir, &base, (3, stage), &name, &["--set", &set]);
         let records = common::records(&dir.join("runs").join(&name).join("metrics.jsonl"));
         records
             .iter()
