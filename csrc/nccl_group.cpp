@@ -168,6 +168,20 @@ int ls_nccl_all_gather(void* g, void* tensor, const int64_t* splits, int n, char
   });
 }
 
+// All-to-all of rows (torch.distributed.all_to_all_single with split sizes): `input`'s rows
+// cut into `n` pieces of `in_splits[i]` rows, piece i to rank i; `output` (allocated by the
+// caller, Σ out_splits rows of the same row shape and dtype) receives piece j from rank j.
+int ls_nccl_all_to_all(void* g, void* output, void* input, const int64_t* out_splits,
+                       const int64_t* in_splits, int n, char** err) {
+  return guarded(err, [&] {
+    auto& pg = static_cast<Group*>(g)->pg;
+    auto out = *static_cast<at::Tensor*>(output);
+    auto in = *static_cast<at::Tensor*>(input);
+    std::vector<int64_t> outs(out_splits, out_splits + n), ins(in_splits, in_splits + n);
+    pg->alltoall_base(out, in, outs, ins)->wait();
+  });
+}
+
 // The NCCL version libtorch was built with, e.g. "2.28.9", into *out (malloc'd, free with
 // free()).
 int ls_nccl_version(char** out, char** err) {

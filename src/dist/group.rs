@@ -146,6 +146,36 @@ pub trait ProcessGroup: Send {
         through_host(t, |buf| self.all_gather_f32(buf, splits))
     }
 
+    /// All-to-all of uneven pieces of bytes: `send` is cut into consecutive pieces of
+    /// `send_splits[r]` bytes, piece r going to rank r; `recv` into pieces of `recv_splits[s]`
+    /// bytes, piece s arriving from rank s (what rank s sends this rank: the caller's
+    /// bookkeeping, e.g. counts exchanged before). Pure copies, bit for bit. Backends without
+    /// it refuse.
+    fn all_to_all_bytes(
+        &mut self,
+        send: &[u8],
+        send_splits: &[usize],
+        recv: &mut [u8],
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        let _ = (send, send_splits, recv, recv_splits);
+        anyhow::bail!("this process group has no all-to-all")
+    }
+
+    /// All-to-all of rows (torch's `all_to_all_single` with split sizes): `send` [Σ
+    /// send_rows, ...] (any dtype, contiguous or not), rows `piece(send_rows, r)` to rank r;
+    /// returns [Σ recv_rows, ...] of `send`'s dtype and device, rows `piece(recv_rows, s)` from
+    /// rank s. Default through host memory ([`ProcessGroup::all_to_all_bytes`]); NCCL
+    /// overrides it for CUDA tensors.
+    fn all_to_all_tensor(
+        &mut self,
+        send: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        all_to_all_through_host(self, send, send_rows, recv_rows)
+    }
+
     /// A group of some of this group's ranks: `members` (ranks of this group, ascending, this
     /// rank among them; its rank there is its position). Formed collectively: every rank calls
     /// it the same number of times in the same order, each naming its own subgroup's members
@@ -210,6 +240,73 @@ pub(crate) fn check_splits(len: usize, splits: &[usize], world: usize) -> Result
         splits.iter().sum::<usize>()
     );
     Ok(())
+}
+
+/// [`ProcessGroup::all_to_all_tensor`] through host memory: the rows copied out as bytes,
+/// exchanged by [`ProcessGroup::all_to_all_bytes`], and moved back to `send`'s device.
+pub(crate) fn all_to_all_through_host<G: ProcessGroup + ?Sized>(
+    g: &mut G,
+    send: &Tensor,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+) -> Result<Tensor> {
+    let (row, out) = all_to_all_output(g.world_size(), send, send_rows, recv_rows)?;
+    let host = send.detach().to_device(Device::Cpu).contiguous();
+    let recv = Tensor::empty(out.as_slice(), (send.kind(), Device::Cpu));
+    let bytes = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
+    let (send_bytes, recv_bytes) = (bytes(send_rows), bytes(recv_rows));
+    let (n_send, n_recv) = (send_bytes.iter().sum(), recv_bytes.iter().sum());
+    // SAFETY: `host` and `recv` are contiguous CPU tensors of exactly these many bytes
+    // (all_to_all_output checked the splits against the rows), alive for the call; `recv` is
+    // fresh, so nothing else reads it while the collective writes it, and any bit pattern is
+    // valid for plain dtypes. An empty tensor may have no allocation: an empty slice then.
+    let (src, dst): (&[u8], &mut [u8]) = unsafe {
+        (
+            match n_send {
+                0 => &[],
+                n => std::slice::from_raw_parts(host.data_ptr() as *const u8, n),
+            },
+            match n_recv {
+                0 => &mut [],
+                n => std::slice::from_raw_parts_mut(recv.data_ptr() as *mut u8, n),
+            },
+        )
+    };
+    g.all_to_all_bytes(src, &send_bytes, dst, &recv_bytes)?;
+    Ok(recv.to_device(send.device()))
+}
+
+/// Checks an all-to-all of rows of `send` over `world` ranks (one split per rank, the send
+/// splits covering its rows) and returns the bytes of one row and the received tensor's shape.
+pub(crate) fn all_to_all_output(
+    world: usize,
+    send: &Tensor,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+) -> Result<(usize, Vec<i64>)> {
+    let mut shape = send.size();
+    anyhow::ensure!(!shape.is_empty(), "internal: all-to-all of a 0-dim tensor");
+    check_splits(shape[0] as usize, send_rows, world)?;
+    anyhow::ensure!(
+        recv_rows.len() == world,
+        "internal: {} receive pieces in a world of {world}",
+        recv_rows.len()
+    );
+    let row = shape[1..].iter().product::<i64>() as usize * send.kind().elt_size_in_bytes();
+    shape[0] = recv_rows.iter().sum::<usize>() as i64;
+    Ok((row, shape))
+}
+
+/// The pieces of bytes of an all-to-all checked against the buffers, one per rank.
+pub(crate) fn check_all_to_all(
+    send: &[u8],
+    send_splits: &[usize],
+    recv: &[u8],
+    recv_splits: &[usize],
+    world: usize,
+) -> Result<()> {
+    check_splits(send.len(), send_splits, world)?;
+    check_splits(recv.len(), recv_splits, world)
 }
 
 /// Every rank's `t` (the same shape on each) in rank order, as one flat buffer of
@@ -334,6 +431,32 @@ impl ProcessGroup for SingleProcess {
 
     fn all_gather_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
         check_splits(t.numel(), splits, 1)
+    }
+
+    fn all_to_all_bytes(
+        &mut self,
+        send: &[u8],
+        send_splits: &[usize],
+        recv: &mut [u8],
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        check_all_to_all(send, send_splits, recv, recv_splits, 1)?;
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+
+    fn all_to_all_tensor(
+        &mut self,
+        send: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        all_to_all_output(1, send, send_rows, recv_rows)?;
+        anyhow::ensure!(
+            send_rows == recv_rows,
+            "internal: a world of 1 receives {recv_rows:?} rows of the {send_rows:?} it sends"
+        );
+        Ok(send.copy())
     }
 
     fn subgroup(&mut self, members: &[usize], tag: &str) -> Result<Box<dyn ProcessGroup>> {

@@ -135,6 +135,29 @@ impl ProcessGroup for Traced {
         })
     }
 
+    fn all_to_all_bytes(
+        &mut self,
+        send: &[u8],
+        send_splits: &[usize],
+        recv: &mut [u8],
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        self.run("all-to-all", send.len(), |g| {
+            g.all_to_all_bytes(send, send_splits, recv, recv_splits)
+        })
+    }
+
+    fn all_to_all_tensor(
+        &mut self,
+        send: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        self.run("all-to-all", tensor_bytes(send), |g| {
+            g.all_to_all_tensor(send, send_rows, recv_rows)
+        })
+    }
+
     /// Forming a subgroup is no collective of this group (its numbering stays the ring's); the
     /// subgroup's own collectives go into this rank's history too, numbered in the subgroup and
     /// named `op@tag`.

@@ -229,6 +229,48 @@ impl ProcessGroup for NcclGroup {
         }
         self.pieces_op(t, splits, self.shim.all_gather, "all-gather")
     }
+
+    fn all_to_all_bytes(
+        &mut self,
+        send: &[u8],
+        send_splits: &[usize],
+        recv: &mut [u8],
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        self.on_cpu(|c| c.all_to_all_bytes(send, send_splits, recv, recv_splits))
+    }
+
+    /// NCCL's all-to-all (ProcessGroupNCCL's `alltoall_base`) for CUDA tensors: the rows in
+    /// place on the device; host tensors through the ring.
+    fn all_to_all_tensor(
+        &mut self,
+        send: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        if !send.device().is_cuda() {
+            return group::all_to_all_through_host(self, send, send_rows, recv_rows);
+        }
+        let (_, shape) = group::all_to_all_output(self.world_size(), send, send_rows, recv_rows)?;
+        let input = send.contiguous();
+        let output = Tensor::empty(shape.as_slice(), (send.kind(), send.device()));
+        let splits = |rows: &[usize]| rows.iter().map(|&r| r as i64).collect::<Vec<_>>();
+        let (outs, ins) = (splits(recv_rows), splits(send_rows));
+        // SAFETY: `handle` is live; both tensor handles and the splits outlive the call.
+        let r = call(|err| unsafe {
+            (self.shim.all_to_all)(
+                self.handle,
+                output.as_ptr() as *mut c_void,
+                input.as_ptr() as *mut c_void,
+                outs.as_ptr(),
+                ins.as_ptr(),
+                outs.len() as c_int,
+                err,
+            )
+        });
+        self.check(r, "all-to-all", send)?;
+        Ok(output)
+    }
 }
 
 impl NcclGroup {

@@ -40,6 +40,17 @@ pub(super) type ScatterFn = unsafe extern "C" fn(
     c_int,
     *mut *mut c_char,
 ) -> c_int;
+/// (group, output, input, output splits, input splits, number of ranks, err): the all-to-all
+/// of rows.
+pub(super) type AllToAllFn = unsafe extern "C" fn(
+    *mut c_void,
+    *mut c_void,
+    *mut c_void,
+    *const i64,
+    *const i64,
+    c_int,
+    *mut *mut c_char,
+) -> c_int;
 pub(super) type VersionFn = unsafe extern "C" fn(*mut *mut c_char, *mut *mut c_char) -> c_int;
 pub(super) type FreeFn = unsafe extern "C" fn(*mut c_void, c_int);
 
@@ -50,6 +61,7 @@ pub(super) struct Shim {
     pub(super) broadcast: TensorOpFn,
     pub(super) reduce_scatter: ScatterFn,
     pub(super) all_gather: PiecesFn,
+    pub(super) all_to_all: AllToAllFn,
     pub(super) version: VersionFn,
     pub(super) free: FreeFn,
 }
@@ -120,6 +132,7 @@ fn load() -> Result<Shim, String> {
             broadcast: lib.function(c"ls_nccl_broadcast").map_err(missing)?,
             reduce_scatter: lib.function(c"ls_nccl_reduce_scatter").map_err(missing)?,
             all_gather: lib.function(c"ls_nccl_all_gather").map_err(missing)?,
+            all_to_all: lib.function(c"ls_nccl_all_to_all").map_err(missing)?,
             version: lib.function(c"ls_nccl_version").map_err(missing)?,
             free: lib.function(c"ls_nccl_free").map_err(missing)?,
         })

@@ -105,6 +105,12 @@ fn group_on_this_machine() -> Result<()> {
     g.reduce_scatter_avg_tensor(&x, &[1000])?;
     g.all_gather_tensor(&x, &[1000])?;
     assert!(x.equal(&before));
+    // Expert parallelism's all-to-all (NCCL's alltoall_base on the device: one piece of
+    // bf16 rows of a non-contiguous input, the whole of it to this rank).
+    let rows = Tensor::arange(24, (Kind::BFloat16, Device::Cuda(0))).view([4, 6]);
+    let strided = rows.tr().contiguous().tr();
+    let back = g.all_to_all_tensor(&strided, &[4], &[4])?;
+    assert!(back.equal(&rows) && back.device() == Device::Cuda(0));
     assert_eq!(g.all_reduce_max_f64(2.0)?, 2.0);
     g.barrier()?;
     // A collective the shim rejects is an error carrying libtorch's message.
@@ -113,7 +119,7 @@ fn group_on_this_machine() -> Result<()> {
     assert!(err.contains("NCCL all-reduce"), "{err}");
     println!(
         "NCCL {} group of one rank on cuda:0: all-reduce (fp32, bf16), broadcast, \
-         reduce-scatter, all-gather, max, barrier: ok",
+         reduce-scatter, all-gather, all-to-all, max, barrier: ok",
         version()?
     );
     Ok(())

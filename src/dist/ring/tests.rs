@@ -443,3 +443,115 @@ fn bench_all_reduce_25mb() {
         t.iter().map(|x| (x * 1e3).round()).collect::<Vec<_>>()
     );
 }
+
+/// The pieces of an all-to-all test: rank `from` sends rank `to` `(from·7 + to·3) % 5` rows of
+/// 3 fp32 values each (empty pieces included, different both ways), valued so that every
+/// element names its origin, destination and position.
+fn a2a_rows(from: usize, to: usize) -> usize {
+    (from * 7 + to * 3) % 5
+}
+
+fn a2a_piece(from: usize, to: usize) -> Vec<f32> {
+    (0..a2a_rows(from, to) * 3)
+        .map(|i| (from * 10_000 + to * 100 + i) as f32)
+        .collect()
+}
+
+/// The all-to-all against the exchange written out (rank s's piece for r lands as rank r's
+/// piece s), on the ring's bytes, its tensors (bf16 and a strided input), and a world of 1.
+#[test]
+fn all_to_all_delivers_uneven_pieces_to_their_ranks() {
+    use tch::{Kind, Tensor};
+    for world in [1, 2, 3, 4] {
+        run_ranks(world, Duration::from_secs(10), |r, mut g| {
+            let send: Vec<f32> = (0..world).flat_map(|to| a2a_piece(r, to)).collect();
+            let want: Vec<f32> = (0..world).flat_map(|from| a2a_piece(from, r)).collect();
+            let send_rows: Vec<usize> = (0..world).map(|to| a2a_rows(r, to)).collect();
+            let recv_rows: Vec<usize> = (0..world).map(|from| a2a_rows(from, r)).collect();
+            let bytes = |rows: &[usize]| rows.iter().map(|n| n * 12).collect::<Vec<_>>();
+            let mut got = vec![f32::NAN; want.len()];
+            let src = super::wire::f32_bytes(&send);
+            let dst = super::wire::f32_bytes_mut(&mut got);
+            g.all_to_all_bytes(src, &bytes(&send_rows), dst, &bytes(&recv_rows))
+                .unwrap();
+            assert_eq!(got, want, "rank {r} of {world}");
+            // Tensors: bf16 rows (exact for these small integers only up to 256: use a
+            // pattern that is) from a transposed, non-contiguous input.
+            let n: usize = send_rows.iter().sum();
+            let t = Tensor::from_slice(&send)
+                .view([n as i64, 3])
+                .remainder(256)
+                .to_kind(Kind::BFloat16)
+                .tr()
+                .contiguous()
+                .tr();
+            let out = g.all_to_all_tensor(&t, &send_rows, &recv_rows).unwrap();
+            let m: usize = recv_rows.iter().sum();
+            assert_eq!((out.size(), out.kind()), (vec![m as i64, 3], Kind::BFloat16));
+            let expect = Tensor::from_slice(&want)
+                .view([m as i64, 3])
+                .remainder(256)
+                .to_kind(Kind::BFloat16);
+            assert!(out.equal(&expect), "rank {r} of {world}: {out}");
+        });
+    }
+}
+
+/// Ranks that disagree on who sends whom how much fail, naming the ranks, instead of
+/// reading another piece's bytes.
+#[test]
+fn all_to_all_pieces_that_disagree_fail_and_name_the_sender() {
+    let errs = run_ranks(2, Duration::from_secs(5), |r, mut g| {
+        // Rank 0 sends rank 1 two bytes; rank 1 expects three.
+        let send = [1u8; 4];
+        let mut recv = [0u8; 5];
+        let (send_splits, recv_splits) = if r == 0 {
+            ([2, 2], [2, 3])
+        } else {
+            ([2, 2], [3, 2])
+        };
+        g.all_to_all_bytes(&send, &send_splits, &mut recv, &recv_splits)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in &errs {
+        eprintln!("{e}");
+    }
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("rank 0 sends rank 1 2 bytes, which expects 3")),
+        "{errs:?}"
+    );
+}
+
+/// A rank that never enters the all-to-all is named by the others' timeout.
+#[test]
+fn all_to_all_timeout_names_the_missing_rank() {
+    let timeout = Duration::from_secs(2);
+    let done = AtomicUsize::new(0);
+    let out = run_ranks(3, timeout, |r, mut g| {
+        g.barrier().unwrap();
+        if r == 2 {
+            let t0 = Instant::now();
+            while done.load(Ordering::SeqCst) < 2 && t0.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            return None;
+        }
+        let send = [7u8; 3];
+        let mut recv = [0u8; 3];
+        let e = g
+            .all_to_all_bytes(&send, &[1, 1, 1], &mut recv, &[1, 1, 1])
+            .unwrap_err();
+        done.fetch_add(1, Ordering::SeqCst);
+        Some(e.to_string())
+    });
+    for msg in out.into_iter().flatten() {
+        eprintln!("{msg}");
+        assert!(
+            msg.contains("all-to-all #2")
+                && msg.contains("rank 2 has not reached it (its last collective was #1)"),
+            "{msg}"
+        );
+    }
+}

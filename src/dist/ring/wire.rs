@@ -27,6 +27,7 @@ pub(super) const OP_ALL_GATHER: u32 = 2;
 pub(super) const OP_BROADCAST: u32 = 3;
 pub(super) const OP_MAX: u32 = 4;
 pub(super) const OP_BARRIER: u32 = 5;
+pub(super) const OP_ALL_TO_ALL: u32 = 6;
 
 /// Message header. `aux` is op-specific (total length for broadcast, step for the others).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +68,7 @@ fn op_name(op: u32) -> String {
         OP_BROADCAST => format!("broadcast from rank {}", op >> 8),
         OP_MAX => "all-reduce-max".to_owned(),
         OP_BARRIER => "barrier".to_owned(),
+        OP_ALL_TO_ALL => "all-to-all".to_owned(),
         _ => format!("unknown op {op}"),
     }
 }
