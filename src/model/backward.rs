@@ -131,6 +131,9 @@ impl Llama {
         if let Some(cp) = &self.cp {
             cp.end()?;
         }
+        if let Some(ep) = &self.ep {
+            ep.end()?;
+        }
         Ok(loss)
     }
 
@@ -293,7 +296,10 @@ impl Llama {
         rows: Rows,
     ) -> Result<(HalfGraph, Tensor)> {
         let input = leaf(x);
-        if self.tp.is_none() {
+        // Expert parallelism cuts a MoE half's graph like tensor parallelism's (at the tokens
+        // its matmuls read), so that the dispatch's backward joins it there.
+        let dispatches = self.ep.is_some() && half == Half::Mlp && self.layers[i].mlp.is_moe();
+        if self.tp.is_none() && !dispatches {
             let (output, routing) = self.half(half, &input, i, docs, rows)?;
             let next = output.detach();
             let graph = HalfGraph::Whole {
@@ -358,7 +364,7 @@ impl Llama {
                 normed,
                 gathered,
                 partial,
-                ..
+                routing,
             } => {
                 // In the partial output's dtype (the compute dtype): the cast one rank's
                 // autograd makes too, before the gather rather than after it, so bf16 travels.
@@ -366,6 +372,9 @@ impl Llama {
                 back(&partial, &d_partial)?;
                 if half == Half::Attention {
                     self.finish_attention()?;
+                }
+                if let (Some(ep), Some(_)) = (&self.ep, routing) {
+                    ep.finish()?;
                 }
                 let d_normed = self.enter_grad(&grad_of(&gathered)?)?;
                 backward_from(&normed, &d_normed.to_kind(normed.kind()))?;

@@ -15,6 +15,7 @@ use tch::{Kind, Reduction, Tensor};
 
 use super::context_parallel::ContextParallel;
 use super::documents::DocumentMask;
+use super::expert_parallel::ExpertParallel;
 use super::flash;
 use super::moe::{Mlp, RouterLog, RouterLogCell, Routing, SwiGlu};
 use super::params::Parameters;
@@ -85,6 +86,9 @@ pub struct Llama {
     /// Context parallelism: this rank's place in its group, the group's collectives and the
     /// micro-batch in flight.
     pub(super) cp: Option<ContextParallel>,
+    /// Expert parallelism: this rank's place in its group (whose experts it holds) and the
+    /// group's all-to-alls.
+    pub(super) ep: Option<ExpertParallel>,
     /// Every parameter: name, whole shape, initialisation, split, unit.
     parameters: Arc<Parameters>,
     /// Weight of the router z-loss in the training objective (`model.router_z_loss_coef`).
@@ -203,7 +207,7 @@ impl Llama {
         compute: Kind,
         make: &mut MakeParameter,
     ) -> Llama {
-        Self::build(root, shape, max_seq, compute, None, make)
+        Self::build(root, shape, max_seq, compute, (None, None), make)
     }
 
     /// [`Llama::new_with`] for one rank of a tensor-parallel group: every parameter is made
@@ -217,12 +221,39 @@ impl Llama {
         tp: TensorParallel,
         make: &mut MakeParameter,
     ) -> anyhow::Result<Llama> {
-        crate::config::check_tensor_parallel(
-            tp.size,
-            (shape.num_heads, shape.num_kv_heads, &shape.mlp_widths()),
-            "the model",
-        )?;
-        Ok(Self::build(root, shape, max_seq, compute, Some(tp), make))
+        Self::new_parallel(root, shape, max_seq, compute, (Some(tp), None), make)
+    }
+
+    /// [`Llama::new_with`] for one rank of a tensor-parallel group (`tp`, as
+    /// [`Llama::new_split`]) and of an expert-parallel group (`ep`: of every MoE layer, this
+    /// rank keeps its own experts only, `ExpertParallel::local_experts`; the others are made,
+    /// so the random draws stay one rank's, and dropped).
+    pub fn new_parallel(
+        root: &Path,
+        shape: &LlamaShape,
+        max_seq: usize,
+        compute: Kind,
+        (tp, ep): (Option<TensorParallel>, Option<ExpertParallel>),
+        make: &mut MakeParameter,
+    ) -> anyhow::Result<Llama> {
+        if let Some(tp) = &tp {
+            crate::config::check_tensor_parallel(
+                tp.size,
+                (shape.num_heads, shape.num_kv_heads, &shape.mlp_widths()),
+                "the model",
+            )?;
+        }
+        if let Some(ep) = &ep {
+            let experts = shape.moe.as_ref().map_or(0, |m| m.num_experts);
+            anyhow::ensure!(
+                experts > 0 && experts % ep.size == 0,
+                "system.expert_parallel = {} splits every MoE layer's experts among {} ranks, \
+                 and the model has {experts} experts per layer (valid: a divisor of them)",
+                ep.size,
+                ep.size
+            );
+        }
+        Ok(Self::build(root, shape, max_seq, compute, (tp, ep), make))
     }
 
     fn build(
@@ -230,21 +261,32 @@ impl Llama {
         shape: &LlamaShape,
         max_seq: usize,
         compute: Kind,
-        tp: Option<TensorParallel>,
+        (tp, ep): (Option<TensorParallel>, Option<ExpertParallel>),
         make: &mut MakeParameter,
     ) -> Llama {
         let s = shape;
         let table = Arc::new(Parameters::of(s));
+        let experts = s.moe.as_ref().map_or(0, |m| m.num_experts);
+        let (first, local) = ep
+            .as_ref()
+            .map_or((0, experts), |e| e.local_experts(experts));
+        let kept = |p: &super::params::Parameter| {
+            p.expert.is_none_or(|e| (first..first + local).contains(&e))
+        };
         // Each parameter made whole, in the table's order (the random draws'), and kept whole
         // or as this rank's part of it; a placeholder without elements (zero stage 3) as it is.
+        // Another rank's experts are made and dropped.
         let mut made: HashMap<String, Tensor> = table
             .iter()
-            .map(|p| {
+            .filter_map(|p| {
                 let mut value = make(&p.name, &p.shape, p.init);
+                if !kept(p) {
+                    return None;
+                }
                 if let (Some(tp), true) = (&tp, value.numel() > 0) {
                     value = p.split.shard(&value, tp.rank, tp.size);
                 }
-                (p.name.clone(), register(root, &p.name, value))
+                Some((p.name.clone(), register(root, &p.name, value)))
             })
             .collect();
         let mut take = |name: &str| {
@@ -259,10 +301,9 @@ impl Llama {
                 let mlp = match s.family.moe_names().filter(|_| s.is_sparse(i)) {
                     Some(n) => {
                         let b = n.block;
-                        let experts = s.moe.as_ref().map_or(0, |m| m.num_experts);
                         Mlp::Experts {
                             router: at(&format!("{b}.gate")),
-                            experts: (0..experts)
+                            experts: (first..first + local)
                                 .map(|e| SwiGlu {
                                     gate: at(&format!("{b}.experts.{e}.{}", n.gate)),
                                     up: at(&format!("{b}.experts.{e}.{}", n.up)),
@@ -304,6 +345,7 @@ impl Llama {
             kv_heads: s.num_kv_heads / parts,
             tp,
             cp: None,
+            ep,
             parameters: table,
             shape: s.clone(),
             embed_tokens,
@@ -466,7 +508,9 @@ impl Llama {
             Half::Mlp => {
                 let linear = |x: &Tensor, w: &Tensor| self.linear(x, w);
                 let moe = self.shape.moe.as_ref();
-                layer.mlp.forward(h, moe, &linear, self.compute)
+                layer
+                    .mlp
+                    .forward(h, moe, self.ep.as_ref(), &linear, self.compute)?
             }
         })
     }

@@ -10,6 +10,7 @@ mod context_parallel;
 #[cfg(test)]
 mod device_tests;
 pub mod documents;
+mod expert_parallel;
 mod flash;
 pub mod generate;
 mod head;
@@ -27,6 +28,7 @@ pub mod units;
 pub use backward::ActivationCheckpointing;
 pub use context_parallel::ContextParallel;
 pub use documents::DocumentMask;
+pub use expert_parallel::ExpertParallel;
 pub use llama::{KvCache, Llama, Objective};
 pub use moe::RouterLog;
 pub use params::{Parameter, Parameters};

@@ -49,6 +49,7 @@ use std::sync::Mutex;
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
+use super::expert_parallel::ExpertParallel;
 use super::shape::MoeShape;
 
 /// A SwiGLU MLP's matrices: down(silu(gate(h)) · up(h)) — the dense MLP, or one expert.
@@ -69,6 +70,13 @@ pub(super) enum Mlp {
         router: Tensor,
         experts: Vec<SwiGlu>,
     },
+}
+
+impl Mlp {
+    /// Whether this is a mixture of experts.
+    pub(super) fn is_moe(&self) -> bool {
+        matches!(self, Mlp::Experts { .. })
+    }
 }
 
 /// How a MoE layer routed its n tokens.
@@ -124,23 +132,32 @@ impl SwiGlu {
 impl Mlp {
     /// The MLP of the normed tokens `h` ([.., hidden]) with the model's matmuls, whose dtype
     /// is `compute`: its (partial) output in `h`'s shape, and for a mixture of experts (of
-    /// shape `moe`) how it routed them.
+    /// shape `moe`) how it routed them. With expert parallelism (`ep`) the layer holds this
+    /// rank's experts only, and the tokens travel to theirs (expert_parallel.rs).
     pub(super) fn forward(
         &self,
         h: &Tensor,
         moe: Option<&MoeShape>,
+        ep: Option<&ExpertParallel>,
         linear: Linear,
         compute: Kind,
-    ) -> (Tensor, Option<Routing>) {
+    ) -> Result<(Tensor, Option<Routing>)> {
         match self {
-            Mlp::Dense(m) => (m.forward(h, linear), None),
+            Mlp::Dense(m) => Ok((m.forward(h, linear), None)),
             Mlp::Experts { router, experts } => {
                 let moe = moe.expect("a MoE layer has a MoeShape");
                 let d = *h.size().last().expect("tokens of hidden features");
                 let flat = h.reshape([-1, d]);
                 let (routing, weights) = route(&flat, router, moe, linear);
-                let y = grouped(&flat, &routing, &weights, experts, linear).to_kind(compute);
-                (y.view(h.size().as_slice()), Some(routing))
+                let (order, token) = slots(&routing);
+                let out = match ep {
+                    None => grouped(&flat, &token, &routing.counts, experts, linear),
+                    Some(ep) => {
+                        ep.experts(&flat, &token, &routing.counts, experts, linear, compute)?
+                    }
+                };
+                let y = combine(&flat, &out, &weights, &order, &token).to_kind(compute);
+                Ok((y.view(h.size().as_slice()), Some(routing)))
             }
         }
     }
@@ -173,32 +190,50 @@ fn route(h: &Tensor, router: &Tensor, moe: &MoeShape, linear: Linear) -> (Routin
     (routing, weights)
 }
 
-/// The experts' outputs for tokens `h` [n, hidden] routed by `routing` with `weights`
-/// [n, k]: Σ_k weight · expert(h), [n, hidden] fp32 (the module docs' grouped computation).
+/// The n·k (token, choice) slots of `routing` sorted by expert (a stable sort: each expert's
+/// tokens keep their order): the slot indices [n·k] (slot s is token s / k's choice s % k)
+/// and their tokens [n·k].
+fn slots(routing: &Routing) -> (Tensor, Tensor) {
+    let k = routing.choices.size()[1];
+    let order = routing.choices.view([-1]).argsort_stable(true, 0, false);
+    let token = order.floor_divide_scalar(k);
+    (order, token)
+}
+
+/// One rank's experts on the slots sorted by expert: tokens `h` [n, hidden] gathered in
+/// that order ([n·k, hidden]; `token` [n·k]), expert e's `counts[e]` rows one contiguous
+/// block multiplied by its matrices at once (the module docs' grouped computation); the
+/// outputs [n·k, hidden] in the same order (compute dtype).
 fn grouped(
     h: &Tensor,
-    routing: &Routing,
-    weights: &Tensor,
+    token: &Tensor,
+    counts: &[i64],
     experts: &[SwiGlu],
     linear: Linear,
 ) -> Tensor {
-    let (n, d) = (h.size()[0], h.size()[1]);
-    let k = routing.choices.size()[1];
-    // [n·k] slot indices, sorted by expert; slot s is token s / k's choice s % k.
-    let order = routing.choices.view([-1]).argsort_stable(true, 0, false);
-    let token = order.floor_divide_scalar(k);
-    let gathered = h.index_select(0, &token);
+    let gathered = h.index_select(0, token);
     let mut outputs = Vec::with_capacity(experts.len());
     let mut start = 0;
-    for (expert, &count) in experts.iter().zip(&routing.counts) {
+    for (expert, &count) in experts.iter().zip(counts) {
         if count > 0 {
             outputs.push(expert.forward(&gathered.narrow(0, start, count), linear));
             start += count;
         }
     }
-    let out = Tensor::cat(&outputs, 0).to_kind(Kind::Float);
-    let w = weights.view([-1]).index_select(0, &order).unsqueeze(1);
-    Tensor::zeros([n, d], (Kind::Float, h.device())).index_add(0, &token, &(out * w))
+    Tensor::cat(&outputs, 0)
+}
+
+/// The experts' outputs `out` [n·k, hidden] (slots sorted by expert: `order` their slot
+/// indices, `token` their tokens) scaled by their routing `weights` [n, k] and summed into
+/// their tokens: Σ_k weight · expert(h), [n, hidden] fp32.
+fn combine(h: &Tensor, out: &Tensor, weights: &Tensor, order: &Tensor, token: &Tensor) -> Tensor {
+    let (n, d) = (h.size()[0], h.size()[1]);
+    let w = weights.view([-1]).index_select(0, order).unsqueeze(1);
+    Tensor::zeros([n, d], (Kind::Float, h.device())).index_add(
+        0,
+        token,
+        &(out.to_kind(Kind::Float) * w),
+    )
 }
 
 /// The auxiliary losses of one micro-batch's routing, from every MoE layer's counts and

@@ -27,6 +27,9 @@ pub struct Parameter {
     pub split: Split,
     /// The unit whose gradients become final with it.
     pub unit: GradUnit,
+    /// An expert's matrix: which expert of its MoE layer (expert parallelism keeps a rank's
+    /// own experts only); None for every other parameter.
+    pub expert: Option<usize>,
 }
 
 impl Parameter {
@@ -115,6 +118,7 @@ impl Parameters {
                         ] {
                             let name = format!("{b}.experts.{e}.{name}.weight");
                             t.matrix(&name, dims, split, unit);
+                            t.list.last_mut().expect("just pushed").expert = Some(e);
                         }
                     }
                 }
@@ -210,6 +214,7 @@ pub(crate) fn table_of(entries: &[(&str, &tch::Tensor, GradUnit)]) -> Parameters
                 init: Init::Const(0.0),
                 split: Split::Replicated,
                 unit: *unit,
+                expert: None,
             })
             .collect(),
     )
@@ -250,6 +255,7 @@ impl Table {
             init,
             split,
             unit,
+            expert: None,
         });
     }
 }

@@ -23,6 +23,17 @@ pub trait TpComm: Send {
     /// The sum across the group of `t` [T·m, ...], of which this rank keeps rows
     /// [rank·m, (rank+1)·m).
     fn reduce_scatter(&mut self, t: &Tensor) -> Result<Tensor>;
+    /// Rows `piece(send_rows, r)` of `t` to rank r; the rows every rank sent this one, in
+    /// rank order (expert parallelism's dispatch, `ProcessGroup::all_to_all_tensor`).
+    fn all_to_all(
+        &mut self,
+        t: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        let _ = (t, send_rows, recv_rows);
+        anyhow::bail!("internal: this group's collectives have no all-to-all")
+    }
 }
 
 /// This rank's place in its tensor-parallel group, and the group's collectives.

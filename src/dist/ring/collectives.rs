@@ -271,9 +271,7 @@ impl ProcessGroup for RingGroup {
         }
         let started = Instant::now();
         // The bundle to forward: its pieces' lengths, for ranks r+s, r+s+1, … (in step s).
-        let mut lens: Vec<u64> = (1..w)
-            .map(|d| send_splits[(r + d) % w] as u64)
-            .collect();
+        let mut lens: Vec<u64> = (1..w).map(|d| send_splits[(r + d) % w] as u64).collect();
         let mut bundle: Vec<u8> = (1..w)
             .flat_map(|d| send[piece(send_splits, (r + d) % w)].iter().copied())
             .collect();

@@ -487,7 +487,10 @@ fn all_to_all_delivers_uneven_pieces_to_their_ranks() {
                 .tr();
             let out = g.all_to_all_tensor(&t, &send_rows, &recv_rows).unwrap();
             let m: usize = recv_rows.iter().sum();
-            assert_eq!((out.size(), out.kind()), (vec![m as i64, 3], Kind::BFloat16));
+            assert_eq!(
+                (out.size(), out.kind()),
+                (vec![m as i64, 3], Kind::BFloat16)
+            );
             let expect = Tensor::from_slice(&want)
                 .view([m as i64, 3])
                 .remainder(256)
