@@ -763,3 +763,122 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
     let text = common::output_text(&out);
     assert!(!out.status.success() && text.contains(EXPERT), "{text}");
 }
+
+/// Expert parallelism through `lockstep run` (Qwen3-MoE, 4 experts of width 32, top 2, the
+/// load-balancing loss on; 6 clipped AdamW steps): EP 2 on 2 ranks at stages 0 and 2 trains
+/// like data parallelism on 2 ranks, EP 4 on 4 ranks at stage 1 like data parallelism on 4;
+/// the EP 2 checkpoint (every expert from the rank that holds it, whole HF tensors) resumes on
+/// 1 rank with the uninterrupted losses and at EP 4 like data parallelism resumed from it. Bad
+/// degrees exit 2 naming the key.
+#[test]
+fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = with(
+        &small(&write_corpus(dir)),
+        &[],
+        &[
+            "--max-steps",
+            "6",
+            "--set",
+            "model.architecture=qwen3_moe",
+            "--set",
+            "model.num_experts=4",
+            "--set",
+            "model.moe_intermediate_size=32",
+            "--set",
+            "model.router_aux_loss_coef=0.02",
+            "--set",
+            "training.learning_rate=3e-3",
+            "--set",
+            "training.min_lr=3e-4",
+        ],
+    );
+    ok(dir, &with(&base, &["prepare"], &[]));
+    let run = |world, stage, name: &str, extra: &[&str]| {
+        run_ranks(dir, &base, 4, (world, stage), name, extra)
+    };
+    let (_, dp2) = run(2, 0, "dp2", &[]);
+    assert!(dp2[0].1 - dp2[5].1 > 0.01, "real training: {dp2:?}");
+    let (out, ep2) = run(2, 0, "ep2", &["--set", "system.expert_parallel=2"]);
+    assert!(out.contains("| Aux: "), "{out}");
+    close_losses(&ep2, &dp2, 1e-5);
+    let (_, ep2_stage2) = run(
+        2,
+        2,
+        "ep2s2",
+        &["--set", "system.expert_parallel=2", "--stop-at-step", "3"],
+    );
+    close_losses(&ep2_stage2, &dp2[..3], 1e-5);
+    let (_, dp4) = run(4, 0, "dp4", &[]);
+    let (_, ep4) = run(4, 1, "ep4", &["--set", "system.expert_parallel=4"]);
+    assert_eq!((ep2.len(), ep4.len()), (6, 6), "{ep2:?} {ep4:?}");
+    close_losses(&ep4, &dp4, 1e-5);
+
+    let ckpt = dir.join("runs/ep2s2/checkpoints/step_3");
+    let ckpt = ckpt.to_str().unwrap();
+    let index = std::fs::read_to_string(Path::new(ckpt).join("model.safetensors.index.json"))
+        .expect("an index of the model files");
+    for e in 0..4 {
+        let name = format!("model.layers.0.mlp.experts.{e}.down_proj.weight");
+        assert!(index.contains(&name), "{name} in {index}");
+    }
+    let (_, one) = run(1, 0, "resumed1", &["--resume", ckpt]);
+    assert_eq!(one.first().map(|s| s.0), Some(4), "continues at step 4");
+    close_losses(&one, &dp2[3..], 1e-5);
+    let (_, dp4_resumed) = run(4, 0, "dp4r", &["--resume", ckpt]);
+    let (_, ep4_resumed) = run(
+        4,
+        0,
+        "ep4r",
+        &["--resume", ckpt, "--set", "system.expert_parallel=4"],
+    );
+    assert_eq!(ep4_resumed.len(), 3, "steps 4-6: {ep4_resumed:?}");
+    close_losses(&ep4_resumed, &dp4_resumed, 1e-5);
+
+    // Bad degrees: exit 2, naming the key, the value and the valid ones.
+    let refused = |world: usize, extra: &[&str]| {
+        let nproc = world.to_string();
+        let out = common::run(
+            dir,
+            &with(&base, &["run", "--cpu", "--nproc", &nproc], extra),
+        );
+        assert_eq!(out.status.code(), Some(2), "{}", common::output_text(&out));
+        common::output_text(&out)
+    };
+    let text = refused(
+        2,
+        &[
+            "--set",
+            "system.expert_parallel=3",
+            "--set",
+            "model.num_experts=6",
+        ],
+    );
+    assert!(
+        text.contains("system.expert_parallel = 3") && text.contains("valid here: 1, 2"),
+        "{text}"
+    );
+    let text = refused(
+        4,
+        &[
+            "--set",
+            "system.expert_parallel=4",
+            "--set",
+            "model.num_experts=6",
+        ],
+    );
+    assert!(text.contains("must divide the 6 experts"), "{text}");
+    let text = refused(
+        2,
+        &[
+            "--set",
+            "system.expert_parallel=2",
+            "--set",
+            "model.architecture=llama",
+            "--set",
+            "model.num_experts=0",
+        ],
+    );
+    assert!(text.contains("is a dense model"), "{text}");
+}

@@ -941,16 +941,30 @@ check_c8() {
           "${sets[@]}" --set logging.run_name="$mesh-$dt"
         c8_verdict "$mesh-$dt" $? $dt "${W[*]}, ${sets[*]} vs 1 rank x 2"
       done
+      # Expert parallelism (a Qwen3-MoE of 4 experts, the load-balancing loss off so the
+      # micro-batches' split does not matter): EP 2 on 2 ranks, the tokens' all-to-alls on
+      # NCCL, against the same MoE on 1 rank x 2.
+      if [ "$dt" = fp32 ] && { [ "$DRY" = 1 ] || [ "$ngpu" -ge 2 ]; } && time_for 40 "c8-ep2-$dt"; then
+        MOE=(--set model.architecture=qwen3_moe --set model.num_experts=4 --set model.moe_intermediate_size=64
+          --set model.router_aux_loss_coef=0)
+        run_logged "c8-w1-moe-$dt" 180 "$BIN" run "${W1[@]}" -- "${M[@]}" "${MOE[@]}" --set training.dtype=$dt \
+          --set training.batch_size=2 --set logging.run_name="w1-moe-$dt"
+        run_logged "c8-ep2-$dt" 180 "$BIN" run "${W2[@]}" -- "${M[@]}" "${MOE[@]}" --set training.dtype=$dt \
+          --set training.batch_size=1 --set system.expert_parallel=2 --set logging.run_name="ep2-$dt"
+        c8_verdict "ep2-$dt" $? $dt "2 ranks x 1 at expert_parallel=2 vs 1 rank x 2 (Qwen3-MoE)" "w1-moe-$dt"
+        rm -rf "$RUNS/w1-moe-$dt"
+      fi
       rm -rf "$RUNS/w1-$dt"
     done
   fi
 }
 
-# c8's verdict on run NAME (exit RC, dtype DT) against one rank's losses: PASS within the
-# dtype's tolerance, with WHAT and the collectives the run used, else FAIL with why.
+# c8's verdict on run NAME (exit RC, dtype DT) against one rank's losses (those of run REF,
+# default w1-DT): PASS within the dtype's tolerance, with WHAT and the collectives the run
+# used, else FAIL with why.
 c8_verdict() {
-  local name=$1 rc=$2 dt=$3 what=$4
-  eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/w1-$dt/metrics.jsonl" "$RUNS/$name/metrics.jsonl" 1 8 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
+  local name=$1 rc=$2 dt=$3 what=$4 ref=${5:-w1-$3}
+  eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/$ref/metrics.jsonl" "$RUNS/$name/metrics.jsonl" 1 8 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
   local tol backend
   tol=$([ "$dt" = fp32 ] && echo 1e-4 || echo 1e-2)
   backend=$(grep -ao "Collectives: .*" "$LOGS/c8-$name.log" | head -1)

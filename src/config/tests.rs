@@ -466,3 +466,81 @@ fn tracker_groups_nest_and_their_mistakes_are_named() {
         "{e}"
     );
 }
+
+/// `system.expert_parallel`: against the ranks (it is carved out of the data-parallel ones),
+/// the model's experts, and what it does not compose with yet; each refusal names the key,
+/// the value and what is valid.
+#[test]
+fn expert_parallel_degrees_are_checked_with_a_fix() {
+    let cfg = |sets: &[&str]| {
+        let mut s: Vec<String> = [
+            "model.architecture=qwen3_moe",
+            "model.num_experts=4",
+            "model.moe_intermediate_size=32",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+        s.extend(sets.iter().map(|x| x.to_string()));
+        resolve(&Sources {
+            sets: s,
+            ..Default::default()
+        })
+    };
+    let ok = cfg(&["system.expert_parallel=2"]).unwrap().config;
+    assert!(check_world(&ok, 4).is_ok());
+    let e = check_world(&ok, 3).unwrap_err().0;
+    assert!(
+        e.contains("system.expert_parallel = 2: must divide the 3 data-parallel ranks")
+            && e.contains("valid here: 1, 3"),
+        "{e}"
+    );
+    let e = check_world(&ok, 1).unwrap_err().0;
+    assert!(
+        e.contains("one rank has no group to split the experts over"),
+        "{e}"
+    );
+    let e = cfg(&["system.expert_parallel=3"])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("system.expert_parallel = 3 must divide the 4 experts per layer")
+            && e.contains("valid: 1, 2, 4"),
+        "{e}"
+    );
+    let e = cfg(&[
+        "system.expert_parallel=2",
+        "model.architecture=llama",
+        "model.num_experts=0",
+    ])
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("is a dense model; set system.expert_parallel = 1"),
+        "{e}"
+    );
+    for (set, what) in [
+        ("system.zero_stage=3", "system.zero_stage = 3"),
+        ("system.tensor_parallel=2", "system.tensor_parallel = 2"),
+    ] {
+        let e = cfg(&["system.expert_parallel=2", set])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains(&format!("with {what}: not supported yet")),
+            "{e}"
+        );
+    }
+    let hybrid = cfg(&[
+        "system.expert_parallel=2",
+        "system.zero_stage=2",
+        "system.shard_degree=2",
+    ])
+    .unwrap()
+    .config;
+    let e = check_world(&hybrid, 4).unwrap_err().0;
+    assert!(e.contains("system.shard_degree = 2 (hybrid"), "{e}");
+}

@@ -125,6 +125,7 @@ pub struct SystemConfig {
     pub tensor_parallel: usize,
     pub sequence_parallel: bool,
     pub context_parallel: usize,
+    pub expert_parallel: usize,
     pub reduce_dtype: ReduceDtype,
     pub prefetch_units: usize,
     pub overlap_comm: bool,

@@ -9,6 +9,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     let mut bad = |msg: String| problems.push(msg);
     check_shape(c, &mut bad);
     check_tensor_parallel_static(c, &mut bad);
+    check_expert_parallel_static(c, &mut bad);
     check_ranges(c, &mut bad);
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
@@ -472,6 +473,7 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
         )));
     }
     check_context_parallel(c, world)?;
+    check_expert_parallel(c, world)?;
     // The replicas: the ranks that hold the same parameters (data × context), which the state
     // is sharded over.
     let mesh = super::MeshShape::of(c, world);
@@ -512,6 +514,101 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
         )));
     }
     Ok(degree)
+}
+
+/// `system.expert_parallel` = E against the ranks: E divides the replicas (the data × context
+/// ranks that hold the same parameters), which it is carved out of.
+fn check_expert_parallel(c: &Config, world: usize) -> Result<(), ConfigError> {
+    let ep = c.system.expert_parallel.max(1);
+    let replicas = super::MeshShape::of(c, world).replicas();
+    let degree = c.system.shard_degree;
+    if ep > 1 && degree > 0 && degree < replicas {
+        return Err(ConfigError(format!(
+            "system.expert_parallel = {ep} with system.shard_degree = {degree} (hybrid \
+             sharding over {replicas} replicas): not supported yet; set system.shard_degree = 0 \
+             or system.expert_parallel = 1"
+        )));
+    }
+    if ep == 1 || replicas.is_multiple_of(ep) && world > 1 {
+        return Ok(());
+    }
+    let valid: Vec<String> = (1..=replicas)
+        .filter(|e| replicas.is_multiple_of(*e))
+        .map(|e| e.to_string())
+        .collect();
+    let one = if world == 1 {
+        "; one rank has no group to split the experts over: launch several ranks \
+         (`lockstep run --nproc 2`) or set system.expert_parallel = 1"
+    } else {
+        ""
+    };
+    Err(ConfigError(format!(
+        "system.expert_parallel = {ep}: must divide the {replicas} data-parallel ranks (the \
+         {world} ranks over system.tensor_parallel = {}); valid here: {}{one}",
+        c.system.tensor_parallel.max(1),
+        valid.join(", ")
+    )))
+}
+
+/// `system.expert_parallel` = E against a model of `experts` experts per MoE layer (0: a
+/// dense model), read from `source`.
+pub fn check_expert_parallel_model(
+    ep: usize,
+    experts: usize,
+    source: &str,
+) -> Result<(), ConfigError> {
+    if ep <= 1 || (experts > 0 && experts.is_multiple_of(ep)) {
+        return Ok(());
+    }
+    if experts == 0 {
+        return Err(ConfigError(format!(
+            "system.expert_parallel = {ep} splits a mixture of experts' experts among ranks, and \
+             {source} is a dense model; set system.expert_parallel = 1 (or train a MoE \
+             architecture: qwen3_moe, mixtral)"
+        )));
+    }
+    let valid: Vec<String> = (1..=experts)
+        .filter(|e| experts.is_multiple_of(*e))
+        .map(|e| e.to_string())
+        .collect();
+    Err(ConfigError(format!(
+        "system.expert_parallel = {ep} must divide the {experts} experts per layer of {source}; \
+         valid: {}",
+        valid.join(", ")
+    )))
+}
+
+/// Expert parallelism with what it does not compose with yet, and against the configured
+/// model's experts.
+fn check_expert_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
+    let (m, s) = (&c.model, &c.system);
+    let ep = s.expert_parallel;
+    if ep <= 1 {
+        return;
+    }
+    if m.model_path.is_none() {
+        if let Err(e) =
+            check_expert_parallel_model(ep, m.num_experts, "the model (model.num_experts)")
+        {
+            bad(e.0);
+        }
+    }
+    let not_yet = |what: String| {
+        format!(
+            "system.expert_parallel = {ep} with {what}: not supported yet (expert parallelism \
+             runs at zero_stage 0-2 without tensor parallelism or hybrid sharding); set \
+             system.expert_parallel = 1 or change {what}"
+        )
+    };
+    if s.zero_stage.shards_parameters() {
+        bad(not_yet(format!("system.zero_stage = {}", s.zero_stage)));
+    }
+    if s.tensor_parallel > 1 {
+        bad(not_yet(format!(
+            "system.tensor_parallel = {}",
+            s.tensor_parallel
+        )));
+    }
 }
 
 /// `system.context_parallel` = C against everything it must fit at once: the ranks over T

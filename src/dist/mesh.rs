@@ -6,8 +6,11 @@
 //! node); the C ranks of one data and tensor index split every sequence between them and read
 //! the same samples; the D·C ranks with the same tensor index — the replicas — hold the same
 //! parts of the layers and are what data parallelism (ZeRO stages, hybrid sharding, gradient
-//! averaging) works across. [`Mesh::groups`] forms this rank's groups (subgroups of the world
-//! group, through the same store).
+//! averaging) works across. Expert parallelism (E) is carved out of the replicas: replicas
+//! q..q+E−1 (q a multiple of E) split every MoE layer's experts between them (the expert
+//! group), and the replicas at the same position of every expert group hold the same experts
+//! (the holders, what an expert's gradient is averaged across). [`Mesh::groups`] forms this
+//! rank's groups (subgroups of the world group, through the same store).
 
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +31,8 @@ pub struct Mesh {
     /// Hybrid sharding: replicas per shard group (`system.shard_degree`, resolved: all of them
     /// when it is 0).
     pub shard: usize,
+    /// E: replicas per expert-parallel group (`system.expert_parallel`).
+    pub expert: usize,
 }
 
 /// This rank's groups on the mesh. A dimension of size 1 (or the whole world) has none: its
@@ -42,6 +47,9 @@ pub struct MeshGroups {
     /// Hybrid sharding (shard < D·C): the shard group and the replica group inside the
     /// replicas, and which shard group this rank is in.
     pub hybrid: Option<(SharedGroup, SharedGroup, usize)>,
+    /// Expert parallelism (E > 1): the E ranks that split the experts with this one, and the
+    /// ranks that hold the same experts (None where that is this rank alone).
+    pub expert: Option<(SharedGroup, Option<SharedGroup>)>,
 }
 
 impl Mesh {
@@ -59,6 +67,7 @@ impl Mesh {
             tensor,
             context,
             shard,
+            expert: 1,
         };
         let replicas = mesh.replicas();
         if shard == 0 {
@@ -70,6 +79,36 @@ impl Mesh {
             mesh.shard
         );
         mesh
+    }
+
+    /// This mesh with expert-parallel groups of `expert` replicas (which must divide them:
+    /// `config::check_world`).
+    pub fn with_expert(mut self, expert: usize) -> Mesh {
+        let expert = expert.max(1);
+        assert!(
+            self.replicas().is_multiple_of(expert),
+            "internal: expert groups of {expert} among {} replicas",
+            self.replicas()
+        );
+        self.expert = expert;
+        self
+    }
+
+    /// This rank's position in its expert-parallel group: which experts it holds.
+    pub fn expert_rank(&self) -> usize {
+        self.replica_rank() % self.expert
+    }
+
+    /// World ranks of this rank's expert-parallel group.
+    pub fn expert_members(&self) -> Vec<usize> {
+        let first = self.replica_rank() / self.expert * self.expert;
+        self.at_replicas(first..first + self.expert)
+    }
+
+    /// World ranks that hold the same experts as this one (one per expert group).
+    pub fn holder_members(&self) -> Vec<usize> {
+        let groups = self.replicas() / self.expert;
+        self.at_replicas((0..groups).map(|g| g * self.expert + self.expert_rank()))
     }
 
     /// D: the data-parallel ranks, each reading its own samples.
@@ -153,8 +192,8 @@ impl Mesh {
     }
 
     /// Forms this rank's groups, every rank of `pg` (the world group) together: the tensor
-    /// groups, the replica groups, the context groups, then hybrid sharding's shard and
-    /// replica groups.
+    /// groups, the replica groups, the context groups, hybrid sharding's shard and replica
+    /// groups, then the expert groups and the experts' holders.
     pub fn groups(&self, pg: &mut dyn ProcessGroup) -> Result<MeshGroups> {
         anyhow::ensure!(
             pg.world_size() == self.world && pg.rank() == self.rank,
@@ -192,11 +231,26 @@ impl Mesh {
         } else {
             None
         };
+        let expert = if self.expert > 1 {
+            let group = self.replica_rank() / self.expert;
+            let ep = pg.subgroup(&self.expert_members(), &self.tag("ep", group))?;
+            let holders = match self.replicas() / self.expert {
+                1 => None,
+                _ => {
+                    let tag = self.tag("experts", self.expert_rank());
+                    Some(shared(pg.subgroup(&self.holder_members(), &tag)?))
+                }
+            };
+            Some((shared(ep), holders))
+        } else {
+            None
+        };
         Ok(MeshGroups {
             tensor,
             context,
             data,
             hybrid,
+            expert,
         })
     }
 }
@@ -225,6 +279,22 @@ mod tests {
         assert_eq!(m.replica_members(), [0, 1, 2, 3]);
         assert_eq!(m.tensor_members(), [3]);
         assert_eq!(m.context_members(), [3]);
+    }
+
+    #[test]
+    fn expert_groups_are_consecutive_replicas_and_holders_share_a_position() {
+        // 8 ranks, EP 2: rank 5 is position 1 of expert group [4, 5]; ranks 1, 3, 5, 7 hold
+        // the same experts.
+        let m = Mesh::new(5, 8, 1, 1, 0).with_expert(2);
+        assert_eq!(m.expert_rank(), 1);
+        assert_eq!(m.expert_members(), [4, 5]);
+        assert_eq!(m.holder_members(), [1, 3, 5, 7]);
+        // 8 ranks = 2 data × 2 context × 2 tensor, EP 4 over the 4 replicas: rank 6 is replica
+        // 3 at tensor index 0.
+        let m = Mesh::new(6, 8, 2, 2, 0).with_expert(4);
+        assert_eq!((m.replica_rank(), m.expert_rank()), (3, 3));
+        assert_eq!(m.expert_members(), [0, 2, 4, 6]);
+        assert_eq!(m.holder_members(), [6]);
     }
 
     #[test]

@@ -44,7 +44,7 @@ use std::sync::Mutex;
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
-use super::autograd::{backward_from, grad_of, leaf};
+use super::autograd::{backward_from, leaf};
 use super::moe::{Linear, SwiGlu};
 use super::split::TpComm;
 
@@ -167,11 +167,10 @@ impl ExpertParallel {
             _ => x.returned.zeros_like(),
         };
         let d_out = self.comm(|c| c.all_to_all(&d_returned, &x.send_rows, &x.recv_rows))?;
-        let d_received = if x.out.requires_grad() && x.out.numel() > 0 {
-            backward_from(&x.out, &d_out.to_kind(x.out.kind()))?;
-            grad_of(&x.received)?
-        } else {
-            x.received.zeros_like()
+        backward_from(&x.out, &d_out.to_kind(x.out.kind()))?;
+        let d_received = match x.received.grad() {
+            g if g.defined() => g,
+            _ => x.received.zeros_like(),
         };
         let d_send = self.comm(|c| c.all_to_all(&d_received, &x.recv_rows, &x.send_rows))?;
         backward_from(&x.send, &d_send.to_kind(x.send.kind()))
@@ -200,11 +199,8 @@ fn grouped(
     linear: Linear,
     compute: Kind,
 ) -> Tensor {
-    let total: i64 = from.iter().sum();
+    let total: usize = from.iter().sum::<i64>() as usize;
     let device = received.device();
-    if total == 0 {
-        return Tensor::zeros([0, received.size()[1]], (compute, device));
-    }
     // Where each (source, expert) block starts in `received`.
     let mut start = vec![0i64; from.len()];
     let mut at = 0;
@@ -213,7 +209,7 @@ fn grouped(
         at += c;
     }
     let sources = from.len() / per;
-    let mut perm = Vec::with_capacity(total as usize);
+    let mut perm = Vec::with_capacity(total);
     let mut outputs = Vec::with_capacity(per);
     let mut blocks = Vec::with_capacity(per);
     for e in 0..per {
@@ -226,12 +222,12 @@ fn grouped(
     }
     let perm = Tensor::from_slice(&perm).to_device(device);
     let by_expert = received.index_select(0, &perm);
+    // An expert without rows runs on an empty block, so that its gradient is a defined zero
+    // (as on one rank, moe.rs) and a rank that received nothing still has its experts'.
     for (expert, &(first, count)) in local.iter().zip(&blocks) {
-        if count > 0 {
-            outputs.push(expert.forward(&by_expert.narrow(0, first, count), linear));
-        }
+        outputs.push(expert.forward(&by_expert.narrow(0, first, count), linear));
     }
-    let out = Tensor::cat(&outputs, 0);
+    let out = Tensor::cat(&outputs, 0).to_kind(compute);
     // Back in `received`'s order: row perm[i] of it is row i of `out`.
     out.zeros_like().index_copy(0, &perm, &out)
 }

@@ -246,7 +246,7 @@ impl Llama {
         if let Some(ep) = &ep {
             let experts = shape.moe.as_ref().map_or(0, |m| m.num_experts);
             anyhow::ensure!(
-                experts > 0 && experts % ep.size == 0,
+                experts > 0 && experts.is_multiple_of(ep.size),
                 "system.expert_parallel = {} splits every MoE layer's experts among {} ranks, \
                  and the model has {experts} experts per layer (valid: a divisor of them)",
                 ep.size,
@@ -770,6 +770,17 @@ impl Llama {
     /// Makes this model one rank of a context-parallel group: from here its training pass and
     /// its loss take the group's same rows and compute on this rank's chunks of them
     /// (context_parallel.rs).
+    /// Whether the experts are split among ranks, so that every forward is a collective of
+    /// the expert-parallel group.
+    pub fn expert_parallel(&self) -> bool {
+        self.ep.is_some()
+    }
+
+    /// This rank's position in its expert-parallel group (0 without one).
+    pub fn expert_rank(&self) -> usize {
+        self.ep.as_ref().map_or(0, |e| e.rank)
+    }
+
     pub fn set_context_parallel(&mut self, cp: ContextParallel) {
         self.cp = Some(cp);
     }

@@ -214,11 +214,12 @@ fn grouped(
     let gathered = h.index_select(0, token);
     let mut outputs = Vec::with_capacity(experts.len());
     let mut start = 0;
+    // An expert without tokens runs on an empty block: it costs nothing, and its gradient
+    // is then a defined zero, so every rank's gradients have the same layout for the
+    // data-parallel reduction.
     for (expert, &count) in experts.iter().zip(counts) {
-        if count > 0 {
-            outputs.push(expert.forward(&gathered.narrow(0, start, count), linear));
-            start += count;
-        }
+        outputs.push(expert.forward(&gathered.narrow(0, start, count), linear));
+        start += count;
     }
     Tensor::cat(&outputs, 0)
 }

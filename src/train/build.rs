@@ -12,15 +12,16 @@ use tch::{Kind, Tensor};
 
 use super::device;
 use super::faults;
-use super::optim::{AdamWParams, Hybrid, Optimizer, Sharding, TensorGroups};
+use super::optim::{AdamWParams, Experts, Hybrid, Optimizer, Sharding, TensorGroups};
 use super::place::Rank;
 use super::tensor_parallel::GroupComm;
 use crate::config::Config;
 use crate::dist::buckets::broadcast_parameters;
-use crate::dist::{MeshGroups, ProcessGroup, SharedGroup};
+use crate::dist::{on_group, MeshGroups, ProcessGroup, SharedGroup};
 use crate::model::llama::{init_parameter, MakeParameter};
 use crate::model::{
-    hf, ActivationMemory, ContextParallel, Llama, LlamaShape, Parameters, TensorParallel,
+    hf, ActivationMemory, ContextParallel, ExpertParallel, Llama, LlamaShape, Parameters,
+    TensorParallel,
 };
 use crate::sys::phase::{self, Phase};
 
@@ -61,6 +62,10 @@ pub fn build(
     tch::manual_seed(cfg.system.seed as i64);
     let mut groups = rank.mesh.groups(pg)?;
     let context = groups.context.take();
+    let experts = match &groups.expert {
+        Some((group, _)) => Some(expert_parallel(cfg, shape, rank, group)?),
+        None => None,
+    };
     let part = groups.tensor.as_ref().map(|g| Part {
         group: g.clone(),
         rank: rank.mesh.tensor_rank(),
@@ -73,7 +78,7 @@ pub fn build(
     } = if cfg.system.zero_stage.shards_parameters() {
         build_sharded(cfg, shape, vs, compute, rank, pg, (groups, part))?
     } else {
-        build_whole(cfg, shape, vs, compute, rank, pg, (groups, part))?
+        build_whole(cfg, shape, vs, compute, (rank, experts), pg, (groups, part))?
     };
     model.set_activation_memory(ActivationMemory::from_config(&cfg.training));
     model.set_router_z_loss(cfg.model.router_z_loss_coef);
@@ -89,23 +94,48 @@ pub fn build(
     })
 }
 
+/// This rank's place in its expert-parallel group `group` (`system.expert_parallel`), checked
+/// against the model's experts.
+fn expert_parallel(
+    cfg: &Config,
+    shape: &LlamaShape,
+    rank: &Rank,
+    group: &SharedGroup,
+) -> Result<ExpertParallel> {
+    let experts = shape.moe.as_ref().map_or(0, |m| m.num_experts);
+    let source = match &cfg.model.model_path {
+        Some(dir) => format!("model.model_path = {dir}"),
+        None => "the model (model.num_experts)".to_string(),
+    };
+    crate::config::check_expert_parallel_model(cfg.system.expert_parallel, experts, &source)?;
+    let comm = GroupComm::new(group.clone())?;
+    let (at, size) = (rank.mesh.expert_rank(), rank.mesh.expert);
+    Ok(ExpertParallel::new(at, size, Box::new(comm)))
+}
+
 /// The model with each parameter made by `make` (whole; with tensor parallelism this rank
-/// keeps its part).
+/// keeps its part, with expert parallelism its experts).
 fn model(
     cfg: &Config,
     shape: &LlamaShape,
     vs: &VarStore,
     compute: Kind,
-    part: Option<&Part>,
+    (part, ep): (Option<&Part>, Option<ExpertParallel>),
     make: &mut MakeParameter,
 ) -> Result<Llama> {
     let max_seq = cfg.training.context_length;
-    let Some(p) = part else {
-        return Ok(Llama::new_with(&vs.root(), shape, max_seq, compute, make));
+    let tp = match part {
+        Some(p) => {
+            let comm = GroupComm::new(p.group.clone())?;
+            let sp = cfg.system.sequence_parallel;
+            Some(TensorParallel::new(p.rank, p.size, sp, Box::new(comm)))
+        }
+        None => None,
     };
-    let comm = GroupComm::new(p.group.clone())?;
-    let tp = TensorParallel::new(p.rank, p.size, cfg.system.sequence_parallel, Box::new(comm));
-    Llama::new_split(&vs.root(), shape, max_seq, compute, tp, make)
+    if tp.is_none() && ep.is_none() {
+        return Ok(Llama::new_with(&vs.root(), shape, max_seq, compute, make));
+    }
+    Llama::new_parallel(&vs.root(), shape, max_seq, compute, (tp, ep), make)
 }
 
 /// The run's optimizer over `params` (this rank's parts of `model`'s): `system.zero_stage` on
@@ -138,15 +168,52 @@ fn optimizer(
         tensor,
     };
     let hp = AdamWParams::from_config(&cfg.training);
-    Optimizer::with_sharding(
-        params,
-        model.parameters(),
+    let table = model.parameters();
+    let is_expert = |name: &str| table.get(name).is_ok_and(|p| p.expert.is_some());
+    let Some((group, holders)) = groups.expert else {
+        return Optimizer::with_sharding(
+            params,
+            table,
+            hp,
+            sharding,
+            pg,
+            cfg.system.bucket_mb,
+            compute,
+        );
+    };
+    let (dense, experts): (Vec<_>, Vec<_>) = params
+        .iter()
+        .map(|(n, p)| (n.clone(), p.shallow_clone()))
+        .partition(|(n, _)| !is_expert(n));
+    let stage = (cfg.system.zero_stage, sharding.reduce);
+    let dense = Optimizer::with_sharding(
+        &dense,
+        table,
         hp,
         sharding,
         pg,
         cfg.system.bucket_mb,
         compute,
-    )
+    )?;
+    let total = model.shape.moe.as_ref().map_or(0, |m| m.num_experts);
+    let (ep_rank, ep) = (model.expert_rank(), cfg.system.expert_parallel);
+    let experts = Experts::new(
+        &experts,
+        (group, holders),
+        (ep_rank, ep, total / ep),
+        |over| {
+            Optimizer::over_group(
+                &experts,
+                table,
+                hp,
+                stage,
+                over,
+                pg,
+                (cfg.system.bucket_mb, compute),
+            )
+        },
+    )?;
+    Ok(dense.with_experts(experts))
 }
 
 /// The model and its optimizer at zero stages 0-2: every rank builds its part of the model
@@ -157,35 +224,45 @@ fn build_whole(
     shape: &LlamaShape,
     vs: &VarStore,
     compute: Kind,
-    rank: &Rank,
+    (rank, ep): (&Rank, Option<ExpertParallel>),
     pg: &mut dyn ProcessGroup,
     (groups, part): (MeshGroups, Option<Part>),
 ) -> Result<Built> {
     let device = vs.device();
+    let whole = part.is_none() && ep.is_none();
     let model = model(
         cfg,
         shape,
         vs,
         compute,
-        part.as_ref(),
+        (part.as_ref(), ep),
         &mut |_, dims, init| init_parameter(dims, init, device),
     )?;
     let table = model.parameters();
     if let Some(dir) = &cfg.model.model_path {
         let path = crate::data::hub::resolve_model(dir)?;
-        let read = match &part {
-            None => hf::load_weights(&path, vs),
-            Some(p) => {
-                let variables = vs.variables();
-                hf::read_weights(&path, &table.shapes(), |name, value| {
-                    let param = variables
-                        .get(name)
-                        .with_context(|| format!("internal: no parameter {name}"))?;
-                    let value = p.of(table, name, &value.to_kind(param.kind()))?;
-                    tch::no_grad(|| param.shallow_clone().copy_(&value.to_device(device)));
-                    Ok(())
-                })
-            }
+        let read = if whole {
+            hf::load_weights(&path, vs)
+        } else {
+            // This rank's part of each tensor (tensor parallelism) and its experts only
+            // (expert parallelism: another rank's are skipped).
+            let variables = vs.variables();
+            hf::read_weights(&path, &table.shapes(), |name, value| {
+                let Some(param) = variables.get(name) else {
+                    anyhow::ensure!(
+                        table.get(name)?.expert.is_some(),
+                        "internal: no parameter {name}"
+                    );
+                    return Ok(());
+                };
+                let value = value.to_kind(param.kind());
+                let value = match &part {
+                    Some(p) => p.of(table, name, &value)?,
+                    None => value,
+                };
+                tch::no_grad(|| param.shallow_clone().copy_(&value.to_device(device)));
+                Ok(())
+            })
         };
         read.with_context(|| format!("model.model_path = {dir}"))?;
         loaded(rank, dir, &path, shape);
@@ -193,15 +270,24 @@ fn build_whole(
     let params = Llama::named_parameters(vs);
     // Every rank starts from the first data rank's values (fresh init or HF weights); a
     // checkpoint later overwrites them identically on every data rank.
-    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-    match &groups.data {
-        Some(data) => {
-            let mut g = data
-                .lock()
-                .map_err(|_| anyhow::anyhow!("a data-parallel collective panicked earlier"))?;
-            broadcast_parameters(&mut **g, &tensors, cfg.system.bucket_mb)?;
+    // With expert parallelism the experts from the first of their holders.
+    let is_expert = |name: &str| table.get(name).is_ok_and(|p| p.expert.is_some());
+    let (mut experts, mut dense) = (Vec::new(), Vec::new());
+    for (name, p) in &params {
+        match is_expert(name) {
+            true => experts.push(p.shallow_clone()),
+            false => dense.push(p.shallow_clone()),
         }
-        None => broadcast_parameters(pg, &tensors, cfg.system.bucket_mb)?,
+    }
+    let bucket = cfg.system.bucket_mb;
+    on_group(groups.data.as_ref(), pg, |g| {
+        broadcast_parameters(g, &dense, bucket)
+    })?;
+    if let Some((_, holders)) = &groups.expert {
+        let mut alone = crate::dist::SingleProcess;
+        on_group(holders.as_ref(), &mut alone, |g| {
+            broadcast_parameters(g, &experts, bucket)
+        })?;
     }
     // On NCCL the broadcast is only queued; a host-side barrier turns a peer that never
     // joined it into the ring's timeout naming that rank, rather than a hang later.
@@ -225,9 +311,14 @@ fn build_sharded(
     (groups, part): (MeshGroups, Option<Part>),
 ) -> Result<Built> {
     let device = vs.device();
-    let model = model(cfg, shape, vs, compute, part.as_ref(), &mut |_, _, _| {
-        Tensor::empty([0], (Kind::Float, device))
-    })?;
+    let model = model(
+        cfg,
+        shape,
+        vs,
+        compute,
+        (part.as_ref(), None),
+        &mut |_, _, _| Tensor::empty([0], (Kind::Float, device)),
+    )?;
     let params = Llama::named_parameters(vs);
     let opt = optimizer(cfg, &params, &model, compute, pg, groups)?;
     let table = model.parameters();

@@ -19,6 +19,13 @@ pub fn eval_due(interval: usize, step: usize, last: bool) -> bool {
     last || (interval > 0 && step.is_multiple_of(interval))
 }
 
+/// Whether every data rank must run the same number of forward passes: where a pass is a
+/// collective of the data ranks — zero stage 3 gathers the parameters, expert parallelism
+/// sends tokens to other ranks' experts.
+pub fn passes_meet(model: &Llama, opt: &Optimizer) -> bool {
+    opt.stage().shards_parameters() || model.expert_parallel()
+}
+
 pub struct Validator {
     /// The sources with a validation split, each with its index in the source list (which
     /// seeds its window order, as in training).
@@ -99,7 +106,8 @@ impl Validator {
     /// the sums meet in one all-reduce. None when there is nothing to evaluate.
     ///
     /// Where the parameters are sharded (zero stage 3) every pass gathers them unit by unit, a
-    /// collective: every rank then runs the same number of passes, the most any rank needs
+    /// collective (and with expert parallelism sends tokens around): every rank then runs the
+    /// same number of passes, the most any rank needs
     /// (`ceil(ceil(n / world) / batch_size)`), and a rank whose windows ran out evaluates the
     /// first window again without counting it.
     ///
@@ -132,7 +140,7 @@ impl Validator {
             let sampler = Sampler::new(tokens.num_tokens(), ctx, source_seed(self.seed, *i))?;
             let n = (self.batches * bs).min(sampler.num_windows() as usize) as u64;
             let mine: Vec<u64> = (0..n).filter(|i| i % world == rank).collect();
-            let passes = if opt.stage().shards_parameters() {
+            let passes = if passes_meet(model, opt) {
                 (n.div_ceil(world) as usize).div_ceil(bs)
             } else {
                 mine.len().div_ceil(bs)

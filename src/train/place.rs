@@ -35,7 +35,8 @@ impl Rank {
             cfg.system.tensor_parallel,
             cfg.system.context_parallel,
             degree,
-        );
+        )
+        .with_expert(cfg.system.expert_parallel);
         let tag = crate::telemetry::rank_tag(device.is_cuda(), place.rank);
         if place.world > 1 {
             crate::telemetry::set_process_tag(&tag);

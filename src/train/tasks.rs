@@ -155,7 +155,7 @@ impl TaskEval {
         let deal = Deal {
             rank: mesh.data_rank(),
             ranks: mesh.data(),
-            lockstep: opt.stage().shards_parameters(),
+            lockstep: super::eval::passes_meet(model, opt),
         };
         let order = model.unit_order(false);
         let mut lls = score_requests(

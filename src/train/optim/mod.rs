@@ -14,6 +14,7 @@
 //! module reaches inside a layout. The state lives here rather than in libtorch's C++ optimizer
 //! so the moments can be checkpointed by parameter name and restored bit for bit.
 
+pub mod experts;
 pub mod kernel;
 pub mod reduce;
 pub mod replicated;
@@ -28,6 +29,7 @@ use std::sync::mpsc;
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
+pub use experts::Experts;
 pub use kernel::AdamWParams;
 pub use schedule::Schedule;
 pub use state::{
@@ -41,6 +43,9 @@ use crate::model::{GradUnit, Parameters, UnitEvents};
 use reduce::GradReducer;
 use replicated::AdamW;
 use sharded::{ShardRanks, ShardedAdamW};
+
+/// Parameters by name.
+type Named = Vec<(String, Tensor)>;
 
 /// One of the two layouts.
 enum Layout {
@@ -63,6 +68,8 @@ pub struct Optimizer {
     tensor: Option<TensorGroups>,
     /// The dtype gradients travel in.
     reduce: Kind,
+    /// Expert parallelism: the optimizer of this rank's experts (`experts.rs`).
+    experts: Option<Box<Experts>>,
 }
 
 impl Optimizer {
@@ -104,6 +111,20 @@ impl Optimizer {
         bucket_mb: f64,
         compute: Kind,
     ) -> Result<Optimizer> {
+        Self::over(params, table, hp, (sharding, None), pg, bucket_mb, compute)
+    }
+
+    /// [`Optimizer::with_sharding`] over the data-parallel ranks `data` where given (expert
+    /// parallelism's holders of the same experts), else the tensor groups' or `pg`'s.
+    fn over(
+        params: &[(String, Tensor)],
+        table: &Parameters,
+        hp: AdamWParams,
+        (sharding, data): (Sharding, Option<SharedGroup>),
+        pg: &dyn ProcessGroup,
+        bucket_mb: f64,
+        compute: Kind,
+    ) -> Result<Optimizer> {
         let parts = match &sharding.tensor {
             Some(t) => t.place()?.1,
             None => 1,
@@ -126,7 +147,7 @@ impl Optimizer {
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .collect();
         // The data-parallel ranks: the group given, or with tensor parallelism its data group.
-        let data = tensor.as_ref().map(|t| t.data.clone());
+        let data = tensor.as_ref().map(|t| t.data.clone()).or(data);
         let (rank, world) = match &data {
             Some(g) => {
                 let g = g.lock().map_err(|_| anyhow::anyhow!("poisoned subgroup"))?;
@@ -186,7 +207,66 @@ impl Optimizer {
             hybrid,
             tensor,
             reduce,
+            experts: None,
         })
+    }
+
+    /// Expert parallelism: `experts` (the optimizer of this rank's experts, over their holders)
+    /// beside this one (of every other parameter).
+    pub fn with_experts(mut self, experts: Experts) -> Optimizer {
+        self.experts = Some(Box::new(experts));
+        self
+    }
+
+    /// An optimizer of `params` as [`Optimizer::with_sharding`] over the ranks of `data`
+    /// alone (expert parallelism's holders of the same experts): no tensor parallelism, no
+    /// hybrid sharding.
+    pub fn over_group(
+        params: &[(String, Tensor)],
+        table: &Parameters,
+        hp: AdamWParams,
+        (stage, reduce): (ZeroStage, Kind),
+        data: SharedGroup,
+        pg: &dyn ProcessGroup,
+        (bucket_mb, compute): (f64, Kind),
+    ) -> Result<Optimizer> {
+        let sharding = Sharding {
+            stage,
+            hybrid: None,
+            reduce,
+            tensor: None,
+        };
+        Self::over(
+            params,
+            table,
+            hp,
+            (sharding, Some(data)),
+            pg,
+            bucket_mb,
+            compute,
+        )
+    }
+
+    /// The optimizers of this run: this one, and with expert parallelism its experts'.
+    fn parts(&self) -> impl Iterator<Item = &Optimizer> {
+        std::iter::once(self).chain(self.experts.as_deref().map(|e| &e.opt))
+    }
+
+    /// Whether `name` is one of the experts' (expert parallelism).
+    fn is_expert(&self, name: &str) -> bool {
+        self.experts.as_ref().is_some_and(|e| e.holds(name))
+    }
+
+    /// The gradients the update reads: the parameters' own, or the gradient slice at stages
+    /// 2 and 3.
+    fn update_gradients(&self) -> Vec<Tensor> {
+        match &self.layout {
+            Layout::Replicated(o) => o.gradients(),
+            Layout::Sharded(o) => match o.grad_slice() {
+                Some(slice) if o.stage.shards_gradients() => vec![slice],
+                _ => o.gradients(),
+            },
+        }
     }
 
     /// Payload bytes this rank has sent so far over `pg` and the subgroups the optimizer and
@@ -198,6 +278,9 @@ impl Optimizer {
         }
         if let Some(t) = &self.tensor {
             groups.extend([&t.data, &t.tensor]);
+        }
+        if let Some(e) = &self.experts {
+            groups.extend(e.groups());
         }
         groups.into_iter().try_fold(pg.bytes_sent()?, |sum, g| {
             Some(sum + g.lock().ok()?.bytes_sent()?)
@@ -270,7 +353,11 @@ impl Optimizer {
     /// the norm weights' gradients added across the tensor group (`add_partial_gradients`).
     pub fn finish_reduction(&self) -> Result<()> {
         self.average_replicas()?;
-        self.add_partial_gradients()
+        self.add_partial_gradients()?;
+        match &self.experts {
+            Some(e) => e.finish_reduction(),
+            None => Ok(()),
+        }
     }
 
     fn average_replicas(&self) -> Result<()> {
@@ -332,6 +419,9 @@ impl Optimizer {
     /// parallelism into the first element of the whole parameter: rank 0's part of a split
     /// one, every rank's copy of a whole one).
     pub fn poison_gradient(&self, name: &str) {
+        if let Some(e) = self.experts.as_ref().filter(|e| e.holds(name)) {
+            return e.opt.poison_gradient(name);
+        }
         if let Some(t) = &self.tensor {
             let first = t.place().is_ok_and(|(rank, _)| rank == 0);
             if !first && !t.replicated(name) {
@@ -347,12 +437,22 @@ impl Optimizer {
     /// The global gradient norm (before clipping), the same at every stage: squares summed in
     /// fp64 (`kernel::sum_of_squares`), across ranks in rank order where they are sharded.
     pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+        let mut sum = self.grad_sum_of_squares(pg)?;
+        if let Some(e) = &self.experts {
+            sum += e.sum_of_squares(pg)?;
+        }
+        Ok(kernel::norm_of(sum))
+    }
+
+    /// The squares of this layout's gradients summed over its ranks (fp64), each element
+    /// once.
+    fn grad_sum_of_squares(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
         if let Some(t) = &self.tensor {
-            return self.split_grad_norm(t, pg);
+            return self.split_grad_sums(t, pg);
         }
         match &self.layout {
-            Layout::Replicated(o) => Ok(kernel::norm_of(kernel::sum_of_squares(&o.gradients()))),
-            Layout::Sharded(o) => o.grad_norm(pg),
+            Layout::Replicated(o) => Ok(kernel::sum_of_squares(&o.gradients())),
+            Layout::Sharded(o) => o.grad_sum_of_squares(pg),
         }
     }
 
@@ -360,7 +460,7 @@ impl Optimizer {
     /// the squares of the split parameters' gradients summed over the data ranks, then over the
     /// tensor group (in rank order); those of the whole ones (the norms, equal on every rank of
     /// the tensor group) once.
-    fn split_grad_norm(&self, t: &TensorGroups, pg: &mut dyn ProcessGroup) -> Result<f64> {
+    fn split_grad_sums(&self, t: &TensorGroups, pg: &mut dyn ProcessGroup) -> Result<f64> {
         let split = |name: &str| !t.replicated(name);
         let (parts, whole) = match &self.layout {
             Layout::Replicated(o) => {
@@ -382,20 +482,25 @@ impl Optimizer {
         let parts: f64 = on_group(Some(&t.tensor), &mut unused, |g| g.all_gather_f64(parts))?
             .into_iter()
             .sum();
-        Ok(kernel::norm_of(parts + whole))
+        Ok(parts + whole)
     }
 
     /// clip_grad_norm_'s scaling with the norm from [`Optimizer::grad_norm`].
     pub fn clip(&self, norm: f64, max_norm: f64) {
-        match &self.layout {
-            Layout::Replicated(o) => kernel::clip_to(&o.gradients(), norm, max_norm),
-            Layout::Sharded(o) => o.clip(norm, max_norm),
+        for part in self.parts() {
+            match &part.layout {
+                Layout::Replicated(o) => kernel::clip_to(&o.gradients(), norm, max_norm),
+                Layout::Sharded(o) => o.clip(norm, max_norm),
+            }
         }
     }
 
     /// The update (sharded: of this rank's slice, then at stages 1 and 2 the all-gather of
     /// the parameters).
     pub fn step(&mut self, lr: f64, pg: &mut dyn ProcessGroup) -> Result<()> {
+        if let Some(e) = &mut self.experts {
+            e.opt.step(lr, pg)?;
+        }
         match &mut self.layout {
             Layout::Replicated(o) => o.step(lr),
             Layout::Sharded(o) => o.step(lr, pg),
@@ -403,6 +508,9 @@ impl Optimizer {
     }
 
     pub fn zero_grad(&mut self) {
+        if let Some(e) = &mut self.experts {
+            e.opt.zero_grad();
+        }
         match &mut self.layout {
             Layout::Replicated(o) => o.zero_grad(),
             Layout::Sharded(o) => o.zero_grad(),
@@ -412,6 +520,29 @@ impl Optimizer {
     /// Every parameter's full averaged gradient in `params`' order (a collective at stages 2
     /// and 3).
     pub fn full_gradients(
+        &self,
+        params: &[(String, Tensor)],
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<Vec<Tensor>> {
+        if let Some(e) = &self.experts {
+            let (dense, experts) = self.split_list(params);
+            let d = self.layout_full_gradients(&dense, pg)?;
+            let x = e.opt.full_gradients(&experts, pg)?;
+            return Ok(experts::merged(params, |n| self.is_expert(n), d, x));
+        }
+        self.layout_full_gradients(params, pg)
+    }
+
+    /// `params` cut into this layout's and the experts'.
+    fn split_list(&self, params: &[(String, Tensor)]) -> (Named, Named) {
+        params
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .partition(|(n, _)| !self.is_expert(n))
+    }
+
+    /// [`Optimizer::full_gradients`] of this layout's parameters.
+    fn layout_full_gradients(
         &self,
         params: &[(String, Tensor)],
         pg: &mut dyn ProcessGroup,
@@ -449,6 +580,23 @@ impl Optimizer {
         params: &[(String, Tensor)],
         pg: &mut dyn ProcessGroup,
     ) -> Result<Vec<(String, Tensor)>> {
+        if let Some(e) = &self.experts {
+            let (dense, experts) = self.split_list(params);
+            let values = |list: Vec<(String, Tensor)>| list.into_iter().map(|(_, t)| t).collect();
+            let d = values(self.layout_full_parameters(&dense, pg)?);
+            let x = values(e.opt.full_parameters(&experts, pg)?);
+            let all = experts::merged(params, |n| self.is_expert(n), d, x);
+            return Ok(params.iter().map(|(n, _)| n.clone()).zip(all).collect());
+        }
+        self.layout_full_parameters(params, pg)
+    }
+
+    /// [`Optimizer::full_parameters`] of this layout's parameters.
+    fn layout_full_parameters(
+        &self,
+        params: &[(String, Tensor)],
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<Vec<(String, Tensor)>> {
         let values = match &self.layout {
             Layout::Replicated(_) => params.iter().map(|(_, p)| p.detach()).collect(),
             Layout::Sharded(o) => o.full_parameters(pg)?,
@@ -459,9 +607,13 @@ impl Optimizer {
 
     /// This rank's bytes of parameters, master weights, moments and gradients.
     pub fn state_bytes(&self) -> StateBytes {
-        match &self.layout {
+        let dense = match &self.layout {
             Layout::Replicated(o) => o.state_bytes(),
             Layout::Sharded(o) => o.state_bytes(),
+        };
+        match &self.experts {
+            Some(e) => e.state_bytes(dense),
+            None => dense,
         }
     }
 
@@ -472,6 +624,9 @@ impl Optimizer {
     /// writes the plain `model.safetensors` + `optimizer.safetensors`.
     pub fn writers(&self) -> Writers {
         let writers = self.layout_writers();
+        if let Some(e) = &self.experts {
+            return e.writers(writers);
+        }
         let Some(t) = &self.tensor else {
             return writers;
         };
@@ -549,9 +704,13 @@ impl Optimizer {
     /// weights are gathered); nothing where it writes nothing.
     pub fn state(&self, pg: &mut dyn ProcessGroup) -> Result<RankState> {
         let local = self.layout_state(pg)?;
-        match &self.tensor {
-            Some(t) => t.whole_state(local),
-            None => Ok(local),
+        let state = match &self.tensor {
+            Some(t) => t.whole_state(local)?,
+            None => local,
+        };
+        match &self.experts {
+            Some(e) => e.state(pg, state),
+            None => Ok(state),
         }
     }
 
@@ -587,6 +746,9 @@ impl Optimizer {
     /// Restores parameters, masters, moments and the step count from a checkpoint of any
     /// stage and world size.
     pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+        if let Some(e) = &mut self.experts {
+            e.opt.load(src, adam_step)?;
+        }
         let parts;
         let src = match &self.tensor {
             Some(t) => {
@@ -699,10 +861,12 @@ impl UnitEvents for Events<'_, '_, '_> {
     }
 
     fn grads_final(&mut self, unit: GradUnit) -> Result<()> {
-        if self.reduce {
-            self.opt.reducer.unit_final(unit, self.queue);
-        } else {
-            self.opt.reducer.unit_accumulate(unit);
+        for part in self.opt.parts() {
+            if self.reduce {
+                part.reducer.unit_final(unit, self.queue);
+            } else {
+                part.reducer.unit_accumulate(unit);
+            }
         }
         Ok(())
     }

@@ -249,9 +249,9 @@ impl ShardedAdamW {
             .collect()
     }
 
-    /// The global gradient norm: from the full gradients at stage 1, else from the slices
-    /// (one fp64 all-gather of each rank's sum of squares).
-    pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
+    /// The global gradient norm's sum of squares: from the full gradients at stage 1, else
+    /// from the slices (one fp64 all-gather of each rank's sum of squares).
+    pub fn grad_sum_of_squares(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
         let sum = match (self.stage.shards_gradients(), &self.grad) {
             (true, Some(slice)) => {
                 let mine = sum_of_squares(std::slice::from_ref(slice));
@@ -261,7 +261,7 @@ impl ShardedAdamW {
             }
             _ => sum_of_squares(&self.gradients()),
         };
-        Ok(super::kernel::norm_of(sum))
+        Ok(sum)
     }
 
     /// The gradients of the parameters whose name passes `wanted`, where the update will read
