@@ -692,14 +692,9 @@ fn stage_3_validates_with_uneven_windows_and_a_rank_without_any() {
     }
 }
 
-/// A mixture of experts (Qwen3-MoE: 4 experts of width 32, top 2, the load-balancing loss
-/// on) through `lockstep run`: ZeRO-3 on 2 ranks (a unit is a decoder layer with its
-/// experts) trains like stage 0 on 2 ranks; its checkpoint resumes on 1 rank and continues
-/// the same losses, and the NaN guard names an expert's tensor.
-#[test]
-fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
+/// The MoE tests' flags (Qwen3-MoE: 4 experts of width 32, top 2, the load-balancing loss
+/// weighted 0.02; 6 steps), with the corpus in `dir` prepared.
+fn moe_base(dir: &Path) -> Vec<String> {
     let base = with(
         &small(&write_corpus(dir)),
         &[],
@@ -721,6 +716,18 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
         ],
     );
     ok(dir, &with(&base, &["prepare"], &[]));
+    base
+}
+
+/// A mixture of experts (Qwen3-MoE: 4 experts of width 32, top 2, the load-balancing loss
+/// on) through `lockstep run`: ZeRO-3 on 2 ranks (a unit is a decoder layer with its
+/// experts) trains like stage 0 on 2 ranks; its checkpoint resumes on 1 rank and continues
+/// the same losses, and the NaN guard names an expert's tensor.
+#[test]
+fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = moe_base(dir);
     let run = |world, stage, name: &str, extra: &[&str]| {
         run_ranks(dir, &base, 4, (world, stage), name, extra)
     };
@@ -774,27 +781,7 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
 fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = with(
-        &small(&write_corpus(dir)),
-        &[],
-        &[
-            "--max-steps",
-            "6",
-            "--set",
-            "model.architecture=qwen3_moe",
-            "--set",
-            "model.num_experts=4",
-            "--set",
-            "model.moe_intermediate_size=32",
-            "--set",
-            "model.router_aux_loss_coef=0.02",
-            "--set",
-            "training.learning_rate=3e-3",
-            "--set",
-            "training.min_lr=3e-4",
-        ],
-    );
-    ok(dir, &with(&base, &["prepare"], &[]));
+    let base = moe_base(dir);
     let run = |world, stage, name: &str, extra: &[&str]| {
         run_ranks(dir, &base, 4, (world, stage), name, extra)
     };

@@ -45,8 +45,8 @@ use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
 use super::autograd::{backward_from, leaf};
-use super::moe::{Linear, SwiGlu};
 use super::split::TpComm;
+use super::swiglu::{Linear, SwiGlu};
 
 /// This rank's place in its expert-parallel group, and the group's collectives.
 pub struct ExpertParallel {

@@ -22,6 +22,7 @@ pub mod registry;
 pub mod rope;
 pub mod shape;
 pub mod split;
+mod swiglu;
 mod tensor_parallel;
 pub mod units;
 

@@ -51,16 +51,7 @@ use tch::{Kind, Tensor};
 
 use super::expert_parallel::ExpertParallel;
 use super::shape::MoeShape;
-
-/// A SwiGLU MLP's matrices: down(silu(gate(h)) · up(h)) — the dense MLP, or one expert.
-pub(super) struct SwiGlu {
-    /// [width, hidden] (this rank's rows under tensor parallelism).
-    pub(super) gate: Tensor,
-    /// [width, hidden].
-    pub(super) up: Tensor,
-    /// [hidden, width] (this rank's columns).
-    pub(super) down: Tensor,
-}
+pub(super) use super::swiglu::{Linear, SwiGlu};
 
 /// A decoder layer's MLP.
 pub(super) enum Mlp {
@@ -116,17 +107,6 @@ pub(super) struct RouteSummary {
     probs: Tensor,
     lse_squared: Tensor,
     tokens: i64,
-}
-
-/// A matmul of the model's: `x · w^T` in its compute dtype (`Llama::linear`).
-pub(super) type Linear<'a> = &'a dyn Fn(&Tensor, &Tensor) -> Tensor;
-
-impl SwiGlu {
-    /// down(silu(gate(h)) * up(h)) of the normed `h`.
-    pub(super) fn forward(&self, h: &Tensor, linear: Linear) -> Tensor {
-        let gate = linear(h, &self.gate).silu();
-        linear(&(gate * linear(h, &self.up)), &self.down)
-    }
 }
 
 impl Mlp {

@@ -167,6 +167,13 @@ impl Parameters {
         }
     }
 
+    /// Whether `name` is an expert's matrix (expert parallelism splits those among ranks).
+    pub fn is_expert(&self, name: &str) -> bool {
+        self.index
+            .get(name)
+            .is_some_and(|&i| self.list[i].expert.is_some())
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 
 use super::device;
 use super::faults;
-use super::optim::{AdamWParams, Experts, Hybrid, Optimizer, Sharding, TensorGroups};
+use super::optim::{AdamWParams, ExpertPlace, Experts, Hybrid, Optimizer, Sharding, TensorGroups};
 use super::place::Rank;
 use super::tensor_parallel::GroupComm;
 use crate::config::Config;
@@ -169,7 +169,6 @@ fn optimizer(
     };
     let hp = AdamWParams::from_config(&cfg.training);
     let table = model.parameters();
-    let is_expert = |name: &str| table.get(name).is_ok_and(|p| p.expert.is_some());
     let Some((group, holders)) = groups.expert else {
         return Optimizer::with_sharding(
             params,
@@ -184,7 +183,7 @@ fn optimizer(
     let (dense, experts): (Vec<_>, Vec<_>) = params
         .iter()
         .map(|(n, p)| (n.clone(), p.shallow_clone()))
-        .partition(|(n, _)| !is_expert(n));
+        .partition(|(n, _)| !table.is_expert(n));
     let stage = (cfg.system.zero_stage, sharding.reduce);
     let dense = Optimizer::with_sharding(
         &dense,
@@ -197,22 +196,18 @@ fn optimizer(
     )?;
     let total = model.shape.moe.as_ref().map_or(0, |m| m.num_experts);
     let (ep_rank, ep) = (model.expert_rank(), cfg.system.expert_parallel);
-    let experts = Experts::new(
-        &experts,
-        (group, holders),
-        (ep_rank, ep, total / ep),
-        |over| {
-            Optimizer::over_group(
-                &experts,
-                table,
-                hp,
-                stage,
-                over,
-                pg,
-                (cfg.system.bucket_mb, compute),
-            )
-        },
-    )?;
+    let place = ExpertPlace::new(&experts, (group, holders), (ep_rank, ep, total / ep));
+    let experts = Experts::new(place, |over| {
+        Optimizer::over_group(
+            &experts,
+            table,
+            hp,
+            stage,
+            over,
+            pg,
+            (cfg.system.bucket_mb, compute),
+        )
+    })?;
     Ok(dense.with_experts(experts))
 }
 
@@ -249,10 +244,7 @@ fn build_whole(
             let variables = vs.variables();
             hf::read_weights(&path, &table.shapes(), |name, value| {
                 let Some(param) = variables.get(name) else {
-                    anyhow::ensure!(
-                        table.get(name)?.expert.is_some(),
-                        "internal: no parameter {name}"
-                    );
+                    anyhow::ensure!(table.is_expert(name), "internal: no parameter {name}");
                     return Ok(());
                 };
                 let value = value.to_kind(param.kind());
@@ -271,10 +263,9 @@ fn build_whole(
     // Every rank starts from the first data rank's values (fresh init or HF weights); a
     // checkpoint later overwrites them identically on every data rank.
     // With expert parallelism the experts from the first of their holders.
-    let is_expert = |name: &str| table.get(name).is_ok_and(|p| p.expert.is_some());
     let (mut experts, mut dense) = (Vec::new(), Vec::new());
     for (name, p) in &params {
-        match is_expert(name) {
+        match table.is_expert(name) {
             true => experts.push(p.shallow_clone()),
             false => dense.push(p.shallow_clone()),
         }

@@ -1,5 +1,5 @@
 //! Expert parallelism's side of the optimizer: a rank's experts (`system.expert_parallel` =
-//! E) are a second [`Optimizer`] beside the one of every other parameter, over the ranks that
+//! E) are a second `Optimizer` (`Experts` in mod.rs) beside the one of every other parameter, over the ranks that
 //! hold the same experts (one per expert-parallel group: the "holders"), so that its ZeRO
 //! stage shards their state over those ranks and its reducer averages their gradients there.
 //!
@@ -19,47 +19,47 @@ use std::collections::HashSet;
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
-use super::{Optimizer, RankState, StateBytes, Writers};
+use super::state::{RankState, StateBytes, Writers};
 use crate::dist::{on_group, ProcessGroup, SharedGroup, SingleProcess};
 
-/// The optimizer of this rank's experts, and where they sit in the expert-parallel group.
-pub struct Experts {
-    pub(super) opt: Optimizer,
+/// Where this rank's experts sit in the expert-parallel group, and the group's ranks.
+pub struct ExpertPlace {
     /// The expert-parallel group (its ranks hold different experts) and the holders (None:
     /// this rank alone holds its experts).
     group: SharedGroup,
     holders: Option<SharedGroup>,
     /// E, and this rank's position in the group.
-    size: usize,
+    pub(super) size: usize,
     rank: usize,
     /// Experts per MoE layer each position holds.
     per: usize,
     names: HashSet<String>,
 }
 
-impl Experts {
-    /// The optimizer of `params` (this rank's experts, `per` of them per MoE layer at
-    /// position `rank` of an expert-parallel group of `size`), built by `build` over the
-    /// holders (a group of one where `holders` is None).
+impl ExpertPlace {
+    /// This rank's experts `params` (`per` of them per MoE layer at position `rank` of an
+    /// expert-parallel group of `size`).
     pub fn new(
         params: &[(String, Tensor)],
         (group, holders): (SharedGroup, Option<SharedGroup>),
         (rank, size, per): (usize, usize, usize),
-        build: impl FnOnce(SharedGroup) -> Result<Optimizer>,
-    ) -> Result<Experts> {
-        let over = holders.clone().unwrap_or_else(|| {
-            std::sync::Arc::new(std::sync::Mutex::new(
-                Box::new(SingleProcess) as Box<dyn ProcessGroup>
-            ))
-        });
-        Ok(Experts {
-            opt: build(over)?,
+    ) -> ExpertPlace {
+        ExpertPlace {
             group,
             holders,
             size,
             rank,
             per,
             names: params.iter().map(|(n, _)| n.clone()).collect(),
+        }
+    }
+
+    /// The ranks the experts' optimizer works across: the holders, or this rank alone.
+    pub fn over(&self) -> SharedGroup {
+        self.holders.clone().unwrap_or_else(|| {
+            std::sync::Arc::new(std::sync::Mutex::new(
+                Box::new(SingleProcess) as Box<dyn ProcessGroup>
+            ))
         })
     }
 
@@ -72,31 +72,28 @@ impl Experts {
         std::iter::once(&self.group).chain(&self.holders).collect()
     }
 
-    /// After the mean over the holders: divided by E (the module docs).
-    pub(super) fn finish_reduction(&self) -> Result<()> {
-        self.opt.finish_reduction()?;
+    /// After the mean over the holders: `grads` (what the experts' update reads) divided by E
+    /// (the module docs).
+    pub(super) fn divide(&self, grads: Vec<Tensor>) {
         let e = self.size as f64;
         tch::no_grad(|| {
-            for g in self.opt.update_gradients() {
+            for g in grads {
                 let _ = g.shallow_clone().g_div_scalar_(e);
             }
         });
-        Ok(())
     }
 
-    /// The squares of every expert's gradient in the group, summed in rank order.
-    pub(super) fn sum_of_squares(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
-        let mine = self.opt.grad_sum_of_squares(pg)?;
+    /// Every position's `mine` (its experts' squares) summed in rank order.
+    pub(super) fn sum_over_group(&self, mine: f64) -> Result<f64> {
         let mut unused = SingleProcess;
         let all = on_group(Some(&self.group), &mut unused, |g| g.all_gather_f64(mine))?;
         Ok(all.into_iter().sum())
     }
 
-    /// This rank's writers with every position's experts beside its own: expert j of
-    /// position p is this rank's expert j − (rank − p)·per, and holder h of position p is
-    /// replica h·E + p.
-    pub(super) fn writers(&self, dense: Writers) -> Writers {
-        let own = self.opt.writers();
+    /// The writers of the other parameters (`dense`) with every position's experts beside
+    /// them, from this rank's experts' writers `own`: expert j of position p is this rank's
+    /// expert j − (rank − p)·per, and holder h of position p is replica h·E + p.
+    pub(super) fn writers(&self, dense: Writers, own: Writers) -> Writers {
         let mut params = dense.params;
         for p in 0..self.size {
             for (name, writer, numel) in &own.params {
@@ -117,24 +114,23 @@ impl Experts {
         let there = j + p * self.per - self.rank * self.per;
         format!("{head}.experts.{there}.{rest}")
     }
+}
 
-    /// What this rank writes of its experts.
-    pub(super) fn state(&self, pg: &mut dyn ProcessGroup, dense: RankState) -> Result<RankState> {
-        let mine = self.opt.state(pg)?;
-        let mut out = dense;
-        out.weights.extend(mine.weights);
-        out.moments.extend(mine.moments);
-        Ok(out)
-    }
+/// What this rank writes: the other parameters' state and its experts'.
+pub(super) fn joined(dense: RankState, experts: RankState) -> RankState {
+    let mut out = dense;
+    out.weights.extend(experts.weights);
+    out.moments.extend(experts.moments);
+    out
+}
 
-    pub(super) fn state_bytes(&self, dense: StateBytes) -> StateBytes {
-        let e = self.opt.state_bytes();
-        StateBytes {
-            params: dense.params + e.params,
-            master: dense.master + e.master,
-            moments: dense.moments + e.moments,
-            grads: dense.grads + e.grads,
-        }
+/// Both optimizers' bytes.
+pub(super) fn added(a: StateBytes, b: StateBytes) -> StateBytes {
+    StateBytes {
+        params: a.params + b.params,
+        master: a.master + b.master,
+        moments: a.moments + b.moments,
+        grads: a.grads + b.grads,
     }
 }
 

@@ -29,7 +29,7 @@ use std::sync::mpsc;
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
-pub use experts::Experts;
+pub use experts::ExpertPlace;
 pub use kernel::AdamWParams;
 pub use schedule::Schedule;
 pub use state::{
@@ -46,6 +46,26 @@ use sharded::{ShardRanks, ShardedAdamW};
 
 /// Parameters by name.
 type Named = Vec<(String, Tensor)>;
+
+/// Expert parallelism: the optimizer of this rank's experts, over the ranks that hold the same
+/// experts, and where they sit in the expert-parallel group (experts.rs).
+pub struct Experts {
+    opt: Optimizer,
+    place: ExpertPlace,
+}
+
+impl Experts {
+    /// The optimizer of the experts at `place`, built by `build` over their holders.
+    pub fn new(
+        place: ExpertPlace,
+        build: impl FnOnce(SharedGroup) -> Result<Optimizer>,
+    ) -> Result<Experts> {
+        Ok(Experts {
+            opt: build(place.over())?,
+            place,
+        })
+    }
+}
 
 /// One of the two layouts.
 enum Layout {
@@ -254,7 +274,7 @@ impl Optimizer {
 
     /// Whether `name` is one of the experts' (expert parallelism).
     fn is_expert(&self, name: &str) -> bool {
-        self.experts.as_ref().is_some_and(|e| e.holds(name))
+        self.experts.as_ref().is_some_and(|e| e.place.holds(name))
     }
 
     /// The gradients the update reads: the parameters' own, or the gradient slice at stages
@@ -280,7 +300,7 @@ impl Optimizer {
             groups.extend([&t.data, &t.tensor]);
         }
         if let Some(e) = &self.experts {
-            groups.extend(e.groups());
+            groups.extend(e.place.groups());
         }
         groups.into_iter().try_fold(pg.bytes_sent()?, |sum, g| {
             Some(sum + g.lock().ok()?.bytes_sent()?)
@@ -354,10 +374,11 @@ impl Optimizer {
     pub fn finish_reduction(&self) -> Result<()> {
         self.average_replicas()?;
         self.add_partial_gradients()?;
-        match &self.experts {
-            Some(e) => e.finish_reduction(),
-            None => Ok(()),
+        if let Some(e) = &self.experts {
+            e.opt.finish_reduction()?;
+            e.place.divide(e.opt.update_gradients());
         }
+        Ok(())
     }
 
     fn average_replicas(&self) -> Result<()> {
@@ -419,7 +440,7 @@ impl Optimizer {
     /// parallelism into the first element of the whole parameter: rank 0's part of a split
     /// one, every rank's copy of a whole one).
     pub fn poison_gradient(&self, name: &str) {
-        if let Some(e) = self.experts.as_ref().filter(|e| e.holds(name)) {
+        if let Some(e) = self.experts.as_ref().filter(|e| e.place.holds(name)) {
             return e.opt.poison_gradient(name);
         }
         if let Some(t) = &self.tensor {
@@ -439,7 +460,7 @@ impl Optimizer {
     pub fn grad_norm(&self, pg: &mut dyn ProcessGroup) -> Result<f64> {
         let mut sum = self.grad_sum_of_squares(pg)?;
         if let Some(e) = &self.experts {
-            sum += e.sum_of_squares(pg)?;
+            sum += e.place.sum_over_group(e.opt.grad_sum_of_squares(pg)?)?;
         }
         Ok(kernel::norm_of(sum))
     }
@@ -612,7 +633,7 @@ impl Optimizer {
             Layout::Sharded(o) => o.state_bytes(),
         };
         match &self.experts {
-            Some(e) => e.state_bytes(dense),
+            Some(e) => experts::added(dense, e.opt.state_bytes()),
             None => dense,
         }
     }
@@ -625,7 +646,7 @@ impl Optimizer {
     pub fn writers(&self) -> Writers {
         let writers = self.layout_writers();
         if let Some(e) = &self.experts {
-            return e.writers(writers);
+            return e.place.writers(writers, e.opt.writers());
         }
         let Some(t) = &self.tensor else {
             return writers;
@@ -709,7 +730,7 @@ impl Optimizer {
             None => local,
         };
         match &self.experts {
-            Some(e) => e.state(pg, state),
+            Some(e) => Ok(experts::joined(state, e.opt.state(pg)?)),
             None => Ok(state),
         }
     }
