@@ -104,10 +104,10 @@ impl ExpertParallel {
     }
 
     /// The experts' part of a MoE layer (after routing): for tokens `h` [n, hidden] whose n·k
-    /// slots, sorted by expert (`order` [n·k] slot indices, `token` [n·k] their tokens), go
-    /// to the experts `counts` [E] says, the experts' outputs [n·k, hidden] in that order
-    /// (compute dtype). `local` are this rank's experts. With a graph behind `h`, what the
-    /// backward needs waits for [`ExpertParallel::finish`].
+    /// slots, sorted by expert (`token` [n·k]: each slot's token), go to the experts `counts`
+    /// [E] says, the experts' outputs [n·k, hidden] in that order (compute dtype). `local` are
+    /// this rank's experts. With a graph behind `h`, what the backward needs waits for
+    /// [`ExpertParallel::finish`].
     pub(super) fn experts(
         &self,
         h: &Tensor,
