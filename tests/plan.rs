@@ -1198,3 +1198,89 @@ fn a_context_parallel_degree_the_ranks_or_the_context_do_not_allow_is_refused() 
         assert!(text.contains(expected), "expected `{expected}` in:\n{text}");
     }
 }
+
+/// Qwen3-30B-A3B (128 experts of width 768, top 8, in each of 48 layers; context 8192) on 16 ×
+/// 80 GB: data parallelism alone fits only at stage 3, gathering every expert for every
+/// micro-batch; the advice splits the experts 8 ways inside a node (E = 16 would span the
+/// nodes' slower links), each rank holding 16 of every layer's, and the all-to-all moves each
+/// token's 8 copies instead.
+#[test]
+fn qwen3_30b_a3b_on_16_gpus_is_advised_expert_parallelism_8_in_a_node() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = [
+        "--preset",
+        "qwen3-30b-a3b",
+        "--gpus",
+        "16",
+        "--device",
+        "cuda",
+        "--gpu-memory-gb",
+        "80",
+    ];
+    let p = plan_json(tmp.path(), &args);
+    assert!(!p["fits"].as_bool().unwrap());
+    assert_eq!(p["advice"]["layout"]["zero_stage"], 3, "{}", p["advice"]);
+    let data_only = p["advice"]["step_seconds"].as_f64().unwrap();
+    let ep = &p["expert_parallel_advice"];
+    assert_eq!(ep["expert_parallel"], 8, "{ep}");
+    assert_eq!(ep["experts_per_rank"], 16);
+    assert_eq!(ep["link"], "intra_node");
+    let sets = advised_sets(&ep["change"]);
+    assert_eq!(sets[0], "system.expert_parallel=8");
+    let step = ep["change"]["step_seconds"].as_f64().unwrap();
+    assert!(step < data_only / 2.0, "{step} s against {data_only} s");
+    // Applied, it fits in what it said and sends what the module's formula says: per MoE layer
+    // and token, 7/8 of its 8 copies of d bf16 values out and back in the forward, again in the
+    // backward, and once more each way in the selective recomputation.
+    let q = plan_json(tmp.path(), &with_sets(&args, &sets));
+    assert!(q["fits"].as_bool().unwrap(), "{}", q["configured"]);
+    assert_eq!(q["configured"]["total_bytes"], ep["change"]["total_bytes"]);
+    assert_eq!(q["expert_parallel"], 8);
+    let layout = &q["configured"]["layout"];
+    assert_eq!(layout["activation_checkpointing"], "selective");
+    let tokens =
+        layout["batch"].as_f64().unwrap() * layout["grad_accum"].as_f64().unwrap() * 8192.0;
+    let bytes = 6.0 * 7.0 / 8.0 * 8.0 * 2048.0 * 2.0 * tokens * 48.0;
+    assert_eq!(q["expert_parallel_bytes_per_step"].as_f64().unwrap(), bytes);
+    let time = &q["configured"]["time"];
+    assert!(time["expert_parallel_seconds"].as_f64().unwrap() > 0.0);
+    let parts: f64 = [
+        "compute_seconds",
+        "data_parallel_seconds",
+        "expert_parallel_seconds",
+    ]
+    .iter()
+    .map(|k| time[k].as_f64().unwrap())
+    .sum();
+    let step = q["step_seconds"].as_f64().unwrap();
+    assert!((step - parts).abs() < 1e-9 * step, "{time}");
+    // A rank's weights hold its 16 experts of each layer and every dense parameter.
+    let weights = q["configured"]["memory"]["weights"].as_f64().unwrap();
+    let experts = 48.0 * 128.0 * 3.0 * 2048.0 * 768.0;
+    let dense = 30.532e9 - experts;
+    let held = 2.0 * (dense + experts / 8.0);
+    assert!(
+        (weights / held - 1.0).abs() < 1e-3,
+        "{weights} against {held}"
+    );
+    // The text names the change and the exchange; stage 3 is not offered with EP.
+    let mut a = vec!["plan".to_string()];
+    a.extend(args.iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &a);
+    assert!(
+        text.contains("With expert parallelism (each rank 16 of every MoE layer's experts"),
+        "{text}"
+    );
+    let mut a = vec!["plan".to_string()];
+    a.extend(with_sets(&args, &sets).iter().map(|s| s.to_string()));
+    let text = ok(tmp.path(), &a);
+    for part in [
+        "| expert parallel 8 (groups of 8 replicas, each rank 16 of every MoE layer's 128 experts)",
+        "Expert parallelism: 67.65 GB per step per rank in each group of 8",
+        "over a node's links at 360 GB/s",
+        "the experts' gradients reduced among their 2 holders",
+    ] {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
+    assert!(!text.contains("stage 3"), "{text}");
+}

@@ -30,6 +30,7 @@ use serde::Serialize;
 use super::device::Device;
 use super::estimate::{estimate, Estimate};
 use super::setting::{Layout, Setting};
+use super::tensor::Link;
 use crate::config::ZeroStage;
 use crate::model::ActivationCheckpointing;
 
@@ -93,6 +94,26 @@ const SMALLER_GEMM_PENALTY: f64 = 0.03;
 /// The scaling efficiency below which tensor parallelism is proposed, and that it aims for.
 pub const EFFICIENCY_TARGET: f64 = 0.8;
 
+/// A change of `system.expert_parallel` with the layout that goes with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExpertParallelChange {
+    /// The new E, the experts of each MoE layer a rank then holds, and where the group's
+    /// all-to-alls run.
+    pub expert_parallel: usize,
+    pub experts_per_rank: usize,
+    pub link: Link,
+    /// Bytes one rank sends to its group per step at the new E, and their seconds.
+    pub all_to_all_bytes_per_step: f64,
+    pub all_to_all_seconds: f64,
+    /// `system.expert_parallel=E` and the layout's `--set`s; `slowdown` is against the current
+    /// layout's step (the same tokens: E is carved out of the data-parallel ranks).
+    pub change: Change,
+}
+
+/// A step at least this much shorter makes expert parallelism worth proposing when the model
+/// fits without it.
+pub const EXPERT_PARALLEL_GAIN: f64 = 0.05;
+
 /// The tensor-parallel degrees proposed.
 const TENSOR_PARALLEL_DEGREES: [usize; 3] = [2, 4, 8];
 
@@ -124,11 +145,13 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     .filter(|m| strength(*m) >= strength(current.activation_checkpointing))
     .collect();
     // Sharding only saves memory across ranks: alone, a rank keeps the stage it has.
+    // Expert parallelism runs at zero stages 0 to 2 (`config::validate`).
     let replicas = s.replica_ranks(s.world);
     let stages: Vec<ZeroStage> = if replicas > 1 {
         ZeroStage::ALL
             .into_iter()
             .filter(|z| *z >= current.zero_stage)
+            .filter(|z| s.expert_parallel <= 1 || !z.shards_parameters())
             .collect()
     } else {
         vec![current.zero_stage]
@@ -226,7 +249,8 @@ fn cheapest(s: &Setting, from: &Layout, current: &Layout, limit: f64) -> Option<
 /// smallest whose cheapest fitting layout reaches the target; else the most efficient fitting
 /// one, if the data-parallel layouts do not fit or are less efficient.
 pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelChange> {
-    if s.device != Device::Cuda {
+    // Tensor parallelism does not compose with expert parallelism yet (`config::validate`).
+    if s.device != Device::Cuda || s.expert_parallel > 1 {
         return None;
     }
     let now = estimate(s, current);
@@ -341,7 +365,11 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
                 && s.context.is_multiple_of(2 * c)
         })
         .collect();
-    let (mesh, e) = tensor_degrees(s, 1).into_iter().find_map(|t| {
+    // Expert parallelism does not compose with tensor parallelism yet: T stays 1 under it.
+    let tensor = tensor_degrees(s, 1)
+        .into_iter()
+        .filter(|&t| s.expert_parallel == 1 || t == 1);
+    let (mesh, e) = tensor.into_iter().find_map(|t| {
         degrees
             .iter()
             .filter(|&&c| tensor_degrees(s, c).contains(&t))
@@ -362,6 +390,63 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
         context_parallel: mesh.context_parallel,
         tensor_parallel: mesh.tensor_parallel,
         data_parallel_ranks: mesh.data_ranks(mesh.world),
+        change,
+    })
+}
+
+/// Expert parallelism to propose for a mixture of experts on GPUs (None elsewhere, for a dense
+/// model, with tensor parallelism or hybrid sharding, which it does not compose with yet, or
+/// when no E helps). Of the degrees `expert::degrees` lists (dividing the experts per layer
+/// and the replicas, inside a node first): when no layout fits at the configured E, the first
+/// at which one does; when one fits, the E whose cheapest fitting layout has the shortest
+/// step, if that is [`EXPERT_PARALLEL_GAIN`] shorter than the configured E's cheapest. The
+/// tokens per step stay the same (E is carved out of the data-parallel ranks).
+pub fn expert_parallel(s: &Setting, current: &Layout) -> Option<ExpertParallelChange> {
+    let hybrid = s.shard_ranks(s.world) < s.replica_ranks(s.world);
+    if s.device != Device::Cuda || s.shape.moe.is_none() || s.tensor_parallel > 1 || hybrid {
+        return None;
+    }
+    let now = estimate(s, current);
+    let best_now = cheapest_within(s, current, s.budget).map(|c| c.step_seconds);
+    let mut options = super::expert::degrees(s)
+        .into_iter()
+        .filter(|&e| e != s.expert_parallel)
+        .filter_map(|e| at_expert_degree(s, current, e, now.step_seconds));
+    match best_now {
+        None => options.next(),
+        Some(best) => options
+            .min_by(|a, b| a.change.step_seconds.total_cmp(&b.change.step_seconds))
+            .filter(|o| o.change.step_seconds < (1.0 - EXPERT_PARALLEL_GAIN) * best),
+    }
+}
+
+/// The cheapest fitting layout at E = `e` (zero stages 0 to 2, any checkpointing mode and
+/// micro-batch of the current one's tokens), `base` the current layout's step time.
+fn at_expert_degree(
+    s: &Setting,
+    current: &Layout,
+    e: usize,
+    base: f64,
+) -> Option<ExpertParallelChange> {
+    let mesh = Setting {
+        expert_parallel: e,
+        ..s.clone()
+    };
+    let from = Layout {
+        zero_stage: ZeroStage::Replicated,
+        activation_checkpointing: ActivationCheckpointing::None,
+        ..*current
+    };
+    let (est, cost) = cheapest(&mesh, &from, current, s.budget)?;
+    let mut change = Change::to(current, &est, cost, base);
+    change.sets.insert(0, format!("system.expert_parallel={e}"));
+    let experts = s.shape.moe.as_ref().map_or(0, |m| m.num_experts);
+    Some(ExpertParallelChange {
+        expert_parallel: e,
+        experts_per_rank: experts / e,
+        link: super::expert::link(&mesh),
+        all_to_all_bytes_per_step: super::expert::bytes_per_step(&mesh, &est.layout),
+        all_to_all_seconds: super::expert::seconds_per_step(&mesh, &est.layout),
         change,
     })
 }

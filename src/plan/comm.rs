@@ -38,13 +38,40 @@ pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -
 /// the shard group is all R = D × C replica ranks and everything counts as inside. With it
 /// (`system.shard_degree` = S < R), the reduce-scatters and all-gathers run inside the group and
 /// the gradient slice (4P/S) is all-reduced across the R/S groups. P is the rank's TP share.
+///
+/// With expert parallelism (E) the dense parameters go among the R replicas as above, and the
+/// 1/E of the experts a rank holds among their R/E holders (stages 0 to 2).
 pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64, f64) {
     let data = s.replica_ranks(world);
+    let shard = s.shard_ranks(world);
+    let share = super::tensor::share(s);
+    let ep = s.expert_parallel;
+    if ep <= 1 || stage.shards_parameters() {
+        return group_traffic(s, l, stage, share.parameters, (data, shard));
+    }
+    let dense = group_traffic(s, l, stage, share.parameters - share.experts, (data, shard));
+    let experts = group_traffic(
+        s,
+        l,
+        stage,
+        share.experts / ep as f64,
+        (data / ep, (shard / ep).max(1)),
+    );
+    (dense.0 + experts.0, dense.1 + experts.1)
+}
+
+/// [`traffic`] of `params` elements (the rank's TP share, or a part of it) among `data`
+/// replica ranks sharded in groups of `shard`.
+fn group_traffic(
+    s: &Setting,
+    l: &Layout,
+    stage: ZeroStage,
+    params: f64,
+    (data, shard): (usize, usize),
+) -> (f64, f64) {
     if data <= 1 {
         return (0.0, 0.0);
     }
-    let params = super::tensor::share(s).parameters;
-    let shard = s.shard_ranks(world);
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
     let (f, fw) = (ring(shard), ring(data));
     let grads = s.reduce_bytes * params;

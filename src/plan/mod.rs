@@ -47,6 +47,14 @@
 //! same parameters: the zero stages, `system.shard_degree` and the gradient reductions act on
 //! those ([`Setting::replica_ranks`]).
 //!
+//! Expert parallelism (`system.expert_parallel` = E, `expert.rs`) splits every MoE layer's
+//! experts among E consecutive replicas: a rank holds the dense parameters and 1/E of the
+//! experts (its weights and unsharded gradients), while the sharded state per rank is what it
+//! was (the experts' 1/E sharded among their R/E holders). The experts' gradients are reduced
+//! among the holders only (`comm.rs`), and the group's all-to-alls of the tokens (4 per MoE
+//! layer and micro-batch, 6 with recomputation) are counted whole in the step time. `plan`
+//! proposes an E for a mixture of experts (`advice::expert_parallel`): inside a node first.
+//!
 //! Downstream evaluation (`training.eval_tasks`, `downstream.rs`) costs the forward FLOPs of its
 //! tasks' rows each time it runs, shared by the data ranks: said beside the step time.
 
@@ -58,6 +66,7 @@ pub mod context;
 mod device;
 pub mod downstream;
 mod estimate;
+pub mod expert;
 pub mod memory;
 pub mod report;
 mod setting;
@@ -113,7 +122,18 @@ pub fn shape_with(
 /// CUDA ranks of 80 GB. `sets` must give `model.vocab_size` (no tokenizer is loaded).
 #[cfg(test)]
 pub(crate) fn test_setting(sets: &[&str], world: usize) -> (Setting, Layout) {
+    test_preset_setting(None, sets, world)
+}
+
+/// [`test_setting`] from `preset` (None: the production preset).
+#[cfg(test)]
+pub(crate) fn test_preset_setting(
+    preset: Option<&str>,
+    sets: &[&str],
+    world: usize,
+) -> (Setting, Layout) {
     let cfg = crate::config::resolve(&crate::config::Sources {
+        preset: preset.map(str::to_string),
         sets: sets.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     })

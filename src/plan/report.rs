@@ -4,11 +4,14 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::advice::{self, Change, ContextParallelChange, TensorParallelChange};
+use super::advice::{
+    self, Change, ContextParallelChange, ExpertParallelChange, TensorParallelChange,
+};
 use super::checkpoint::{self, Checkpoint};
 use super::comm;
 use super::context;
 use super::estimate::{estimate, Estimate};
+use super::expert;
 use super::memory::{self, gb, Part, PeakPhase};
 use super::setting::{Layout, Setting};
 use super::step::{flops_per_token, scaling, Flops, Scaling};
@@ -68,6 +71,13 @@ pub struct Report {
     pub context_parallel_bytes_per_step: f64,
     pub context_parallel_link: Link,
     pub context_parallel_bandwidth: f64,
+    /// `system.expert_parallel` (E), and the bytes one rank sends to its expert-parallel group
+    /// per step (0 at E = 1): the tokens' all-to-alls (`expert.rs`), the link that carries them
+    /// and its bandwidth.
+    pub expert_parallel: usize,
+    pub expert_parallel_bytes_per_step: f64,
+    pub expert_parallel_link: Link,
+    pub expert_parallel_bandwidth: f64,
     /// `system.prefetch_units`: at zero stage 3, unit gathers issued ahead of the unit in use.
     pub prefetch_units: usize,
     /// Replica ranks that shard one copy of the state (all of them, or
@@ -90,6 +100,9 @@ pub struct Report {
     /// On GPUs, when one sequence fits no layout of the current mesh: the smallest context
     /// parallelism that fits (`advice::context_parallel`), beside the TP advice.
     pub context_parallel_advice: Option<ContextParallelChange>,
+    /// On GPUs, for a mixture of experts: the expert parallelism that fits when nothing does,
+    /// or that shortens the step (`advice::expert_parallel`).
+    pub expert_parallel_advice: Option<ExpertParallelChange>,
     /// When the configured layout does not fit with `checkpoint.async`'s staging copy in the
     /// rank's memory (CPU) and fits without it: what it needs with `checkpoint.async=false`.
     pub fits_without_staging: Option<f64>,
@@ -130,7 +143,11 @@ pub struct ExpertsSummary {
 pub fn build(s: &Setting, l: &Layout) -> Report {
     let configured = estimate(s, l);
     let mut layouts = Vec::new();
-    for zero_stage in ZeroStage::ALL {
+    // Expert parallelism runs at zero stages 0 to 2.
+    let stages = ZeroStage::ALL
+        .into_iter()
+        .filter(|z| s.expert_parallel <= 1 || !z.shards_parameters());
+    for zero_stage in stages {
         for activation_checkpointing in [
             ActivationCheckpointing::None,
             ActivationCheckpointing::Selective,
@@ -153,6 +170,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     let smallest = (!fits && advice.is_none()).then(|| advice::smallest(s, l));
     let tensor_parallel_advice = advice::tensor_parallel(s, l);
     let context_parallel_advice = advice::context_parallel(s, l);
+    let expert_parallel_advice = advice::expert_parallel(s, l);
     let fits_without_staging = (!fits && configured.memory.staging > 0.0)
         .then(|| {
             let sync = Setting {
@@ -211,6 +229,10 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         context_parallel_bytes_per_step: context::bytes_per_step(s, l),
         context_parallel_link: context::link(s),
         context_parallel_bandwidth: context::bandwidth(s),
+        expert_parallel: s.expert_parallel,
+        expert_parallel_bytes_per_step: expert::bytes_per_step(s, l),
+        expert_parallel_link: expert::link(s),
+        expert_parallel_bandwidth: expert::bandwidth(s),
         prefetch_units: s.prefetch_units,
         shard_ranks: s.shard_ranks(s.world),
         reduce_dtype: if s.reduce_bytes < 4.0 { "bf16" } else { "fp32" },
@@ -219,7 +241,10 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         node_size: s.node_size,
         scaling: SCALING_RANKS
             .iter()
-            .filter(|&&n| n.is_multiple_of(s.tensor_parallel * s.context_parallel))
+            .filter(|&&n| {
+                n.is_multiple_of(s.tensor_parallel * s.context_parallel)
+                    && (n / s.tensor_parallel).is_multiple_of(s.expert_parallel)
+            })
             .map(|&n| scaling(s, l, n))
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
@@ -232,6 +257,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         smallest,
         tensor_parallel_advice,
         context_parallel_advice,
+        expert_parallel_advice,
     }
 }
 
@@ -248,7 +274,7 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
     let t = s.tensor_parallel;
     match part {
         Part::Weights if stage == ZeroStage::Replicated => {
-            "fp32 parameters (also the master copy)".into()
+            format!("fp32 parameters (also the master copy){}", experts_held(s))
         }
         Part::Weights if stage.shards_parameters() => {
             "none kept between uses: gathered a unit at a time".into()
@@ -256,7 +282,7 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
         Part::Weights if t > 1 => format!(
             "{dtype} working parameters of this rank's TP share (1/{t} of the matrices, the norms whole)"
         ),
-        Part::Weights => format!("{dtype} working parameters"),
+        Part::Weights => format!("{dtype} working parameters{}", experts_held(s)),
         Part::MasterWeights if stage.shards_parameters() => {
             "fp32 shard of this rank, the parameters' only persistent copy".into()
         }
@@ -312,6 +338,19 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
                 if writers == 1 { "" } else { "s" }
             )
         }
+    }
+}
+
+/// With expert parallelism, which experts a rank's weights hold (empty at E = 1).
+fn experts_held(s: &Setting) -> String {
+    match &s.shape.moe {
+        Some(m) if s.expert_parallel > 1 => format!(
+            ": the dense ones and {} of the {} experts of each MoE layer (expert parallel {})",
+            m.num_experts / s.expert_parallel,
+            m.num_experts,
+            s.expert_parallel
+        ),
+        _ => String::new(),
     }
 }
 
@@ -548,9 +587,11 @@ pub fn text(r: &Report, s: &Setting) -> String {
             "Fits: {} of {} per rank.{}",
             gb(r.configured.total_bytes),
             gb(r.budget_bytes),
-            tensor_parallel_text(r)
+            [tensor_parallel_text(r), expert_parallel_text(r)]
+                .into_iter()
+                .flatten()
                 .map(|t| format!(" {t}"))
-                .unwrap_or_default()
+                .collect::<String>()
         );
     } else {
         let _ = writeln!(
@@ -713,6 +754,17 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
             } else {
                 String::new()
             },
+            if r.expert_parallel > 1 {
+                format!(
+                    " | expert parallel {} (groups of {} replicas, each rank {} of every MoE layer's {} experts)",
+                    r.expert_parallel,
+                    r.expert_parallel,
+                    r.model.experts.as_ref().map_or(0, |e| e.experts) / r.expert_parallel,
+                    r.model.experts.as_ref().map_or(0, |e| e.experts)
+                )
+            } else {
+                String::new()
+            },
         ]
         .concat(),
         l.activation_checkpointing,
@@ -776,6 +828,9 @@ fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
         "none", "selective", "full"
     );
     for stage in ZeroStage::ALL {
+        if !r.layouts.iter().any(|e| e.layout.zero_stage == stage) {
+            continue;
+        }
         let _ = write!(o, "  {:<10} ", stage.number());
         for e in r.layouts.iter().filter(|e| e.layout.zero_stage == stage) {
             let _ = write!(
@@ -814,23 +869,28 @@ fn step_text(o: &mut String, r: &Report) {
             c * t
         ),
     };
-    let parts = match (cp, t) {
-        (1, 1) => String::new(),
-        (1, _) => format!(
-            " (compute {:.3} s + tensor-parallel {:.3} s + data-parallel {:.3} s)",
-            time.compute_seconds, time.tensor_parallel_seconds, time.data_parallel_seconds
+    let groups: Vec<String> = [
+        ("tensor-parallel", t > 1, time.tensor_parallel_seconds),
+        ("context-parallel", cp > 1, time.context_parallel_seconds),
+        (
+            "expert-parallel",
+            r.expert_parallel > 1,
+            time.expert_parallel_seconds,
         ),
-        (_, 1) => format!(
-            " (compute {:.3} s + context-parallel {:.3} s + data-parallel {:.3} s)",
-            time.compute_seconds, time.context_parallel_seconds, time.data_parallel_seconds
-        ),
-        _ => format!(
-            " (compute {:.3} s + tensor-parallel {:.3} s + context-parallel {:.3} s + data-parallel {:.3} s)",
+    ]
+    .into_iter()
+    .filter(|(_, on, _)| *on)
+    .map(|(name, _, secs)| format!(" + {name} {secs:.3} s"))
+    .collect();
+    let parts = if groups.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " (compute {:.3} s{} + data-parallel {:.3} s)",
             time.compute_seconds,
-            time.tensor_parallel_seconds,
-            time.context_parallel_seconds,
+            groups.concat(),
             time.data_parallel_seconds
-        ),
+        )
     };
     let _ = writeln!(
         o,
@@ -861,7 +921,7 @@ fn communication_text(o: &mut String, r: &Report) {
     let time = &r.configured.time;
     let _ = writeln!(
         o,
-        "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
+        "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}{}",
         r.replica_ranks,
         match (cp, t) {
             (1, 1) => "",
@@ -873,7 +933,11 @@ fn communication_text(o: &mut String, r: &Report) {
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
         gb(r.comm_bytes_per_step[2]),
-        gb(r.comm_bytes_per_step[3])
+        if r.expert_parallel > 1 {
+            String::new() // stage 3 does not run with expert parallelism yet
+        } else {
+            format!(", stage 3 {}", gb(r.comm_bytes_per_step[3]))
+        }
     );
     if t > 1 {
         let _ = writeln!(
@@ -915,6 +979,31 @@ fn communication_text(o: &mut String, r: &Report) {
             time.context_parallel_seconds
         );
     }
+    if let (Some(m), ep) = (&r.model.experts, r.expert_parallel) {
+        if ep > 1 {
+            let _ = writeln!(
+                o,
+                "Expert parallelism: {} per step per rank in each group of {ep} (per MoE layer and micro-batch, each token's {} copies sent to their experts' ranks and back, forward and backward{}: {} × {}/{ep} × {} × d × {} B per token, even routing assumed; the busiest rank's share sets the pace), over {} at {:.0} GB/s: {:.3} s, not overlapped; {}",
+                gb(r.expert_parallel_bytes_per_step),
+                m.top_k,
+                match l.activation_checkpointing {
+                    ActivationCheckpointing::None => "",
+                    _ => ", and again in the recomputed forward",
+                },
+                expert::exchanges_per_layer(l),
+                ep - 1,
+                m.top_k,
+                if r.compute_dtype == "bf16" { 2 } else { 4 },
+                r.expert_parallel_link.describe(),
+                r.expert_parallel_bandwidth / 1e9,
+                time.expert_parallel_seconds,
+                match r.replica_ranks / ep {
+                    1 => "each expert has one holder: its gradients are not reduced".to_string(),
+                    h => format!("the experts' gradients reduced among their {h} holders"),
+                }
+            );
+        }
+    }
 }
 
 /// The scaling table: communication time and efficiency from one node to many.
@@ -946,26 +1035,35 @@ fn scaling_text(o: &mut String, r: &Report) {
     );
     let tp_column = |x: String| if t > 1 { x } else { String::new() };
     let cp_column = |x: String| if cp > 1 { x } else { String::new() };
+    let ep_column = |x: String| {
+        if r.expert_parallel > 1 {
+            x
+        } else {
+            String::new()
+        }
+    };
     let _ = writeln!(
         o,
-        "  {:>6} {:>14} {:>12}{}{} {:>22} {:>22}",
+        "  {:>6} {:>14} {:>12}{}{}{} {:>22} {:>22}",
         "ranks",
         "sent per rank",
         "comm time",
         tp_column(format!(" {:>12}", "TP time")),
         cp_column(format!(" {:>12}", "CP time")),
+        ep_column(format!(" {:>12}", "EP time")),
         "efficiency (today)",
         "(reductions overlapped)"
     );
     for sc in &r.scaling {
         let _ = writeln!(
             o,
-            "  {:>6} {:>14} {:>10.3} s{}{} {:>21.1}% {:>21.1}%",
+            "  {:>6} {:>14} {:>10.3} s{}{}{} {:>21.1}% {:>21.1}%",
             sc.ranks,
             gb(sc.bytes_per_rank),
             sc.comm_seconds,
             tp_column(format!(" {:>10.3} s", sc.tensor_parallel_seconds)),
             cp_column(format!(" {:>10.3} s", sc.context_parallel_seconds)),
+            ep_column(format!(" {:>10.3} s", sc.expert_parallel_seconds)),
             sc.efficiency * 100.0,
             sc.efficiency_overlapped * 100.0
         );
@@ -1029,6 +1127,7 @@ pub fn advice_text(r: &Report) -> String {
         Some(advice),
         tensor_parallel_text(r),
         context_parallel_text(r),
+        expert_parallel_text(r),
     ]
     .into_iter()
     .flatten()
@@ -1056,6 +1155,28 @@ fn context_parallel_text(r: &Report) -> Option<String> {
         gb(c.total_bytes),
         secs(c.step_seconds),
         c.slowdown * 100.0,
+        c.efficiency * 100.0
+    ))
+}
+
+/// The expert parallelism to switch to, with what it needs and costs (None when there is none
+/// to propose).
+fn expert_parallel_text(r: &Report) -> Option<String> {
+    let ep = r.expert_parallel_advice.as_ref()?;
+    let c = &ep.change;
+    Some(format!(
+        "With expert parallelism (each rank {} of every MoE layer's experts, tokens sent to them by all-to-all): {} (needs {}, step {} ({:+.0}%) with {} of all-to-all over {}, scaling efficiency {:.0}%; the same tokens per step).",
+        ep.experts_per_rank,
+        c.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        gb(c.total_bytes),
+        secs(c.step_seconds),
+        c.slowdown * 100.0,
+        secs(ep.all_to_all_seconds),
+        ep.link.describe(),
         c.efficiency * 100.0
     ))
 }

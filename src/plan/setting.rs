@@ -27,6 +27,9 @@ pub struct Setting {
     /// `system.context_parallel`: ranks that split every sequence between them (C, between the
     /// data-parallel and the tensor-parallel dimension).
     pub context_parallel: usize,
+    /// `system.expert_parallel`: replicas that split every MoE layer's experts between them (E,
+    /// carved out of the data × context ranks; `expert.rs`).
+    pub expert_parallel: usize,
     /// `system.sequence_parallel`: with T > 1, the activations between the layers' matmuls are
     /// split along the tokens among the TP group (`splits_sequence`).
     pub sequence_parallel: bool,
@@ -135,6 +138,7 @@ impl Setting {
             world: t.world.max(1),
             tensor_parallel,
             context_parallel,
+            expert_parallel: cfg.system.expert_parallel.max(1),
             sequence_parallel: cfg.system.sequence_parallel,
             bucket_bytes: crate::dist::buckets::cap_bytes(cfg.system.bucket_mb) as f64,
             prefetch_units,

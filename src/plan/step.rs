@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::setting::{Layout, Setting};
-use super::{comm, context, tensor};
+use super::{comm, context, expert, tensor};
 use crate::model::ActivationCheckpointing;
 
 /// The FLOPs of one token of training: the model's (forward + backward, as MFU counts them)
@@ -57,6 +57,9 @@ pub struct StepTime {
     /// The CP group's K/V all-gathers and dK/dV reduce-scatters (`context.rs`), on the
     /// critical path.
     pub context_parallel_seconds: f64,
+    /// The expert-parallel group's all-to-alls of the tokens (`expert.rs`), on the critical
+    /// path.
+    pub expert_parallel_seconds: f64,
 }
 
 impl StepTime {
@@ -67,6 +70,7 @@ impl StepTime {
             data_parallel_seconds: comm::seconds_per_step(s, l, world),
             tensor_parallel_seconds: tensor::seconds_per_step(s, l),
             context_parallel_seconds: context::seconds_per_step(s, l),
+            expert_parallel_seconds: expert::seconds_per_step(s, l),
         }
     }
 
@@ -75,9 +79,9 @@ impl StepTime {
         self.compute_seconds + self.data_parallel_seconds + self.exposed_seconds()
     }
 
-    /// The TP and CP groups' collectives: on the critical path.
+    /// The TP, CP and EP groups' collectives: on the critical path.
     fn exposed_seconds(&self) -> f64 {
-        self.tensor_parallel_seconds + self.context_parallel_seconds
+        self.tensor_parallel_seconds + self.context_parallel_seconds + self.expert_parallel_seconds
     }
 
     /// Scaling efficiency: the computation's share of the step.
@@ -105,6 +109,8 @@ pub struct Scaling {
     pub tensor_parallel_seconds: f64,
     /// The CP group's collectives per step (0 at C = 1).
     pub context_parallel_seconds: f64,
+    /// The EP group's all-to-alls per step (0 at E = 1).
+    pub expert_parallel_seconds: f64,
     /// compute / (compute + communication): the step as it runs today.
     pub efficiency: f64,
     /// compute / (max(compute, data-parallel communication) + TP communication): with the
@@ -120,6 +126,7 @@ pub fn scaling(s: &Setting, l: &Layout, world: usize) -> Scaling {
         comm_seconds: time.data_parallel_seconds,
         tensor_parallel_seconds: time.tensor_parallel_seconds,
         context_parallel_seconds: time.context_parallel_seconds,
+        expert_parallel_seconds: time.expert_parallel_seconds,
         efficiency: time.efficiency(),
         efficiency_overlapped: time.efficiency_overlapped(),
     }

@@ -87,8 +87,27 @@ pub struct Share {
     pub mlp: f64,
     /// Rows of the embedding (and of an untied LM head) on this rank.
     pub vocab: f64,
-    /// Every parameter this rank holds.
+    /// Every parameter of the rank's TP share: what the zero stages' sharded state divides
+    /// among the shard group (with expert parallelism the rank holds fewer, [`Share::held`]).
     pub parameters: f64,
+    /// Of `parameters`, the experts' matrices (every MoE layer's, all of its experts), and
+    /// those of the largest MLP's layer (part of `mlp`).
+    pub experts: f64,
+    pub mlp_experts: f64,
+}
+
+impl Share {
+    /// Parameters a rank holds when `ep` ranks split the experts (`system.expert_parallel`):
+    /// the dense ones and 1/E of the experts.
+    pub fn held(&self, ep: usize) -> f64 {
+        self.parameters - self.experts * (1.0 - 1.0 / ep.max(1) as f64)
+    }
+
+    /// Matrix elements of the largest layer's MLP that a rank holds at `ep` (its router and
+    /// 1/E of its experts).
+    pub fn held_mlp(&self, ep: usize) -> f64 {
+        self.mlp - self.mlp_experts * (1.0 - 1.0 / ep.max(1) as f64)
+    }
 }
 
 /// The share of one rank of a TP group (the whole model at T = 1).
@@ -99,11 +118,32 @@ pub fn share(s: &Setting) -> Share {
     let mlp = sh.largest_mlp_params() as f64 / t;
     let vocab = padded_vocab(s) as f64 / t;
     let parameters = s.parameters.local_count(s.tensor_parallel) as f64;
+    let experts = s
+        .parameters
+        .iter()
+        .filter(|p| p.expert.is_some())
+        .map(|p| {
+            p.split
+                .local_shape(&p.shape, s.tensor_parallel)
+                .iter()
+                .product::<i64>() as f64
+        })
+        .sum();
+    // The largest MLP is a MoE layer's unless the dense one is larger.
+    let sparse = (0..sh.num_layers).find(|&i| sh.is_sparse(i));
+    let mlp_experts = match (&sh.moe, sparse) {
+        (Some(m), Some(i)) if sh.layer_mlp_params(i, false) == sh.largest_mlp_params() => {
+            (3 * sh.hidden_size * m.expert_size * m.num_experts) as f64 / t
+        }
+        _ => 0.0,
+    };
     Share {
         attention,
         mlp,
         vocab,
         parameters,
+        experts,
+        mlp_experts,
     }
 }
 

@@ -47,6 +47,14 @@
 //! layer's recomputed tensors. The model state is the replica's: the zero stages shard it over
 //! the D × C ranks with the same TP position.
 //!
+//! With expert parallelism (E ranks, `plan/expert.rs`) a rank holds the dense parameters and
+//! 1/E of the experts: the weights, the stage-0 moments and the gradients of stages 0 and 1
+//! count those (and the largest layer's MLP, for the gradients in flight, its router and 1/E of
+//! its experts), while the sharded state (moments, fp32 masters and the gradient slice at stages
+//! 1 and 2) is the same per rank as without EP: the experts' 1/E is sharded among their R/E
+//! holders. A MoE layer's graph keeps, per token, three more [k, d] rows in the compute dtype
+//! with EP (what arrived, the experts' outputs, what came back), with even routing.
+//!
 //! Zero stage 3 (`train/optim/sharded.rs`) keeps no working parameters between uses: a rank
 //! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute
 //! dtype), the moments and the fp32 gradient slice [P/N] each. A unit (a decoder layer, the
@@ -216,8 +224,13 @@ pub const CUDA_RUNTIME_BYTES: f64 = 0.6e9;
 
 /// The model's numbers the estimate needs, as one rank of its TP group holds them.
 struct Dims {
-    /// Parameters of the rank's share.
+    /// Parameters the rank holds: its TP share, with expert parallelism only 1/E of the
+    /// experts.
     params: f64,
+    /// Parameters the zero stages' sharded state divides among the shard group of N ranks (the
+    /// rank's TP share, its own slice being `sharded`/N): with expert parallelism the experts'
+    /// 1/E is divided among their N/E holders, the same share per rank.
+    sharded: f64,
     layers: f64,
     /// The hidden size (whole on every rank).
     d: f64,
@@ -228,7 +241,8 @@ struct Dims {
     heads: f64,
     /// The rank's vocabulary rows (V_pad/T).
     vocab: f64,
-    /// Matrix parameters of one layer on this rank (attention, MLP).
+    /// Matrix parameters of one layer on this rank (attention, MLP; of a MoE layer its router
+    /// and the experts the rank holds).
     attn_params: f64,
     mlp_params: f64,
     /// What the activations kept between blocks are divided by: T with sequence parallelism,
@@ -236,8 +250,10 @@ struct Dims {
     seq: f64,
     /// Bytes per token a MoE layer's graph keeps beyond its experts' [tokens·k, F]
     /// intermediates: the gathered tokens [tokens·k, d] (compute dtype), the weighted
-    /// outputs (fp32), the router's logits and probabilities [tokens, E]; 0 for a dense
-    /// model.
+    /// outputs (fp32), the router's logits and probabilities [tokens, E]; with expert
+    /// parallelism also the rows received, the experts' outputs and the rows returned
+    /// ([tokens·k, d] each in the compute dtype on average: `model/expert_parallel.rs`'s
+    /// `Dispatch`); 0 for a dense model.
     moe: f64,
 }
 
@@ -247,8 +263,10 @@ impl Dims {
         let t = s.tensor_parallel as f64;
         let (d, hd) = (sh.hidden_size as f64, sh.head_dim() as f64);
         let share = super::tensor::share(s);
+        let ep = s.expert_parallel;
         Dims {
-            params: share.parameters,
+            params: share.held(ep),
+            sharded: share.parameters,
             layers: sh.num_layers as f64,
             d,
             f: sh.mlp_activation_width() as f64 / t,
@@ -257,11 +275,12 @@ impl Dims {
             heads: sh.num_heads as f64 / t,
             vocab: share.vocab,
             attn_params: share.attention,
-            mlp_params: share.mlp,
+            mlp_params: share.held_mlp(ep),
             seq: if s.splits_sequence() { t } else { 1.0 },
             moe: sh.moe.as_ref().map_or(0.0, |m| {
                 let k = m.top_k as f64;
-                (s.compute_bytes() + 4.0) * k * d + 8.0 * m.num_experts as f64
+                let exchanged = if ep > 1 { 3.0 } else { 0.0 };
+                (s.compute_bytes() * (1.0 + exchanged) + 4.0) * k * d + 8.0 * m.num_experts as f64
             }),
         }
     }
@@ -311,11 +330,11 @@ pub fn during_save(s: &Setting, l: &Layout) -> Memory {
 
 /// The save's memory, from the state the step's estimate counts.
 fn at_save(s: &Setting, l: &Layout, step: &Memory) -> Memory {
-    let params = super::tensor::share(s).parameters;
+    let sharded = super::tensor::share(s).parameters;
     let world = s.shard_ranks(s.world).max(1) as f64;
     let stage = l.zero_stage;
     let gradients = if keeps_grad_slice(s, stage) {
-        4.0 * params / world
+        4.0 * sharded / world
     } else {
         0.0
     };
@@ -428,11 +447,13 @@ impl StepState {
         let world = s.shard_ranks(s.world).max(1) as f64;
         let stage = l.zero_stage;
         let gathering = stage.shards_parameters();
+        // Per element of the model state: this rank's slice where the stage shards it, else
+        // what the rank holds.
         let shard = |bytes: f64| {
             if stage.shards_optimizer() {
-                bytes / world
+                bytes * m.sharded / world
             } else {
-                bytes
+                bytes * m.params
             }
         };
 
@@ -443,11 +464,11 @@ impl StepState {
         };
         // With fp32 compute at stages 1 and 2 the working parameters are their own masters.
         let master_weights = if gathering || (stage.shards_optimizer() && bf16) {
-            4.0 * m.params / world
+            4.0 * m.sharded / world
         } else {
             0.0
         };
-        let moments = shard(8.0 * m.params);
+        let moments = shard(8.0);
         // Gradients are dropped after every update (set to none), so during a step's backward they
         // build up unit by unit: at the LM head only the head's own exists (none when it is the
         // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient
@@ -478,7 +499,7 @@ impl StepState {
             _ => 4.0 * m.params,
         };
         let all_gradients = if stage.shards_gradients() {
-            4.0 * m.params / world + 2.0 * 4.0 * largest_unit + carried
+            4.0 * m.sharded / world + 2.0 * 4.0 * largest_unit + carried
         } else if grad_bytes < 4.0 {
             // bf16 gradients beside the fp32 sums of the earlier micro-batches.
             grad_bytes * m.params + carried
@@ -487,7 +508,7 @@ impl StepState {
             grad_bytes * m.params
         };
         let grad_slice = if stage == ZeroStage::Optimizer && keeps_grad_slice(s, stage) {
-            4.0 * m.params / world
+            4.0 * m.sharded / world
         } else {
             0.0
         };
