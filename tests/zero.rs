@@ -789,7 +789,51 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     assert!(dp2[0].1 - dp2[5].1 > 0.01, "real training: {dp2:?}");
     let (out, ep2) = run(2, 0, "ep2", &["--set", "system.expert_parallel=2"]);
     assert!(out.contains("| Aux: "), "{out}");
+    assert!(out.contains("| busiest EP rank: "), "{out}");
     close_losses(&ep2, &dp2, 1e-5);
+    // The load logged is both ranks' tokens: 4 sequences of 64 a step, 2 slots each, in every
+    // MoE layer; at step 1 (the same weights) layer 0 routes exactly as data parallelism
+    // does; each EP position's load is its 2 experts'.
+    let records = |name: &str| -> Vec<serde_json::Value> {
+        let path = dir.join("runs").join(name).join("metrics.jsonl");
+        let text = std::fs::read_to_string(path).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let counts = |v: &serde_json::Value| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .collect()
+    };
+    let (dp2_log, ep2_log) = (records("dp2"), records("ep2"));
+    assert_eq!(
+        dp2_log[0]["expert_load"]["0"], ep2_log[0]["expert_load"]["0"],
+        "{} against {}",
+        dp2_log[0], ep2_log[0]
+    );
+    let mut previous = 0;
+    for r in &ep2_log {
+        let step = r["step"].as_u64().unwrap();
+        for layer in ["0", "1"] {
+            let load = counts(&r["expert_load"][layer]);
+            assert_eq!(
+                load.iter().sum::<u64>(),
+                (step - previous) * 4 * 64 * 2,
+                "{r}"
+            );
+            let ranks = counts(&r["expert_rank_load"][layer]);
+            assert_eq!(ranks, [load[0] + load[1], load[2] + load[3]], "{r}");
+        }
+        previous = step;
+    }
+    assert!(
+        dp2_log[0].get("expert_rank_load").is_none(),
+        "{}",
+        dp2_log[0]
+    );
     let (_, ep2_stage2) = run(
         2,
         2,

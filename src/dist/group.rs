@@ -134,6 +134,39 @@ pub trait ProcessGroup: Send {
             .collect())
     }
 
+    /// In-place element-wise sum of counts across ranks, exact and the same on every rank:
+    /// each value travels as three 12-bit pieces, exact fp32 integers whose sums over up to
+    /// 4,096 ranks stay below 2^24, through [`ProcessGroup::all_reduce_sum_f32`]. Values must
+    /// be below 2^36 (68.7 billion); larger ones, or more ranks, are refused before anything
+    /// is sent.
+    fn all_reduce_sum_u64(&mut self, buf: &mut [u64]) -> Result<()> {
+        const BITS: usize = 12;
+        const PIECES: usize = 3;
+        let world = self.world_size();
+        anyhow::ensure!(
+            world <= 1 << BITS,
+            "internal: exact count sums reach {} ranks, not {world}",
+            1 << BITS
+        );
+        if let Some(v) = buf.iter().find(|&&v| v >> (BITS * PIECES) != 0) {
+            anyhow::bail!("internal: a count of {v} is above the 2^36 an exact sum carries");
+        }
+        let mask = (1u64 << BITS) - 1;
+        let mut pieces: Vec<f32> = buf
+            .iter()
+            .flat_map(|&v| (0..PIECES).map(move |k| ((v >> (BITS * k)) & mask) as f32))
+            .collect();
+        self.all_reduce_sum_f32(&mut pieces)?;
+        for (v, p) in buf.iter_mut().zip(pieces.chunks(PIECES)) {
+            *v = p
+                .iter()
+                .enumerate()
+                .map(|(k, &x)| (x as u64) << (BITS * k))
+                .sum();
+        }
+        Ok(())
+    }
+
     /// [`ProcessGroup::reduce_scatter_avg_f32`] on a contiguous 1-D tensor. Default through
     /// host memory in fp32; NCCL overrides it.
     fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
@@ -485,6 +518,10 @@ mod tests {
         for x in [0.1f64, -3.5e300, f64::MIN_POSITIVE, 1.0 / 3.0] {
             assert_eq!(g.all_gather_f64(x)?[0].to_bits(), x.to_bits());
         }
+        let mut counts = [0, 1, 4095, 4096, (1 << 36) - 1];
+        g.all_reduce_sum_u64(&mut counts)?;
+        assert_eq!(counts, [0, 1, 4095, 4096, (1 << 36) - 1]);
+        assert!(g.all_reduce_sum_u64(&mut [1 << 36]).is_err());
         Ok(())
     }
 

@@ -322,23 +322,27 @@ impl RouterLog {
     /// Per MoE layer, the busiest expert's share of the slots over the mean's (1 = even
     /// load, E = every token to one expert), and which expert that is.
     pub fn imbalance(&self) -> Vec<(usize, f64, usize)> {
+        busiest(&self.counts)
+    }
+
+    /// Per MoE layer, the slots each position of an expert-parallel group of `ep` ranks got:
+    /// position p holds experts [p·N/ep, (p+1)·N/ep) of the layer's N, so its load is their
+    /// counts' sum: [ep] each (`ep` divides N, as `system.expert_parallel` must).
+    pub fn rank_load(&self, ep: usize) -> Vec<(usize, Vec<i64>)> {
         self.counts
             .iter()
             .map(|(layer, c)| {
-                let total: i64 = c.iter().sum();
-                let (busiest, max) = c
-                    .iter()
-                    .enumerate()
-                    .max_by_key(|(_, v)| **v)
-                    .map_or((0, 0), |(i, v)| (i, *v));
-                let mean = total as f64 / c.len().max(1) as f64;
-                (
-                    *layer,
-                    if mean > 0.0 { max as f64 / mean } else { 0.0 },
-                    busiest,
-                )
+                let per = (c.len() / ep.max(1)).max(1);
+                (*layer, c.chunks(per).map(|e| e.iter().sum()).collect())
             })
             .collect()
+    }
+
+    /// [`RouterLog::imbalance`] of the expert-parallel positions' loads ([`RouterLog::rank_load`]):
+    /// the busiest rank's slots over the mean (1 = even, `ep` = every token to one rank's
+    /// experts), and its position. That rank's expert computation sets the pace of its group.
+    pub fn rank_imbalance(&self, ep: usize) -> Vec<(usize, f64, usize)> {
+        busiest(&self.rank_load(ep))
     }
 
     /// Adds one micro-batch's figures.
@@ -353,6 +357,24 @@ impl RouterLog {
             }
         }
     }
+}
+
+/// Per layer of `loads` ([n] each), the largest load over the mean (0 where nothing was
+/// routed) and its index (the last of equal ones).
+fn busiest(loads: &[(usize, Vec<i64>)]) -> Vec<(usize, f64, usize)> {
+    loads
+        .iter()
+        .map(|(layer, c)| {
+            let total: i64 = c.iter().sum();
+            let (at, max) = c
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, v)| **v)
+                .map_or((0, 0), |(i, v)| (i, *v));
+            let mean = total as f64 / c.len().max(1) as f64;
+            (*layer, if mean > 0.0 { max as f64 / mean } else { 0.0 }, at)
+        })
+        .collect()
 }
 
 /// A model's router log, filled by its training passes and drained by the trainer.

@@ -72,10 +72,16 @@ pub struct MetricsRecord {
     /// The router z-loss (unweighted) likewise, where `model.router_z_loss_coef` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub z_loss: Option<f64>,
-    /// Per MoE layer (its decoder layer index), the tokens each expert got on rank 0 since
-    /// the previous record (k per token).
+    /// Per MoE layer (its decoder layer index), the tokens each expert got on every rank
+    /// since the previous record (k per token; each token once, though a tensor-parallel
+    /// group routes it on each of its ranks).
     #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
     pub expert_load: IndexMap<String, Vec<u64>>,
+    /// With expert parallelism (E > 1), per MoE layer the tokens each position of an
+    /// expert-parallel group got, summed over the groups: [E] each, position p holding experts
+    /// [p·N/E, (p+1)·N/E) of the layer's N.
+    #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
+    pub expert_rank_load: IndexMap<String, Vec<u64>>,
 }
 
 /// One multiple-choice task's scores, as lm-evaluation-harness reports them.
@@ -95,8 +101,9 @@ impl MetricsRecord {
     /// `train/grad_norm`, `perf/tokens_per_s`, `perf/mfu`, `val/loss`, `val/time_s`,
     /// `val/ppl`, `val/loss/<source>`, `eval/<task>/acc`, `eval/<task>/acc_norm`,
     /// `eval/time_s`, `data/tokens/<source>`, `guard/<kind>`,
-    /// `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`, `guard/events`. An
-    /// absent value gives no point.
+    /// `data/samples_consumed`, `memory/rss_gb`, `memory/gpu_used_gb`, `guard/events`,
+    /// `train/aux_loss`, `train/z_loss`, `moe/imbalance/layer_<L>`,
+    /// `moe/rank_imbalance/layer_<L>`. An absent value gives no point.
     pub fn series(&self) -> Vec<(String, f64)> {
         let mut out = Vec::new();
         let mut put = |name: String, v: Option<f64>| {
@@ -133,15 +140,19 @@ impl MetricsRecord {
         put("guard/events".into(), count(self.guard_events));
         put("train/aux_loss".into(), self.aux_loss);
         put("train/z_loss".into(), self.z_loss);
-        // Each MoE layer's busiest expert over the mean (1 = even load).
-        for (layer, load) in &self.expert_load {
+        // Each MoE layer's busiest expert over the mean (1 = even load), and with expert
+        // parallelism its busiest rank's.
+        let over_mean = |load: &[u64]| {
             let total: u64 = load.iter().sum();
             let max = load.iter().copied().max().unwrap_or(0);
             let mean = total as f64 / load.len().max(1) as f64;
-            put(
-                format!("moe/imbalance/layer_{layer}"),
-                (mean > 0.0).then(|| max as f64 / mean),
-            );
+            (mean > 0.0).then(|| max as f64 / mean)
+        };
+        for (layer, load) in &self.expert_load {
+            put(format!("moe/imbalance/layer_{layer}"), over_mean(load));
+        }
+        for (layer, load) in &self.expert_rank_load {
+            put(format!("moe/rank_imbalance/layer_{layer}"), over_mean(load));
         }
         out
     }
@@ -188,5 +199,17 @@ mod tests {
             serde_json::to_string(&bare).unwrap(),
             r#"{"step":1,"val_loss":null,"mfu":null}"#
         );
+        // A mixture of experts at EP 2: each layer's busiest expert and rank over the mean.
+        let moe = r#"{"step":2,"val_loss":null,"mfu":null,"aux_loss":1.1,"expert_load":{"0":[6,2,0,0]},"expert_rank_load":{"0":[8,0]}}"#;
+        let record: MetricsRecord = serde_json::from_str(moe).unwrap();
+        assert_eq!(
+            record.series(),
+            [
+                ("train/aux_loss".to_string(), 1.1),
+                ("moe/imbalance/layer_0".to_string(), 3.0),
+                ("moe/rank_imbalance/layer_0".to_string(), 2.0)
+            ]
+        );
+        assert_eq!(serde_json::to_string(&record).unwrap(), moe);
     }
 }

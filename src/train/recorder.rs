@@ -18,6 +18,7 @@ use super::place::Rank;
 use super::step::{StepOutcome, StepTiming};
 use super::tasks::TaskResults;
 use crate::config::Resolved;
+use crate::dist::{Mesh, ProcessGroup};
 use crate::model::RouterLog;
 use crate::run::checkpoints::TrainerState;
 use crate::sys::machine::{gb, peak_rss_bytes, rss_bytes};
@@ -118,6 +119,9 @@ pub struct Recorder {
     /// (training FLOPs per token, summed dense peak of all ranks' devices): MFU is shown only
     /// where the device's peak is known (CUDA, a GPU NVML names).
     mfu_basis: Option<(f64, f64)>,
+    /// `system.expert_parallel`: E (1 without expert parallelism), for the busiest
+    /// expert-parallel rank's load.
+    expert_parallel: usize,
     /// None on ranks other than 0.
     records: Option<Records>,
     window: Window,
@@ -205,6 +209,7 @@ impl Recorder {
             max_steps: t.max_steps,
             tokens_per_step: tokens_per_step as f64,
             mfu_basis: mfu_basis.map(|(flops, peak)| (flops, peak * world as f64)),
+            expert_parallel: cfg.system.expert_parallel.max(1),
             records,
             window: Window::new(),
         })
@@ -259,7 +264,7 @@ impl Recorder {
             };
             println!("{line}");
             if router.micro_batches > 0 {
-                println!("{tag} {}", expert_line(router));
+                println!("{tag} {}", expert_line(router, self.expert_parallel));
             }
             if let Some(v) = val {
                 // A mixture's sources each have their own held-out loss.
@@ -322,6 +327,7 @@ impl Recorder {
                 tasks,
                 by_source,
                 router,
+                expert_parallel: self.expert_parallel,
             };
             records.write(state, &point)?;
         }
@@ -422,11 +428,37 @@ impl Recorder {
     }
 }
 
-/// `Data: web 1.23M tokens (50.1%) | code 615.2k tokens (24.9%) | …`: what each source of a
-/// mixture has supplied so far.
+/// `router` with each MoE layer's expert counts summed over every rank of `pg` (the world),
+/// each token counted once: a tensor-parallel group routes the same tokens, so only its first
+/// rank adds them; context-parallel ranks route their own chunks. The auxiliary losses stay
+/// this rank's. A collective: every rank logs at the same steps. Nothing is sent for a dense
+/// model or on one rank.
+pub fn router_over_ranks(
+    mut router: RouterLog,
+    pg: &mut dyn ProcessGroup,
+    mesh: &Mesh,
+) -> Result<RouterLog> {
+    if pg.world_size() == 1 || router.counts.is_empty() {
+        return Ok(router);
+    }
+    let counts_here = mesh.tensor_rank() == 0;
+    let mut flat: Vec<u64> = router
+        .counts
+        .iter()
+        .flat_map(|(_, c)| c.iter().map(|&n| if counts_here { n as u64 } else { 0 }))
+        .collect();
+    pg.all_reduce_sum_u64(&mut flat)?;
+    let mut summed = flat.into_iter();
+    for n in router.counts.iter_mut().flat_map(|(_, c)| c.iter_mut()) {
+        *n = summed.next().expect("one sum per count") as i64;
+    }
+    Ok(router)
+}
+
 /// The experts' load since the previous line: each MoE layer's busiest expert over the mean
-/// (1.00 = even), the worst layer named.
-fn expert_line(router: &RouterLog) -> String {
+/// (1.00 = even), the worst layer named; with expert parallelism (`ep` > 1) the busiest
+/// rank's share of a layer's tokens, the worst layer's, against the even 1/ep.
+fn expert_line(router: &RouterLog, ep: usize) -> String {
     let layers = router.imbalance();
     let mean = layers.iter().map(|l| l.1).sum::<f64>() / layers.len().max(1) as f64;
     let worst = layers.iter().max_by(|a, b| a.1.total_cmp(&b.1));
@@ -438,15 +470,27 @@ fn expert_line(router: &RouterLog) -> String {
     } else {
         String::new()
     };
+    let ranks = router.rank_imbalance(ep);
+    let ranks = match ranks.iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some((layer, r, at)) if ep > 1 => format!(
+            " | busiest EP rank: {:.1}% of layer {layer}'s tokens (position {at} of {ep}; even \
+             {:.1}%)",
+            100.0 * r / ep as f64,
+            100.0 / ep as f64
+        ),
+        _ => String::new(),
+    };
     format!(
-        "Experts | busiest over mean load: {mean:.2} over {} MoE layers{worst} | aux {:.4}{z} | \
-         {} micro-batches",
+        "Experts | busiest over mean load: {mean:.2} over {} MoE layers{worst}{ranks} | aux \
+         {:.4}{z} | {} micro-batches",
         layers.len(),
         router.aux(),
         router.micro_batches
     )
 }
 
+/// `Data: web 1.23M tokens (50.1%) | code 615.2k tokens (24.9%) | …`: what each source of a
+/// mixture has supplied so far.
 fn source_line(by_source: &[(String, u64)]) -> String {
     let total: u64 = by_source.iter().map(|(_, n)| n).sum();
     let parts: Vec<String> = by_source
@@ -485,8 +529,11 @@ struct Point<'a> {
     tasks: Option<&'a TaskResults>,
     /// Tokens per source so far (a mixture only).
     by_source: &'a [(String, u64)],
-    /// A mixture of experts' router figures since the previous record (rank 0's).
+    /// A mixture of experts' router figures since the previous record: the load every
+    /// rank's ([`router_over_ranks`]), the auxiliary losses rank 0's.
     router: &'a RouterLog,
+    /// `system.expert_parallel`.
+    expert_parallel: usize,
 }
 
 impl Drop for Recorder {
@@ -524,6 +571,7 @@ impl Records {
             tasks,
             by_source,
             router,
+            expert_parallel,
         } = *p;
         let routed = router.micro_batches > 0;
         let mut guard = indexmap::IndexMap::new();
@@ -580,6 +628,14 @@ impl Records {
                 .iter()
                 .map(|(layer, c)| (layer.to_string(), c.iter().map(|&n| n as u64).collect()))
                 .collect(),
+            expert_rank_load: match expert_parallel {
+                1 => Default::default(),
+                ep => router
+                    .rank_load(ep)
+                    .iter()
+                    .map(|(layer, c)| (layer.to_string(), c.iter().map(|&n| n as u64).collect()))
+                    .collect(),
+            },
         };
         self.metrics.record(&record)?;
         let series = record.series();
@@ -638,5 +694,32 @@ mod tests {
             "Data: web 1.23M tokens (66.6%) | code 615.2k tokens (33.3%) | math 950 tokens (0.1%)"
         );
         assert_eq!(crate::sys::count(7_890_000_000), "7.89B");
+    }
+
+    /// 8 experts on EP 4 (positions hold experts 0-1, 2-3, 4-5, 6-7): the busiest position's
+    /// share of each layer's slots, the worst layer named.
+    #[test]
+    fn the_expert_line_names_the_busiest_expert_and_expert_parallel_rank() {
+        let router = RouterLog {
+            micro_batches: 2,
+            aux_sum: 2.5,
+            z_sum: 0.0,
+            counts: vec![
+                (0, vec![10, 10, 10, 10, 10, 10, 10, 10]),
+                (1, vec![30, 20, 0, 0, 10, 10, 5, 5]),
+            ],
+        };
+        assert_eq!(
+            router.rank_load(4),
+            vec![(0, vec![20, 20, 20, 20]), (1, vec![50, 0, 20, 10])]
+        );
+        assert_eq!(router.rank_imbalance(4), vec![(0, 1.0, 3), (1, 2.5, 0)]);
+        assert_eq!(
+            expert_line(&router, 4),
+            "Experts | busiest over mean load: 2.00 over 2 MoE layers | worst: layer 1 3.00 \
+             (expert 0) | busiest EP rank: 62.5% of layer 1's tokens (position 0 of 4; even \
+             25.0%) | aux 1.2500 | 2 micro-batches"
+        );
+        assert!(!expert_line(&router, 1).contains("EP rank"));
     }
 }

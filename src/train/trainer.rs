@@ -290,6 +290,8 @@ impl<'a> Trainer<'a> {
                 let by_source = self.loader.tokens_by_source(self.state.samples_consumed);
                 let evals = (val.as_ref(), tasks.as_ref());
                 let router = self.model.take_router_log();
+                let router =
+                    super::recorder::router_over_ranks(router, &mut *self.pg, &self.rank.mesh)?;
                 self.recorder
                     .log(&self.state, plan.lr, &out, evals, &by_source, &router)?;
             }

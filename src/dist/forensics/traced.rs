@@ -178,6 +178,10 @@ impl ProcessGroup for Traced {
         self.run("all-gather", 8, |g| g.all_gather_f64(x))
     }
 
+    fn all_reduce_sum_u64(&mut self, buf: &mut [u64]) -> Result<()> {
+        self.run("all-reduce", 12 * buf.len(), |g| g.all_reduce_sum_u64(buf))
+    }
+
     fn reduce_scatter_avg_tensor(&mut self, t: &Tensor, splits: &[usize]) -> Result<()> {
         self.run("reduce-scatter", tensor_bytes(t), |g| {
             g.reduce_scatter_avg_tensor(t, splits)

@@ -225,6 +225,31 @@ fn all_reduce_avg_broadcast_max_barrier() {
     }
 }
 
+/// Counts past fp32's 2^24 (the experts' token counts of a long logging interval) sum exactly.
+#[test]
+fn counts_sum_exactly_past_what_fp32_holds() {
+    for world in [2, 3] {
+        let sums = run_ranks(world, Duration::from_secs(10), |r, mut g| {
+            let r = r as u64;
+            let mut c = vec![0, 1 + r, (1 << 24) + 1 + r, (1 << 35) + 12_345 * r, 4095];
+            g.all_reduce_sum_u64(&mut c).unwrap();
+            c
+        });
+        let w = world as u64;
+        let tri = w * (w - 1) / 2;
+        let want = vec![
+            0,
+            w + tri,
+            w * ((1 << 24) + 1) + tri,
+            w * (1 << 35) + 12_345 * tri,
+            4095 * w,
+        ];
+        for got in sums {
+            assert_eq!(got, want);
+        }
+    }
+}
+
 #[test]
 fn mismatched_sizes_are_an_error_not_garbage() {
     let errs = run_ranks(2, Duration::from_secs(2), |r, mut g| {
