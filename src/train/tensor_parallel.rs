@@ -142,20 +142,28 @@ mod tests {
 
     /// A 3-layer Qwen3-MoE model: layers 0 and 2 route to 2 of 4 experts of width 24, layer
     /// 1 is a dense MLP; the load-balancing loss weighted 0.05.
-    fn moe_shape() -> LlamaShape {
+    fn moe_shape(architecture: crate::config::Architecture) -> LlamaShape {
+        use crate::config::Architecture;
         let mut m = crate::config::resolve(&crate::config::Sources::default())
             .unwrap()
             .config
             .model;
-        m.architecture = crate::config::Architecture::Qwen3Moe;
-        (m.num_layers, m.hidden_size, m.intermediate_size) = (3, 64, 96);
+        m.architecture = architecture;
+        (m.num_layers, m.hidden_size) = (3, 64);
         (m.num_attention_heads, m.num_key_value_heads) = (4, 2);
         (m.num_experts, m.num_experts_per_tok) = (4, 2);
-        m.moe_intermediate_size = Some(24);
         m.router_aux_loss_coef = 0.05;
-        let mut shape = LlamaShape::from_config(&m, 96).unwrap();
-        shape.moe.as_mut().unwrap().dense_layers = vec![1];
-        shape
+        if architecture == Architecture::Qwen3Moe {
+            // Qwen3-MoE: experts of their own width, the middle layer dense.
+            m.intermediate_size = 96;
+            m.moe_intermediate_size = Some(24);
+            let mut shape = LlamaShape::from_config(&m, 96).unwrap();
+            shape.moe.as_mut().unwrap().dense_layers = vec![1];
+            return shape;
+        }
+        // Mixtral: every layer a mixture, experts of intermediate_size.
+        m.intermediate_size = 24;
+        LlamaShape::from_config(&m, 96).unwrap()
     }
 
     /// Values that threads share (a tensor is not `Sync`): by name, its elements and shape.
@@ -169,7 +177,7 @@ mod tests {
         Llama::named_parameters(&vs)
             .into_iter()
             .map(|(n, p)| {
-                let zero = zero_router && n.ends_with("mlp.gate.weight");
+                let zero = zero_router && n.ends_with(".gate.weight"); // both families' routers
                 let p = if zero { p.zeros_like() } else { p.detach() };
                 let values = Vec::<f32>::try_from(p.reshape(-1)).unwrap();
                 (n, (values, p.size()))
@@ -239,10 +247,20 @@ mod tests {
     /// data-parallel ranks): every gradient within 1e-5 of the whole model's (the dense ones
     /// averaged over the ranks, each expert's divided by P: the mean over the ranks' losses),
     /// in every checkpointing mode; and with a zero router (every token to experts 2 and 3:
-    /// EP 2's rank 0 and EP 4's ranks 0 and 1 receive nothing).
+    /// EP 2's rank 0 and EP 4's ranks 0 and 1 receive nothing). Qwen3-MoE (a dense layer
+    /// between two mixtures) and Mixtral (mixtures only, its HF names).
     #[test]
     fn expert_parallel_gradients_equal_one_ranks() {
-        let shape = moe_shape();
+        use crate::config::Architecture;
+        for architecture in [Architecture::Qwen3Moe, Architecture::Mixtral] {
+            expert_parallel_gradients_equal_one_ranks_for(architecture);
+        }
+    }
+
+    fn expert_parallel_gradients_equal_one_ranks_for(architecture: crate::config::Architecture) {
+        let shape = moe_shape(architecture);
+        let moe = shape.moe.as_ref().unwrap();
+        let moe_layers = shape.num_layers - moe.dense_layers.len();
         let ids: Vec<i64> = (0..4 * 17).map(|i| (i * 7919 + 13) % 96).collect();
         let rows = || Tensor::from_slice(&ids).view([4, 17]);
         for zero_router in [false, true] {
@@ -258,6 +276,11 @@ mod tests {
                         .map(|r| rows().narrow(0, (r * 4 / p) as i64, 4 / p as i64))
                         .collect();
                     let want = pass(&whole, &vs, &batches, 1.0 / p as f64);
+                    let block = match architecture {
+                        crate::config::Architecture::Mixtral => "block_sparse_moe.experts.3.w2",
+                        _ => "mlp.experts.3.down_proj",
+                    };
+                    assert!(want.keys().any(|n| n.contains(block)), "{block}");
                     let per = 4 / p;
                     let got = run_ranks(p, Duration::from_secs(30), |r, g| {
                         let group = Arc::new(Mutex::new(Box::new(g) as Box<dyn ProcessGroup>));
@@ -272,13 +295,15 @@ mod tests {
                             counts.all_to_all.load(std::sync::atomic::Ordering::Relaxed),
                         )
                     });
-                    // 2 MoE layers × (3 forward + 2 backward), the forward again where
+                    // Each MoE layer 3 forward + 2 backward, the forward again where
                     // recomputed.
-                    let calls = match mode {
-                        ActivationCheckpointing::None => 10,
-                        _ => 16,
-                    };
-                    let what = format!("EP {p}, {mode:?}, zero router {zero_router}");
+                    let calls = moe_layers
+                        * match mode {
+                            ActivationCheckpointing::None => 5,
+                            _ => 8,
+                        };
+                    let what =
+                        format!("{architecture:?} EP {p}, {mode:?}, zero router {zero_router}");
                     assert!(got.iter().all(|(_, c)| *c == calls), "{what}: all-to-alls");
                     for (name, w) in &want {
                         let expert = name
