@@ -101,11 +101,13 @@ fn export_loads_in_transformers_and_eval_matches() {
     common::ok(dir, &common::with(&qwen, &["train"], &["--max-steps", "2"]));
     common::ok(dir, &common::with(&qwen, &["export"], &["--hf", "hfqwen"]));
     // Mixtures of experts: a Qwen3-MoE run (4 experts of width 32, top 2, the second layer
-    // dense) and a Mixtral run (4 experts, top 2): their exports load as
+    // dense) and a Mixtral run on 2 CPU ranks with expert parallelism 2 (4 experts, top 2;
+    // each rank trains and writes 2 of every layer's): their exports load as
     // Qwen3MoeForCausalLM and MixtralForCausalLM with transformers' logits.
-    for (name, extra) in [
+    for (name, how, extra) in [
         (
             "qwenmoe",
+            &["train"][..],
             &[
                 "model.architecture=qwen3_moe",
                 "model.num_experts=4",
@@ -115,7 +117,12 @@ fn export_loads_in_transformers_and_eval_matches() {
         ),
         (
             "mixtral",
-            &["model.architecture=mixtral", "model.num_experts=4"][..],
+            &["run", "--cpu", "--nproc", "2"][..],
+            &[
+                "model.architecture=mixtral",
+                "model.num_experts=4",
+                "system.expert_parallel=2",
+            ][..],
         ),
     ] {
         let mut run = base.clone();
@@ -124,7 +131,7 @@ fn export_loads_in_transformers_and_eval_matches() {
         {
             run.extend(["--set".to_string(), set]);
         }
-        common::ok(dir, &common::with(&run, &["train"], &["--max-steps", "2"]));
+        common::ok(dir, &common::with(&run, how, &["--max-steps", "2"]));
         let out = format!("hf{name}");
         common::ok(dir, &common::with(&run, &["export"], &["--hf", &out]));
     }
