@@ -867,6 +867,44 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     assert_eq!(ep4_resumed.len(), 3, "steps 4-6: {ep4_resumed:?}");
     close_losses(&ep4_resumed, &dp4_resumed, 1e-5);
 
+    // A NaN in the gradient of an expert rank 1 holds (experts 2 and 3 of each layer): rank
+    // 0's report names it, with its counts, and the debug dump holds it.
+    const EXPERT: &str = "model.layers.1.mlp.experts.3.up_proj.weight";
+    let out = common::run(
+        dir,
+        &with(
+            &base,
+            &["run", "--cpu", "--nproc", "2"],
+            &[
+                "--set",
+                "training.batch_size=2",
+                "--set",
+                "system.expert_parallel=2",
+                "--set",
+                "logging.run_name=epnan",
+                "--set",
+                "debug.inject_nan_at_step=2",
+                "--set",
+                &format!("debug.inject_nan_param={EXPERT}"),
+            ],
+        ),
+    );
+    let text = common::output_text(&out);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(
+        text.contains("NaN GRADIENT DETECTED")
+            && text.contains("Gradients with NaN/Inf (1 tensors)")
+            && text.contains(&format!("• {EXPERT}  shape [32, 64]  NaN 1/2048")),
+        "{text}"
+    );
+    let dump = dir.join("runs/epnan/debug/nan_step_2.safetensors");
+    let dumped = lockstep::tensor_io::SafeFile::open(&dump).unwrap();
+    assert!(
+        dumped.contains(EXPERT) && dumped.contains(&format!("{EXPERT}.grad")),
+        "{:?}",
+        dumped.names()
+    );
+
     // Bad degrees: exit 2, naming the key, the value and the valid ones.
     let refused = |world: usize, extra: &[&str]| {
         let nproc = world.to_string();

@@ -138,7 +138,9 @@ impl<'a> Trainer<'a> {
             params,
             mut opt,
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
-        let faults = Faults::new(cfg, &rank, params.iter().map(|(n, _)| n.as_str()))?;
+        // Every parameter of the model, the experts other ranks hold included.
+        let whole = crate::model::Parameters::of(&shape);
+        let faults = Faults::new(cfg, &rank, whole.iter().map(|p| p.name.as_str()))?;
         let identity = run::data::data_identity(&data, t.context_length)?;
         let mut state = fresh_state(resolved, &shape, rank.place.world, identity.clone());
         if let Some(dir) = &resume_dir {
@@ -386,15 +388,15 @@ impl<'a> Trainer<'a> {
         self.checkpointer.settle(&mut *self.pg)?;
         match event {
             Event::NonFinite => {
-                // Every rank takes part: the gradients may be sharded, and so may the save.
-                let grads = self.opt.full_gradients(&self.params, &mut *self.pg)?;
+                // Every rank takes part: the gradients may be sharded, the experts on other
+                // ranks, and so may the save.
+                let (params, grads) = self.opt.evidence(&self.params, &mut *self.pg)?;
                 let name = format!("nan_step_{step}");
                 let evidence = TrainerState {
                     step,
                     loss,
                     ..self.state.clone()
                 };
-                let params = self.opt.full_parameters(&self.params, &mut *self.pg)?;
                 let dir =
                     self.checkpointer
                         .save_named(&name, &self.opt, &evidence, &mut *self.pg)?;

@@ -103,6 +103,48 @@ impl ExpertPlace {
         Writers { params, ..dense }
     }
 
+    /// The other positions' counterparts of `values`: this rank's experts `params` (name and
+    /// parameter) with one whole value each (their full values or gradients, undefined where
+    /// there is none), for each position p ≠ this one in order the same list as p holds it,
+    /// renamed to p's numbering, in fp32: which values are defined, then each defined one,
+    /// broadcast from p over the group. A collective of the expert-parallel group, for the
+    /// NaN/Inf report, which must name an expert whatever rank holds it.
+    pub(super) fn from_other_positions(
+        &self,
+        params: &[(String, Tensor)],
+        values: &[Tensor],
+    ) -> Result<Vec<(String, Tensor)>> {
+        let mut unused = SingleProcess;
+        let mut out = Vec::new();
+        for p in 0..self.size {
+            let here = p == self.rank;
+            let mut defined: Vec<f32> = values
+                .iter()
+                .map(|t| f32::from(u8::from(t.defined())))
+                .collect();
+            on_group(Some(&self.group), &mut unused, |g| {
+                g.broadcast_f32(&mut defined, p)
+            })?;
+            // A position's experts have this rank's shapes: a layer's experts are alike.
+            for (((name, param), value), flag) in params.iter().zip(values).zip(defined) {
+                let buf = match (flag == 0.0, here) {
+                    (true, _) => Tensor::new(),
+                    (false, true) => value.detach().to_kind(Kind::Float).contiguous(),
+                    (false, false) => param.zeros_like().to_kind(Kind::Float),
+                };
+                if buf.defined() {
+                    on_group(Some(&self.group), &mut unused, |g| {
+                        g.broadcast_tensor(&buf, p)
+                    })?;
+                }
+                if !here {
+                    out.push((self.renumbered(name, p), buf));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// `name` (one of this rank's experts) as the same matrix of the same expert of position
     /// `p`'s.
     fn renumbered(&self, name: &str, p: usize) -> String {

@@ -554,6 +554,36 @@ impl Optimizer {
         self.layout_full_gradients(params, pg)
     }
 
+    /// What the NaN/Inf report inspects and dumps: every parameter of `params` with its full
+    /// value, and its full averaged gradient aligned with it; with expert parallelism the
+    /// other positions' experts after them, so an expert is named whatever rank holds it.
+    /// Collectives of every rank (gathers at stages 2 and 3, the experts' broadcasts).
+    pub fn evidence(
+        &self,
+        params: &[(String, Tensor)],
+        pg: &mut dyn ProcessGroup,
+    ) -> Result<(Vec<(String, Tensor)>, Vec<Tensor>)> {
+        let mut grads = self.full_gradients(params, pg)?;
+        let mut values = self.full_parameters(params, pg)?;
+        let Some(e) = &self.experts else {
+            return Ok((values, grads));
+        };
+        let own: Vec<usize> = (0..params.len())
+            .filter(|&i| self.is_expert(&params[i].0))
+            .collect();
+        let mine: Named = own
+            .iter()
+            .map(|&i| (params[i].0.clone(), params[i].1.shallow_clone()))
+            .collect();
+        let own_values: Vec<Tensor> = own.iter().map(|&i| values[i].1.shallow_clone()).collect();
+        let own_grads: Vec<Tensor> = own.iter().map(|&i| grads[i].shallow_clone()).collect();
+        let others = e.place.from_other_positions(&mine, &own_values)?;
+        let other_grads = e.place.from_other_positions(&mine, &own_grads)?;
+        grads.extend(other_grads.into_iter().map(|(_, g)| g));
+        values.extend(others);
+        Ok((values, grads))
+    }
+
     /// `params` cut into this layout's and the experts'.
     fn split_list(&self, params: &[(String, Tensor)]) -> (Named, Named) {
         params
