@@ -109,7 +109,7 @@ impl ExpertPlace {
     /// renamed to p's numbering, in fp32: which values are defined, then each defined one,
     /// broadcast from p over the group. A collective of the expert-parallel group, for the
     /// NaN/Inf report, which must name an expert whatever rank holds it.
-    pub(super) fn from_other_positions(
+    pub(super) fn other_positions(
         &self,
         params: &[(String, Tensor)],
         values: &[Tensor],

@@ -562,7 +562,7 @@ impl Optimizer {
         &self,
         params: &[(String, Tensor)],
         pg: &mut dyn ProcessGroup,
-    ) -> Result<(Vec<(String, Tensor)>, Vec<Tensor>)> {
+    ) -> Result<(Named, Vec<Tensor>)> {
         let mut grads = self.full_gradients(params, pg)?;
         let mut values = self.full_parameters(params, pg)?;
         let Some(e) = &self.experts else {
@@ -577,8 +577,8 @@ impl Optimizer {
             .collect();
         let own_values: Vec<Tensor> = own.iter().map(|&i| values[i].1.shallow_clone()).collect();
         let own_grads: Vec<Tensor> = own.iter().map(|&i| grads[i].shallow_clone()).collect();
-        let others = e.place.from_other_positions(&mine, &own_values)?;
-        let other_grads = e.place.from_other_positions(&mine, &own_grads)?;
+        let others = e.place.other_positions(&mine, &own_values)?;
+        let other_grads = e.place.other_positions(&mine, &own_grads)?;
         grads.extend(other_grads.into_iter().map(|(_, g)| g));
         values.extend(others);
         Ok((values, grads))
