@@ -25,7 +25,7 @@
 //!
 //! Not modelled: imbalance. The busiest rank receives more than n·k rows when the router
 //! favours its experts, and the group waits for it; the aux loss is the remedy, and `train`
-//! logs the busiest rank's share (`model/expert_parallel.rs`).
+//! logs the busiest rank's share (`RouterLog::rank_imbalance`, on the experts' line).
 
 use super::setting::{Layout, Setting};
 use super::tensor::Link;
