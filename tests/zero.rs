@@ -951,3 +951,96 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     );
     assert!(text.contains("is a dense model"), "{text}");
 }
+
+/// Expert parallelism 2 with hybrid sharding on 4 ranks (2 shard groups of 2: each an
+/// expert-parallel group, so each expert has one holder per group and its state is replicated
+/// across the groups) at stages 1 and 2 trains like data parallelism on the 4 ranks: losses,
+/// every weight and both moments of every parameter in the step-6 checkpoint (written by the
+/// first group: its holders write the experts) within 1e-5; that checkpoint resumes on 1
+/// rank on the uninterrupted losses. A shard degree E does not divide exits 2 naming both
+/// keys and the valid degrees.
+#[test]
+fn expert_parallelism_with_hybrid_sharding_trains_like_data_parallelism() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = moe_base(dir);
+    let finished = |name: &str, stage: usize, extra: &[&str]| -> Finished {
+        let mut tail = vec!["--set", "training.batch_size=1"];
+        tail.extend(extra);
+        run_at(dir, &base, (4, stage), name, &tail);
+        let run = dir.join("runs").join(name);
+        let ckpt = run.join("checkpoints/step_6");
+        (
+            losses(&run.join("metrics.jsonl")),
+            weights(&ckpt),
+            moments(&ckpt),
+        )
+    };
+    let dp4 = finished("dp4", 0, &[]);
+    assert!(dp4.0[0].1 - dp4.0[5].1 > 0.01, "real training: {:?}", dp4.0);
+    let close = |what: &str, a: &Finished, b: &Finished| {
+        close_losses(&a.0, &b.0, 1e-5);
+        let err = worst(&a.1, &b.1);
+        assert!(err < 1e-5, "{what}: weights differ by {err:e}");
+        for (n, (x, y)) in &a.2 {
+            for (p, q) in [(x, &b.2[n].0), (y, &b.2[n].1)] {
+                let err = (p - q).norm().double_value(&[]) / q.norm().double_value(&[]).max(1e-30);
+                assert!(err < 1e-5, "{what}: {n} moments {err:e}");
+            }
+        }
+    };
+    let hybrid = [
+        "--set",
+        "system.expert_parallel=2",
+        "--set",
+        "system.shard_degree=2",
+    ];
+    for stage in [1, 2] {
+        let name = format!("ep2-hybrid-s{stage}");
+        let ep = finished(&name, stage, &hybrid);
+        close(&name, &ep, &dp4);
+    }
+    // Resumed from step 3 on one rank (batch 4: the same global batch).
+    let mut stop = hybrid.to_vec();
+    stop.extend(["--stop-at-step", "3"]);
+    let mut tail = vec!["--set", "training.batch_size=1"];
+    tail.extend(&stop);
+    run_at(dir, &base, (4, 2), "ep2-hybrid-stop", &tail);
+    let ckpt = dir.join("runs/ep2-hybrid-stop/checkpoints/step_3");
+    let ckpt = ckpt.to_str().unwrap();
+    let (_, one) = run_ranks(
+        dir,
+        &base,
+        4,
+        (1, 0),
+        "hybrid-resumed1",
+        &["--resume", ckpt],
+    );
+    assert_eq!(one.first().map(|s| s.0), Some(4), "continues at step 4");
+    close_losses(&one, &dp4.0[3..], 1e-5);
+
+    let out = common::run(
+        dir,
+        &with(
+            &base,
+            &["run", "--cpu", "--nproc", "4"],
+            &[
+                "--set",
+                "training.batch_size=1",
+                "--set",
+                "system.zero_stage=1",
+                "--set",
+                "system.expert_parallel=4",
+                "--set",
+                "system.shard_degree=2",
+            ],
+        ),
+    );
+    let text = common::output_text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("system.expert_parallel = 4 must divide system.shard_degree = 2")
+            && text.contains("valid shard degrees here: 4"),
+        "{text}"
+    );
+}

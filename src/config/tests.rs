@@ -534,13 +534,19 @@ fn expert_parallel_degrees_are_checked_with_a_fix() {
             "{e}"
         );
     }
-    let hybrid = cfg(&[
-        "system.expert_parallel=2",
-        "system.zero_stage=2",
-        "system.shard_degree=2",
-    ])
-    .unwrap()
-    .config;
-    let e = check_world(&hybrid, 4).unwrap_err().0;
-    assert!(e.contains("system.shard_degree = 2 (hybrid"), "{e}");
+    // Hybrid sharding: an expert-parallel group inside a shard group.
+    let hybrid = |ep: &str| {
+        cfg(&[ep, "system.zero_stage=2", "system.shard_degree=2"])
+            .unwrap()
+            .config
+    };
+    assert!(check_world(&hybrid("system.expert_parallel=2"), 4).is_ok());
+    let e = check_world(&hybrid("system.expert_parallel=4"), 8)
+        .unwrap_err()
+        .0;
+    assert!(
+        e.contains("system.expert_parallel = 4 must divide system.shard_degree = 2")
+            && e.contains("valid shard degrees here: 4, 8, or 0"),
+        "{e}"
+    );
 }

@@ -522,11 +522,18 @@ fn check_expert_parallel(c: &Config, world: usize) -> Result<(), ConfigError> {
     let ep = c.system.expert_parallel.max(1);
     let replicas = super::MeshShape::of(c, world).replicas();
     let degree = c.system.shard_degree;
-    if ep > 1 && degree > 0 && degree < replicas {
+    // Hybrid sharding: each expert-parallel group inside one shard group, so that the
+    // experts' holders shard their state there as the other parameters are sharded.
+    if ep > 1 && degree > 0 && degree < replicas && !degree.is_multiple_of(ep) {
+        let valid: Vec<String> = (1..=replicas)
+            .filter(|s| replicas.is_multiple_of(*s) && s.is_multiple_of(ep))
+            .map(|s| s.to_string())
+            .collect();
         return Err(ConfigError(format!(
-            "system.expert_parallel = {ep} with system.shard_degree = {degree} (hybrid \
-             sharding over {replicas} replicas): not supported yet; set system.shard_degree = 0 \
-             or system.expert_parallel = 1"
+            "system.expert_parallel = {ep} must divide system.shard_degree = {degree} (an \
+             expert-parallel group lies inside one shard group of hybrid sharding over \
+             {replicas} replicas); valid shard degrees here: {}, or 0 for all of them",
+            valid.join(", ")
         )));
     }
     if ep == 1 || replicas.is_multiple_of(ep) && world > 1 {
@@ -596,7 +603,7 @@ fn check_expert_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
     let not_yet = |what: String| {
         format!(
             "system.expert_parallel = {ep} with {what}: not supported yet (expert parallelism \
-             runs at zero_stage 0-2 without tensor parallelism or hybrid sharding); set \
+             runs at zero_stage 0-2 without tensor parallelism); set \
              system.expert_parallel = 1 or change {what}"
         )
     };

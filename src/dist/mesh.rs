@@ -47,9 +47,22 @@ pub struct MeshGroups {
     /// Hybrid sharding (shard < D·C): the shard group and the replica group inside the
     /// replicas, and which shard group this rank is in.
     pub hybrid: Option<(SharedGroup, SharedGroup, usize)>,
-    /// Expert parallelism (E > 1): the E ranks that split the experts with this one, and the
-    /// ranks that hold the same experts (None where that is this rank alone).
-    pub expert: Option<(SharedGroup, Option<SharedGroup>)>,
+    /// Expert parallelism (E > 1).
+    pub expert: Option<ExpertGroups>,
+}
+
+/// Expert parallelism's groups of one rank.
+pub struct ExpertGroups {
+    /// The E ranks that split the experts with this one.
+    pub group: SharedGroup,
+    /// The ranks that hold the same experts (None where that is this rank alone).
+    pub holders: Option<SharedGroup>,
+    /// With hybrid sharding (E dividing the shard degree S): the holders inside this rank's
+    /// shard group (S/E of them; a group of one where that is this rank alone), the holders
+    /// at the same place of the other shard groups, and which shard group this is. The
+    /// experts' state is sharded inside the first and replicated across the second, as the
+    /// other parameters' are.
+    pub hybrid: Option<(SharedGroup, SharedGroup, usize)>,
 }
 
 impl Mesh {
@@ -109,6 +122,14 @@ impl Mesh {
     pub fn holder_members(&self) -> Vec<usize> {
         let groups = self.replicas() / self.expert;
         self.at_replicas((0..groups).map(|g| g * self.expert + self.expert_rank()))
+    }
+
+    /// With hybrid sharding, the holders of this rank's experts inside its shard group (E
+    /// divides the shard degree: its expert groups lie inside it).
+    pub fn shard_holder_members(&self) -> Vec<usize> {
+        let first = self.replica_rank() / self.shard * self.shard;
+        let groups = self.shard / self.expert;
+        self.at_replicas((0..groups).map(|g| first + g * self.expert + self.expert_rank()))
     }
 
     /// D: the data-parallel ranks, each reading its own samples.
@@ -241,7 +262,28 @@ impl Mesh {
                     Some(shared(pg.subgroup(&self.holder_members(), &tag)?))
                 }
             };
-            Some((shared(ep), holders))
+            let hybrid = if self.shard < self.replicas() {
+                let (index, position) = (replica_rank / self.shard, replica_rank % self.shard);
+                let members = self.shard_holder_members();
+                let shard = match members.len() {
+                    1 => shared(Box::new(super::SingleProcess)),
+                    _ => {
+                        let tag = self.tag(&format!("eshard{}_", self.expert_rank()), index);
+                        shared(pg.subgroup(&members, &tag)?)
+                    }
+                };
+                let groups = self.replicas() / self.shard;
+                let members = self.at_replicas((0..groups).map(|g| g * self.shard + position));
+                let replica = pg.subgroup(&members, &self.tag("ereplica", position))?;
+                Some((shard, shared(replica), index))
+            } else {
+                None
+            };
+            Some(ExpertGroups {
+                group: shared(ep),
+                holders,
+                hybrid,
+            })
         } else {
             None
         };

@@ -51,7 +51,7 @@ use anyhow::{bail, Context, Result};
 
 pub use env::DistEnv;
 pub use group::{on_group, ProcessGroup, SharedGroup, SingleProcess};
-pub use mesh::{Mesh, MeshGroups};
+pub use mesh::{ExpertGroups, Mesh, MeshGroups};
 pub use place::{NodePlace, Place};
 pub use ring::{RingConfig, RingGroup};
 pub(crate) use single_rank::SINGLE_RANK_ADDR;

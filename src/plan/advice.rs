@@ -395,15 +395,14 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
 }
 
 /// Expert parallelism to propose for a mixture of experts on GPUs (None elsewhere, for a dense
-/// model, with tensor parallelism or hybrid sharding, which it does not compose with yet, or
-/// when no E helps). Of the degrees `expert::degrees` lists (dividing the experts per layer
-/// and the replicas, inside a node first): when no layout fits at the configured E, the first
+/// model, with tensor parallelism, which it does not compose with yet, or when no E helps).
+/// Of the degrees `expert::degrees` lists (dividing the experts per layer, the replicas and
+/// any hybrid shard degree, inside a node first): when no layout fits at the configured E, the first
 /// at which one does; when one fits, the E whose cheapest fitting layout has the shortest
 /// step, if that is [`EXPERT_PARALLEL_GAIN`] shorter than the configured E's cheapest. The
 /// tokens per step stay the same (E is carved out of the data-parallel ranks).
 pub fn expert_parallel(s: &Setting, current: &Layout) -> Option<ExpertParallelChange> {
-    let hybrid = s.shard_ranks(s.world) < s.replica_ranks(s.world);
-    if s.device != Device::Cuda || s.shape.moe.is_none() || s.tensor_parallel > 1 || hybrid {
+    if s.device != Device::Cuda || s.shape.moe.is_none() || s.tensor_parallel > 1 {
         return None;
     }
     let now = estimate(s, current);

@@ -85,15 +85,18 @@ pub fn seconds_per_step(s: &Setting, l: &Layout) -> f64 {
 }
 
 /// The expert-parallel degrees a mixture of experts may use on the setting's mesh: those
-/// dividing the experts per layer and the replicas, inside a node (E·T dividing the GPUs per
-/// node) first, each list ascending. Empty for a dense model.
+/// dividing the experts per layer and the replicas (and with hybrid sharding the shard degree:
+/// a group lies inside a shard group), inside a node (E·T dividing the GPUs per node) first,
+/// each list ascending. Empty for a dense model.
 pub fn degrees(s: &Setting) -> Vec<usize> {
     let Some(m) = &s.shape.moe else {
         return Vec::new();
     };
-    let replicas = s.replica_ranks(s.world);
+    let (replicas, shard) = (s.replica_ranks(s.world), s.shard_ranks(s.world));
     let all: Vec<usize> = (2..=replicas.min(m.num_experts))
-        .filter(|&e| m.num_experts.is_multiple_of(e) && replicas.is_multiple_of(e))
+        .filter(|&e| {
+            m.num_experts.is_multiple_of(e) && replicas.is_multiple_of(e) && shard.is_multiple_of(e)
+        })
         .collect();
     let inside = |e: &usize| {
         link(&Setting {
@@ -196,6 +199,36 @@ mod tests {
         assert_eq!(degrees(&s), vec![2, 4, 8, 16, 32, 64]);
         let (s, _) = test_setting(&["model.vocab_size=128256"], 8);
         assert!(degrees(&s).is_empty(), "a dense model");
+    }
+
+    /// With hybrid sharding an expert-parallel group lies inside a shard group: E divides the
+    /// shard degree, and a rank's slice of the state is what it is without EP (the experts'
+    /// 1/E among their S/E holders there).
+    #[test]
+    fn with_hybrid_sharding_a_group_stays_inside_a_shard_group() {
+        let hybrid = ["system.zero_stage=2", "system.shard_degree=4"];
+        let (s, l) = qwen3_30b(16, &hybrid);
+        assert_eq!(degrees(&s), vec![2, 4]);
+        let mut with_ep = hybrid.to_vec();
+        with_ep.push("system.expert_parallel=4");
+        let (e, _) = qwen3_30b(16, &with_ep);
+        let (a, b) = (
+            super::super::memory::during_step(&s, &l),
+            super::super::memory::during_step(&e, &l),
+        );
+        assert!(close(a.moments, b.moments) && close(a.master_weights, b.master_weights));
+        // The dense 1.5B and a quarter of the 29B experts: 29% of the weights.
+        assert!(
+            b.weights < 0.3 * a.weights,
+            "{} vs {}",
+            b.weights,
+            a.weights
+        );
+        // The experts' gradient slices go among the 4 / 4 = 1 holder of a shard group, and
+        // across the 4 groups: less than the dense-and-experts traffic without EP.
+        let sent =
+            |s: &Setting| super::super::comm::bytes_per_step(s, &l, ZeroStage::Gradients, 16);
+        assert!(sent(&e) < sent(&s));
     }
 
     /// The experts' gradients go among their holders only: at stage 0 on 8 ranks with E 8 no

@@ -17,7 +17,7 @@ use super::place::Rank;
 use super::tensor_parallel::GroupComm;
 use crate::config::Config;
 use crate::dist::buckets::broadcast_parameters;
-use crate::dist::{on_group, MeshGroups, ProcessGroup, SharedGroup};
+use crate::dist::{on_group, ExpertGroups, MeshGroups, ProcessGroup, SharedGroup};
 use crate::model::llama::{init_parameter, MakeParameter};
 use crate::model::{
     hf, ActivationMemory, ContextParallel, ExpertParallel, Llama, LlamaShape, Parameters,
@@ -63,7 +63,7 @@ pub fn build(
     let mut groups = rank.mesh.groups(pg)?;
     let context = groups.context.take();
     let experts = match &groups.expert {
-        Some((group, _)) => Some(expert_parallel(cfg, shape, rank, group)?),
+        Some(e) => Some(expert_parallel(cfg, shape, rank, &e.group)?),
         None => None,
     };
     let part = groups.tensor.as_ref().map(|g| Part {
@@ -169,7 +169,12 @@ fn optimizer(
     };
     let hp = AdamWParams::from_config(&cfg.training);
     let table = model.parameters();
-    let Some((group, holders)) = groups.expert else {
+    let Some(ExpertGroups {
+        group,
+        holders,
+        hybrid,
+    }) = groups.expert
+    else {
         return Optimizer::with_sharding(
             params,
             table,
@@ -197,12 +202,19 @@ fn optimizer(
     let total = model.shape.moe.as_ref().map_or(0, |m| m.num_experts);
     let (ep_rank, ep) = (model.expert_rank(), cfg.system.expert_parallel);
     let place = ExpertPlace::new(&experts, (group, holders), (ep_rank, ep, total / ep));
+    // With hybrid sharding the experts' state is sharded among their holders in this rank's
+    // shard group and replicated across the groups, as the other parameters' is.
+    let hybrid = hybrid.map(|(shard, replica, index)| Hybrid {
+        shard,
+        replica,
+        index,
+    });
     let experts = Experts::new(place, |over| {
         Optimizer::over_group(
             &experts,
             table,
             hp,
-            stage,
+            (stage, hybrid),
             over,
             pg,
             (cfg.system.bucket_mb, compute),
@@ -274,9 +286,9 @@ fn build_whole(
     on_group(groups.data.as_ref(), pg, |g| {
         broadcast_parameters(g, &dense, bucket)
     })?;
-    if let Some((_, holders)) = &groups.expert {
+    if let Some(e) = &groups.expert {
         let mut alone = crate::dist::SingleProcess;
-        on_group(holders.as_ref(), &mut alone, |g| {
+        on_group(e.holders.as_ref(), &mut alone, |g| {
             broadcast_parameters(g, &experts, bucket)
         })?;
     }

@@ -2,6 +2,8 @@
 //! E) are a second `Optimizer` (`Experts` in mod.rs) beside the one of every other parameter, over the ranks that
 //! hold the same experts (one per expert-parallel group: the "holders"), so that its ZeRO
 //! stage shards their state over those ranks and its reducer averages their gradients there.
+//! With hybrid sharding (E dividing the shard degree S) it is sharded among the S/E holders of
+//! this rank's shard group and replicated across the groups, as the other parameters are.
 //!
 //! What the two share:
 //! - the gradient: an expert's gradient on a rank sums over the tokens of its whole

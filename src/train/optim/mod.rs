@@ -239,20 +239,20 @@ impl Optimizer {
     }
 
     /// An optimizer of `params` as [`Optimizer::with_sharding`] over the ranks of `data`
-    /// alone (expert parallelism's holders of the same experts): no tensor parallelism, no
-    /// hybrid sharding.
+    /// alone (expert parallelism's holders of the same experts), with `hybrid` sharding among
+    /// them where given: no tensor parallelism.
     pub fn over_group(
         params: &[(String, Tensor)],
         table: &Parameters,
         hp: AdamWParams,
-        (stage, reduce): (ZeroStage, Kind),
+        ((stage, reduce), hybrid): ((ZeroStage, Kind), Option<Hybrid>),
         data: SharedGroup,
         pg: &dyn ProcessGroup,
         (bucket_mb, compute): (f64, Kind),
     ) -> Result<Optimizer> {
         let sharding = Sharding {
             stage,
-            hybrid: None,
+            hybrid,
             reduce,
             tensor: None,
         };
