@@ -49,6 +49,15 @@ pub struct Change {
 }
 
 impl Change {
+    /// The change as command-line flags: `--set a=1 --set b=2`.
+    pub fn flags(&self) -> String {
+        self.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The change from `current` to the layout of estimate `e`, `slowdown` against `base`
     /// seconds per step.
     fn to(current: &Layout, e: &Estimate, cost: f64, base: f64) -> Change {

@@ -652,11 +652,7 @@ fn tensor_parallel_text(r: &Report) -> Option<String> {
     };
     Some(format!(
         "With tensor parallelism in a node: {} (mesh {} tensor-parallel × {} data-parallel, the same tokens per step; needs {}, step {} ({:+.0}%), scaling efficiency {:.0}% {now}).",
-        c.sets
-            .iter()
-            .map(|s| format!("--set {s}"))
-            .collect::<Vec<_>>()
-            .join(" "),
+        c.flags(),
         tp.tensor_parallel,
         tp.data_parallel_ranks,
         gb(c.total_bytes),
@@ -1077,13 +1073,6 @@ pub fn advice_text(r: &Report) -> String {
     if r.fits {
         return String::new();
     }
-    let sets = |c: &Change| {
-        c.sets
-            .iter()
-            .map(|s| format!("--set {s}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let save = &r.checkpoint;
     let without_staging = |total: f64| {
         format!(
@@ -1097,7 +1086,7 @@ pub fn advice_text(r: &Report) -> String {
     let advice = match (&r.advice, &r.smallest, r.fits_without_staging) {
         (Some(c), _, alternative) => format!(
             "Cheapest change that fits: {} (needs {}, step time {:+.0}%).{}",
-            sets(c),
+            c.flags(),
             gb(c.total_bytes),
             c.slowdown * 100.0,
             alternative
@@ -1110,7 +1099,7 @@ pub fn advice_text(r: &Report) -> String {
             if c.sets.is_empty() {
                 "the current layout".to_string()
             } else {
-                sets(c)
+                c.flags()
             },
             gb(c.total_bytes),
             match r.configured.memory.staging {
@@ -1144,11 +1133,7 @@ fn context_parallel_text(r: &Report) -> Option<String> {
     Some(format!(
         "With context parallelism (each sequence split among {} ranks): {} (mesh {} data-parallel × {} context-parallel × {} tensor-parallel, the same tokens per step; needs {}, step {} ({:+.0}%), scaling efficiency {:.0}%).",
         cp.context_parallel,
-        c.sets
-            .iter()
-            .map(|s| format!("--set {s}"))
-            .collect::<Vec<_>>()
-            .join(" "),
+        c.flags(),
         cp.data_parallel_ranks,
         cp.context_parallel,
         cp.tensor_parallel,
@@ -1167,11 +1152,7 @@ fn expert_parallel_text(r: &Report) -> Option<String> {
     Some(format!(
         "With expert parallelism (each rank {} of every MoE layer's experts, tokens sent to them by all-to-all): {} (needs {}, step {} ({:+.0}%) with {} of all-to-all over {}, scaling efficiency {:.0}%; the same tokens per step).",
         ep.experts_per_rank,
-        c.sets
-            .iter()
-            .map(|s| format!("--set {s}"))
-            .collect::<Vec<_>>()
-            .join(" "),
+        c.flags(),
         gb(c.total_bytes),
         secs(c.step_seconds),
         c.slowdown * 100.0,

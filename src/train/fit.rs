@@ -79,11 +79,7 @@ pub fn explain(e: anyhow::Error) -> anyhow::Error {
             match advice {
                 Some(c) => text.push_str(&format!(
                     " Cheapest change to a quarter less memory: {} (estimated {}, step time {:+.0}%).",
-                    c.sets
-                        .iter()
-                        .map(|s| format!("--set {s}"))
-                        .collect::<Vec<_>>()
-                        .join(" "),
+                    c.flags(),
                     gb(c.total_bytes),
                     c.slowdown * 100.0
                 )),
