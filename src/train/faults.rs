@@ -6,6 +6,7 @@ use anyhow::{bail, Result};
 use super::place::Rank;
 use super::step::NanInjection;
 use crate::config::{Config, FaultChoice, OomPhase};
+use crate::model::{LlamaShape, Parameters};
 use crate::sys::oom;
 use crate::sys::phase::Phase;
 
@@ -30,15 +31,12 @@ pub struct Faults {
 }
 
 impl Faults {
-    /// Checks that `debug.inject_nan_param` names a parameter of the model (`names`).
-    pub fn new<'a>(
-        cfg: &Config,
-        rank: &Rank,
-        mut names: impl Iterator<Item = &'a str>,
-    ) -> Result<Faults> {
+    /// Checks that `debug.inject_nan_param` names a parameter of the model of `shape` (any
+    /// rank's: with expert parallelism another rank may hold it).
+    pub fn new(cfg: &Config, rank: &Rank, shape: &LlamaShape) -> Result<Faults> {
         let d = &cfg.debug;
         if let Some(name) = &d.inject_nan_param {
-            if !names.any(|n| n == name) {
+            if !Parameters::of(shape).contains(name) {
                 bail!("debug.inject_nan_param = {name:?} is not a parameter of this model (e.g. model.layers.0.mlp.up_proj.weight)");
             }
         }

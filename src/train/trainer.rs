@@ -138,9 +138,7 @@ impl<'a> Trainer<'a> {
             params,
             mut opt,
         } = build(cfg, &shape, &vs, compute, &rank, pg)?;
-        // Every parameter of the model, the experts other ranks hold included.
-        let whole = crate::model::Parameters::of(&shape);
-        let faults = Faults::new(cfg, &rank, whole.iter().map(|p| p.name.as_str()))?;
+        let faults = Faults::new(cfg, &rank, &shape)?;
         let identity = run::data::data_identity(&data, t.context_length)?;
         let mut state = fresh_state(resolved, &shape, rank.place.world, identity.clone());
         if let Some(dir) = &resume_dir {
