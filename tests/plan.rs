@@ -13,9 +13,23 @@ use common::{ok, output_text, run, small, small_gpt2, with, write_corpus};
 use serde_json::Value;
 
 fn plan_json(dir: &Path, args: &[&str]) -> Value {
-    let mut a = vec!["plan".to_string(), "--json".to_string()];
+    let mut a = vec!["--json"];
+    a.extend(args);
+    serde_json::from_str(&plan_text(dir, &a)).unwrap()
+}
+
+/// `lockstep plan` with `args`: its text (it must succeed).
+fn plan_text(dir: &Path, args: &[&str]) -> String {
+    let mut a = vec!["plan".to_string()];
     a.extend(args.iter().map(|s| s.to_string()));
-    serde_json::from_str(&ok(dir, &a)).unwrap()
+    ok(dir, &a)
+}
+
+/// Asserts that `text` holds every one of `parts`.
+fn says(text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "expected `{part}` in:\n{text}");
+    }
 }
 
 /// Llama-3.1-8B's shape (the production preset has its dimensions with 4 layers) with its
@@ -254,19 +268,18 @@ fn llama_70b_on_64_gpus_fits_at_stage_3_only() {
     );
 
     // The text names the gathered units and stage 3's communication.
-    let mut a = vec!["plan".to_string()];
-    a.extend(at_3.iter().map(|s| s.to_string()));
-    let text = ok(tmp.path(), &a);
-    for part in [
-        "zero stage 3 (1 + 1 prefetched = 2 unit gathers in flight)",
-        "  gathered units ",
-        "2 unit buffers (the one in use + 1 prefetched)",
-        ", stage 3 553.54 GB",
-        "  3 ",
-        "Fits: ",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    let text = plan_text(tmp.path(), &at_3);
+    says(
+        &text,
+        &[
+            "zero stage 3 (1 + 1 prefetched = 2 unit gathers in flight)",
+            "  gathered units ",
+            "2 unit buffers (the one in use + 1 prefetched)",
+            ", stage 3 553.54 GB",
+            "  3 ",
+            "Fits: ",
+        ],
+    );
 }
 
 #[test]
@@ -298,9 +311,7 @@ fn the_advice_fits_when_applied() {
     );
 
     // The text form says the same.
-    let mut a = vec!["plan".to_string()];
-    a.extend(args.iter().map(|s| s.to_string()));
-    let text = ok(tmp.path(), &a);
+    let text = plan_text(tmp.path(), &args);
     assert!(text.contains("DOES NOT FIT"), "{text}");
     assert!(
         text.contains(&format!("Cheapest change that fits: --set {}", sets[0])),
@@ -324,15 +335,16 @@ fn a_config_that_cannot_fit_is_refused_before_anything_is_prepared() {
     );
     let text = output_text(&out);
     assert_eq!(out.status.code(), Some(2), "{text}");
-    for part in [
-        "error: this config needs an estimated",
-        "per rank (weights 5.14 GB, moments 10.27 GB, gradients 5.14 GB",
-        "but 4.00 GB is available (system.memory_budget_gb)",
-        "No layout fits",
-        "`lockstep plan` with the same flags shows the breakdown",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    says(
+        &text,
+        &[
+            "error: this config needs an estimated",
+            "per rank (weights 5.14 GB, moments 10.27 GB, gradients 5.14 GB",
+            "but 4.00 GB is available (system.memory_budget_gb)",
+            "No layout fits",
+            "`lockstep plan` with the same flags shows the breakdown",
+        ],
+    );
     assert!(!text.contains("panicked"), "{text}");
     // Refused before the data was prepared or anything was written.
     assert!(!dir.join(".lockstep").exists(), "no data cache");
@@ -585,25 +597,27 @@ fn a_save_stages_12_bytes_per_parameter_over_the_writers_and_stalls_by_the_stora
         .map(|s| s.to_string())
         .collect();
     let text = ok(tmp.path(), &args);
-    for part in [
+    says(
+        &text,
+        &[
         "Checkpoint: 96.36 GB per save (fp32 weights and AdamW moments, 12 B/param): 6.02 GB from each of 16 writing ranks, 48.18 GB from the node with the most (8); storage 2.0 GB/s per node (--storage-gbps)",
         "  staging 6.02 GB per rank of pinned host memory, kept from the first save (checkpoint.async): 48.18 GB per node of 8 writing ranks",
         "  stall per save: synchronous ",
         "configured: asynchronous",
         "  time lost to saves every 1000 steps (",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+        ],
+    );
 
     // checkpoint.async=false: nothing staged, the synchronous stall is the configured one.
     args.extend(["--set".into(), "checkpoint.async=false".into()]);
     let text = ok(tmp.path(), &args);
-    for part in [
-        "  staging 0.00 GB per rank (checkpoint.async = false",
-        "configured: synchronous",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    says(
+        &text,
+        &[
+            "  staging 0.00 GB per rank (checkpoint.async = false",
+            "configured: synchronous",
+        ],
+    );
     let mut extra = stage_3.to_vec();
     extra.extend(["--set", "checkpoint.async=false"]);
     let c = plan(&extra)["checkpoint"].clone();
@@ -677,13 +691,14 @@ fn a_cpu_rank_counts_its_staging_copy_in_its_memory() {
         ]
         .map(String::from),
     );
-    for part in [
+    says(
+        &text,
+        &[
         "  staging ",
         "checkpoint.async: host copy of what this rank writes (12 B/param over 1 writing rank)",
         "of host memory, kept from the first save (checkpoint.async): in the per-rank peak above",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+        ],
+    );
 }
 
 #[test]
@@ -715,14 +730,15 @@ fn the_start_check_counts_the_staging_copy_on_cpu_and_names_checkpoint_async() {
     let out = run(dir, &train(&["--set", "logging.run_name=refused"]));
     let text = output_text(&out);
     assert_eq!(out.status.code(), Some(2), "{text}");
-    for part in [
-        "error: this config needs an estimated",
-        ", checkpoint.async staging 0.",
-        "--set checkpoint.async=false, without the ",
-        "every save then stalls training for its whole write",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    says(
+        &text,
+        &[
+            "error: this config needs an estimated",
+            ", checkpoint.async staging 0.",
+            "--set checkpoint.async=false, without the ",
+            "every save then stalls training for its whole write",
+        ],
+    );
     // Without the copy it starts, and says nothing of staging.
     let started = ok(
         dir,
@@ -847,18 +863,19 @@ fn tensor_parallelism_splits_each_ranks_share_and_the_plan_shows_the_mesh() {
         .map(String::from),
     );
     let text = ok(tmp.path(), &args);
-    for part in [
-        "Layout: 16 GPUs = mesh 8 tensor-parallel × 2 data-parallel, sequence parallel on |",
-        "× 1 accumulation per data-parallel rank |",
-        "1/8 of it on each rank of a tensor-parallel group",
-        "Communication per step per rank among 2 data-parallel ranks",
-        "Tensor parallelism: ",
-        "per step per rank in each group of 8 (8 × 7/8 × d × 2 B per layer and token;",
-        "over a node's links at 360 GB/s",
-        "TP time",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    says(
+        &text,
+        &[
+            "Layout: 16 GPUs = mesh 8 tensor-parallel × 2 data-parallel, sequence parallel on |",
+            "× 1 accumulation per data-parallel rank |",
+            "1/8 of it on each rank of a tensor-parallel group",
+            "Communication per step per rank among 2 data-parallel ranks",
+            "Tensor parallelism: ",
+            "per step per rank in each group of 8 (8 × 7/8 × d × 2 B per layer and token;",
+            "over a node's links at 360 GB/s",
+            "TP time",
+        ],
+    );
 }
 
 #[test]
@@ -900,16 +917,15 @@ fn llama_70b_on_64_gpus_is_advised_tensor_parallelism_8_in_a_node() {
     .sum();
     assert!((step - parts).abs() < 1e-9 * step);
     // The text says it beside the data-parallel change.
-    let mut a = vec!["plan".to_string()];
-    a.extend(args.iter().map(|s| s.to_string()));
-    let text = ok(tmp.path(), &a);
-    for part in [
-        "Cheapest change that fits: --set system.zero_stage=3",
-        "With tensor parallelism in a node: --set system.tensor_parallel=8 ",
-        "(mesh 8 tensor-parallel × 8 data-parallel, the same tokens per step;",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    let text = plan_text(tmp.path(), &args);
+    says(
+        &text,
+        &[
+            "Cheapest change that fits: --set system.zero_stage=3",
+            "With tensor parallelism in a node: --set system.tensor_parallel=8 ",
+            "(mesh 8 tensor-parallel × 8 data-parallel, the same tokens per step;",
+        ],
+    );
 }
 
 /// Llama-3.1-405B's shape (126 layers, d 16384, 128 heads / 8 KV heads, FFN 53248, untied
@@ -1153,18 +1169,19 @@ fn context_parallelism_splits_each_sequence_and_the_plan_shows_the_mesh() {
             .map(|s| s.to_string()),
     );
     let text = ok(tmp.path(), &text_args);
-    for part in [
-        "Layout: 32 GPUs = mesh 4 data-parallel × 8 context-parallel × 1 tensor-parallel |",
-        "32 layers × 16384 tokens (1/8 of each sequence: context parallel)",
-        "  cp buffers ",
-        "1/8 of it on each rank of a context-parallel group",
-        "Communication per step per rank among 32 data × context ranks",
-        "Context parallelism: ",
-        "per step per rank in each group of 8",
-        "CP time",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+    says(
+        &text,
+        &[
+            "Layout: 32 GPUs = mesh 4 data-parallel × 8 context-parallel × 1 tensor-parallel |",
+            "32 layers × 16384 tokens (1/8 of each sequence: context parallel)",
+            "  cp buffers ",
+            "1/8 of it on each rank of a context-parallel group",
+            "Communication per step per rank among 32 data × context ranks",
+            "Context parallelism: ",
+            "per step per rank in each group of 8",
+            "CP time",
+        ],
+    );
 }
 
 #[test]
@@ -1264,23 +1281,20 @@ fn qwen3_30b_a3b_on_16_gpus_is_advised_expert_parallelism_8_in_a_node() {
         "{weights} against {held}"
     );
     // The text names the change and the exchange; stage 3 is not offered with EP.
-    let mut a = vec!["plan".to_string()];
-    a.extend(args.iter().map(|s| s.to_string()));
-    let text = ok(tmp.path(), &a);
+    let text = plan_text(tmp.path(), &args);
     assert!(
         text.contains("With expert parallelism (each rank 16 of every MoE layer's experts"),
         "{text}"
     );
-    let mut a = vec!["plan".to_string()];
-    a.extend(with_sets(&args, &sets).iter().map(|s| s.to_string()));
-    let text = ok(tmp.path(), &a);
-    for part in [
+    let text = plan_text(tmp.path(), &with_sets(&args, &sets));
+    says(
+        &text,
+        &[
         "| expert parallel 8 (groups of 8 replicas, each rank 16 of every MoE layer's 128 experts)",
         "Expert parallelism: 67.65 GB per step per rank in each group of 8",
         "over a node's links at 360 GB/s",
         "the experts' gradients reduced among their 2 holders",
-    ] {
-        assert!(text.contains(part), "expected `{part}` in:\n{text}");
-    }
+        ],
+    );
     assert!(!text.contains("stage 3"), "{text}");
 }

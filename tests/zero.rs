@@ -61,6 +61,19 @@ fn run_at(
     )
 }
 
+/// `lockstep run --cpu` of `base` on `world` ranks with `extra`, which must exit 2 (a bad
+/// input refused before training): its output.
+fn refused_run(dir: &Path, base: &[String], world: usize, extra: &[&str]) -> String {
+    let nproc = world.to_string();
+    let out = common::run(
+        dir,
+        &with(base, &["run", "--cpu", "--nproc", &nproc], extra),
+    );
+    let text = common::output_text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    text
+}
+
 fn close_losses(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64) {
     assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
     for ((sa, la), (sb, lb)) in a.iter().zip(b) {
@@ -906,15 +919,7 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     );
 
     // Bad degrees: exit 2, naming the key, the value and the valid ones.
-    let refused = |world: usize, extra: &[&str]| {
-        let nproc = world.to_string();
-        let out = common::run(
-            dir,
-            &with(&base, &["run", "--cpu", "--nproc", &nproc], extra),
-        );
-        assert_eq!(out.status.code(), Some(2), "{}", common::output_text(&out));
-        common::output_text(&out)
-    };
+    let refused = |world: usize, extra: &[&str]| refused_run(dir, &base, world, extra);
     let text = refused(
         2,
         &[
@@ -1019,25 +1024,21 @@ fn expert_parallelism_with_hybrid_sharding_trains_like_data_parallelism() {
     assert_eq!(one.first().map(|s| s.0), Some(4), "continues at step 4");
     close_losses(&one, &dp4.0[3..], 1e-5);
 
-    let out = common::run(
+    let text = refused_run(
         dir,
-        &with(
-            &base,
-            &["run", "--cpu", "--nproc", "4"],
-            &[
-                "--set",
-                "training.batch_size=1",
-                "--set",
-                "system.zero_stage=1",
-                "--set",
-                "system.expert_parallel=4",
-                "--set",
-                "system.shard_degree=2",
-            ],
-        ),
+        &base,
+        4,
+        &[
+            "--set",
+            "training.batch_size=1",
+            "--set",
+            "system.zero_stage=1",
+            "--set",
+            "system.expert_parallel=4",
+            "--set",
+            "system.shard_degree=2",
+        ],
     );
-    let text = common::output_text(&out);
-    assert_eq!(out.status.code(), Some(2), "{text}");
     assert!(
         text.contains("system.expert_parallel = 4 must divide system.shard_degree = 2")
             && text.contains("valid shard degrees here: 4"),
