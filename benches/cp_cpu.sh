@@ -6,6 +6,7 @@
 # usage: benches/cp_cpu.sh [steps=8] [rounds=3] [context=2048]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/timing_lib.sh"
 cd "$ROOT"
 steps=${1:-8}
 rounds=${2:-3}
@@ -19,11 +20,6 @@ common=(--preset tiny --max-steps "$steps" --set logging.verbose=true --set logg
         --set training.eval_batches=0 --set checkpoint.interval=0 --set logging.memory_interval=0
         --set logging.tensorboard=false --set training.context_length="$context"
         --set model.max_position_embeddings="$context")
-median_tps() { # metrics.jsonl -> median tokens/s of steps 3..
-  python3 -c 'import json,statistics,sys
-r=[json.loads(l) for l in open(sys.argv[1])]
-print(round(statistics.median(x["tokens_per_s"] for x in r if x["step"]>=3)))' "$1"
-}
 for r in $(seq "$rounds"); do
   "$bin" train "${common[@]}" --set training.batch_size=2 --set logging.run_name="one$r" >"one$r.log" 2>&1
   "$bin" run --nproc 2 --cpu "${common[@]}" --set training.batch_size=1 \
@@ -31,6 +27,6 @@ for r in $(seq "$rounds"); do
   "$bin" run --nproc 2 --cpu "${common[@]}" --set training.batch_size=2 \
     --set system.context_parallel=2 --set logging.run_name="cp$r" >"cp$r.log" 2>&1
   for k in one dp cp; do
-    echo "round $r $k: $(median_tps "runs/$k$r/metrics.jsonl") tok/s | $(grep -a "Timing" "$k$r.log" | tail -1 | sed 's/.*Timing per step: //')"
+    echo "round $r $k: $(median_tps "runs/$k$r/metrics.jsonl" 3) tok/s | $(grep -a "Timing" "$k$r.log" | tail -1 | sed 's/.*Timing per step: //')"
   done
 done

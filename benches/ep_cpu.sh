@@ -8,6 +8,7 @@
 # usage: benches/ep_cpu.sh [steps=12] [rounds=3] [experts=32]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/timing_lib.sh"
 cd "$ROOT"
 steps=${1:-12}
 rounds=${2:-3}
@@ -20,11 +21,6 @@ common=(--preset qwen3-moe-tiny --max-steps "$steps" --set training.context_leng
         --set training.batch_size=4 --set logging.verbose=true --set logging.interval=1
         --set training.eval_batches=0 --set checkpoint.interval=0 --set logging.memory_interval=0
         --set logging.tensorboard=false --set system.num_threads=1 --set model.num_experts="$experts")
-median_tps() { # metrics.jsonl -> median tokens/s of steps 4..
-  python3 -c 'import json,statistics,sys
-r=[json.loads(l) for l in open(sys.argv[1])]
-print(round(statistics.median(x["tokens_per_s"] for x in r if x["step"]>=4)))' "$1"
-}
 for r in $(seq "$rounds"); do
   for stage in 0 2; do
     for ep in 1 2; do
@@ -32,7 +28,7 @@ for r in $(seq "$rounds"); do
       "$bin" run --nproc 2 --cpu "${common[@]}" --set system.zero_stage="$stage" \
         --set system.expert_parallel="$ep" --set logging.run_name="$k" >"$k.log" 2>&1
       rss=$(grep -a "GPU0\|CPU0\|\[0\]" "$k.log" | grep -o "Peak memory: RSS [0-9.]* GB" | head -1 || true)
-      echo "round $r stage $stage EP $ep: $(median_tps "runs/$k/metrics.jsonl") tok/s | ${rss:-?} | $(grep -a "Timing" "$k.log" | tail -1 | sed 's/.*Timing per step: //')"
+      echo "round $r stage $stage EP $ep: $(median_tps "runs/$k/metrics.jsonl" 4) tok/s | ${rss:-?} | $(grep -a "Timing" "$k.log" | tail -1 | sed 's/.*Timing per step: //')"
     done
   done
 done

@@ -9,3 +9,10 @@ step_ms() {
     END { if (n) printf "%.0f %.0f %.0f\n", s/n, c/n, r/n; else print "nan nan nan" }'
 }
 median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+# The median tokens/s of a run's metrics.jsonl ($1) over its steps from $2 on (the first ones
+# carry start-up).
+median_tps() {
+  python3 -c 'import json,statistics,sys
+r=[json.loads(l) for l in open(sys.argv[1])]
+print(round(statistics.median(x["tokens_per_s"] for x in r if x["step"]>=int(sys.argv[2]))))' "$1" "$2"
+}

@@ -6,6 +6,7 @@
 # usage: benches/tp_cpu.sh [steps=12] [rounds=3]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/timing_lib.sh"
 cd "$ROOT"
 steps=${1:-12}
 rounds=${2:-3}
@@ -18,11 +19,6 @@ common=(--preset tiny --max-steps "$steps" --set training.context_length=256
         --set logging.verbose=true --set logging.interval=1
         --set training.eval_batches=0 --set checkpoint.interval=0 --set logging.memory_interval=0
         --set logging.tensorboard=false)
-median_tps() { # metrics.jsonl -> median tokens/s of steps 4..
-  python3 -c 'import json,statistics,sys
-r=[json.loads(l) for l in open(sys.argv[1])]
-print(round(statistics.median(x["tokens_per_s"] for x in r if x["step"]>=4)))' "$1"
-}
 for r in $(seq "$rounds"); do
   "$bin" train "${common[@]}" --set training.batch_size=8 --set logging.run_name="one$r" >"one$r.log" 2>&1
   "$bin" run --nproc 2 --cpu "${common[@]}" --set training.batch_size=4 \
@@ -33,6 +29,6 @@ for r in $(seq "$rounds"); do
     --set system.tensor_parallel=2 --set system.sequence_parallel=false \
     --set logging.run_name="tpn$r" >"tpn$r.log" 2>&1
   for k in one dp tp tpn; do
-    echo "round $r $k: $(median_tps "runs/$k$r/metrics.jsonl") tok/s | $(grep -a "Timing" "$k$r.log" | tail -1 | sed 's/.*Timing per step: //')"
+    echo "round $r $k: $(median_tps "runs/$k$r/metrics.jsonl" 4) tok/s | $(grep -a "Timing" "$k$r.log" | tail -1 | sed 's/.*Timing per step: //')"
   done
 done
