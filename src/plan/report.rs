@@ -750,16 +750,13 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
             } else {
                 String::new()
             },
-            if r.expert_parallel > 1 {
-                format!(
-                    " | expert parallel {} (groups of {} replicas, each rank {} of every MoE layer's {} experts)",
-                    r.expert_parallel,
-                    r.expert_parallel,
-                    r.model.experts.as_ref().map_or(0, |e| e.experts) / r.expert_parallel,
-                    r.model.experts.as_ref().map_or(0, |e| e.experts)
-                )
-            } else {
-                String::new()
+            match (r.expert_parallel, &r.model.experts) {
+                (ep, Some(m)) if ep > 1 => format!(
+                    " | expert parallel {ep} (groups of {ep} replicas, each rank {} of every MoE layer's {} experts)",
+                    m.experts / ep,
+                    m.experts
+                ),
+                _ => String::new(),
             },
         ]
         .concat(),
@@ -1031,13 +1028,8 @@ fn scaling_text(o: &mut String, r: &Report) {
     );
     let tp_column = |x: String| if t > 1 { x } else { String::new() };
     let cp_column = |x: String| if cp > 1 { x } else { String::new() };
-    let ep_column = |x: String| {
-        if r.expert_parallel > 1 {
-            x
-        } else {
-            String::new()
-        }
-    };
+    let ep = r.expert_parallel;
+    let ep_column = |x: String| if ep > 1 { x } else { String::new() };
     let _ = writeln!(
         o,
         "  {:>6} {:>14} {:>12}{}{}{} {:>22} {:>22}",
