@@ -788,8 +788,8 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
 /// load-balancing loss on; 6 clipped AdamW steps): EP 2 on 2 ranks at stages 0 and 2 trains
 /// like data parallelism on 2 ranks, EP 4 on 4 ranks at stage 1 like data parallelism on 4;
 /// the EP 2 checkpoint (every expert from the rank that holds it, whole HF tensors) resumes on
-/// 1 rank with the uninterrupted losses and at EP 4 like data parallelism resumed from it. Bad
-/// degrees exit 2 naming the key.
+/// 1 rank with the uninterrupted losses and at EP 4 stage 3 like data parallelism resumed from
+/// it. Bad degrees exit 2 naming the key.
 #[test]
 fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     let tmp = tempfile::tempdir().unwrap();
@@ -873,15 +873,16 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     let (_, dp4_resumed) = run(4, 0, "dp4r", &["--resume", ckpt]);
     let (_, ep4_resumed) = run(
         4,
-        0,
+        3,
         "ep4r",
         &["--resume", ckpt, "--set", "system.expert_parallel=4"],
     );
     assert_eq!(ep4_resumed.len(), 3, "steps 4-6: {ep4_resumed:?}");
     close_losses(&ep4_resumed, &dp4_resumed, 1e-5);
 
-    // A NaN in the gradient of an expert rank 1 holds (experts 2 and 3 of each layer): rank
-    // 0's report names it, with its counts, and the debug dump holds it.
+    // A NaN in the gradient of an expert rank 1 holds (experts 2 and 3 of each layer), at
+    // stage 3 (where a rank's parameters are placeholders between uses): rank 0's report
+    // names it, with its counts, and the debug dump holds it.
     const EXPERT: &str = "model.layers.1.mlp.experts.3.up_proj.weight";
     let out = common::run(
         dir,
@@ -893,6 +894,8 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
                 "training.batch_size=2",
                 "--set",
                 "system.expert_parallel=2",
+                "--set",
+                "system.zero_stage=3",
                 "--set",
                 "logging.run_name=epnan",
                 "--set",
@@ -959,10 +962,10 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
 
 /// Expert parallelism 2 with hybrid sharding on 4 ranks (2 shard groups of 2: each an
 /// expert-parallel group, so each expert has one holder per group and its state is replicated
-/// across the groups) at stages 1 and 2 trains like data parallelism on the 4 ranks: losses,
-/// every weight and both moments of every parameter in the step-6 checkpoint (written by the
-/// first group: its holders write the experts) within 1e-5; that checkpoint resumes on 1
-/// rank on the uninterrupted losses. A shard degree E does not divide exits 2 naming both
+/// across the groups) at stages 1, 2 and 3, and EP 2 and 4 at stage 3 without it, train like
+/// data parallelism on the 4 ranks: losses, every weight and both moments of every parameter
+/// in the step-6 checkpoint (written by the first group: its holders write the experts)
+/// within 1e-5; that checkpoint resumes on 1 rank on the uninterrupted losses. A shard degree E does not divide exits 2 naming both
 /// keys and the valid degrees.
 #[test]
 fn expert_parallelism_with_hybrid_sharding_trains_like_data_parallelism() {
@@ -1000,10 +1003,26 @@ fn expert_parallelism_with_hybrid_sharding_trains_like_data_parallelism() {
         "--set",
         "system.shard_degree=2",
     ];
-    for stage in [1, 2] {
+    for stage in [1, 2, 3] {
         let name = format!("ep2-hybrid-s{stage}");
         let ep = finished(&name, stage, &hybrid);
         close(&name, &ep, &dp4);
+    }
+    // Stage 3 without hybrid sharding: EP 2 (each expert's state sharded over its 2 holders,
+    // gathered with its decoder layer over them) and EP 4 (each expert held by one rank), with
+    // activation checkpointing (every unit gathered again for the recomputation).
+    for (ep, extra) in [
+        ("2", None),
+        ("4", Some("training.activation_checkpointing=full")),
+    ] {
+        let set = format!("system.expert_parallel={ep}");
+        let mut flags = vec!["--set", set.as_str()];
+        if let Some(x) = extra {
+            flags.extend(["--set", x]);
+        }
+        let name = format!("ep{ep}-s3");
+        let got = finished(&name, 3, &flags);
+        close(&name, &got, &dp4);
     }
     // Resumed from step 3 on one rank (batch 4: the same global batch).
     let mut stop = hybrid.to_vec();

@@ -603,13 +603,10 @@ fn check_expert_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
     let not_yet = |what: String| {
         format!(
             "system.expert_parallel = {ep} with {what}: not supported yet (expert parallelism \
-             runs at zero_stage 0-2 without tensor parallelism); set \
+             runs without tensor parallelism); set \
              system.expert_parallel = 1 or change {what}"
         )
     };
-    if s.zero_stage.shards_parameters() {
-        bad(not_yet(format!("system.zero_stage = {}", s.zero_stage)));
-    }
     if s.tensor_parallel > 1 {
         bad(not_yet(format!(
             "system.tensor_parallel = {}",

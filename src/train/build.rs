@@ -76,7 +76,7 @@ pub fn build(
         params,
         opt,
     } = if cfg.system.zero_stage.shards_parameters() {
-        build_sharded(cfg, shape, vs, compute, rank, pg, (groups, part))?
+        build_sharded(cfg, shape, vs, compute, (rank, experts), pg, (groups, part))?
     } else {
         build_whole(cfg, shape, vs, compute, (rank, experts), pg, (groups, part))?
     };
@@ -303,13 +303,13 @@ fn build_whole(
 /// the model's parameters are empty placeholders, and each parameter's value is made (drawn
 /// from the seeded RNG in `Llama::new`'s order, so every rank draws the same numbers as a
 /// replicated run, or read from `model.model_path`) one at a time, and only this rank's slice
-/// of its part kept.
+/// of its part kept; with expert parallelism another position's experts are made and dropped.
 fn build_sharded(
     cfg: &Config,
     shape: &LlamaShape,
     vs: &VarStore,
     compute: Kind,
-    rank: &Rank,
+    (rank, ep): (&Rank, Option<ExpertParallel>),
     pg: &mut dyn ProcessGroup,
     (groups, part): (MeshGroups, Option<Part>),
 ) -> Result<Built> {
@@ -319,30 +319,35 @@ fn build_sharded(
         shape,
         vs,
         compute,
-        (part.as_ref(), None),
+        (part.as_ref(), ep),
         &mut |_, _, _| Tensor::empty([0], (Kind::Float, device)),
     )?;
     let params = Llama::named_parameters(vs);
     let opt = optimizer(cfg, &params, &model, compute, pg, groups)?;
     let table = model.parameters();
-    let mine = |name: &str, value: Tensor| match &part {
-        Some(p) => p.of(table, name, &value),
-        None => Ok(value),
+    let held: std::collections::HashSet<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    let keep = |name: &str, value: Tensor| {
+        if !held.contains(name) {
+            anyhow::ensure!(table.is_expert(name), "internal: no parameter {name}");
+            return Ok(());
+        }
+        let value = match &part {
+            Some(p) => p.of(table, name, &value)?,
+            None => value,
+        };
+        opt.set_initial(name, &value)
     };
     match &cfg.model.model_path {
         None => {
             // The table's order is `Llama::new`'s: the same random draws as a replicated run.
             for p in table.iter() {
-                let value = mine(&p.name, init_parameter(&p.shape, p.init, device))?;
-                opt.set_initial(&p.name, &value)?;
+                keep(&p.name, init_parameter(&p.shape, p.init, device))?;
             }
         }
         Some(dir) => {
             let path = crate::data::hub::resolve_model(dir)?;
-            hf::read_weights(&path, &table.shapes(), |name, value| {
-                opt.set_initial(name, &mine(name, value)?)
-            })
-            .with_context(|| format!("model.model_path = {dir}"))?;
+            hf::read_weights(&path, &table.shapes(), keep)
+                .with_context(|| format!("model.model_path = {dir}"))?;
             loaded(rank, dir, &path, shape);
         }
     }

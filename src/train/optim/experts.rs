@@ -106,7 +106,7 @@ impl ExpertPlace {
     }
 
     /// The other positions' counterparts of `values`: this rank's experts `params` (name and
-    /// parameter) with one whole value each (their full values or gradients, undefined where
+    /// a tensor of the expert's whole shape) with one whole value each (their full values or gradients, undefined where
     /// there is none), for each position p ≠ this one in order the same list as p holds it,
     /// renamed to p's numbering, in fp32: which values are defined, then each defined one,
     /// broadcast from p over the group. A collective of the expert-parallel group, for the

@@ -316,6 +316,9 @@ impl Optimizer {
     /// Stage 3 built from placeholders: parameter `name`'s initial value (this rank keeps its
     /// slice).
     pub fn set_initial(&self, name: &str, full: &Tensor) -> Result<()> {
+        if let Some(e) = self.experts.as_ref().filter(|e| e.place.holds(name)) {
+            return e.opt.set_initial(name, full);
+        }
         match &self.layout {
             Layout::Sharded(o) if o.stage.shards_parameters() => o.set_initial(name, full),
             _ => bail!("internal: initial values one at a time are for zero stage 3"),
@@ -571,9 +574,10 @@ impl Optimizer {
         let own: Vec<usize> = (0..params.len())
             .filter(|&i| self.is_expert(&params[i].0))
             .collect();
+        // Named by their full values, whose shapes a parameter's placeholder at stage 3 lacks.
         let mine: Named = own
             .iter()
-            .map(|&i| (params[i].0.clone(), params[i].1.shallow_clone()))
+            .map(|&i| (params[i].0.clone(), values[i].1.shallow_clone()))
             .collect();
         let own_values: Vec<Tensor> = own.iter().map(|&i| values[i].1.shallow_clone()).collect();
         let own_grads: Vec<Tensor> = own.iter().map(|&i| grads[i].shallow_clone()).collect();
@@ -821,40 +825,54 @@ struct Events<'o, 'q, 'a> {
     queue: &'q mut CommQueue<'a>,
     reduce: bool,
     /// Stage 3: the units in the order of their `before`, the position of the next one, how
-    /// far the gathers have been issued, and those not yet taken (position, buffer).
+    /// far the gathers have been issued, and those not yet taken (position, and each
+    /// gathering layout's).
     order: &'o [GradUnit],
     next: usize,
     issued: usize,
-    pending: VecDeque<(usize, mpsc::Receiver<Tensor>)>,
-    /// Stage 3: the gathered buffer of each unit in use (its parameters are views of it).
-    live: Vec<(GradUnit, Tensor)>,
+    pending: VecDeque<(usize, Vec<Arriving>)>,
+    /// Stage 3: the gathered buffer of each unit in use, by unit and layout (its parameters
+    /// are views of it).
+    live: Vec<(Held, Tensor)>,
     /// Stage 3: buffers of units used again later in the pass, their storage freed after the
     /// unit's use. The autograd graph of a unit's forward (no activation checkpointing) keeps
     /// views of its parameters, which share the buffer's storage: freed, they hold nothing
     /// until the unit's next gather fills the same storage again (torch FSDP's
     /// `_free_storage` / `_alloc_storage`).
-    freed: Vec<(GradUnit, Tensor)>,
+    freed: Vec<(Held, Tensor)>,
 }
 
-/// Takes `unit`'s entry out of a list of buffers by unit.
-fn take(list: &mut Vec<(GradUnit, Tensor)>, unit: GradUnit) -> Option<Tensor> {
-    let at = list.iter().position(|(u, _)| *u == unit)?;
+/// A unit's buffer of one gathering layout: the unit, and the layout's index in
+/// [`gatherers`] (with expert parallelism a decoder layer of a mixture has two: the experts'
+/// gathered over their holders, the rest over the replicas).
+type Held = (GradUnit, usize);
+
+/// A gather in flight: the layout's index in [`gatherers`], and where its buffer arrives.
+type Arriving = (usize, mpsc::Receiver<Tensor>);
+
+/// Takes `key`'s entry out of a list of buffers.
+fn take(list: &mut Vec<(Held, Tensor)>, key: Held) -> Option<Tensor> {
+    let at = list.iter().position(|(k, _)| *k == key)?;
     Some(list.swap_remove(at).1)
 }
 
-/// Stage 3's sharded optimizer, if this is stage 3.
-fn gathering(opt: &Optimizer) -> Option<&ShardedAdamW> {
-    match &opt.layout {
-        Layout::Sharded(o) if o.stage.shards_parameters() => Some(o),
-        _ => None,
-    }
+/// Stage 3's sharded layouts (the optimizer's, and with expert parallelism its experts'),
+/// none below stage 3.
+fn gatherers(opt: &Optimizer) -> Vec<&ShardedAdamW> {
+    opt.parts()
+        .filter_map(|part| match &part.layout {
+            Layout::Sharded(o) if o.stage.shards_parameters() => Some(o.as_ref()),
+            _ => None,
+        })
+        .collect()
 }
 
 impl UnitEvents for Events<'_, '_, '_> {
     fn before(&mut self, unit: GradUnit) -> Result<()> {
-        let Some(o) = gathering(self.opt) else {
+        let layouts = gatherers(self.opt);
+        if layouts.is_empty() {
             return Ok(());
-        };
+        }
         if self.order.get(self.next) != Some(&unit) {
             bail!(
                 "internal: unit {unit:?} used at position {} of a pass planned as {:?}",
@@ -862,41 +880,42 @@ impl UnitEvents for Events<'_, '_, '_> {
                 self.order
             );
         }
-        // Issue the gathers up to `prefetch` units ahead of this one, then wait for this one.
+        // Issue the gathers up to `prefetch` units ahead of this one (each layout holding
+        // parameters of the unit its own), then wait for this one's.
         let ahead = (self.next + self.opt.prefetch).min(self.order.len() - 1);
         while self.issued <= ahead {
             let u = self.order[self.issued];
-            let Some(i) = o.unit_index(u) else {
+            let mut arriving = Vec::new();
+            for (k, o) in layouts.iter().enumerate() {
+                let Some(i) = o.unit_index(u) else {
+                    continue;
+                };
+                let into = take(&mut self.freed, (u, k));
+                let (job, rx) = o.gather_job(i, into)?;
+                self.queue.submit(job);
+                arriving.push((k, rx));
+            }
+            if arriving.is_empty() {
                 bail!("internal: no parameters of unit {u:?} to gather");
-            };
-            let into = take(&mut self.freed, u);
-            let (job, rx) = o.gather_job(i, into)?;
-            self.queue.submit(job);
-            self.pending.push_back((self.issued, rx));
+            }
+            self.pending.push_back((self.issued, arriving));
             self.issued += 1;
         }
-        let Some((at, rx)) = self.pending.pop_front() else {
+        let Some((at, arriving)) = self.pending.pop_front() else {
             bail!("internal: no gather in flight for unit {unit:?}");
         };
         debug_assert_eq!(at, self.next);
-        let buffer = self.queue.wait(&rx)?;
-        let i = o.unit_index(unit).expect("checked when issued");
-        o.materialize(i, &buffer);
-        self.live.push((unit, buffer));
+        for (k, rx) in arriving {
+            let buffer = self.queue.wait(&rx)?;
+            let o = layouts[k];
+            o.materialize(o.unit_index(unit).expect("checked when issued"), &buffer);
+            self.live.push(((unit, k), buffer));
+        }
         self.next += 1;
         Ok(())
     }
 
     fn after(&mut self, unit: GradUnit) -> Result<()> {
-        let Some(o) = gathering(self.opt) else {
-            return Ok(());
-        };
-        if let Some(i) = o.unit_index(unit) {
-            o.release(i);
-        }
-        let Some(buffer) = take(&mut self.live, unit) else {
-            return Ok(());
-        };
         // Used again later in the pass: the storage is freed although the graph of this use may
         // still refer to it, since the next use's gather fills it again first; unless that
         // gather is already issued (prefetch reaching the next use while this one ran) into a
@@ -904,9 +923,18 @@ impl UnitEvents for Events<'_, '_, '_> {
         // only dropped, so that a graph read after the pass (none in training, whose backward
         // is inside it) still finds its values.
         let regathering = self.pending.iter().any(|(at, _)| self.order[*at] == unit);
-        if self.order[self.next..].contains(&unit) && !regathering {
-            crate::sys::storage::free(&buffer)?;
-            self.freed.push((unit, buffer));
+        let again = self.order[self.next..].contains(&unit) && !regathering;
+        for (k, o) in gatherers(self.opt).into_iter().enumerate() {
+            if let Some(i) = o.unit_index(unit) {
+                o.release(i);
+            }
+            let Some(buffer) = take(&mut self.live, (unit, k)) else {
+                continue;
+            };
+            if again {
+                crate::sys::storage::free(&buffer)?;
+                self.freed.push(((unit, k), buffer));
+            }
         }
         Ok(())
     }
