@@ -154,13 +154,11 @@ fn candidates(s: &Setting, current: &Layout) -> Vec<Layout> {
     .filter(|m| strength(*m) >= strength(current.activation_checkpointing))
     .collect();
     // Sharding only saves memory across ranks: alone, a rank keeps the stage it has.
-    // Expert parallelism runs at zero stages 0 to 2 (`config::validate`).
     let replicas = s.replica_ranks(s.world);
     let stages: Vec<ZeroStage> = if replicas > 1 {
         ZeroStage::ALL
             .into_iter()
             .filter(|z| *z >= current.zero_stage)
-            .filter(|z| s.expert_parallel <= 1 || !z.shards_parameters())
             .collect()
     } else {
         vec![current.zero_stage]
@@ -428,7 +426,7 @@ pub fn expert_parallel(s: &Setting, current: &Layout) -> Option<ExpertParallelCh
     }
 }
 
-/// The cheapest fitting layout at E = `e` (zero stages 0 to 2, any checkpointing mode and
+/// The cheapest fitting layout at E = `e` (any zero stage, checkpointing mode and
 /// micro-batch of the current one's tokens), `base` the current layout's step time.
 fn at_expert_degree(
     s: &Setting,

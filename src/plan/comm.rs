@@ -40,33 +40,38 @@ pub fn bytes_per_step(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -
 /// the gradient slice (4P/S) is all-reduced across the R/S groups. P is the rank's TP share.
 ///
 /// With expert parallelism (E) the dense parameters go among the R replicas as above, and the
-/// 1/E of the experts a rank holds among their R/E holders (stages 0 to 2).
+/// 1/E of the experts a rank holds among their R/E holders; at stage 3 a decoder layer's
+/// experts are gathered among those holders too, twice a micro-batch (forward, backward).
 pub fn traffic(s: &Setting, l: &Layout, stage: ZeroStage, world: usize) -> (f64, f64) {
     let data = s.replica_ranks(world);
     let shard = s.shard_ranks(world);
     let share = super::tensor::share(s);
     let ep = s.expert_parallel;
-    if ep <= 1 || stage.shards_parameters() {
-        return group_traffic(s, l, stage, share.parameters, (data, shard));
+    let all = (share.parameters, gathered_per_pass(s));
+    if ep <= 1 {
+        return group_traffic(s, l, stage, all, (data, shard));
     }
-    let dense = group_traffic(s, l, stage, share.parameters - share.experts, (data, shard));
+    let held = share.experts / ep as f64;
+    let dense = (all.0 - share.experts, all.1 - 2.0 * share.experts);
+    let dense = group_traffic(s, l, stage, dense, (data, shard));
     let experts = group_traffic(
         s,
         l,
         stage,
-        share.experts / ep as f64,
+        (held, 2.0 * held),
         (data / ep, (shard / ep).max(1)),
     );
     (dense.0 + experts.0, dense.1 + experts.1)
 }
 
 /// [`traffic`] of `params` elements (the rank's TP share, or a part of it) among `data`
-/// replica ranks sharded in groups of `shard`.
+/// replica ranks sharded in groups of `shard`, of which stage 3 gathers `gathered` per
+/// micro-batch ([`gathered_per_pass`] of the whole share).
 fn group_traffic(
     s: &Setting,
     l: &Layout,
     stage: ZeroStage,
-    params: f64,
+    (params, gathered): (f64, f64),
     (data, shard): (usize, usize),
 ) -> (f64, f64) {
     if data <= 1 {
@@ -90,7 +95,7 @@ fn group_traffic(
         ZeroStage::Gradients => f * grads + f * weights,
         ZeroStage::Parameters => {
             let micro_batches = l.grad_accum as f64;
-            micro_batches * (f * s.compute_bytes() * gathered_per_pass(s) + f * grads)
+            micro_batches * (f * s.compute_bytes() * gathered + f * grads)
         }
     };
     (inside, across)

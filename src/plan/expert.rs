@@ -7,11 +7,13 @@
 //! holds experts [p·N/E, (p+1)·N/E) of every MoE layer's N; attention, the routers and the
 //! dense layers stay whole on every rank. So a rank holds the dense parameters and 1/E of the
 //! experts (`tensor::Share::held`): its weights and, at stages 0 and 1, its gradients are
-//! those; the sharded state (moments, fp32 masters, the gradient slice at stage 2) is the same
-//! per rank as without EP, because the experts' 1/E is sharded among their R/E holders. The
-//! FLOPs are the same too (a rank's experts multiply the rows the group routes to them: n·k
-//! on average, with even routing), and the experts' gradients are reduced among the holders
-//! only (`comm::traffic`).
+//! those; the sharded state (moments, fp32 masters, the gradient slice at stages 2 and 3) is
+//! the same per rank as without EP, because the experts' 1/E is sharded among their R/E
+//! holders. At stage 3 a gathered decoder layer holds the rank's 1/E of its experts (gathered
+//! among their holders) beside its dense parameters (among the replicas). The FLOPs are the
+//! same too (a rank's experts multiply the rows the group routes to them: n·k on average,
+//! with even routing), and the experts' gradients are reduced among the holders only
+//! (`comm::traffic`).
 //!
 //! Traffic per MoE layer and micro-batch, each rank (bytes of the compute dtype c, hidden d, k
 //! experts per token): the forward sends its n·k token copies to their experts' ranks and
@@ -244,5 +246,41 @@ mod tests {
         let sent = super::super::comm::bytes_per_step(&s, &l, ZeroStage::Replicated, 8);
         let experts = 2.0 * 3.0 / 4.0 * 4.0 * share.experts / 2.0;
         assert!(close(sent, 2.0 * 7.0 / 8.0 * 4.0 * dense + experts));
+    }
+
+    /// Stage 3 under EP: per micro-batch the dense units are gathered twice (the final norm
+    /// and the head once) and reduce-scattered among the 16 replicas, a rank's experts gathered
+    /// twice and reduce-scattered among their 16 / 4 = 4 holders; a rank's gathered layer holds
+    /// its router and 32 of the 128 experts. Its slices are the same as without EP.
+    #[test]
+    fn at_stage_3_a_rank_gathers_its_experts_among_their_holders() {
+        let stage_3 = ["system.zero_stage=3", "training.grad_accum_nums=2"];
+        let (s, l) = qwen3_30b(16, &stage_3);
+        let mut with_ep = stage_3.to_vec();
+        with_ep.push("system.expert_parallel=4");
+        let (e, _) = qwen3_30b(16, &with_ep);
+        let share = super::super::tensor::share(&e);
+        let (v, d) = (151_936.0, 2048.0);
+        let dense = share.parameters - share.experts;
+        let held = share.experts / 4.0;
+        let ring = |n: f64| (n - 1.0) / n;
+        let gathered_dense = 2.0 * dense - d - v * d;
+        let want = 2.0
+            * (ring(16.0) * (2.0 * gathered_dense + 4.0 * dense)
+                + ring(4.0) * (2.0 * 2.0 * held + 4.0 * held));
+        let sent = super::super::comm::bytes_per_step(&e, &l, ZeroStage::Parameters, 16);
+        assert!(close(sent, want), "{sent} against {want}");
+        let without = super::super::comm::bytes_per_step(&s, &l, ZeroStage::Parameters, 16);
+        assert!(sent < 0.5 * without, "{sent} against {without}");
+        let (a, b) = (
+            super::super::memory::during_step(&s, &l),
+            super::super::memory::during_step(&e, &l),
+        );
+        assert_eq!((a.weights, b.weights), (0.0, 0.0));
+        assert!(close(a.moments, b.moments) && close(a.master_weights, b.master_weights));
+        // The gathered layers (the one in use, the prefetched one) lack the other positions'
+        // experts: 3/4 of a layer's, in bf16.
+        let layers = (a.gathered_units - b.gathered_units) / (2.0 * 0.75 * share.experts / 48.0);
+        assert!(close(layers, layers.round()) && layers >= 1.0, "{layers}");
     }
 }

@@ -143,11 +143,7 @@ pub struct ExpertsSummary {
 pub fn build(s: &Setting, l: &Layout) -> Report {
     let configured = estimate(s, l);
     let mut layouts = Vec::new();
-    // Expert parallelism runs at zero stages 0 to 2.
-    let stages = ZeroStage::ALL
-        .into_iter()
-        .filter(|z| s.expert_parallel <= 1 || !z.shards_parameters());
-    for zero_stage in stages {
+    for zero_stage in ZeroStage::ALL {
         for activation_checkpointing in [
             ActivationCheckpointing::None,
             ActivationCheckpointing::Selective,
@@ -914,7 +910,7 @@ fn communication_text(o: &mut String, r: &Report) {
     let time = &r.configured.time;
     let _ = writeln!(
         o,
-        "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}{}",
+        "Communication per step per rank among {} {}rank{} (ring; {} gradients): stage 0 {}, stage 1 {}, stage 2 {}, stage 3 {}",
         r.replica_ranks,
         match (cp, t) {
             (1, 1) => "",
@@ -926,11 +922,7 @@ fn communication_text(o: &mut String, r: &Report) {
         gb(r.comm_bytes_per_step[0]),
         gb(r.comm_bytes_per_step[1]),
         gb(r.comm_bytes_per_step[2]),
-        if r.expert_parallel > 1 {
-            String::new() // stage 3 does not run with expert parallelism yet
-        } else {
-            format!(", stage 3 {}", gb(r.comm_bytes_per_step[3]))
-        }
+        gb(r.comm_bytes_per_step[3]),
     );
     if t > 1 {
         let _ = writeln!(
