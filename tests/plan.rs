@@ -1220,7 +1220,7 @@ fn a_context_parallel_degree_the_ranks_or_the_context_do_not_allow_is_refused() 
 /// 80 GB: data parallelism alone fits only at stage 3, gathering every expert for every
 /// micro-batch; the advice splits the experts 8 ways inside a node (E = 16 would span the
 /// nodes' slower links), each rank holding 16 of every layer's, and the all-to-all moves each
-/// token's 8 copies instead.
+/// token's 8 copies instead; at tensor parallelism 2, 4 ways.
 #[test]
 fn qwen3_30b_a3b_on_16_gpus_is_advised_expert_parallelism_8_in_a_node() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1296,6 +1296,18 @@ fn qwen3_30b_a3b_on_16_gpus_is_advised_expert_parallelism_8_in_a_node() {
         "the experts' gradients reduced among their 2 holders",
         ],
     );
+    // With tensor parallelism 2 the group's E·T ranks stay inside a node: E = 4, each rank
+    // holding 32 of every layer's experts, each split by its width over the tensor group.
+    let mut tp = args.to_vec();
+    tp.extend(["--set", "system.tensor_parallel=2"]);
+    let p = plan_json(tmp.path(), &tp);
+    let ep = &p["expert_parallel_advice"];
+    assert_eq!(
+        (&ep["expert_parallel"], &ep["link"]),
+        (&serde_json::json!(4), &serde_json::json!("intra_node")),
+        "{ep}"
+    );
+    assert_eq!(ep["experts_per_rank"], 32);
 }
 
 /// The goal: Qwen3-30B-A3B on 8 × 80 GB. Without EP it fits at stage 3 with every

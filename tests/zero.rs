@@ -960,43 +960,105 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     assert!(text.contains("is a dense model"), "{text}");
 }
 
+/// A 6-step run of `base` on `world` ranks at `stage` with `extra` (after a batch of 1 per
+/// rank): its losses, and the weights and moments of its step-6 checkpoint.
+fn finished_run(
+    dir: &Path,
+    base: &[String],
+    (world, stage): (usize, usize),
+    name: &str,
+    extra: &[&str],
+) -> Finished {
+    let mut tail = vec!["--set", "training.batch_size=1"];
+    tail.extend(extra);
+    run_at(dir, base, (world, stage), name, &tail);
+    let run = dir.join("runs").join(name);
+    let ckpt = run.join("checkpoints/step_6");
+    (
+        losses(&run.join("metrics.jsonl")),
+        weights(&ckpt),
+        moments(&ckpt),
+    )
+}
+
+/// Two finished runs (`what` names the first) agree: losses, every weight and both moments of
+/// every parameter within 1e-5.
+fn close_runs(what: &str, a: &Finished, b: &Finished) {
+    close_losses(&a.0, &b.0, 1e-5);
+    let err = worst(&a.1, &b.1);
+    assert!(err < 1e-5, "{what}: weights differ by {err:e}");
+    for (n, (x, y)) in &a.2 {
+        for (p, q) in [(x, &b.2[n].0), (y, &b.2[n].1)] {
+            let err = (p - q).norm().double_value(&[]) / q.norm().double_value(&[]).max(1e-30);
+            assert!(err < 1e-5, "{what}: {n} moments {err:e}");
+        }
+    }
+}
+
+/// Expert parallelism with tensor parallelism (each expert EP-split among the replicas of a
+/// tensor index and split by its width over the tensor group; the all-to-all among the ranks
+/// of one tensor index): TP 2 × EP 2 on 4 ranks (one holder per expert) at stage 0 without
+/// sequence parallelism and at stages 2 and 3 with it, and on 8 ranks (two holders) at stage
+/// 2, train like data parallelism on their 2 and 4 replicas' micro-batches: losses, every
+/// weight and both moments within 1e-5 (each expert written whole by the first rank of a
+/// tensor group that holds it). The 8-rank run's step-3 checkpoint resumes on 1 rank on data
+/// parallelism's losses.
+#[test]
+fn expert_parallelism_with_tensor_parallelism_trains_like_data_parallelism() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = moe_base(dir);
+    // The load-balancing loss is each micro-batch's own: the references have the same
+    // micro-batches (2 ranks of 2 sequences, 4 of 1).
+    let two = ["--set", "training.batch_size=2"];
+    let dp2 = finished_run(dir, &base, (2, 0), "dp2", &two);
+    let dp4 = finished_run(dir, &base, (4, 0), "dp4", &[]);
+    let mesh = [
+        "--set",
+        "system.tensor_parallel=2",
+        "--set",
+        "system.expert_parallel=2",
+    ];
+    for (world, stage, sp) in [(4, 0, false), (4, 2, true), (4, 3, true), (8, 2, true)] {
+        let sp = format!("system.sequence_parallel={sp}");
+        let mut extra = mesh.to_vec();
+        extra.extend(["--set", &sp]);
+        let want = if world == 4 {
+            extra.extend(two);
+            &dp2
+        } else {
+            extra.extend(["--set", "checkpoint.interval=3"]);
+            &dp4
+        };
+        let name = format!("tp2-ep2-{world}-s{stage}");
+        let got = finished_run(dir, &base, (world, stage), &name, &extra);
+        close_runs(&name, &got, want);
+    }
+    let ckpt = dir.join("runs/tp2-ep2-8-s2/checkpoints/step_3");
+    let ckpt = ckpt.to_str().unwrap();
+    let (_, one) = run_ranks(dir, &base, 4, (1, 0), "tp-ep-resumed1", &["--resume", ckpt]);
+    assert_eq!(one.first().map(|s| s.0), Some(4), "continues at step 4");
+    close_losses(&one, &dp4.0[3..], 1e-5);
+}
+
 /// Expert parallelism 2 with hybrid sharding on 4 ranks (2 shard groups of 2: each an
 /// expert-parallel group, so each expert has one holder per group and its state is replicated
 /// across the groups) at stages 1, 2 and 3, and EP 2 and 4 at stage 3 without it, train like
 /// data parallelism on the 4 ranks: losses, every weight and both moments of every parameter
 /// in the step-6 checkpoint (written by the first group: its holders write the experts)
-/// within 1e-5; that checkpoint resumes on 1 rank on the uninterrupted losses. A shard degree E does not divide exits 2 naming both
-/// keys and the valid degrees.
+/// within 1e-5; that checkpoint resumes on 1 rank on the uninterrupted losses. A shard degree
+/// E does not divide exits 2 naming both keys and the valid degrees.
 #[test]
 fn expert_parallelism_with_hybrid_sharding_trains_like_data_parallelism() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = moe_base(dir);
-    let finished = |name: &str, stage: usize, extra: &[&str]| -> Finished {
-        let mut tail = vec!["--set", "training.batch_size=1"];
-        tail.extend(extra);
-        run_at(dir, &base, (4, stage), name, &tail);
-        let run = dir.join("runs").join(name);
-        let ckpt = run.join("checkpoints/step_6");
-        (
-            losses(&run.join("metrics.jsonl")),
-            weights(&ckpt),
-            moments(&ckpt),
-        )
+    let finished = |name: &str, stage: usize, extra: &[&str]| {
+        finished_run(dir, &base, (4, stage), name, extra)
     };
     let dp4 = finished("dp4", 0, &[]);
     assert!(dp4.0[0].1 - dp4.0[5].1 > 0.01, "real training: {:?}", dp4.0);
-    let close = |what: &str, a: &Finished, b: &Finished| {
-        close_losses(&a.0, &b.0, 1e-5);
-        let err = worst(&a.1, &b.1);
-        assert!(err < 1e-5, "{what}: weights differ by {err:e}");
-        for (n, (x, y)) in &a.2 {
-            for (p, q) in [(x, &b.2[n].0), (y, &b.2[n].1)] {
-                let err = (p - q).norm().double_value(&[]) / q.norm().double_value(&[]).max(1e-30);
-                assert!(err < 1e-5, "{what}: {n} moments {err:e}");
-            }
-        }
-    };
+    let close = close_runs;
     let hybrid = [
         "--set",
         "system.expert_parallel=2",

@@ -585,11 +585,10 @@ pub fn check_expert_parallel_model(
     )))
 }
 
-/// Expert parallelism with what it does not compose with yet, and against the configured
-/// model's experts.
+/// Expert parallelism against the configured model's experts (a `model.model_path` model is
+/// checked on its config.json when it is built).
 fn check_expert_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
-    let (m, s) = (&c.model, &c.system);
-    let ep = s.expert_parallel;
+    let (m, ep) = (&c.model, c.system.expert_parallel);
     if ep <= 1 {
         return;
     }
@@ -599,19 +598,6 @@ fn check_expert_parallel_static(c: &Config, bad: &mut impl FnMut(String)) {
         {
             bad(e.0);
         }
-    }
-    let not_yet = |what: String| {
-        format!(
-            "system.expert_parallel = {ep} with {what}: not supported yet (expert parallelism \
-             runs without tensor parallelism); set \
-             system.expert_parallel = 1 or change {what}"
-        )
-    };
-    if s.tensor_parallel > 1 {
-        bad(not_yet(format!(
-            "system.tensor_parallel = {}",
-            s.tensor_parallel
-        )));
     }
 }
 

@@ -33,6 +33,13 @@
 //! full recomputation (`activation_checkpointing = full` or `selective`) runs the forward's
 //! again.
 //!
+//! ## With tensor parallelism
+//! The group is P replicas of one tensor index, and each local expert is this rank's width
+//! part of it (moe.rs): the ranks of a tensor group route the same tokens, each exchanges them
+//! within its own tensor index's group and computes its part of the experts on what arrives,
+//! so `returned` is a partial output that the tensor group sums with the half's (its `g`).
+//! Nothing here changes: the exchange moves whole hidden rows either way.
+//!
 //! ## Gradients
 //! A local expert's gradient on rank p sums over the tokens of the whole group, each scaled
 //! as its own rank's loss is; the trainer averages it over the ranks that hold the same

@@ -29,7 +29,10 @@
 //! are the same on every rank, so each rank back-propagates 1/T of them (backward.rs,
 //! `router_loss`). Replicating the experts over the group instead would spare two
 //! collectives per MoE layer but all-reduce every expert's gradient over the group and hold
-//! T× their memory (BENCHMARKS.md §20 has the figures for Qwen3-30B-A3B).
+//! T× their memory (BENCHMARKS.md §20 has the figures for Qwen3-30B-A3B). With expert
+//! parallelism as well each rank holds its width part of its position's experts only, and the
+//! all-to-all runs among the ranks of its tensor index (expert_parallel.rs): still the same
+//! f/g pair around the half.
 //!
 //! ## The auxiliary losses (what the training objective adds to the cross-entropy)
 //! - load balancing (Switch Transformer's, transformers' `load_balancing_loss_func`): over

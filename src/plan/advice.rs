@@ -256,8 +256,7 @@ fn cheapest(s: &Setting, from: &Layout, current: &Layout, limit: f64) -> Option<
 /// smallest whose cheapest fitting layout reaches the target; else the most efficient fitting
 /// one, if the data-parallel layouts do not fit or are less efficient.
 pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelChange> {
-    // Tensor parallelism does not compose with expert parallelism yet (`config::validate`).
-    if s.device != Device::Cuda || s.expert_parallel > 1 {
+    if s.device != Device::Cuda {
         return None;
     }
     let now = estimate(s, current);
@@ -290,7 +289,7 @@ pub fn tensor_parallel(s: &Setting, current: &Layout) -> Option<TensorParallelCh
 /// that are multiples of it and divide the heads, the KV heads, the FFN width (as
 /// `config::check_tensor_parallel` requires), the GPUs per node and the ranks over `c`; with
 /// sequence parallelism also a rank's tokens of a sequence (s/c, as the config checks
-/// require).
+/// require); with expert parallelism leaving replicas E divides.
 fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
     let sh = &s.shape;
     std::iter::once(s.tensor_parallel)
@@ -304,6 +303,7 @@ fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
                 && s.node_size.is_multiple_of(t)
                 && (s.world / c).is_multiple_of(t)
                 && (!s.sequence_parallel || (s.context / c).is_multiple_of(t))
+                && (s.world / t).is_multiple_of(s.expert_parallel)
         }))
         .collect()
 }
@@ -372,11 +372,7 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
                 && s.context.is_multiple_of(2 * c)
         })
         .collect();
-    // Expert parallelism does not compose with tensor parallelism yet: T stays 1 under it.
-    let tensor = tensor_degrees(s, 1)
-        .into_iter()
-        .filter(|&t| s.expert_parallel == 1 || t == 1);
-    let (mesh, e) = tensor.into_iter().find_map(|t| {
+    let (mesh, e) = tensor_degrees(s, 1).into_iter().find_map(|t| {
         degrees
             .iter()
             .filter(|&&c| tensor_degrees(s, c).contains(&t))
@@ -402,14 +398,14 @@ pub fn context_parallel(s: &Setting, current: &Layout) -> Option<ContextParallel
 }
 
 /// Expert parallelism to propose for a mixture of experts on GPUs (None elsewhere, for a dense
-/// model, with tensor parallelism, which it does not compose with yet, or when no E helps).
+/// model, or when no E helps), at the configured tensor and context parallelism.
 /// Of the degrees `expert::degrees` lists (dividing the experts per layer, the replicas and
 /// any hybrid shard degree, inside a node first): when no layout fits at the configured E, the first
 /// at which one does; when one fits, the E whose cheapest fitting layout has the shortest
 /// step, if that is [`EXPERT_PARALLEL_GAIN`] shorter than the configured E's cheapest. The
 /// tokens per step stay the same (E is carved out of the data-parallel ranks).
 pub fn expert_parallel(s: &Setting, current: &Layout) -> Option<ExpertParallelChange> {
-    if s.device != Device::Cuda || s.shape.moe.is_none() || s.tensor_parallel > 1 {
+    if s.device != Device::Cuda || s.shape.moe.is_none() {
         return None;
     }
     let now = estimate(s, current);

@@ -148,6 +148,7 @@ fn optimizer(
     pg: &mut dyn ProcessGroup,
     groups: MeshGroups,
 ) -> Result<Optimizer> {
+    let tp = groups.tensor.clone();
     let tensor = match (groups.tensor, groups.data) {
         (Some(tensor), Some(data)) => Some(TensorGroups {
             data,
@@ -210,11 +211,19 @@ fn optimizer(
         index,
     });
     let experts = Experts::new(place, |over| {
+        // With tensor parallelism each expert is split by its width over the tensor group, as
+        // without EP: its parts are made whole over that group, its holders are the data group.
+        let tensor = tp.map(|tensor| TensorGroups {
+            data: over.clone(),
+            tensor,
+            sequence_parallel: cfg.system.sequence_parallel,
+            parameters: model.parameters().clone(),
+        });
         Optimizer::over_group(
             &experts,
             table,
             hp,
-            (stage, hybrid),
+            (stage, hybrid, tensor),
             over,
             pg,
             (cfg.system.bucket_mb, compute),

@@ -240,12 +240,17 @@ impl Optimizer {
 
     /// An optimizer of `params` as [`Optimizer::with_sharding`] over the ranks of `data`
     /// alone (expert parallelism's holders of the same experts), with `hybrid` sharding among
-    /// them where given: no tensor parallelism.
+    /// them where given, and with tensor parallelism `tensor` (whose data group is `data`: the
+    /// parts are made whole over its tensor group as the other parameters' are).
     pub fn over_group(
         params: &[(String, Tensor)],
         table: &Parameters,
         hp: AdamWParams,
-        ((stage, reduce), hybrid): ((ZeroStage, Kind), Option<Hybrid>),
+        ((stage, reduce), hybrid, tensor): (
+            (ZeroStage, Kind),
+            Option<Hybrid>,
+            Option<TensorGroups>,
+        ),
         data: SharedGroup,
         pg: &dyn ProcessGroup,
         (bucket_mb, compute): (f64, Kind),
@@ -254,7 +259,7 @@ impl Optimizer {
             stage,
             hybrid,
             reduce,
-            tensor: None,
+            tensor,
         };
         Self::over(
             params,
@@ -678,10 +683,14 @@ impl Optimizer {
     /// parts of about equal size in Hugging Face order, by the same rule. One rank alone
     /// writes the plain `model.safetensors` + `optimizer.safetensors`.
     pub fn writers(&self) -> Writers {
-        let writers = self.layout_writers();
-        if let Some(e) = &self.experts {
-            return e.place.writers(writers, e.opt.writers());
-        }
+        // With expert parallelism every position's experts among the replicas' numbering
+        // (holder h of position p is replica h·E + p), then the replicas' spread over the mesh.
+        let writers = match &self.experts {
+            Some(e) => e
+                .place
+                .writers(self.layout_writers(), e.opt.layout_writers()),
+            None => self.layout_writers(),
+        };
         let Some(t) = &self.tensor else {
             return writers;
         };
