@@ -786,7 +786,8 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
 
 /// Expert parallelism through `lockstep run` (Qwen3-MoE, 4 experts of width 32, top 2, the
 /// load-balancing loss on; 6 clipped AdamW steps): EP 2 on 2 ranks at stages 0 and 2 trains
-/// like data parallelism on 2 ranks, EP 4 on 4 ranks at stage 1 like data parallelism on 4;
+/// like data parallelism on 2 ranks (with bf16 compute within 2e-5), EP 4 on 4 ranks at stage
+/// 1 like data parallelism on 4;
 /// the EP 2 checkpoint (every expert from the rank that holds it, whole HF tensors) resumes on
 /// 1 rank with the uninterrupted losses and at EP 4 stage 3 like data parallelism resumed from
 /// it. Bad degrees exit 2 naming the key.
@@ -854,6 +855,21 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
         &["--set", "system.expert_parallel=2", "--stop-at-step", "3"],
     );
     close_losses(&ep2_stage2, &dp2[..3], 1e-5);
+    // bf16 compute (the rows travel in bf16): within bf16's rounding of data parallelism's.
+    let bf16 = ["--set", "training.dtype=bf16"];
+    let (_, dp2_bf16) = run(2, 0, "dp2bf16", &bf16);
+    let (_, ep2_bf16) = run(
+        2,
+        0,
+        "ep2bf16",
+        &[
+            "--set",
+            "training.dtype=bf16",
+            "--set",
+            "system.expert_parallel=2",
+        ],
+    );
+    close_losses(&ep2_bf16, &dp2_bf16, 2e-5);
     let (_, dp4) = run(4, 0, "dp4", &[]);
     let (_, ep4) = run(4, 1, "ep4", &["--set", "system.expert_parallel=4"]);
     assert_eq!((ep2.len(), ep4.len()), (6, 6), "{ep2:?} {ep4:?}");
@@ -995,46 +1011,54 @@ fn close_runs(what: &str, a: &Finished, b: &Finished) {
     }
 }
 
-/// Expert parallelism with tensor parallelism (each expert EP-split among the replicas of a
-/// tensor index and split by its width over the tensor group; the all-to-all among the ranks
-/// of one tensor index): TP 2 × EP 2 on 4 ranks (one holder per expert) at stage 0 without
-/// sequence parallelism and at stages 2 and 3 with it, and on 8 ranks (two holders) at stage
-/// 2, train like data parallelism on their 2 and 4 replicas' micro-batches: losses, every
-/// weight and both moments within 1e-5 (each expert written whole by the first rank of a
-/// tensor group that holds it). The 8-rank run's step-3 checkpoint resumes on 1 rank on data
-/// parallelism's losses.
+/// Expert parallelism with tensor and context parallelism (each expert EP-split among the
+/// replicas of a tensor index and split by its width over the tensor group; the all-to-all
+/// among the ranks of one tensor index; a CP group's ranks route their own chunks): TP 2 × EP
+/// 2 on 4 ranks (one holder per expert) at stage 0 without sequence parallelism and at stages
+/// 2 and 3 with it, on 8 ranks (two holders) at stage 2; CP 2 × EP 2 on 4 ranks at stage 2,
+/// and CP 2 × TP 2 × EP 2 on 8 at stage 3: each trains like data parallelism on the same
+/// micro-batches: losses, every weight and both moments within 1e-5 (each expert written
+/// whole by the first rank of a tensor group that holds it). The 8-rank TP × EP run's step-3
+/// checkpoint resumes on 1 rank on data parallelism's losses.
 #[test]
-fn expert_parallelism_with_tensor_parallelism_trains_like_data_parallelism() {
+fn expert_parallelism_with_tensor_and_context_parallelism_trains_like_data_parallelism() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = moe_base(dir);
     // The load-balancing loss is each micro-batch's own: the references have the same
-    // micro-batches (2 ranks of 2 sequences, 4 of 1).
-    let two = ["--set", "training.batch_size=2"];
-    let dp2 = finished_run(dir, &base, (2, 0), "dp2", &two);
+    // micro-batches (2 data ranks of 2 sequences, 4 of 1).
+    let dp2 = finished_run(
+        dir,
+        &base,
+        (2, 0),
+        "dp2",
+        &["--set", "training.batch_size=2"],
+    );
     let dp4 = finished_run(dir, &base, (4, 0), "dp4", &[]);
-    let mesh = [
-        "--set",
-        "system.tensor_parallel=2",
-        "--set",
-        "system.expert_parallel=2",
-    ];
-    for (world, stage, sp) in [(4, 0, false), (4, 2, true), (4, 3, true), (8, 2, true)] {
-        let sp = format!("system.sequence_parallel={sp}");
-        let mut extra = mesh.to_vec();
-        extra.extend(["--set", &sp]);
-        let want = if world == 4 {
-            extra.extend(two);
-            &dp2
-        } else {
-            extra.extend(["--set", "checkpoint.interval=3"]);
-            &dp4
-        };
-        let name = format!("tp2-ep2-{world}-s{stage}");
+    // (world, stage, T, C, sequence parallelism)
+    for (world, stage, tp, cp, sp) in [
+        (4, 0, 2, 1, false),
+        (4, 2, 2, 1, true),
+        (4, 3, 2, 1, true),
+        (8, 2, 2, 1, true),
+        (4, 2, 1, 2, false),
+        (8, 3, 2, 2, true),
+    ] {
+        let data = world / (tp * cp);
+        let sets = [
+            "system.expert_parallel=2".to_string(),
+            format!("system.tensor_parallel={tp}"),
+            format!("system.context_parallel={cp}"),
+            format!("system.sequence_parallel={sp}"),
+            format!("training.batch_size={}", 4 / data),
+            "checkpoint.interval=3".to_string(),
+        ];
+        let extra: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+        let name = format!("tp{tp}-cp{cp}-ep2-{world}-s{stage}");
         let got = finished_run(dir, &base, (world, stage), &name, &extra);
-        close_runs(&name, &got, want);
+        close_runs(&name, &got, if data == 2 { &dp2 } else { &dp4 });
     }
-    let ckpt = dir.join("runs/tp2-ep2-8-s2/checkpoints/step_3");
+    let ckpt = dir.join("runs/tp2-cp1-ep2-8-s2/checkpoints/step_3");
     let ckpt = ckpt.to_str().unwrap();
     let (_, one) = run_ranks(dir, &base, 4, (1, 0), "tp-ep-resumed1", &["--resume", ckpt]);
     assert_eq!(one.first().map(|s| s.0), Some(4), "continues at step 4");
