@@ -787,10 +787,9 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
 /// Expert parallelism through `lockstep run` (Qwen3-MoE, 4 experts of width 32, top 2, the
 /// load-balancing loss on; 6 clipped AdamW steps): EP 2 on 2 ranks at stages 0 and 2 trains
 /// like data parallelism on 2 ranks (with bf16 compute within 2e-5), EP 4 on 4 ranks at stage
-/// 1 like data parallelism on 4;
-/// the EP 2 checkpoint (every expert from the rank that holds it, whole HF tensors) resumes on
-/// 1 rank with the uninterrupted losses and at EP 4 stage 3 like data parallelism resumed from
-/// it. Bad degrees exit 2 naming the key.
+/// 1 like data parallelism on 4; the EP 2 checkpoint (every expert from the rank that holds
+/// it, whole HF tensors) resumes on 1 rank with the uninterrupted losses and at EP 4 stage 3
+/// like data parallelism resumed from it. Bad degrees exit 2 naming the key.
 #[test]
 fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
     let tmp = tempfile::tempdir().unwrap();
