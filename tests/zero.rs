@@ -1064,6 +1064,60 @@ fn expert_parallelism_with_tensor_and_context_parallelism_trains_like_data_paral
     close_losses(&one, &dp4.0[3..], 1e-5);
 }
 
+/// A rank of an EP 2 run at stage 3 that exits while the step-4 save is in flight (after its
+/// part is written) makes `lockstep run --max-restarts 1` restart every rank from that
+/// checkpoint: the step-6 checkpoint is the uninterrupted run's, bit for bit.
+#[test]
+fn an_expert_parallel_run_restarts_bitwise_from_its_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = moe_base(dir);
+    let sets = |name: &str| {
+        [
+            "system.expert_parallel=2".to_string(),
+            "system.zero_stage=3".to_string(),
+            "training.batch_size=2".to_string(),
+            "checkpoint.interval=2".to_string(),
+            format!("logging.run_name={name}"),
+        ]
+    };
+    let flags = |sets: &[String]| -> Vec<String> {
+        sets.iter()
+            .flat_map(|s| ["--set".to_string(), s.clone()])
+            .collect()
+    };
+    let head = ["run", "--cpu", "--nproc", "2"];
+    let straight = flags(&sets("straight"));
+    let tail: Vec<&str> = straight.iter().map(String::as_str).collect();
+    ok(dir, &with(&base, &head, &tail));
+    let mut faulted = flags(&sets("faulted"));
+    faulted.extend(flags(&[
+        "debug.fault=exit_after_save".into(),
+        "debug.fault_rank=1".into(),
+        "debug.fault_step=5".into(),
+    ]));
+    let tail: Vec<&str> = faulted.iter().map(String::as_str).collect();
+    let head = [
+        "run",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--grace-s",
+        "2",
+    ];
+    let text = ok(dir, &with(&base, &head, &tail));
+    assert!(
+        text.contains("lockstep run: restart 1 of 1: rank 1 (CPU) exited with code"),
+        "{text}"
+    );
+    common::assert_bitwise_equal_checkpoints(
+        &dir.join("runs/straight/checkpoints/step_6"),
+        &dir.join("runs/faulted/checkpoints/step_6"),
+    );
+}
+
 /// Expert parallelism 2 with hybrid sharding on 4 ranks (2 shard groups of 2: each an
 /// expert-parallel group, so each expert has one holder per group and its state is replicated
 /// across the groups) at stages 1, 2 and 3, and EP 2 and 4 at stage 3 without it, train like
