@@ -467,9 +467,9 @@ fn tracker_groups_nest_and_their_mistakes_are_named() {
     );
 }
 
-/// `system.expert_parallel`: against the ranks (it is carved out of the data-parallel ones),
-/// the model's experts, and what it does not compose with yet; each refusal names the key,
-/// the value and what is valid.
+/// `system.expert_parallel`: against the ranks (it is carved out of the data-parallel ones)
+/// and the model's experts, each refusal naming the key, the value and what is valid; it
+/// composes with zero stage 3 and tensor parallelism.
 #[test]
 fn expert_parallel_degrees_are_checked_with_a_fix() {
     let cfg = |sets: &[&str]| {
