@@ -301,7 +301,13 @@ fn check(c: Case) -> f64 {
         if std::env::var("CP_VERBOSE").is_ok() {
             eprintln!("{name}: cp-vs-1 {e:.2e} cp-vs-fp64 {cp64:.2e} 1-vs-fp64 {one64:.2e}");
         }
-        assert!(e < 1e-6, "{c:?}: gradient of {name} off by {e:e}");
+        // Beyond 1e-6 of one rank's, only where one rank's fp32 gradient is itself further from
+        // fp64 than the split's (on 2026-12-03's EPYC VM, CP 4's layer-0 q_norm: 1.04e-6 from
+        // one rank's, which is 1.64e-6 from fp64 against the split's 1.0e-6).
+        assert!(
+            e < 1e-6 || cp64 <= one64,
+            "{c:?}: gradient of {name} off by {e:e} ({cp64:e} from fp64, one rank's {one64:e})"
+        );
         assert!(
             cp64 < 1.5 * one64 + 1e-7,
             "{c:?}: gradient of {name} is {cp64:e} from fp64, one rank's {one64:e}"
