@@ -39,6 +39,11 @@ fn bitwise(a: &HashMap<String, tch::Tensor>, b: &HashMap<String, tch::Tensor>) -
     a.len() == b.len() && a.iter().all(|(n, x)| x.equal(&b[n]))
 }
 
+/// `--set` before each of `sets`.
+fn set_flags<S: AsRef<str>>(sets: &[S]) -> Vec<&str> {
+    sets.iter().flat_map(|s| ["--set", s.as_ref()]).collect()
+}
+
 /// `lockstep run --cpu` of `base` on `world` ranks at zero `stage` as run `name` (its folder
 /// `dir/runs/name`), then the `extra` arguments: its output (the run must succeed).
 fn run_at(
@@ -52,7 +57,7 @@ fn run_at(
         format!("system.zero_stage={stage}"),
         format!("logging.run_name={name}"),
     ];
-    let mut tail: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let mut tail = set_flags(&sets);
     tail.extend(extra);
     let nproc = world.to_string();
     ok(
@@ -210,8 +215,7 @@ fn stage_3_trains_like_stage_0_with_accumulation_bf16_and_every_checkpointing_mo
     ok(dir, &with(&base, &["prepare"], &[]));
     let train = |world: usize, stage: usize, sets: &[&str]| -> Finished {
         let name = format!("w{world}-s{stage}-{}", sets.join("-").replace('=', "_"));
-        let extra: Vec<&str> = sets.iter().flat_map(|s| ["--set", *s]).collect();
-        run_at(dir, &base, (world, stage), &name, &extra);
+        run_at(dir, &base, (world, stage), &name, &set_flags(sets));
         let run = dir.join("runs").join(name);
         let ckpt = run.join("checkpoints/step_5");
         (
@@ -1052,9 +1056,8 @@ fn expert_parallelism_with_tensor_and_context_parallelism_trains_like_data_paral
             format!("training.batch_size={}", 4 / data),
             "checkpoint.interval=3".to_string(),
         ];
-        let extra: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
         let name = format!("tp{tp}-cp{cp}-ep2-{world}-s{stage}");
-        let got = finished_run(dir, &base, (world, stage), &name, &extra);
+        let got = finished_run(dir, &base, (world, stage), &name, &set_flags(&sets));
         close_runs(&name, &got, if data == 2 { &dp2 } else { &dp4 });
     }
     let ckpt = dir.join("runs/tp2-cp1-ep2-8-s2/checkpoints/step_3");
@@ -1072,31 +1075,21 @@ fn an_expert_parallel_run_restarts_bitwise_from_its_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let base = moe_base(dir);
-    let sets = |name: &str| {
-        [
-            "system.expert_parallel=2".to_string(),
-            "system.zero_stage=3".to_string(),
-            "training.batch_size=2".to_string(),
-            "checkpoint.interval=2".to_string(),
-            format!("logging.run_name={name}"),
-        ]
-    };
-    let flags = |sets: &[String]| -> Vec<String> {
-        sets.iter()
-            .flat_map(|s| ["--set".to_string(), s.clone()])
-            .collect()
-    };
-    let head = ["run", "--cpu", "--nproc", "2"];
-    let straight = flags(&sets("straight"));
-    let tail: Vec<&str> = straight.iter().map(String::as_str).collect();
-    ok(dir, &with(&base, &head, &tail));
-    let mut faulted = flags(&sets("faulted"));
-    faulted.extend(flags(&[
-        "debug.fault=exit_after_save".into(),
-        "debug.fault_rank=1".into(),
-        "debug.fault_step=5".into(),
-    ]));
-    let tail: Vec<&str> = faulted.iter().map(String::as_str).collect();
+    let sets = [
+        "system.expert_parallel=2",
+        "training.batch_size=2",
+        "checkpoint.interval=2",
+    ];
+    run_at(dir, &base, (2, 3), "straight", &set_flags(&sets));
+    let faults = [
+        "system.zero_stage=3",
+        "logging.run_name=faulted",
+        "debug.fault=exit_after_save",
+        "debug.fault_rank=1",
+        "debug.fault_step=5",
+    ];
+    let faulted = [&sets[..], &faults[..]].concat();
+    let tail = set_flags(&faulted);
     let head = [
         "run",
         "--cpu",

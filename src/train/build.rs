@@ -148,16 +148,17 @@ fn optimizer(
     pg: &mut dyn ProcessGroup,
     groups: MeshGroups,
 ) -> Result<Optimizer> {
-    let tp = groups.tensor.clone();
-    let tensor = match (groups.tensor, groups.data) {
-        (Some(tensor), Some(data)) => Some(TensorGroups {
+    // With tensor parallelism: the groups of parameters whose data-parallel ranks are `data`.
+    let tp = groups.tensor;
+    let tensor_groups = |data: SharedGroup| {
+        tp.clone().map(|tensor| TensorGroups {
             data,
             tensor,
             sequence_parallel: cfg.system.sequence_parallel,
             parameters: model.parameters().clone(),
-        }),
-        _ => None,
+        })
     };
+    let tensor = groups.data.and_then(tensor_groups);
     let sharding = Sharding {
         stage: cfg.system.zero_stage,
         hybrid: groups.hybrid.map(|(shard, replica, index)| Hybrid {
@@ -213,12 +214,7 @@ fn optimizer(
     let experts = Experts::new(place, |over| {
         // With tensor parallelism each expert is split by its width over the tensor group, as
         // without EP: its parts are made whole over that group, its holders are the data group.
-        let tensor = tp.map(|tensor| TensorGroups {
-            data: over.clone(),
-            tensor,
-            sequence_parallel: cfg.system.sequence_parallel,
-            parameters: model.parameters().clone(),
-        });
+        let tensor = tensor_groups(over.clone());
         Optimizer::over_group(
             &experts,
             table,
@@ -265,8 +261,7 @@ fn build_whole(
             let variables = vs.variables();
             hf::read_weights(&path, &table.shapes(), |name, value| {
                 let Some(param) = variables.get(name) else {
-                    anyhow::ensure!(table.is_expert(name), "internal: no parameter {name}");
-                    return Ok(());
+                    return not_held(table, name);
                 };
                 let value = value.to_kind(param.kind());
                 let value = match &part {
@@ -334,11 +329,10 @@ fn build_sharded(
     let params = Llama::named_parameters(vs);
     let opt = optimizer(cfg, &params, &model, compute, pg, groups)?;
     let table = model.parameters();
-    let held: std::collections::HashSet<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    let variables = vs.variables();
     let keep = |name: &str, value: Tensor| {
-        if !held.contains(name) {
-            anyhow::ensure!(table.is_expert(name), "internal: no parameter {name}");
-            return Ok(());
+        if !variables.contains_key(name) {
+            return not_held(table, name);
         }
         let value = match &part {
             Some(p) => p.of(table, name, &value)?,
@@ -361,6 +355,13 @@ fn build_sharded(
         }
     }
     Ok(Built { model, params, opt })
+}
+
+/// A parameter of the model this rank does not hold, skipped: only another position's expert
+/// (expert parallelism) may be one.
+fn not_held(table: &Parameters, name: &str) -> Result<()> {
+    anyhow::ensure!(table.is_expert(name), "internal: no parameter {name}");
+    Ok(())
 }
 
 fn loaded(rank: &Rank, dir: &str, path: &std::path::Path, shape: &LlamaShape) {

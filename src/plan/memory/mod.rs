@@ -52,8 +52,9 @@
 //! count those (and the largest layer's MLP, for the gradients in flight, its router and 1/E of
 //! its experts), while the sharded state (moments, fp32 masters and the gradient slice at stages
 //! 1 to 3) is the same per rank as without EP: the experts' 1/E is sharded among their R/E
-//! holders. At stage 3 a gathered decoder layer is its dense parameters and those experts. A MoE layer's graph keeps, per token, three more [k, d] rows in the compute dtype
-//! with EP (what arrived, the experts' outputs, what came back), with even routing.
+//! holders. At stage 3 a gathered decoder layer is its dense parameters and those experts. A
+//! MoE layer's graph keeps, per token, three more [k, d] rows in the compute dtype with EP
+//! (what arrived, the experts' outputs, what came back), with even routing.
 //!
 //! Zero stage 3 (`train/optim/sharded.rs`) keeps no working parameters between uses: a rank
 //! holds the fp32 master slice [P/N] (the parameters' one persistent copy, with any compute

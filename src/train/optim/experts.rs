@@ -106,11 +106,12 @@ impl ExpertPlace {
     }
 
     /// The other positions' counterparts of `values`: this rank's experts `params` (name and
-    /// a tensor of the expert's whole shape) with one whole value each (their full values or gradients, undefined where
-    /// there is none), for each position p ≠ this one in order the same list as p holds it,
-    /// renamed to p's numbering, in fp32: which values are defined, then each defined one,
-    /// broadcast from p over the group. A collective of the expert-parallel group, for the
-    /// NaN/Inf report, which must name an expert whatever rank holds it.
+    /// a tensor of the expert's whole shape) with one whole value each (their full values or
+    /// gradients, undefined where there is none), for each position p ≠ this one in order the
+    /// same list as p holds it, renamed to p's numbering, in fp32: which values are defined,
+    /// then each defined one, broadcast from p over the group. A collective of the
+    /// expert-parallel group, for the NaN/Inf report, which must name an expert whatever rank
+    /// holds it.
     pub(super) fn other_positions(
         &self,
         params: &[(String, Tensor)],

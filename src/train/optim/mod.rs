@@ -362,6 +362,7 @@ impl Optimizer {
         with_queue(pg, overlap, |queue| {
             let mut events = Events {
                 opt: self,
+                layouts: gatherers(self),
                 queue,
                 reduce,
                 order,
@@ -831,6 +832,8 @@ impl Optimizer {
 /// The [`UnitEvents`] of one pass ([`Optimizer::pass`]).
 struct Events<'o, 'q, 'a> {
     opt: &'o Optimizer,
+    /// Stage 3: the layouts that gather (`gatherers`; empty below stage 3).
+    layouts: Vec<&'o ShardedAdamW>,
     queue: &'q mut CommQueue<'a>,
     reduce: bool,
     /// Stage 3: the units in the order of their `before`, the position of the next one, how
@@ -878,8 +881,7 @@ fn gatherers(opt: &Optimizer) -> Vec<&ShardedAdamW> {
 
 impl UnitEvents for Events<'_, '_, '_> {
     fn before(&mut self, unit: GradUnit) -> Result<()> {
-        let layouts = gatherers(self.opt);
-        if layouts.is_empty() {
+        if self.layouts.is_empty() {
             return Ok(());
         }
         if self.order.get(self.next) != Some(&unit) {
@@ -895,7 +897,7 @@ impl UnitEvents for Events<'_, '_, '_> {
         while self.issued <= ahead {
             let u = self.order[self.issued];
             let mut arriving = Vec::new();
-            for (k, o) in layouts.iter().enumerate() {
+            for (k, o) in self.layouts.iter().enumerate() {
                 let Some(i) = o.unit_index(u) else {
                     continue;
                 };
@@ -916,7 +918,7 @@ impl UnitEvents for Events<'_, '_, '_> {
         debug_assert_eq!(at, self.next);
         for (k, rx) in arriving {
             let buffer = self.queue.wait(&rx)?;
-            let o = layouts[k];
+            let o = self.layouts[k];
             o.materialize(o.unit_index(unit).expect("checked when issued"), &buffer);
             self.live.push(((unit, k), buffer));
         }
@@ -925,6 +927,9 @@ impl UnitEvents for Events<'_, '_, '_> {
     }
 
     fn after(&mut self, unit: GradUnit) -> Result<()> {
+        if self.layouts.is_empty() {
+            return Ok(());
+        }
         // Used again later in the pass: the storage is freed although the graph of this use may
         // still refer to it, since the next use's gather fills it again first; unless that
         // gather is already issued (prefetch reaching the next use while this one ran) into a
@@ -933,7 +938,7 @@ impl UnitEvents for Events<'_, '_, '_> {
         // is inside it) still finds its values.
         let regathering = self.pending.iter().any(|(at, _)| self.order[*at] == unit);
         let again = self.order[self.next..].contains(&unit) && !regathering;
-        for (k, o) in gatherers(self.opt).into_iter().enumerate() {
+        for (k, o) in self.layouts.iter().enumerate() {
             if let Some(i) = o.unit_index(unit) {
                 o.release(i);
             }
