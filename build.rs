@@ -2,8 +2,9 @@
 //!    without LD_LIBRARY_PATH. On another machine (the GPU box) LD_LIBRARY_PATH still wins:
 //!    the linker writes RUNPATH, which the loader consults after LD_LIBRARY_PATH.
 //! 2. Compiles the C++ shims against the same libtorch headers: the c10d TCPStore
-//!    (`csrc/c10d_store.cpp`), libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`), its
-//!    variable-length flash attention (`csrc/flash_varlen.cpp`), a backward seeded with given
+//!    (`csrc/c10d_store.cpp`), libtorch's fused AdamW kernel (`csrc/fused_adamw.cpp`), Muon's
+//!    Newton-Schulz iteration and update (`csrc/muon.cpp`), libtorch's variable-length flash
+//!    attention (`csrc/flash_varlen.cpp`), a backward seeded with given
 //!    gradients (`csrc/autograd.cpp`) and a storage freed and re-allocated in place
 //!    (`csrc/storage.cpp`).
 //! 3. Builds the NCCL shim (`csrc/nccl_group.cpp`, c10d's ProcessGroupNCCL) as a shared library
@@ -34,6 +35,7 @@ fn main() {
     for f in [
         "c10d_store.cpp",
         "fused_adamw.cpp",
+        "muon.cpp",
         "flash_varlen.cpp",
         "autograd.cpp",
         "storage.cpp",
@@ -60,7 +62,7 @@ fn main() {
         format!("{lib}/../include"),
         format!("{lib}/../include/torch/csrc/api/include"),
     ];
-    // The NCCL shim (one g++ of ~30 s) and the corpus on a thread of their own, beside the six
+    // The NCCL shim (one g++ of ~30 s) and the corpus on a thread of their own, beside the seven
     // shims (~40 s, one after another): this script is on the build's critical path, between
     // torch-sys's and lockstep's own compilation (BENCHMARKS.md §18).
     std::thread::scope(|s| {
@@ -78,6 +80,7 @@ fn link_shims(lib: &str, torch_includes: &[String]) {
     let shims = [
         "csrc/c10d_store.cpp",
         "csrc/fused_adamw.cpp",
+        "csrc/muon.cpp",
         "csrc/flash_varlen.cpp",
         "csrc/autograd.cpp",
         "csrc/storage.cpp",

@@ -120,7 +120,7 @@ fn main() {
     let mut opt = Optimizer::new(
         &Llama::named_parameters(&vs),
         model.parameters(),
-        hp,
+        hp.into(),
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,
         25.0,

@@ -460,7 +460,7 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)]) -> (Vec<(String, Tens
     let mut opt = Optimizer::new(
         &named,
         table,
-        hp(),
+        hp().into(),
         ZeroStage::Replicated,
         &pg,
         25.0,
@@ -535,9 +535,16 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
             reduce: Kind::Float,
             tensor,
         };
-        let mut opt =
-            Optimizer::with_sharding(&named, table, hp(), sharding, &*pg, 25.0, Kind::Float)
-                .unwrap();
+        let mut opt = Optimizer::with_sharding(
+            &named,
+            table,
+            hp().into(),
+            sharding,
+            &*pg,
+            25.0,
+            Kind::Float,
+        )
+        .unwrap();
         if stage3 {
             for (n, _) in &named {
                 let full = params.iter().find(|(m, _)| m == n).unwrap().1.tensor();

@@ -130,7 +130,7 @@ fn defect(dir: &Path, n: usize) -> Option<String> {
             Ok(t) => t.numel(),
             Err(e) => return Some(format!("{e:#}")),
         };
-        if let Err(e) = moments.read(name, &(0..numel)) {
+        if let Err(e) = moments.read_all(name, &(0..numel)) {
             return Some(format!("{e:#}"));
         }
     }

@@ -175,7 +175,7 @@ fn packed_documents_match_transformers_on_separate_sequences() {
     let mut opt = Optimizer::new(
         &params,
         model.parameters(),
-        hp,
+        hp.into(),
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,
         25.0,

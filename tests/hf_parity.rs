@@ -14,6 +14,7 @@ use common::rel;
 use std::collections::HashMap;
 use std::path::Path;
 
+use lockstep::config::MuonAdjust;
 use lockstep::config::{self, Sources};
 use lockstep::dist::SingleProcess;
 use lockstep::model::{
@@ -21,7 +22,7 @@ use lockstep::model::{
 };
 use lockstep::tensor_io::{self, SafeFile};
 use lockstep::train::guard::Guard;
-use lockstep::train::optim::{AdamWParams, Optimizer};
+use lockstep::train::optim::{AdamWParams, Hyper, MuonParams, Optimizer, Rule};
 use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -153,7 +154,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     let mut opt = Optimizer::new(
         &params,
         model.parameters(),
-        hp,
+        hp.into(),
         lockstep::config::ZeroStage::Replicated,
         &SingleProcess,
         25.0,
@@ -230,6 +231,249 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
             "{name}: 3 AdamW steps at lr 1e-3 should move the tensor, moved {moved:e}"
         );
     }
+}
+
+/// Relative L2 distance of `a` from `b`.
+fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+/// Muon (`training.optimizer = muon`, replicated on one rank) against torch.optim.Muon on the
+/// decoder layers' matrices (each expert's matrices with torch's own update function) and
+/// torch.optim.AdamW on the rest, from the same Hugging Face weights and batch, `adjust` as
+/// given:
+/// - the optimizer given torch's clipped gradients of each of 3 steps: every Muon matrix and
+///   its momentum buffer bitwise torch's, every AdamW tensor within 1e-6 (fused AdamW against
+///   torch's single-tensor loop);
+/// - the trainer's own step 3 times (forward, backward, norm, clipping, update): losses within
+///   1e-5, gradient norms within 1e-5 before the first update and 1e-4 after it (measured:
+///   2.4e-5). Its weights are not compared: Newton–Schulz runs in bf16 on an
+///   update it first rounds to bf16, so gradients that differ in their last fp32 bits (lockstep's
+///   forward and backward are not transformers') cross a few bf16 rounding boundaries, and the
+///   bf16 iteration spreads each crossing over its matrix. torch against itself with its
+///   gradients scaled by 1 + 1e-7·N(0, 1) differs by as much: 0.5–0.9% in a matrix's 3-step
+///   change, 3% in the square o_proj (BENCHMARKS.md §22), as lockstep's 0.5–0.9% and 3–4%.
+fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut args = vec![dir.to_str().unwrap()];
+    args.extend(match family {
+        Family::Qwen3Moe => Some("--qwen3-moe"),
+        Family::Mixtral => Some("--mixtral"),
+        _ => None,
+    });
+    args.extend(["--muon", adjust.name()]);
+    common::run_python("tests/reference/hf_llama.py", &args);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let load = |f: &str| -> HashMap<String, Tensor> {
+        tensor_io::load_all(&dir.join(f))
+            .unwrap()
+            .into_iter()
+            .collect()
+    };
+    let (after, momentum) = (load("after.safetensors"), load("momentum.safetensors"));
+    let layers = if family == Family::Qwen3Moe { 3 } else { 2 };
+    let hp = Hyper {
+        adamw: AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        muon: Some(MuonParams {
+            momentum: 0.95,
+            ns_steps: 5,
+            adjust,
+            weight_decay: 0.1,
+        }),
+    };
+    let optimizer = |model: &Llama, params: &[(String, Tensor)]| {
+        Optimizer::new(
+            params,
+            model.parameters(),
+            hp,
+            lockstep::config::ZeroStage::Replicated,
+            &SingleProcess,
+            25.0,
+            Kind::Float,
+        )
+        .unwrap()
+    };
+
+    // The optimizer from torch's gradients.
+    let (vs, model) = load_model(dir, AttentionBackend::Sdpa, layers);
+    let params = Llama::named_parameters(&vs);
+    let mut opt = optimizer(&model, &params);
+    for step in 0..3 {
+        let grads = load(&format!("grads{step}.safetensors"));
+        // d/dp Σ p·g = g, exactly.
+        let seed = params
+            .iter()
+            .map(|(n, p)| (p * &grads[n]).sum(Kind::Float))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        seed.backward();
+        opt.step(1e-3, &mut SingleProcess).unwrap();
+        opt.zero_grad();
+    }
+    let table = model.parameters();
+    let mut matrices = 0;
+    for (name, p) in &params {
+        let muon = Rule::of(table.get(name).unwrap(), true) == Rule::Muon;
+        assert_eq!(
+            muon,
+            momentum.contains_key(name),
+            "{name}: Muon's in both or neither"
+        );
+        if muon {
+            assert!(
+                p.equal(&after[name]),
+                "{name}: not bitwise torch's after 3 Muon steps"
+            );
+            matrices += 1;
+        } else {
+            let err = rel_l2(p, &after[name]);
+            assert!(
+                err < 1e-6,
+                "{name}: {err:e} from torch's after 3 AdamW steps"
+            );
+        }
+    }
+    assert_eq!(matrices, momentum.len(), "every Muon matrix compared");
+    let state = opt.state(&mut SingleProcess).unwrap();
+    let mut buffers = 0;
+    for piece in &state.moments {
+        for (key, t) in &piece.moments {
+            if *key == lockstep::train::optim::state::MOMENTUM {
+                let want = &momentum[&piece.name];
+                assert!(
+                    t.view_as(want).equal(want),
+                    "{}: momentum buffer",
+                    piece.name
+                );
+                buffers += 1;
+            }
+        }
+    }
+    assert_eq!(buffers, momentum.len(), "every momentum buffer compared");
+
+    // The trainer's step.
+    let (vs, model) = load_model(dir, AttentionBackend::Sdpa, layers);
+    let params = Llama::named_parameters(&vs);
+    let mut opt = optimizer(&model, &params);
+    let (x, y) = batch(dir);
+    let mut guard = Guard::new(
+        &config::resolve(&Sources::default())
+            .unwrap()
+            .config
+            .training,
+    );
+    let step_cfg = StepConfig {
+        grad_accum: 1,
+        max_grad_norm: 1.0,
+        overlap: false,
+    };
+    let plan = StepPlan {
+        lr: 1e-3,
+        ..Default::default()
+    };
+    for step in 0..3 {
+        let batch = std::iter::once(Batch::new(x.shallow_clone(), y.shallow_clone()));
+        let out = train_step(
+            &model,
+            &mut opt,
+            &mut SingleProcess,
+            &mut guard,
+            &step_cfg,
+            &plan,
+            batch,
+        )
+        .unwrap();
+        let want_l = reference["step_losses"][step].as_f64().unwrap();
+        let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
+        assert!(
+            rel(out.loss, want_l) < 1e-5,
+            "step {step} loss {} vs {want_l}",
+            out.loss
+        );
+        let bound = if step == 0 { 1e-5 } else { 1e-4 };
+        assert!(
+            rel(out.grad_norm, want_n) < bound,
+            "step {step} grad norm {} vs {want_n}",
+            out.grad_norm
+        );
+    }
+}
+
+/// Muon's arithmetic (`train::optim::muon`: the momentum, Nesterov, Newton–Schulz through
+/// csrc/muon.cpp, the decay and the adjusted step) against torch.optim.Muon on the same
+/// matrices and gradients, 2 steps, a tall and a wide matrix, both adjust modes: bitwise (the
+/// same libtorch kernels in the same order), the first step's bf16 Newton–Schulz result too.
+#[test]
+fn muon_is_bitwise_torch_from_the_same_update() {
+    use lockstep::train::optim::muon;
+    tch::set_num_threads(1);
+    for adjust in [MuonAdjust::Original, MuonAdjust::MatchRmsAdamw] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        common::run_python(
+            "tests/reference/muon_step.py",
+            &[dir.to_str().unwrap(), adjust.name()],
+        );
+        let t: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("muon.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+        let hp = MuonParams {
+            momentum: 0.95,
+            ns_steps: 5,
+            adjust,
+            weight_decay: 0.1,
+        };
+        for name in ["tall", "wide"] {
+            let p = t[&format!("{name}.before")].copy();
+            let buffer = p.zeros_like();
+            let shape = p.size();
+            for step in 0..2 {
+                let g = &t[&format!("{name}.grad{step}")];
+                let update = muon::nesterov(&buffer, Some(g), hp.momentum);
+                let o = muon::newton_schulz(&update, hp.ns_steps).unwrap();
+                if step == 0 {
+                    assert!(o.equal(&t[&format!("{name}.ns0")]), "{name}: Newton-Schulz");
+                }
+                let adjusted = hp.adjusted_lr(1e-2, [shape[0], shape[1]]);
+                muon::apply(&p, &o, 1e-2, adjusted, &hp).unwrap();
+            }
+            assert!(
+                buffer.equal(&t[&format!("{name}.momentum")]),
+                "{name}: buffer"
+            );
+            assert!(
+                p.equal(&t[&format!("{name}.after")]),
+                "{name} {adjust}: weights"
+            );
+        }
+    }
+}
+
+#[test]
+fn muon_matches_torch_with_match_rms_adamw() {
+    check_muon_against_reference(Family::Llama, MuonAdjust::MatchRmsAdamw);
+}
+
+#[test]
+fn muon_matches_torch_with_the_original_adjustment() {
+    check_muon_against_reference(Family::Llama, MuonAdjust::Original);
+}
+
+/// Each expert's matrices (and the router) on their own, against torch's update function on
+/// the views of transformers' fused expert tensors.
+#[test]
+fn muon_matches_torch_on_a_mixture_of_experts() {
+    check_muon_against_reference(Family::Qwen3Moe, MuonAdjust::MatchRmsAdamw);
 }
 
 /// The router's top-k experts per token of every MoE layer, and the load-balancing loss,

@@ -530,8 +530,16 @@ fn one_rank_steps(c: &Layout, params: &[(String, Tensor)], kind: Kind) -> RankSt
     let named = Llama::named_parameters(&vs);
     let mut pg = SingleProcess;
     let table = model.parameters();
-    let mut opt =
-        Optimizer::new(&named, table, hp(), ZeroStage::Replicated, &pg, 25.0, kind).unwrap();
+    let mut opt = Optimizer::new(
+        &named,
+        table,
+        hp().into(),
+        ZeroStage::Replicated,
+        &pg,
+        25.0,
+        kind,
+    )
+    .unwrap();
     let mut guard = Guard::new(&training());
     let cfg = StepConfig {
         grad_accum: c.data,
@@ -619,9 +627,16 @@ fn mesh_steps(c: Layout, params: &[(String, Tensor)]) -> Vec<RankSteps> {
                 parameters: table.clone(),
             }),
         };
-        let mut opt =
-            Optimizer::with_sharding(&named, table, hp(), sharding, &*pg, 25.0, Kind::Float)
-                .unwrap();
+        let mut opt = Optimizer::with_sharding(
+            &named,
+            table,
+            hp().into(),
+            sharding,
+            &*pg,
+            25.0,
+            Kind::Float,
+        )
+        .unwrap();
         if stage3 {
             for (n, _) in &named {
                 let split = table.split(n).unwrap();

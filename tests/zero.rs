@@ -15,12 +15,20 @@ fn weights(ckpt: &Path) -> HashMap<String, tch::Tensor> {
     common::checkpoint_weights(ckpt)
 }
 
-/// Both moments of every parameter, reassembled from whatever pieces the checkpoint holds.
+/// Both AdamW moments of every parameter, reassembled from whatever pieces the checkpoint
+/// holds.
 fn moments(ckpt: &Path) -> HashMap<String, (tch::Tensor, tch::Tensor)> {
     let m = MomentFiles::open(ckpt).unwrap();
     let w = weights(ckpt);
+    let read = |n: &str, key: &str, numel: usize| m.read(n, key, &(0..numel)).unwrap();
     w.iter()
-        .map(|(n, t)| (n.clone(), m.read(n, &(0..t.numel())).unwrap()))
+        .map(|(n, t)| {
+            let both = (
+                read(n, "exp_avg", t.numel()),
+                read(n, "exp_avg_sq", t.numel()),
+            );
+            (n.clone(), both)
+        })
         .collect()
 }
 

@@ -110,6 +110,28 @@ choice! {
 }
 
 choice! {
+    /// `training.optimizer`: what updates the parameters (src/train/optim/).
+    OptimizerChoice {
+        /// AdamW on every parameter (torch.optim.AdamW).
+        AdamW = "adamw",
+        /// Muon (torch.optim.Muon) on the decoder layers' matrices, AdamW on the rest.
+        Muon = "muon",
+    }
+}
+
+choice! {
+    /// `training.muon_adjust_lr`: the factor Muon's learning rate is scaled by for an A x B
+    /// matrix (torch.optim.Muon's `adjust_lr_fn`).
+    MuonAdjust {
+        /// 0.2 sqrt(max(A, B)) (Moonshot's): the update's RMS matches AdamW's, so AdamW's
+        /// learning rate and weight decay carry over.
+        MatchRmsAdamw = "match_rms_adamw",
+        /// sqrt(max(1, A / B)) (Keller Jordan's).
+        Original = "original",
+    }
+}
+
+choice! {
     /// `model.attention_backend`. The aliases are transformers' `attn_implementation` names.
     AttentionBackend {
         /// libtorch's scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).

@@ -6,7 +6,8 @@ use serde_json::Value;
 
 use super::choices::{
     ActivationCheckpointing, Architecture, AttentionBackend, DeviceChoice, DistBackendChoice,
-    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
+    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, MuonAdjust, OomPhase, OptimizerChoice,
+    ReduceDtype, ZeroStage,
 };
 
 /// What a key accepts.
@@ -255,10 +256,15 @@ keys! {
     "training.grad_accum_nums", Kind::Count, "1", "Micro-batches per optimizer step. Alias: grad_accum_steps.";
     "training.num_workers", Kind::UInt, "0", "Threads that tokenize in `prepare` (0 = all cores). Batches come straight from the memory-mapped token file and need no workers.";
     "training.dtype", Kind::Choice(DtypeChoice::NAMES), "\"auto\"", "Compute precision; bf16 keeps fp32 master weights and AdamW moments. auto = bf16 on CUDA, fp32 on CPU.";
-    "training.weight_decay", Kind::Float, "0.1", "Decoupled AdamW weight decay, applied to matrices and embeddings only (not norms or biases).";
+    "training.optimizer", Kind::Choice(OptimizerChoice::NAMES), "\"adamw\"", "adamw = AdamW on every parameter (torch.optim.AdamW). muon = Muon (torch.optim.Muon: Nesterov momentum, then the update orthogonalized by a quintic Newton-Schulz iteration in bf16) on every 2-D weight inside the decoder layers (attention and MLP projections, the router, each expert's matrices on their own), AdamW with the settings below on the embeddings, the LM head and every 1-D parameter. Under ZeRO, hybrid sharding, tensor and expert parallelism each matrix is assembled whole on one owner rank, orthogonalized there and its parts sent back (docs/distributed.md). A checkpoint of one optimizer resumes with the other only with training.reset_optimizer.";
+    "training.weight_decay", Kind::Float, "0.1", "Decoupled weight decay (p *= 1 - learning rate x weight_decay), applied to matrices and embeddings only (not norms or biases); the same for Muon's matrices.";
     "training.beta1", Kind::Float, "0.9", "AdamW beta1.";
     "training.beta2", Kind::Float, "0.95", "AdamW beta2.";
     "training.adam_eps", Kind::Float, "1e-8", "AdamW epsilon.";
+    "training.muon_momentum", Kind::Float, "0.95", "Muon's momentum (Nesterov), in [0, 1).";
+    "training.muon_ns_steps", Kind::Count, "5", "Newton-Schulz iterations per Muon update (1 to 99; torch.optim.Muon's ns_steps).";
+    "training.muon_adjust_lr", Kind::Choice(MuonAdjust::NAMES), "\"match_rms_adamw\"", "How Muon scales the learning rate for an A x B matrix: match_rms_adamw = 0.2 sqrt(max(A, B)), so the update's RMS matches AdamW's and one learning rate serves both optimizers; original = sqrt(max(1, A / B)) (Keller Jordan's; wants a learning rate ~20x AdamW's).";
+    "training.reset_optimizer", Kind::Bool, "false", "On resume, load the checkpoint's weights only and start the optimizer afresh (zero moments and momentum, AdamW's bias correction from step 1); the step count, data order and learning-rate schedule continue. Needed to resume a checkpoint of one training.optimizer with the other.";
     "training.max_grad_norm", Kind::Float, "1.0", "Clip the global gradient norm to this (0 = no clipping).";
     "training.eval_interval", Kind::UInt, "0", "Validation loss every N steps and at the end (0 = only at the end).";
     "training.eval_batches", Kind::UInt, "4", "Batches of the held-out split per validation (0 = no validation).";

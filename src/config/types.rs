@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 
 use super::choices::{
     ActivationCheckpointing, Architecture, AttentionBackend, DeviceChoice, DistBackendChoice,
-    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, OomPhase, ReduceDtype, ZeroStage,
+    DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, MuonAdjust, OomPhase, OptimizerChoice,
+    ReduceDtype, ZeroStage,
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,10 +89,15 @@ pub struct TrainingConfig {
     pub grad_accum_nums: usize,
     pub num_workers: usize,
     pub dtype: DtypeChoice,
+    pub optimizer: OptimizerChoice,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
     pub adam_eps: f64,
+    pub muon_momentum: f64,
+    pub muon_ns_steps: usize,
+    pub muon_adjust_lr: MuonAdjust,
+    pub reset_optimizer: bool,
     pub max_grad_norm: f64,
     pub eval_interval: usize,
     pub eval_batches: usize,

@@ -197,7 +197,11 @@ fn check_ranges(c: &Config, bad: &mut impl FnMut(String)) {
             t.min_lr, t.learning_rate
         ));
     }
-    for (key, v) in [("training.beta1", t.beta1), ("training.beta2", t.beta2)] {
+    for (key, v) in [
+        ("training.beta1", t.beta1),
+        ("training.beta2", t.beta2),
+        ("training.muon_momentum", t.muon_momentum),
+    ] {
         if !(0.0..1.0).contains(&v) {
             bad(format!("{key} = {v}: must be in [0, 1)"));
         }
@@ -210,6 +214,13 @@ fn check_ranges(c: &Config, bad: &mut impl FnMut(String)) {
         if v < 0.0 {
             bad(format!("{key} = {v}: must be >= 0"));
         }
+    }
+    if t.muon_ns_steps >= 100 {
+        bad(format!(
+            "training.muon_ns_steps = {}: must be 1 to 99 (torch.optim.Muon's limit; 5 is the \
+             default, and more steps cost time without a better update)",
+            t.muon_ns_steps
+        ));
     }
     if !(t.rollback_lr_factor > 0.0 && t.rollback_lr_factor <= 1.0) {
         bad(format!(

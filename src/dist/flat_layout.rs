@@ -1,9 +1,11 @@
 //! The flat parameter space of sharded data parallelism (`system.zero_stage` ≥ 1): which rank
 //! owns which elements of which parameter.
 //!
-//! Every trainable parameter gets a range of one flat index space: first the weight-decayed
-//! ones (matrices and embeddings), then the 1-D ones (norm weights), each group in the order it
-//! is given (Hugging Face order), so any contiguous slice meets at most two decay groups. The
+//! Every trainable parameter gets a range of one flat index space, group by group in the order
+//! of the optimizer's groups (its update rules: with AdamW the weight-decayed parameters,
+//! matrices and embeddings, then the 1-D ones, norm weights; with Muon its matrices before
+//! those), each group in the order it is given (Hugging Face order), so any contiguous slice
+//! meets each group in one contiguous range. The
 //! space is padded to a multiple of the world size N, and rank r owns the contiguous slice
 //! `[r·S, (r+1)·S)` with `S = padded / N`: its fp32 master weights, AdamW moments and (stage 2)
 //! gradient shard are exactly that slice. A checkpoint records each parameter's piece by its
@@ -20,7 +22,8 @@ pub struct FlatParam {
     pub numel: usize,
     /// First element in the flat space.
     pub start: usize,
-    pub decay: bool,
+    /// The optimizer's group (the space holds group 0's parameters first, then group 1's, ...).
+    pub group: usize,
     /// Index in the caller's parameter list.
     pub index: usize,
 }
@@ -44,7 +47,7 @@ pub struct Piece {
 
 #[derive(Debug, Clone)]
 pub struct FlatLayout {
-    /// In flat order: decayed parameters first, then the others.
+    /// In flat order: group by group.
     pub params: Vec<FlatParam>,
     /// Elements of all parameters (before padding).
     pub total: usize,
@@ -55,19 +58,23 @@ pub struct FlatLayout {
 }
 
 impl FlatLayout {
-    /// `params`: (name, number of elements, weight-decayed) in the caller's order.
-    pub fn new<'a>(params: impl IntoIterator<Item = (&'a str, usize, bool)>, world: usize) -> Self {
-        let given: Vec<(&str, usize, bool)> = params.into_iter().collect();
+    /// `params`: (name, number of elements, the optimizer's group) in the caller's order.
+    pub fn new<'a>(
+        params: impl IntoIterator<Item = (&'a str, usize, usize)>,
+        world: usize,
+    ) -> Self {
+        let given: Vec<(&str, usize, usize)> = params.into_iter().collect();
         let mut out = Vec::with_capacity(given.len());
         let mut at = 0;
-        for decay in [true, false] {
-            for (index, &(name, numel, d)) in given.iter().enumerate() {
-                if d == decay {
+        let groups = given.iter().map(|&(_, _, g)| g + 1).max().unwrap_or(0);
+        for group in 0..groups {
+            for (index, &(name, numel, g)) in given.iter().enumerate() {
+                if g == group {
                     out.push(FlatParam {
                         name: name.to_string(),
                         numel,
                         start: at,
-                        decay,
+                        group,
                         index,
                     });
                     at += numel;
@@ -98,6 +105,15 @@ impl FlatLayout {
         (0..self.world)
             .map(|r| intersect(range, &self.owned(r)).len())
             .collect()
+    }
+
+    /// The flat range of group `group`'s parameters (empty where it has none).
+    pub fn group_range(&self, group: usize) -> Range<usize> {
+        let from = |g: usize| {
+            let at = self.params.partition_point(|p| p.group < g);
+            self.params.get(at).map_or(self.total, |p| p.start)
+        };
+        from(group)..from(group + 1)
     }
 
     /// The parameter pieces inside a flat range, in flat order (padding has none).
@@ -259,20 +275,20 @@ mod tests {
     use super::*;
 
     fn layout(world: usize) -> FlatLayout {
-        // HF order: embedding (decay), a norm (no decay), a matrix (decay), the final norm.
+        // HF order: embedding (group 0), a norm (group 1), a matrix (group 0), the final norm.
         FlatLayout::new(
             [
-                ("embed", 12, true),
-                ("norm1", 4, false),
-                ("w", 6, true),
-                ("norm", 4, false),
+                ("embed", 12, 0),
+                ("norm1", 4, 1),
+                ("w", 6, 0),
+                ("norm", 4, 1),
             ],
             world,
         )
     }
 
     #[test]
-    fn decayed_parameters_come_first_and_the_space_is_padded() {
+    fn groups_come_in_order_and_the_space_is_padded() {
         let l = layout(3);
         let order: Vec<(&str, usize)> = l
             .params
@@ -286,6 +302,8 @@ mod tests {
         assert_eq!((l.total, l.shard, l.padded()), (26, 9, 27));
         assert_eq!(l.owned(2), 18..27);
         assert_eq!(l.params[1].index, 2, "w is the caller's third parameter");
+        assert_eq!([l.group_range(0), l.group_range(1)], [0..18, 18..26]);
+        assert_eq!(l.group_range(2), 26..26, "a group without parameters");
     }
 
     #[test]

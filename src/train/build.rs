@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 
 use super::device;
 use super::faults;
-use super::optim::{AdamWParams, ExpertPlace, Experts, Hybrid, Optimizer, Sharding, TensorGroups};
+use super::optim::{ExpertPlace, Experts, Hybrid, Hyper, Optimizer, Sharding, TensorGroups};
 use super::place::Rank;
 use super::tensor_parallel::GroupComm;
 use crate::config::Config;
@@ -169,7 +169,7 @@ fn optimizer(
         reduce: device::reduce_kind(cfg),
         tensor,
     };
-    let hp = AdamWParams::from_config(&cfg.training);
+    let hp = Hyper::from_config(&cfg.training);
     let table = model.parameters();
     let Some(ExpertGroups {
         group,

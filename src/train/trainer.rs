@@ -476,9 +476,10 @@ impl<'a> Trainer<'a> {
     /// `training.rollback_lr_factor`. The data position is kept (samples_consumed goes on), so
     /// the replayed steps see new data rather than the batches that went bad.
     fn roll_back(&mut self, dir: &std::path::Path) -> Result<()> {
-        let saved = checkpoint::load(dir, &self.model.shape, &mut self.opt)?;
+        let fresh = fresh_optimizer(&checkpoints::read_state(dir)?, &self.cfg, dir)?;
+        let saved = checkpoint::load(dir, &self.model.shape, &mut self.opt, fresh)?;
         self.state.step = saved.step;
-        self.state.adam_step = saved.adam_step;
+        self.state.adam_step = self.opt.steps();
         self.state.lr_scale *= self.cfg.training.rollback_lr_factor;
         self.recorder.rewind(saved.step)?;
         println!(
@@ -585,6 +586,7 @@ fn fresh_state(
         samples_consumed: 0,
         seed: resolved.config.system.seed,
         adam_step: 0,
+        optimizer: resolved.config.training.optimizer,
         loss: f64::NAN,
         world_size: world,
         lr_scale: 1.0,
@@ -634,7 +636,8 @@ fn resume(
             dir.join("trainer.json").display()
         );
     }
-    checkpoint::load(dir, shape, opt)?;
+    let fresh = fresh_optimizer(&saved, cfg, dir)?;
+    checkpoint::load(dir, shape, opt, fresh)?;
     println!(
         "{} Resumed from {} at step {} ({} samples consumed; loaded in {:.2} s)",
         rank.tag,
@@ -643,6 +646,13 @@ fn resume(
         saved.samples_consumed,
         started.elapsed().as_secs_f64()
     );
+    if fresh {
+        println!(
+            "{} training.reset_optimizer: the weights of step {} with a fresh {} optimizer \
+             (the checkpoint's state was {}'s); its step count starts at 0",
+            rank.tag, saved.step, cfg.training.optimizer, saved.optimizer
+        );
+    }
     let samples_consumed = match &changed {
         Some(diff) => {
             println!(
@@ -657,11 +667,32 @@ fn resume(
     Ok(TrainerState {
         world_size: rank.place.world,
         zero_stage: cfg.system.zero_stage,
+        optimizer: cfg.training.optimizer,
+        adam_step: opt.steps(),
         config: resolved.to_json(),
         data: Some(data),
         samples_consumed,
         ..saved
     })
+}
+
+/// Whether a checkpoint's weights alone are to be loaded, the optimizer starting afresh
+/// (`training.reset_optimizer`): its moments are another optimizer's (refused without the
+/// key), or the key asks for a reset that the checkpoint's run had not made. The reset happens
+/// once: the checkpoints of a run that made it (their config has the key) resume with their
+/// own state, so its restarts and rollbacks stay exact.
+fn fresh_optimizer(saved: &TrainerState, cfg: &Config, dir: &std::path::Path) -> Result<bool> {
+    let (then, now) = (saved.optimizer, cfg.training.optimizer);
+    let reset = cfg.training.reset_optimizer;
+    anyhow::ensure!(
+        then == now || reset,
+        "{}: the checkpoint's optimizer state is {then}'s and training.optimizer = {now}; \
+         resume with training.optimizer={then}, or set training.reset_optimizer=true to \
+         continue its weights with a fresh {now} optimizer",
+        dir.display()
+    );
+    let made = saved.config["training"]["reset_optimizer"].as_bool() == Some(true);
+    Ok(then != now || (reset && !made))
 }
 
 /// The full resolved config, beside the run's records (and in every checkpoint's trainer.json).

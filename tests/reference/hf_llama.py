@@ -11,7 +11,16 @@ routing renormalised; with --mixtral a MixtralForCausalLM of 2 layers of 4 exper
 those two the objective is the cross-entropy plus router_aux_loss_coef (0.02) x transformers'
 aux_loss, and the reference also holds aux_loss and each MoE layer's top-k experts per token.
 
+With --muon ADJUST (original | match_rms_adamw) the 3 steps are torch.optim.Muon's (its defaults:
+momentum 0.95, Nesterov, 5 Newton-Schulz steps; adjust_lr_fn ADJUST; weight decay 0.1) on every
+2-D weight inside the decoder layers and AdamW on the rest; transformers holds a layer's experts
+fused in 3-D tensors, so each expert's matrices get torch.optim.Muon's own update function
+(torch.optim._muon.muon) on their views. The parameters before the steps and the momentum
+buffers after them are saved too (before.safetensors, momentum.safetensors), and each step's
+clipped gradients (gradsK.safetensors, K = 0, 1, 2).
+
 usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope] [--qwen3 | --qwen3-moe | --mixtral]
+                   [--muon ADJUST]
 """
 import json
 import sys
@@ -129,15 +138,52 @@ grad_norms = {n: g.norm().item()
               for n, g in checkpoint_named((n, p.grad) for n, p in model.named_parameters())}
 model.zero_grad(set_to_none=True)
 
-decay = [p for p in model.parameters() if p.dim() >= 2]
-no_decay = [p for p in model.parameters() if p.dim() < 2]
+muon_adjust = sys.argv[sys.argv.index("--muon") + 1] if "--muon" in sys.argv else None
+# Muon's matrices (with --muon): the decoder layers' 2-D weights, and each expert's matrices
+# as views of the fused 3-D tensors (name, view, its gradient's view taken at each step).
+in_layers = {id(p) for p in model.model.layers.parameters()} if muon_adjust else set()
+muon_2d = [p for p in model.parameters() if id(p) in in_layers and p.dim() == 2]
+fused = [(n, p) for n, p in model.named_parameters() if id(p) in in_layers and p.dim() == 3]
+others = [p for p in model.parameters() if id(p) not in in_layers or p.dim() == 1]
+decay = [p for p in others if p.dim() >= 2]
+no_decay = [p for p in others if p.dim() < 2]
 opt = torch.optim.AdamW(
     [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
     lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False,
 )
+before = {n: p.detach().clone().contiguous()
+          for n, p in checkpoint_named(model.named_parameters())}
+optimizers = [opt]
+if muon_adjust:
+    optimizers.append(torch.optim.Muon(muon_2d, lr=1e-3, weight_decay=0.1,
+                                       adjust_lr_fn=muon_adjust))
+# Each fused expert tensor's momentum buffers, one per expert matrix (zero at first).
+expert_buffers = {n: torch.zeros_like(p) for n, p in fused}
+
+
+def expert_views(name, t):
+    """Each expert's matrices of the fused tensor `name`: [E, 2I, H] gate_up_proj (gate and up
+    halves) or [E, H, I] down_proj."""
+    if name.endswith("gate_up_proj"):
+        half = t.shape[1] // 2
+        return [v for e in range(t.shape[0]) for v in (t[e, :half], t[e, half:])]
+    return [t[e] for e in range(t.shape[0])]
+
+
+def step_experts():
+    from torch.optim._muon import muon
+    for n, p in fused:
+        with torch.no_grad():
+            muon(expert_views(n, p), expert_views(n, p.grad),
+                 expert_views(n, expert_buffers[n]), lr=1e-3,
+                 weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,
+                 adjust_lr_fn=muon_adjust, has_complex=False)
+
+
 step_losses, step_norms = [], []
-for _ in range(3):
-    opt.zero_grad(set_to_none=True)
+for step in range(3):
+    model.zero_grad(set_to_none=True)
     l = loss_fn()
     l.backward()
     # clip_grad_norm_ with the norm summed in fp64: torch's fp32 norm kernel drifts on large
@@ -146,13 +192,27 @@ for _ in range(3):
     coef = torch.clamp(1.0 / (norm.float() + 1e-6), max=1.0)
     for p in model.parameters():
         p.grad.mul_(coef)
-    opt.step()
+    if muon_adjust:
+        grads = checkpoint_named((n, p.grad) for n, p in model.named_parameters())
+        save_file({n: g.contiguous() for n, g in grads}, f"{out}/grads{step}.safetensors")
+    for o in optimizers:
+        o.step()
+    if fused:
+        step_experts()
     step_losses.append(loss_fn.ce)
     step_norms.append(norm.item())
 
 params = {n: p.detach().clone().contiguous()
           for n, p in checkpoint_named(model.named_parameters())}
 save_file(params, f"{out}/after.safetensors")
+if muon_adjust:
+    save_file(before, f"{out}/before.safetensors")
+    state = optimizers[1].state
+    names = {id(p): n for n, p in model.named_parameters()}
+    buffers = [(names[id(p)], state[p]["momentum_buffer"]) for p in muon_2d]
+    buffers += list(expert_buffers.items())
+    save_file({n: t.contiguous() for n, t in checkpoint_named(buffers)},
+              f"{out}/momentum.safetensors")
 with open(f"{out}/reference.json", "w") as f:
     json.dump({"loss": loss.item(), "grad_norms": grad_norms, "step_losses": step_losses,
                "step_grad_norms": step_norms, **moe_ref}, f)

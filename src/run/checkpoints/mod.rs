@@ -14,7 +14,7 @@ use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::ZeroStage;
+use crate::config::{OptimizerChoice, ZeroStage};
 use crate::model::LlamaShape;
 pub use integrity::{numbered_name, FileSum, FileSums, Layout, Scope, Share, INDEX};
 
@@ -31,6 +31,10 @@ pub struct TrainerState {
     pub samples_consumed: u64,
     pub seed: u64,
     pub adam_step: u64,
+    /// `training.optimizer` the checkpoint's moments belong to (adamw in checkpoints from
+    /// before Muon).
+    #[serde(default = "adamw")]
+    pub optimizer: OptimizerChoice,
     pub loss: f64,
     pub world_size: usize,
     /// Product of the rollback LR factors applied so far.
@@ -56,6 +60,10 @@ fn one() -> f64 {
 
 fn replicated() -> ZeroStage {
     ZeroStage::Replicated
+}
+
+fn adamw() -> OptimizerChoice {
+    OptimizerChoice::AdamW
 }
 
 pub fn versions() -> Value {

@@ -4,7 +4,8 @@
 //! step_N/
 //!   model.safetensors      parameters under Hugging Face names (fp32 master weights)
 //!   config.json            transformers config, so the directory is also an HF model
-//!   optimizer.safetensors  AdamW moments: <param>.exp_avg, <param>.exp_avg_sq
+//!   optimizer.safetensors  the optimizer's moments: <param>.exp_avg, <param>.exp_avg_sq
+//!                          (AdamW), <param>.momentum_buffer (Muon's matrices)
 //!   trainer.json           step, sampler state, optimizer step, model shape, resolved config
 //! ```
 //!
@@ -20,7 +21,8 @@
 //!                                      (flattened), each with its element range "start:end"
 //!                                      in the file's metadata under the parameter's name; a
 //!                                      parameter's further pieces in the same file are
-//!                                      `<param>.exp_avg@k` with their range under `<param>@k`
+//!                                      `<param>.exp_avg@k` (`.momentum_buffer@k`, ...) with
+//!                                      their range under `<param>@k`
 //! ```
 //!
 //! (With tensor parallelism, `system.tensor_parallel`, the files are the same: the optimizer
@@ -64,7 +66,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use super::optim::{Optimizer, RankState, StateSource, Writers};
+use super::optim::{Optimizer, RankState, StateSource, Writers, MOMENT_KEYS};
 use crate::config::CheckpointConfig;
 use crate::dist::flat_layout::intersect;
 use crate::dist::store::Store;
@@ -526,14 +528,12 @@ impl Files {
                 k => (format!("{}@{k}", piece.name), format!("@{k}")),
             };
             *k += 1;
-            tensors.push((
-                format!("{}.exp_avg{suffix}", piece.name),
-                piece.exp_avg.shallow_clone(),
-            ));
-            tensors.push((
-                format!("{}.exp_avg_sq{suffix}", piece.name),
-                piece.exp_avg_sq.shallow_clone(),
-            ));
+            for (moment, t) in &piece.moments {
+                tensors.push((
+                    format!("{}.{moment}{suffix}", piece.name),
+                    t.shallow_clone(),
+                ));
+            }
             meta.insert(key, format!("{}:{}", piece.range.start, piece.range.end));
         }
         let meta = self.writers.sharded.then(|| {
@@ -578,8 +578,14 @@ fn format_metadata() -> HashMap<String, String> {
 }
 
 /// Restores the optimizer's parameters, masters and moments from `dir` (any stage, any
-/// world size) after checking that the checkpoint's model shape is the one being trained.
-pub fn load(dir: &Path, shape: &LlamaShape, opt: &mut Optimizer) -> Result<TrainerState> {
+/// world size) after checking that the checkpoint's model shape is the one being trained;
+/// with `weights_only` (`training.reset_optimizer`) its parameters and masters alone.
+pub fn load(
+    dir: &Path,
+    shape: &LlamaShape,
+    opt: &mut Optimizer,
+    weights_only: bool,
+) -> Result<TrainerState> {
     let state = checkpoints::read_state(dir)?;
     if &state.model_shape != shape {
         let saved = serde_json::to_value(&state.model_shape)?;
@@ -607,7 +613,7 @@ pub fn load(dir: &Path, shape: &LlamaShape, opt: &mut Optimizer) -> Result<Train
         weights: hf::Weights::open(dir)?,
         moments: MomentFiles::open(dir)?,
     };
-    opt.load(&ckpt, state.adam_step)?;
+    opt.load(&ckpt, state.adam_step, weights_only)?;
     Ok(state)
 }
 
@@ -662,20 +668,23 @@ impl StateSource for Checkpoint {
         self.fp32(name, shape, Some(range))
     }
 
-    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
-        self.moments.read(name, range)
+    fn moment(&self, name: &str, key: &str, range: &Range<usize>) -> Result<Tensor> {
+        self.moments.read(name, key, range)
     }
 }
 
-/// The AdamW moments of a checkpoint, whichever layout wrote them: `optimizer.safetensors`
-/// (replicated: whole tensors) or `optimizer-0000r-of-0000N.safetensors` (sharded: one piece per
-/// parameter and rank, its element range in the metadata). Any range of any parameter is read
-/// from the pieces that cover it.
+/// The optimizer's moments of a checkpoint, whichever layout wrote them:
+/// `optimizer.safetensors` (replicated: whole tensors) or
+/// `optimizer-0000r-of-0000N.safetensors` (sharded: one piece per parameter and rank, its
+/// element range in the metadata), each piece holding its parameter's moments under their
+/// keys (`MOMENT_KEYS`: AdamW's exp_avg and exp_avg_sq, Muon's momentum_buffer). Any range of
+/// any parameter is read from the pieces that cover it.
 pub struct MomentFiles {
     dir: PathBuf,
     files: Vec<SafeFile>,
-    /// Parameter → (element range, file index, piece suffix `@k` or ""), sorted by range start.
-    pieces: HashMap<String, Vec<(Range<usize>, usize, String)>>,
+    /// Parameter → (element range, file index, piece suffix `@k` or "", its moments' keys),
+    /// sorted by range start.
+    pieces: HashMap<String, Vec<(Range<usize>, usize, String, Vec<&'static str>)>>,
 }
 
 impl MomentFiles {
@@ -691,12 +700,18 @@ impl MomentFiles {
         for (i, path) in paths.iter().enumerate() {
             let f = SafeFile::open(path)?;
             let meta = f.metadata()?;
+            // (parameter, suffix) → the piece's moments, each checked against its range.
+            let mut found: HashMap<(String, String), (Range<usize>, Vec<&'static str>)> =
+                HashMap::new();
             for tensor in f.names() {
                 let (stem, suffix) = match tensor.rsplit_once('@') {
                     Some((stem, k)) if k.parse::<usize>().is_ok() => (stem, format!("@{k}")),
                     _ => (tensor.as_str(), String::new()),
                 };
-                let Some(param) = stem.strip_suffix(".exp_avg") else {
+                let Some((param, key)) = MOMENT_KEYS.iter().find_map(|&k| {
+                    let param = stem.strip_suffix(k)?.strip_suffix('.')?;
+                    Some((param, k))
+                }) else {
                     continue;
                 };
                 let numel = f.shape(&tensor)?.iter().product::<i64>() as usize;
@@ -708,19 +723,26 @@ impl MomentFiles {
                 };
                 ensure!(
                     range.len() == numel,
-                    "{}: piece {param} holds {numel} elements, its range {range:?} says {}",
+                    "{}: piece {tensor} holds {numel} elements, its range {range:?} says {}",
                     path.display(),
                     range.len()
                 );
+                found
+                    .entry((param.to_string(), suffix))
+                    .or_insert_with(|| (range, Vec::new()))
+                    .1
+                    .push(key);
+            }
+            for ((param, suffix), (range, keys)) in found {
                 pieces
-                    .entry(param.to_string())
+                    .entry(param)
                     .or_default()
-                    .push((range, i, suffix));
+                    .push((range, i, suffix, keys));
             }
             files.push(f);
         }
         for list in pieces.values_mut() {
-            list.sort_by_key(|(r, _, _)| r.start);
+            list.sort_by_key(|(r, _, _, _)| r.start);
         }
         Ok(MomentFiles {
             dir: dir.to_path_buf(),
@@ -729,41 +751,74 @@ impl MomentFiles {
         })
     }
 
-    /// (exp_avg, exp_avg_sq) of elements `range` of `param` (flattened), as 1-D fp32 CPU
-    /// tensors; an error names what is missing when the pieces do not cover the range.
-    pub fn read(&self, param: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
+    /// The moments the checkpoint holds for `param` (their keys, in `MOMENT_KEYS` order).
+    pub fn keys(&self, param: &str) -> Vec<&'static str> {
+        let held = |k: &&str| {
+            self.pieces
+                .get(param)
+                .is_some_and(|l| l.iter().any(|(_, _, _, keys)| keys.contains(k)))
+        };
+        MOMENT_KEYS.into_iter().filter(held).collect()
+    }
+
+    /// Moment `key` of elements `range` of `param` (flattened), as a 1-D fp32 CPU tensor; an
+    /// error names what is missing when the pieces do not cover the range.
+    pub fn read(&self, param: &str, key: &str, range: &Range<usize>) -> Result<Tensor> {
         let missing = || {
+            let held = self.keys(param);
+            let written_by = if held.is_empty() || held.contains(&key) {
+                String::new()
+            } else {
+                format!(
+                    " (it holds {}: another optimizer wrote it; see training.reset_optimizer)",
+                    held.join(", ")
+                )
+            };
             anyhow::anyhow!(
-                "{}: the optimizer files hold no moments for elements {range:?} of {param}; \
+                "{}: the optimizer files hold no {key} for elements {range:?} of {param}{written_by}; \
                  the checkpoint is incomplete (was every rank's optimizer-*-of-*.safetensors copied?)",
                 self.dir.display()
             )
         };
         let list = self.pieces.get(param).ok_or_else(missing)?;
-        let out = |suffix: &str| -> Result<Tensor> {
-            let t = Tensor::zeros([range.len() as i64], (Kind::Float, tch::Device::Cpu));
-            let mut covered = 0;
-            for (piece, file, k) in list {
-                let both = intersect(piece, range);
-                if both.is_empty() {
-                    continue;
-                }
-                // Only the bytes of the elements asked for are read from the map.
-                let within = both.start - piece.start..both.end - piece.start;
-                let tensor = format!("{param}{suffix}{k}");
-                let part = self.files[*file].elements(&tensor, &within)?;
-                ensure!(part.kind() == Kind::Float, "{tensor}: moments must be fp32");
-                let path = self.files[*file].path();
-                let what = format_args!("{}: {tensor}", path.display());
-                crate::tensor_io::ensure_finite(&part, what, RESUME_ELSEWHERE)?;
-                t.narrow(0, (both.start - range.start) as i64, both.len() as i64)
-                    .copy_(&part);
-                covered += both.len();
+        let t = Tensor::zeros([range.len() as i64], (Kind::Float, tch::Device::Cpu));
+        let mut covered = 0;
+        for (piece, file, k, keys) in list {
+            let both = intersect(piece, range);
+            if both.is_empty() || !keys.contains(&key) {
+                continue;
             }
-            ensure!(covered == range.len(), missing());
-            Ok(t)
-        };
-        Ok((out(".exp_avg")?, out(".exp_avg_sq")?))
+            // Only the bytes of the elements asked for are read from the map.
+            let within = both.start - piece.start..both.end - piece.start;
+            let tensor = format!("{param}.{key}{k}");
+            let part = self.files[*file].elements(&tensor, &within)?;
+            ensure!(part.kind() == Kind::Float, "{tensor}: moments must be fp32");
+            let path = self.files[*file].path();
+            let what = format_args!("{}: {tensor}", path.display());
+            crate::tensor_io::ensure_finite(&part, what, RESUME_ELSEWHERE)?;
+            t.narrow(0, (both.start - range.start) as i64, both.len() as i64)
+                .copy_(&part);
+            covered += both.len();
+        }
+        ensure!(covered == range.len(), missing());
+        Ok(t)
+    }
+
+    /// Every moment the checkpoint holds for elements `range` of `param`, by key.
+    pub fn read_all(
+        &self,
+        param: &str,
+        range: &Range<usize>,
+    ) -> Result<Vec<(&'static str, Tensor)>> {
+        let keys = self.keys(param);
+        ensure!(
+            !keys.is_empty(),
+            "{}: no moments of {param}",
+            self.dir.display()
+        );
+        keys.into_iter()
+            .map(|k| Ok((k, self.read(param, k, range)?)))
+            .collect()
     }
 }
 

@@ -1,6 +1,5 @@
 //! The optimizer's arithmetic, shared by every layout: libtorch's fused AdamW, dropping
-//! gradients, the weight-decay rule, the global gradient norm and clipping. Depends on nothing
-//! else in `train`.
+//! gradients, the global gradient norm and clipping. Depends on nothing else in `train`.
 
 use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
@@ -44,12 +43,6 @@ impl AdamWParams {
             weight_decay: t.weight_decay,
         }
     }
-}
-
-/// Whether a parameter of this shape gets weight decay: matrices and embeddings do, norm
-/// weights and biases (1-D) do not (the GPT-2/Llama convention).
-pub fn decays(shape: &[i64]) -> bool {
-    shape.len() >= 2
 }
 
 /// The tensors of one fused AdamW call (one weight-decay group), aligned by position.

@@ -1,9 +1,12 @@
 //! The optimizer of a run: AdamW matching torch.optim.AdamW (decoupled decay `p *= 1 - lr·wd`,
-//! bias-corrected moments), global-norm clipping as torch.nn.utils.clip_grad_norm_, and the
-//! warmup + cosine schedule, over one of two layouts:
+//! bias-corrected moments), or with `training.optimizer = muon` Muon matching torch.optim.Muon
+//! on the decoder layers' matrices and AdamW on the rest; global-norm clipping as
+//! torch.nn.utils.clip_grad_norm_, and the warmup + cosine schedule, over one of two layouts:
 //!
 //! - `kernel`: the arithmetic every layout shares (fused AdamW, the norm, clipping, dropping
-//!   gradients, the decay rule); depends on nothing else in `train`;
+//!   gradients); depends on nothing else in `train`;
+//! - `muon`: Muon's arithmetic and which parameters it takes (`Rule`);
+//! - `orthogonal`: Muon's matrices made whole on one rank each for Newton–Schulz;
 //! - `replicated`: stage 0, every rank holds everything;
 //! - `sharded`: stages 1-3 over the flat layout (`dist::flat_layout`);
 //! - `reduce`: where gradients are averaged across ranks as backward finishes them;
@@ -16,6 +19,8 @@
 
 pub mod experts;
 pub mod kernel;
+pub mod muon;
+pub mod orthogonal;
 pub mod reduce;
 pub mod replicated;
 pub mod schedule;
@@ -31,21 +36,48 @@ use tch::{Kind, Tensor};
 
 pub use experts::ExpertPlace;
 pub use kernel::AdamWParams;
+pub use muon::{MuonParams, Rule};
 pub use schedule::Schedule;
 pub use state::{
     Hybrid, MomentPiece, RankState, Sharding, StateBytes, StateSource, TensorGroups, Writers,
+    MOMENT_KEYS,
 };
 
 use crate::config::ZeroStage;
 use crate::dist::overlap::{with_queue, CommQueue};
 use crate::dist::{on_group, ProcessGroup, SharedGroup};
 use crate::model::{GradUnit, Parameters, UnitEvents};
+use orthogonal::{Level, Setup};
 use reduce::GradReducer;
-use replicated::AdamW;
-use sharded::{ShardRanks, ShardedAdamW};
+use replicated::Replicated;
+use sharded::{ShardRanks, Sharded};
 
 /// Parameters by name.
 type Named = Vec<(String, Tensor)>;
+
+/// The optimizer's settings: AdamW's, and Muon's with `training.optimizer = muon`.
+#[derive(Debug, Clone, Copy)]
+pub struct Hyper {
+    pub adamw: AdamWParams,
+    pub muon: Option<MuonParams>,
+}
+
+impl Hyper {
+    pub fn from_config(t: &crate::config::TrainingConfig) -> Hyper {
+        Hyper {
+            adamw: AdamWParams::from_config(t),
+            muon: (t.optimizer == crate::config::OptimizerChoice::Muon)
+                .then(|| MuonParams::from_config(t)),
+        }
+    }
+}
+
+/// AdamW alone.
+impl From<AdamWParams> for Hyper {
+    fn from(adamw: AdamWParams) -> Hyper {
+        Hyper { adamw, muon: None }
+    }
+}
 
 /// Expert parallelism: the optimizer of this rank's experts, over the ranks that hold the same
 /// experts, and where they sit in the expert-parallel group (experts.rs).
@@ -69,11 +101,11 @@ impl Experts {
 
 /// One of the two layouts.
 enum Layout {
-    Replicated(AdamW),
-    Sharded(Box<ShardedAdamW>),
+    Replicated(Replicated),
+    Sharded(Box<Sharded>),
 }
 
-/// AdamW, replicated (`system.zero_stage = 0`) or sharded (1-3, [`ShardedAdamW`]), with the
+/// AdamW (and Muon), replicated (`system.zero_stage = 0`) or sharded (1-3, [`Sharded`]), with the
 /// [`GradReducer`] that averages its gradients across ranks during backward. The step
 /// (src/train/step.rs) only calls these methods, so it reads the same for every stage.
 pub struct Optimizer {
@@ -102,7 +134,7 @@ impl Optimizer {
     pub fn new(
         params: &[(String, Tensor)],
         table: &Parameters,
-        hp: AdamWParams,
+        hp: Hyper,
         stage: ZeroStage,
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
@@ -125,7 +157,7 @@ impl Optimizer {
     pub fn with_sharding(
         params: &[(String, Tensor)],
         table: &Parameters,
-        hp: AdamWParams,
+        hp: Hyper,
         sharding: Sharding,
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
@@ -139,7 +171,7 @@ impl Optimizer {
     fn over(
         params: &[(String, Tensor)],
         table: &Parameters,
-        hp: AdamWParams,
+        hp: Hyper,
         (sharding, data): (Sharding, Option<SharedGroup>),
         pg: &dyn ProcessGroup,
         bucket_mb: f64,
@@ -151,10 +183,14 @@ impl Optimizer {
         };
         let mut shapes = Vec::with_capacity(params.len());
         let mut units = Vec::with_capacity(params.len());
+        let mut rules = Vec::with_capacity(params.len());
+        let mut whole = Vec::with_capacity(params.len());
         for (name, _) in params {
             let p = table.get(name)?;
             shapes.push(p.split.local_shape(&p.shape, parts));
             units.push(p.unit);
+            rules.push(Rule::of(p, hp.muon.is_some()));
+            whole.push((p.shape.clone(), p.split));
         }
         let Sharding {
             stage,
@@ -176,6 +212,30 @@ impl Optimizer {
             None => (pg.rank(), pg.world_size()),
         };
         let shard = hybrid.as_ref().map(|h| h.shard.clone()).or(data.clone());
+        // Muon's settings and groups, where it has matrices here: level 1 is the layout's
+        // (`orthogonal.rs`), level 2 the tensor group.
+        let tensor_level = match &tensor {
+            Some(t) => {
+                let (rank, size) = t.place()?;
+                Some(Level {
+                    group: Some(t.tensor.clone()),
+                    rank,
+                    size,
+                })
+            }
+            None => None,
+        };
+        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+        let muon = |data: Level| {
+            let hp = hp.muon.filter(|_| rules.contains(&Rule::Muon))?;
+            Some(Setup {
+                hp,
+                device,
+                whole: whole.clone(),
+                data,
+                tensor: tensor_level.clone(),
+            })
+        };
         let (layout, reducer) = match stage {
             ZeroStage::Replicated => {
                 anyhow::ensure!(
@@ -183,8 +243,14 @@ impl Optimizer {
                     "system.shard_degree shards state at zero_stage >= 1; at zero_stage = 0 \
                      every rank holds everything (set system.zero_stage, or shard_degree = 0)"
                 );
+                let level = Level {
+                    group: data.clone(),
+                    rank,
+                    size: world,
+                };
+                let muon = muon(level);
                 (
-                    Layout::Replicated(AdamW::new(named, hp)),
+                    Layout::Replicated(Replicated::new(named, &rules, hp.adamw, muon)),
                     GradReducer::all_reduce(params, &units, (world, data), bucket_mb, reduce),
                 )
             }
@@ -204,12 +270,19 @@ impl Optimizer {
                         group: None,
                     },
                 };
+                let level = Level {
+                    group: ranks.group.clone(),
+                    rank: ranks.rank,
+                    size: ranks.world,
+                };
                 let members = sharded::Members {
                     named,
                     shapes,
                     units: &units,
+                    rules: &rules,
                 };
-                let sharded = ShardedAdamW::new(members, hp, stage, ranks, bucket_mb, compute);
+                let hp = (hp.adamw, muon(level));
+                let sharded = Sharded::new(members, hp, stage, ranks, bucket_mb, compute);
                 let reducer = if stage.shards_gradients() {
                     GradReducer::reduce_scatter(params, &sharded, reduce)
                 } else {
@@ -245,7 +318,7 @@ impl Optimizer {
     pub fn over_group(
         params: &[(String, Tensor)],
         table: &Parameters,
-        hp: AdamWParams,
+        hp: Hyper,
         ((stage, reduce), hybrid, tensor): (
             (ZeroStage, Kind),
             Option<Hybrid>,
@@ -532,7 +605,7 @@ impl Optimizer {
             e.opt.step(lr, pg)?;
         }
         match &mut self.layout {
-            Layout::Replicated(o) => o.step(lr),
+            Layout::Replicated(o) => o.step(lr, pg),
             Layout::Sharded(o) => o.step(lr, pg),
         }
     }
@@ -809,10 +882,16 @@ impl Optimizer {
     }
 
     /// Restores parameters, masters, moments and the step count from a checkpoint of any
-    /// stage and world size.
-    pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+    /// stage and world size; with `weights_only` (`training.reset_optimizer`) the parameters
+    /// and masters alone, the optimizer starting afresh.
+    pub fn load(
+        &mut self,
+        src: &dyn StateSource,
+        adam_step: u64,
+        weights_only: bool,
+    ) -> Result<()> {
         if let Some(e) = &mut self.experts {
-            e.opt.load(src, adam_step)?;
+            e.opt.load(src, adam_step, weights_only)?;
         }
         let parts;
         let src = match &self.tensor {
@@ -823,8 +902,8 @@ impl Optimizer {
             None => src,
         };
         match &mut self.layout {
-            Layout::Replicated(o) => o.load(src, adam_step),
-            Layout::Sharded(o) => o.load(src, adam_step),
+            Layout::Replicated(o) => o.load(src, adam_step, weights_only),
+            Layout::Sharded(o) => o.load(src, adam_step, weights_only),
         }
     }
 }
@@ -833,7 +912,7 @@ impl Optimizer {
 struct Events<'o, 'q, 'a> {
     opt: &'o Optimizer,
     /// Stage 3: the layouts that gather (`gatherers`; empty below stage 3).
-    layouts: Vec<&'o ShardedAdamW>,
+    layouts: Vec<&'o Sharded>,
     queue: &'q mut CommQueue<'a>,
     reduce: bool,
     /// Stage 3: the units in the order of their `before`, the position of the next one, how
@@ -870,7 +949,7 @@ fn take(list: &mut Vec<(Held, Tensor)>, key: Held) -> Option<Tensor> {
 
 /// Stage 3's sharded layouts (the optimizer's, and with expert parallelism its experts'),
 /// none below stage 3.
-fn gatherers(opt: &Optimizer) -> Vec<&ShardedAdamW> {
+fn gatherers(opt: &Optimizer) -> Vec<&Sharded> {
     opt.parts()
         .filter_map(|part| match &part.layout {
             Layout::Sharded(o) if o.stage.shards_parameters() => Some(o.as_ref()),
@@ -977,12 +1056,12 @@ mod tests {
     /// prefetch: with one, a second use's gather would be issued while the first runs, into a
     /// buffer of its own, and the first's is then left to the graph.
     fn one_weight() -> Result<(Vec<(String, Tensor)>, Optimizer)> {
-        let hp = AdamWParams {
+        let hp = Hyper::from(AdamWParams {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.0,
-        };
+        });
         let cpu = (Kind::Float, tch::Device::Cpu);
         let w = Tensor::arange(12, cpu).view([4, 3]).set_requires_grad(true);
         let params = vec![(

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use tch::{Kind, Tensor};
 
 use super::kernel::drop_grads;
-use super::sharded::ShardedAdamW;
+use super::sharded::Sharded;
 use crate::dist::buckets::{cap_bytes, flatten, pack, unflatten};
 use crate::dist::flat_layout::{FlatLayout, Span};
 use crate::dist::overlap::CommQueue;
@@ -125,7 +125,7 @@ impl GradReducer {
     /// (hybrid sharding) or of the caller's group.
     pub fn reduce_scatter(
         named: &[(String, Tensor)],
-        sharded: &ShardedAdamW,
+        sharded: &Sharded,
         kind: Kind,
     ) -> GradReducer {
         let params = named.iter().map(|(_, p)| p.shallow_clone()).collect();
@@ -331,7 +331,7 @@ mod tests {
             let params = vec![("model.norm.weight".to_string(), w.shallow_clone())];
             let mut pg = SingleProcess;
             let table = table_of(&[("model.norm.weight", &w, GradUnit::FinalNorm)]);
-            let opt = Optimizer::new(&params, &table, hp, stage, &pg, 25.0, Kind::BFloat16)?;
+            let opt = Optimizer::new(&params, &table, hp.into(), stage, &pg, 25.0, Kind::BFloat16)?;
             assert_eq!(w.kind(), Kind::BFloat16, "bf16 working parameters");
             for (micro, c) in [1.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0]
                 .into_iter()

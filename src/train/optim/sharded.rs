@@ -1,8 +1,12 @@
-//! Sharded AdamW: ZeRO stages 1, 2 and 3 (`system.zero_stage`) over the flat parameter space
-//! of [`FlatLayout`] (rank r owns the contiguous slice `[r·S, (r+1)·S)`).
+//! The sharded layout: ZeRO stages 1, 2 and 3 (`system.zero_stage`) over the flat parameter
+//! space of [`FlatLayout`] (rank r owns the contiguous slice `[r·S, (r+1)·S)`), whose groups are
+//! the update rules (`muon::Rule`): Muon's matrices first (with `training.optimizer = muon`),
+//! then AdamW's decayed parameters, then the rest.
 //!
 //! Buffers of this rank (S = the slice it owns; fp32, on the parameters' device):
-//! - `exp_avg`, `exp_avg_sq` [S]: AdamW's moments of the slice, always.
+//! - `exp_avg`, `exp_avg_sq` [A]: AdamW's moments of the slice's AdamW part (A elements: the
+//!   whole slice without Muon), always.
+//! - `momentum` [M]: Muon's momentum buffer of the slice's Muon part (M = S − A elements).
 //! - `master` [S]: fp32 master weights of the slice, when the working parameters (what the
 //!   forward reads) are not fp32 (`training.dtype = bf16`), and always at stage 3, where it is
 //!   the only persistent copy of the parameters. At stages 1 and 2 with fp32 parameters the
@@ -12,7 +16,7 @@
 //!   copy). Stage 1 with fp32 parameters reads views of the all-reduced full gradients instead.
 //! - The working parameters [P each], in the model: full at stages 1 and 2; at stage 3 empty
 //!   (0 elements) except while a pass uses their unit, when they hold the unit's all-gathered
-//!   values ([`ShardedAdamW::gather_job`], [`ShardedAdamW::materialize`]).
+//!   values ([`Sharded::gather_job`], [`Sharded::materialize`]).
 //!
 //! A step:
 //! - stage 1: the full gradients are all-reduced as in replicated training; the global norm is
@@ -21,8 +25,11 @@
 //!   (`reduce.rs`); the norm is the root of the sum of the slices' squares, summed in fp64
 //!   across ranks in rank order (the same value as stage 0's, see `kernel::sum_of_squares`).
 //!
-//! Then fused AdamW updates the slice, one tensor per parameter piece in it (decayed pieces in
-//! one call, the others in a second). At stages 1 and 2 the updated slices are all-gathered,
+//! Then Muon updates the slice's pieces of its matrices: the momentum and the Nesterov update
+//! on the pieces, Newton–Schulz on each matrix made whole on its owner (`orthogonal.rs`: only
+//! the matrices that straddle two slices move). Fused AdamW updates the rest of the slice, one
+//! tensor per parameter piece in it (decayed pieces in one call, the others in a second). At
+//! stages 1 and 2 the updated slices are all-gathered,
 //! bucket by bucket in the working dtype, into every rank's parameters; at stage 3 the next
 //! pass gathers them unit by unit.
 
@@ -33,9 +40,10 @@ use std::sync::mpsc;
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::kernel::{
-    clip_to, decays, drop_grads, fused_adamw, sum_of_squares, AdamWParams, FusedGroup,
-};
+use super::kernel::{clip_to, drop_grads, fused_adamw, sum_of_squares, AdamWParams, FusedGroup};
+use super::muon::{self, MuonParams, Rule};
+use super::orthogonal::{Orthogonalizer, Setup};
+use super::state::{EXP_AVG, EXP_AVG_SQ, MOMENTUM};
 use super::{MomentPiece, RankState, StateBytes, StateSource};
 use crate::config::ZeroStage;
 use crate::dist::flat_layout::{intersect, FlatLayout, Piece, Span};
@@ -51,8 +59,41 @@ pub struct ShardRanks {
     pub world: usize,
 }
 
-pub struct ShardedAdamW {
-    pub hp: AdamWParams,
+/// A buffer over part of this rank's slice: flat elements `start..start + len`.
+struct Region {
+    start: usize,
+    t: Tensor,
+}
+
+impl Region {
+    /// Zeros over the flat range `range`.
+    fn zeros(range: Range<usize>, device: Device) -> Region {
+        Region {
+            start: range.start,
+            t: Tensor::zeros([range.len() as i64], (Kind::Float, device)),
+        }
+    }
+
+    /// The elements at the flat range `flat` (inside the region).
+    fn at(&self, flat: &Range<usize>) -> Tensor {
+        self.t
+            .narrow(0, (flat.start - self.start) as i64, flat.len() as i64)
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.t.numel() * self.t.kind().elt_size_in_bytes()) as u64
+    }
+}
+
+/// Muon's part of a sharded optimizer: who orthogonalizes which of its matrices (its
+/// matrices are the flat layout's first parameters, in flat order).
+struct ShardedMuon {
+    hp: MuonParams,
+    orthogonal: Orthogonalizer,
+}
+
+pub struct Sharded {
+    pub adamw: AdamWParams,
     /// Completed optimizer steps.
     pub step: u64,
     pub stage: ZeroStage,
@@ -70,9 +111,11 @@ pub struct ShardedAdamW {
     /// One step-count scalar per piece (the fused kernel reads one per tensor).
     step_counts: Vec<Tensor>,
     master: Option<Tensor>,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
+    exp_avg: Region,
+    exp_avg_sq: Region,
+    momentum: Region,
     grad: Option<Tensor>,
+    muon: Option<ShardedMuon>,
     /// Elements per bucket of the parameter all-gathers.
     bucket: usize,
     /// Stages 2 and 3: each unit in backward order, its parameters (the caller's indices) and
@@ -83,28 +126,29 @@ pub struct ShardedAdamW {
 }
 
 /// The parameters a sharded optimizer holds: by name, their full shapes (this rank's parts'
-/// with tensor parallelism) and units, in one order.
+/// with tensor parallelism), units and update rules, in one order.
 pub struct Members<'a> {
     pub named: Vec<(String, Tensor)>,
     pub shapes: Vec<Vec<i64>>,
     pub units: &'a [GradUnit],
+    pub rules: &'a [Rule],
 }
 
-impl ShardedAdamW {
+impl Sharded {
     /// Shards `members` (parameters of full shapes `shapes`) over `world` ranks. Whole parameters (fp32,
     /// identical on every rank, e.g. after the initial broadcast) give the master slices their
     /// values; at stage 3 the parameters may instead be empty placeholders whose values come
-    /// one at a time through [`ShardedAdamW::set_initial`]. With a `working` dtype other than
+    /// one at a time through [`Sharded::set_initial`]. With a `working` dtype other than
     /// fp32 the parameters are converted in place; at stage 3 they are emptied (their slices
     /// live on in `master`).
     pub fn new(
         members: Members,
-        hp: AdamWParams,
+        (adamw, muon): (AdamWParams, Option<Setup>),
         stage: ZeroStage,
         ranks: ShardRanks,
         bucket_mb: f64,
         working: Kind,
-    ) -> ShardedAdamW {
+    ) -> Sharded {
         let ShardRanks {
             group: shard,
             rank,
@@ -114,13 +158,15 @@ impl ShardedAdamW {
             named: params,
             shapes,
             units: param_units,
+            rules,
         } = members;
         let numel = |s: &[i64]| s.iter().product::<i64>() as usize;
         let layout = FlatLayout::new(
             params
                 .iter()
                 .zip(&shapes)
-                .map(|((n, _), s)| (n.as_str(), numel(s), decays(s))),
+                .zip(rules)
+                .map(|(((n, _), s), r)| (n.as_str(), numel(s), r.group())),
             world,
         );
         let whole = params
@@ -134,7 +180,30 @@ impl ShardedAdamW {
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let fp32 = working == Kind::Float;
         let zeros = || Tensor::zeros([layout.shard as i64], (Kind::Float, device));
-        let pieces = layout.pieces(layout.owned(rank));
+        let owned = layout.owned(rank);
+        let pieces = layout.pieces(owned.clone());
+        // The slice's Muon part (the space's first group), then its AdamW part.
+        let muon_end = layout.group_range(Rule::Muon.group()).end;
+        let split = muon_end.clamp(owned.start, owned.end);
+        let muon = muon.map(|setup| {
+            let hp = setup.hp;
+            let matrices = layout.params[..layout.params.partition_point(|p| p.start < muon_end)]
+                .iter()
+                .map(|p| {
+                    setup.matrix(p.index, &shapes[p.index], |_| {
+                        (0..world)
+                            .map(|r| (r, intersect(&p.range(), &layout.owned(r))))
+                            .filter(|(_, r)| !r.is_empty())
+                            .map(|(q, r)| (q, r.start - p.start..r.end - p.start))
+                            .collect()
+                    })
+                })
+                .collect();
+            ShardedMuon {
+                hp,
+                orthogonal: setup.build(matrices),
+            }
+        });
         let units = if stage.shards_gradients() {
             let position = layout.positions();
             GradUnit::group_in_backward_order(param_units)
@@ -148,8 +217,8 @@ impl ShardedAdamW {
         } else {
             Vec::new()
         };
-        let s = ShardedAdamW {
-            hp,
+        let s = Sharded {
+            adamw,
             step: 0,
             stage,
             bucket: (crate::dist::buckets::cap_bytes(bucket_mb) / 4).max(1),
@@ -159,9 +228,11 @@ impl ShardedAdamW {
                 .collect(),
             pieces,
             master: (!fp32 || stage.shards_parameters()).then(zeros),
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
+            exp_avg: Region::zeros(split..owned.end, device),
+            exp_avg_sq: Region::zeros(split..owned.end, device),
+            momentum: Region::zeros(owned.start..split, device),
             grad: (stage.shards_gradients() || !fp32).then(zeros),
+            muon,
             layout,
             rank,
             shapes,
@@ -335,8 +406,51 @@ impl ShardedAdamW {
         }
     }
 
-    /// One AdamW update of this rank's slice; at stages 1 and 2 then the all-gather of every
-    /// rank's updated slice into the working parameters.
+    /// The piece's gradient where the update reads it: the slice's (stages 2 and 3, and stage
+    /// 1's fp32 copy), else the parameter's own (None: it has none).
+    fn update_grad(&self, piece: &Piece) -> Option<Tensor> {
+        match &self.grad {
+            Some(slice) => Some(self.slice_of(slice, &piece.flat)),
+            None => self.grad_piece(piece),
+        }
+    }
+
+    /// The piece's values the update writes: the master slice's, or the parameter's own.
+    fn update_param(&self, piece: &Piece) -> Tensor {
+        match &self.master {
+            Some(m) => self.slice_of(m, &piece.flat),
+            None => self.param_piece(piece),
+        }
+    }
+
+    /// Muon's update of the slice's pieces of its matrices: the momentum and the Nesterov
+    /// update of each piece, the matrices orthogonalized by their owners (a collective of the
+    /// shard group), each piece's result applied.
+    fn muon_step(&self, lr: f64, pg: &mut dyn ProcessGroup) -> Result<()> {
+        let Some(m) = &self.muon else {
+            return Ok(());
+        };
+        let count = m.orthogonal.matrices().len();
+        // The Muon parameters are the flat layout's first, so a piece's parameter position is
+        // its matrix's index.
+        let pieces: Vec<&Piece> = self.pieces.iter().filter(|p| p.param < count).collect();
+        let mut updates: Vec<Option<Tensor>> = (0..count).map(|_| None).collect();
+        for piece in &pieces {
+            let grad = self.update_grad(piece);
+            let buffer = self.momentum.at(&piece.flat);
+            updates[piece.param] = Some(muon::nesterov(&buffer, grad.as_ref(), m.hp.momentum));
+        }
+        let results = m.orthogonal.run(pg, &updates)?;
+        for (piece, o) in pieces.iter().zip(results) {
+            let whole = m.orthogonal.matrices()[piece.param].whole;
+            let adjusted = m.hp.adjusted_lr(lr, whole);
+            muon::apply(&self.update_param(piece), &o, lr, adjusted, &m.hp)?;
+        }
+        Ok(())
+    }
+
+    /// One update of this rank's slice (Muon's pieces, then AdamW's); at stages 1 and 2 then
+    /// the all-gather of every rank's updated slice into the working parameters.
     pub fn step(&mut self, lr: f64, pg: &mut dyn ProcessGroup) -> Result<()> {
         self.step += 1;
         if let (ZeroStage::Optimizer, Some(slice)) = (self.stage, &self.grad) {
@@ -350,29 +464,22 @@ impl ShardedAdamW {
                 }
             });
         }
-        for decay in [true, false] {
+        self.muon_step(lr, pg)?;
+        for rule in [Rule::Decay, Rule::Plain] {
             let mut group: [Vec<Tensor>; 4] = Default::default();
             let mut steps = Vec::new();
             for (piece, count) in self.pieces.iter().zip(&self.step_counts) {
-                if self.layout.params[piece.param].decay != decay {
+                if self.layout.params[piece.param].group != rule.group() {
                     continue;
                 }
-                let grad = match &self.grad {
-                    Some(slice) => self.slice_of(slice, &piece.flat),
-                    None => match self.grad_piece(piece) {
-                        Some(g) => g,
-                        None => continue, // no gradient, no update (as replicated AdamW)
-                    },
-                };
-                let param = match &self.master {
-                    Some(m) => self.slice_of(m, &piece.flat),
-                    None => self.param_piece(piece),
+                let Some(grad) = self.update_grad(piece) else {
+                    continue; // no gradient, no update (as replicated AdamW)
                 };
                 let _ = count.shallow_clone().fill_(self.step as f64);
-                group[0].push(param);
+                group[0].push(self.update_param(piece));
                 group[1].push(grad);
-                group[2].push(self.slice_of(&self.exp_avg, &piece.flat));
-                group[3].push(self.slice_of(&self.exp_avg_sq, &piece.flat));
+                group[2].push(self.exp_avg.at(&piece.flat));
+                group[3].push(self.exp_avg_sq.at(&piece.flat));
                 steps.push(count);
             }
             if steps.is_empty() {
@@ -386,15 +493,12 @@ impl ShardedAdamW {
                 exp_avg_sqs: v.iter().collect(),
                 steps,
             };
-            fused_adamw(&tensors, lr, &self.hp, decay)?;
+            fused_adamw(&tensors, lr, &self.adamw, rule == Rule::Decay)?;
         }
         if self.stage.shards_parameters() {
             return Ok(());
         }
-        let own = |piece: &Piece| match &self.master {
-            Some(m) => self.slice_of(m, &piece.flat),
-            None => self.param_piece(piece),
-        };
+        let own = |piece: &Piece| self.update_param(piece);
         self.gather(pg, self.working, own, |piece, src| {
             tch::no_grad(|| self.param_piece(piece).copy_(src));
         })
@@ -526,17 +630,33 @@ impl ShardedAdamW {
             .map(|piece| MomentPiece {
                 name: self.layout.params[piece.param].name.clone(),
                 range: piece.local.clone(),
-                exp_avg: self.slice_of(&self.exp_avg, &piece.flat),
-                exp_avg_sq: self.slice_of(&self.exp_avg_sq, &piece.flat),
+                moments: self.moments(piece),
             })
             .collect();
         Ok(RankState { weights, moments })
     }
 
+    /// A piece's moments by their checkpoint keys (views of this rank's buffers).
+    fn moments(&self, piece: &Piece) -> Vec<(&'static str, Tensor)> {
+        match self.layout.params[piece.param].group == Rule::Muon.group() {
+            true => vec![(MOMENTUM, self.momentum.at(&piece.flat))],
+            false => vec![
+                (EXP_AVG, self.exp_avg.at(&piece.flat)),
+                (EXP_AVG_SQ, self.exp_avg_sq.at(&piece.flat)),
+            ],
+        }
+    }
+
     /// Restores this rank's part from a checkpoint: the working parameters (whole at stages 1
-    /// and 2; at stage 3 they stay empty), the master slice where one is kept, and the moments
-    /// of the pieces it owns.
-    pub fn load(&mut self, src: &dyn StateSource, adam_step: u64) -> Result<()> {
+    /// and 2; at stage 3 they stay empty), the master slice where one is kept, and unless
+    /// `weights_only` (`training.reset_optimizer`) the moments of the pieces it owns and the
+    /// step count.
+    pub fn load(
+        &mut self,
+        src: &dyn StateSource,
+        adam_step: u64,
+        weights_only: bool,
+    ) -> Result<()> {
         if !self.stage.shards_parameters() {
             for (i, (name, p)) in self.params.iter().enumerate() {
                 let w = src.weight(name, &self.shapes[i])?;
@@ -545,13 +665,10 @@ impl ShardedAdamW {
         }
         for piece in &self.pieces {
             let flat = &self.layout.params[piece.param];
-            let (m, v) = src.moments(&flat.name, &piece.local)?;
-            tch::no_grad(|| {
-                self.slice_of(&self.exp_avg, &piece.flat)
-                    .copy_(&m.to_device(self.device));
-                self.slice_of(&self.exp_avg_sq, &piece.flat)
-                    .copy_(&v.to_device(self.device));
-            });
+            for (key, t) in self.moments(piece).into_iter().filter(|_| !weights_only) {
+                let m = src.moment(&flat.name, key, &piece.local)?;
+                tch::no_grad(|| t.shallow_clone().copy_(&m.to_device(self.device)));
+            }
             if let Some(master) = &self.master {
                 let local = src
                     .weight_range(&flat.name, &self.shapes[flat.index], &piece.local)
@@ -562,7 +679,7 @@ impl ShardedAdamW {
                 });
             }
         }
-        self.step = adam_step;
+        self.step = if weights_only { 0 } else { adam_step };
         Ok(())
     }
 
@@ -608,7 +725,10 @@ impl ShardedAdamW {
         StateBytes {
             params,
             master: slice(&self.master),
-            moments: bytes(&self.exp_avg) + bytes(&self.exp_avg_sq),
+            moments: [&self.exp_avg, &self.exp_avg_sq, &self.momentum]
+                .iter()
+                .map(|r| r.bytes())
+                .sum(),
             grads: slice(&self.grad) + full_grads,
         }
     }

@@ -16,20 +16,34 @@ pub struct StateBytes {
     pub params: u64,
     /// fp32 master weights kept apart from the parameters (sharded stages only).
     pub master: u64,
-    /// AdamW's two moments.
+    /// The optimizer's moments: AdamW's two, Muon's momentum buffer.
     pub moments: u64,
     /// Gradients kept between the reduction and the update.
     pub grads: u64,
 }
 
-/// Part of one parameter's AdamW moments: elements `range` of the flattened parameter.
+/// The names of the optimizers' moments in checkpoints (torch.optim's state keys).
+pub const EXP_AVG: &str = "exp_avg";
+pub const EXP_AVG_SQ: &str = "exp_avg_sq";
+pub const MOMENTUM: &str = "momentum_buffer";
+/// Every moment a checkpoint may hold.
+pub const MOMENT_KEYS: [&str; 3] = [EXP_AVG, EXP_AVG_SQ, MOMENTUM];
+
+/// Part of one parameter's optimizer moments: elements `range` of the flattened parameter.
 pub struct MomentPiece {
     pub name: String,
     pub range: Range<usize>,
-    /// The moments of those elements (the parameter's shape when the piece is whole and
-    /// replicated, else 1-D).
-    pub exp_avg: Tensor,
-    pub exp_avg_sq: Tensor,
+    /// The moments of those elements by key (AdamW's [`EXP_AVG`] and [`EXP_AVG_SQ`], Muon's
+    /// [`MOMENTUM`]): the parameter's shape when the piece is whole and replicated, else 1-D.
+    pub moments: Vec<(&'static str, Tensor)>,
+}
+
+/// The moments a parameter updated by `rule` keeps.
+pub fn moment_keys(rule: super::muon::Rule) -> &'static [&'static str] {
+    match rule {
+        super::muon::Rule::Muon => &[MOMENTUM],
+        _ => &[EXP_AVG, EXP_AVG_SQ],
+    }
 }
 
 /// What one rank contributes to a checkpoint.
@@ -96,6 +110,7 @@ pub trait StateSource {
     /// Elements `range` of the fp32 parameter `name` (of full shape `shape`) flattened: 1-D
     /// on the CPU, read without the rest of the tensor.
     fn weight_range(&self, name: &str, shape: &[i64], range: &Range<usize>) -> Result<Tensor>;
-    /// (exp_avg, exp_avg_sq) of elements `range` of `name` flattened: 1-D fp32 on the CPU.
-    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)>;
+    /// Moment `key` ([`MOMENT_KEYS`]) of elements `range` of `name` flattened: 1-D fp32 on
+    /// the CPU.
+    fn moment(&self, name: &str, key: &str, range: &Range<usize>) -> Result<Tensor>;
 }

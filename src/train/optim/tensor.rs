@@ -1,7 +1,7 @@
 //! The state of a tensor-parallel rank seen whole. Checkpoints hold whole Hugging Face tensors
-//! and AdamW moments as pieces of the whole parameters (flattened), whatever layout wrote them,
-//! so that any mesh resumes any other: here a rank's parts (`model::Split`) become whole
-//! weights and pieces of the whole when it saves ([`TensorGroups::whole_state`]), and a
+//! and the optimizer's moments as pieces of the whole parameters (flattened), whatever layout
+//! wrote them, so that any mesh resumes any other: here a rank's parts (`model::Split`) become
+//! whole weights and pieces of the whole when it saves ([`TensorGroups::whole_state`]), and a
 //! checkpoint is read in its parts' coordinates when it loads ([`TensorGroups::source`]). The
 //! layouts (replicated, sharded) never see the difference.
 //!
@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tch::Tensor;
 
 use super::{MomentPiece, RankState, StateSource, TensorGroups};
@@ -110,40 +110,41 @@ impl TensorGroups {
         for piece in local.moments {
             let split = self.split(&piece.name)?;
             let full = self.whole_shape(&piece.name)?;
-            let (m, v) = (piece.exp_avg.reshape(-1), piece.exp_avg_sq.reshape(-1));
-            let parts = match split {
-                Split::Replicated | Split::Shared if lead => vec![(rank, m, v)],
-                Split::Replicated | Split::Shared => Vec::new(),
-                Split::Rows | Split::Vocab => vec![(rank, m, v)],
-                Split::Columns => {
-                    let (ms, vs) = (self.gather(&m)?, self.gather(&v)?);
-                    if !lead {
-                        continue;
+            // Each moment as (rank, its values) of the parts this rank writes pieces of.
+            let mut parts: Vec<Vec<(usize, Tensor)>> = Vec::new();
+            for (_, t) in &piece.moments {
+                let t = t.reshape(-1);
+                parts.push(match split {
+                    Split::Replicated | Split::Shared if lead => vec![(rank, t)],
+                    Split::Replicated | Split::Shared => Vec::new(),
+                    Split::Rows | Split::Vocab => vec![(rank, t)],
+                    Split::Columns => {
+                        let all = self.gather(&t)?;
+                        match lead {
+                            true => all.into_iter().enumerate().collect(),
+                            false => Vec::new(),
+                        }
                     }
-                    ms.into_iter()
-                        .zip(vs)
-                        .enumerate()
-                        .map(|(r, (m, v))| (r, m, v))
-                        .collect()
-                }
-            };
-            if parts.is_empty() {
+                });
+            }
+            if parts.iter().any(Vec::is_empty) {
                 continue;
             }
-            let of = |pick: fn(&(usize, Tensor, Tensor)) -> &Tensor| -> Vec<(usize, Tensor)> {
-                parts
-                    .iter()
-                    .map(|p| (p.0, pick(p).shallow_clone()))
-                    .collect()
-            };
-            let firsts = split.whole_pieces(full, size, &piece.range, &of(|p| &p.1));
-            let seconds = split.whole_pieces(full, size, &piece.range, &of(|p| &p.2));
-            for ((range, exp_avg), (_, exp_avg_sq)) in firsts.into_iter().zip(seconds) {
+            // The same ranges for every moment: one piece of the whole per range.
+            let mut each: Vec<_> = parts
+                .iter()
+                .map(|p| split.whole_pieces(full, size, &piece.range, p).into_iter())
+                .collect();
+            while let Some((range, first)) = each.first_mut().and_then(Iterator::next) {
+                let mut values = vec![(piece.moments[0].0, first)];
+                for (k, rest) in each.iter_mut().enumerate().skip(1) {
+                    let (_, t) = rest.next().expect("the same pieces for every moment");
+                    values.push((piece.moments[k].0, t));
+                }
                 moments.push(MomentPiece {
                     name: piece.name.clone(),
                     range,
-                    exp_avg,
-                    exp_avg_sq,
+                    moments: values,
                 });
             }
         }
@@ -183,18 +184,12 @@ impl StateSource for PartSource<'_> {
             })
     }
 
-    fn moments(&self, name: &str, range: &Range<usize>) -> Result<(Tensor, Tensor)> {
+    fn moment(&self, name: &str, key: &str, range: &Range<usize>) -> Result<Tensor> {
         let full = self.groups.whole_shape(name)?;
-        let split = self.groups.split(name)?;
-        let mut second = None;
-        let first = split.read_part(full, self.place, range, |r| {
-            let (m, v) = self.whole.moments(name, &r)?;
-            second = Some(v);
-            Ok(m)
-        })?;
-        let second = split.read_part(full, self.place, range, |_| {
-            second.take().context("internal: moments read twice")
-        })?;
-        Ok((first, second))
+        self.groups
+            .split(name)?
+            .read_part(full, self.place, range, |r| {
+                self.whole.moment(name, key, &r)
+            })
     }
 }
