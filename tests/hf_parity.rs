@@ -288,6 +288,7 @@ fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
             ns_steps: 5,
             adjust,
             weight_decay: 0.1,
+            all_gather: false,
         }),
     };
     let optimizer = |model: &Llama, params: &[(String, Tensor)]| {
@@ -432,6 +433,7 @@ fn muon_is_bitwise_torch_from_the_same_update() {
             ns_steps: 5,
             adjust,
             weight_decay: 0.1,
+            all_gather: false,
         };
         for name in ["tall", "wide"] {
             let p = t[&format!("{name}.before")].copy();

@@ -30,6 +30,7 @@ mod hub_download;
 mod layers;
 mod mixtures;
 mod mlflow_sink;
+mod muon;
 mod parallel_run;
 mod parquet;
 mod plan;

@@ -8,6 +8,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::path::Path;
 
+use common::runs::{bitwise, close_losses, refused_run, run_at, set_flags, worst};
 use common::{losses, ok, small, small_gpt2, with, write_corpus};
 use lockstep::train::checkpoint::MomentFiles;
 
@@ -30,69 +31,6 @@ fn moments(ckpt: &Path) -> HashMap<String, (tch::Tensor, tch::Tensor)> {
             (n.clone(), both)
         })
         .collect()
-}
-
-/// Worst per-tensor relative L2 difference.
-fn worst(a: &HashMap<String, tch::Tensor>, b: &HashMap<String, tch::Tensor>) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(n, x)| {
-            let y = &b[n];
-            (x - y).norm().double_value(&[]) / y.norm().double_value(&[]).max(1e-30)
-        })
-        .fold(0.0, f64::max)
-}
-
-fn bitwise(a: &HashMap<String, tch::Tensor>, b: &HashMap<String, tch::Tensor>) -> bool {
-    a.len() == b.len() && a.iter().all(|(n, x)| x.equal(&b[n]))
-}
-
-/// `--set` before each of `sets`.
-fn set_flags<S: AsRef<str>>(sets: &[S]) -> Vec<&str> {
-    sets.iter().flat_map(|s| ["--set", s.as_ref()]).collect()
-}
-
-/// `lockstep run --cpu` of `base` on `world` ranks at zero `stage` as run `name` (its folder
-/// `dir/runs/name`), then the `extra` arguments: its output (the run must succeed).
-fn run_at(
-    dir: &Path,
-    base: &[String],
-    (world, stage): (usize, usize),
-    name: &str,
-    extra: &[&str],
-) -> String {
-    let sets = [
-        format!("system.zero_stage={stage}"),
-        format!("logging.run_name={name}"),
-    ];
-    let mut tail = set_flags(&sets);
-    tail.extend(extra);
-    let nproc = world.to_string();
-    ok(
-        dir,
-        &with(base, &["run", "--cpu", "--nproc", &nproc], &tail),
-    )
-}
-
-/// `lockstep run --cpu` of `base` on `world` ranks with `extra`, which must exit 2 (a bad
-/// input refused before training): its output.
-fn refused_run(dir: &Path, base: &[String], world: usize, extra: &[&str]) -> String {
-    let nproc = world.to_string();
-    let out = common::run(
-        dir,
-        &with(base, &["run", "--cpu", "--nproc", &nproc], extra),
-    );
-    let text = common::output_text(&out);
-    assert_eq!(out.status.code(), Some(2), "{text}");
-    text
-}
-
-fn close_losses(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64) {
-    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
-    for ((sa, la), (sb, lb)) in a.iter().zip(b) {
-        assert_eq!(sa, sb);
-        assert!((la - lb).abs() <= tol * lb.abs(), "step {sa}: {la} vs {lb}");
-    }
 }
 
 /// 2 and 3 ranks at stages 1, 2 and 3 against stage 0 on the same ranks, 5 steps, clipping on.

@@ -331,6 +331,7 @@ keys! {
     "debug.inject_nan_param", Kind::OptStr, "null", "Testing aid: with inject_nan_at_step, put the NaN into this parameter's gradient (HF name) instead of the loss.";
     "debug.inject_oom", Kind::Choice(OomPhase::NAMES), "\"none\"", "Testing aid: provoke a real allocation failure (a petabyte) in this phase of step debug.inject_oom_step (model_build: before the model is built), to exercise the out-of-memory report.";
     "debug.inject_oom_step", Kind::UInt, "1", "Testing aid: the step (1-based) in which debug.inject_oom fires.";
+    "debug.muon_all_gather", Kind::Bool, "false", "Benchmark aid: with training.optimizer = muon, every rank that holds a piece of a matrix gathers the whole update and orthogonalizes it itself (the all-gather variant), instead of one owner per matrix sending the pieces of its result back (BENCHMARKS.md §22 compares them; the results are bitwise the same).";
     "checkpoint.dir", Kind::OptStr, "null", "Checkpoint directory; null = <logging.dir>/<run>/checkpoints. A relative path is relative to the directory train starts in (recorded in the run directory, checkpoint_dir.txt).";
 }
 

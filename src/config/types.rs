@@ -207,4 +207,5 @@ pub struct DebugConfig {
     pub inject_nan_param: Option<String>,
     pub inject_oom: OomPhase,
     pub inject_oom_step: usize,
+    pub muon_all_gather: bool,
 }

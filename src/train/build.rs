@@ -169,7 +169,7 @@ fn optimizer(
         reduce: device::reduce_kind(cfg),
         tensor,
     };
-    let hp = Hyper::from_config(&cfg.training);
+    let hp = Hyper::from_config(cfg);
     let table = model.parameters();
     let Some(ExpertGroups {
         group,

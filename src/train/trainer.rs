@@ -476,7 +476,7 @@ impl<'a> Trainer<'a> {
     /// `training.rollback_lr_factor`. The data position is kept (samples_consumed goes on), so
     /// the replayed steps see new data rather than the batches that went bad.
     fn roll_back(&mut self, dir: &std::path::Path) -> Result<()> {
-        let fresh = fresh_optimizer(&checkpoints::read_state(dir)?, &self.cfg, dir)?;
+        let fresh = fresh_optimizer(&checkpoints::read_state(dir)?, self.cfg, dir)?;
         let saved = checkpoint::load(dir, &self.model.shape, &mut self.opt, fresh)?;
         self.state.step = saved.step;
         self.state.adam_step = self.opt.steps();

@@ -4,6 +4,7 @@
 pub mod fetch;
 pub mod mlflow;
 pub mod ranks;
+pub mod runs;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

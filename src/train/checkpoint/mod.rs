@@ -682,9 +682,20 @@ impl StateSource for Checkpoint {
 pub struct MomentFiles {
     dir: PathBuf,
     files: Vec<SafeFile>,
-    /// Parameter → (element range, file index, piece suffix `@k` or "", its moments' keys),
-    /// sorted by range start.
-    pieces: HashMap<String, Vec<(Range<usize>, usize, String, Vec<&'static str>)>>,
+    /// Parameter → its pieces, sorted by range start.
+    pieces: HashMap<String, Vec<StoredPiece>>,
+}
+
+/// One piece of a parameter's moments in an optimizer file.
+struct StoredPiece {
+    /// The elements of the parameter (flattened) it covers.
+    range: Range<usize>,
+    /// Which of the checkpoint's optimizer files holds it.
+    file: usize,
+    /// `@k` for a parameter's further pieces in one file, else "".
+    suffix: String,
+    /// Its moments' keys (`MOMENT_KEYS`).
+    keys: Vec<&'static str>,
 }
 
 impl MomentFiles {
@@ -700,9 +711,8 @@ impl MomentFiles {
         for (i, path) in paths.iter().enumerate() {
             let f = SafeFile::open(path)?;
             let meta = f.metadata()?;
-            // (parameter, suffix) → the piece's moments, each checked against its range.
-            let mut found: HashMap<(String, String), (Range<usize>, Vec<&'static str>)> =
-                HashMap::new();
+            // (parameter, suffix) → the piece, each moment checked against its range.
+            let mut found: HashMap<(String, String), StoredPiece> = HashMap::new();
             for tensor in f.names() {
                 let (stem, suffix) = match tensor.rsplit_once('@') {
                     Some((stem, k)) if k.parse::<usize>().is_ok() => (stem, format!("@{k}")),
@@ -728,21 +738,23 @@ impl MomentFiles {
                     range.len()
                 );
                 found
-                    .entry((param.to_string(), suffix))
-                    .or_insert_with(|| (range, Vec::new()))
-                    .1
+                    .entry((param.to_string(), suffix.clone()))
+                    .or_insert_with(|| StoredPiece {
+                        range,
+                        file: i,
+                        suffix,
+                        keys: Vec::new(),
+                    })
+                    .keys
                     .push(key);
             }
-            for ((param, suffix), (range, keys)) in found {
-                pieces
-                    .entry(param)
-                    .or_default()
-                    .push((range, i, suffix, keys));
+            for ((param, _), piece) in found {
+                pieces.entry(param).or_default().push(piece);
             }
             files.push(f);
         }
         for list in pieces.values_mut() {
-            list.sort_by_key(|(r, _, _, _)| r.start);
+            list.sort_by_key(|p| p.range.start);
         }
         Ok(MomentFiles {
             dir: dir.to_path_buf(),
@@ -756,7 +768,7 @@ impl MomentFiles {
         let held = |k: &&str| {
             self.pieces
                 .get(param)
-                .is_some_and(|l| l.iter().any(|(_, _, _, keys)| keys.contains(k)))
+                .is_some_and(|l| l.iter().any(|p| p.keys.contains(k)))
         };
         MOMENT_KEYS.into_iter().filter(held).collect()
     }
@@ -783,17 +795,17 @@ impl MomentFiles {
         let list = self.pieces.get(param).ok_or_else(missing)?;
         let t = Tensor::zeros([range.len() as i64], (Kind::Float, tch::Device::Cpu));
         let mut covered = 0;
-        for (piece, file, k, keys) in list {
-            let both = intersect(piece, range);
-            if both.is_empty() || !keys.contains(&key) {
+        for piece in list {
+            let both = intersect(&piece.range, range);
+            if both.is_empty() || !piece.keys.contains(&key) {
                 continue;
             }
             // Only the bytes of the elements asked for are read from the map.
-            let within = both.start - piece.start..both.end - piece.start;
-            let tensor = format!("{param}.{key}{k}");
-            let part = self.files[*file].elements(&tensor, &within)?;
+            let within = both.start - piece.range.start..both.end - piece.range.start;
+            let tensor = format!("{param}.{key}{}", piece.suffix);
+            let part = self.files[piece.file].elements(&tensor, &within)?;
             ensure!(part.kind() == Kind::Float, "{tensor}: moments must be fp32");
-            let path = self.files[*file].path();
+            let path = self.files[piece.file].path();
             let what = format_args!("{}: {tensor}", path.display());
             crate::tensor_io::ensure_finite(&part, what, RESUME_ELSEWHERE)?;
             t.narrow(0, (both.start - range.start) as i64, both.len() as i64)

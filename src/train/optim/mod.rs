@@ -63,11 +63,11 @@ pub struct Hyper {
 }
 
 impl Hyper {
-    pub fn from_config(t: &crate::config::TrainingConfig) -> Hyper {
+    pub fn from_config(c: &crate::config::Config) -> Hyper {
         Hyper {
-            adamw: AdamWParams::from_config(t),
-            muon: (t.optimizer == crate::config::OptimizerChoice::Muon)
-                .then(|| MuonParams::from_config(t)),
+            adamw: AdamWParams::from_config(&c.training),
+            muon: (c.training.optimizer == crate::config::OptimizerChoice::Muon)
+                .then(|| MuonParams::from_config(c)),
         }
     }
 }
@@ -101,7 +101,7 @@ impl Experts {
 
 /// One of the two layouts.
 enum Layout {
-    Replicated(Replicated),
+    Replicated(Box<Replicated>),
     Sharded(Box<Sharded>),
 }
 
@@ -234,6 +234,7 @@ impl Optimizer {
                 whole: whole.clone(),
                 data,
                 tensor: tensor_level.clone(),
+                all_gather: hp.all_gather,
             })
         };
         let (layout, reducer) = match stage {
@@ -250,7 +251,7 @@ impl Optimizer {
                 };
                 let muon = muon(level);
                 (
-                    Layout::Replicated(Replicated::new(named, &rules, hp.adamw, muon)),
+                    Layout::Replicated(Box::new(Replicated::new(named, &rules, hp.adamw, muon))),
                     GradReducer::all_reduce(params, &units, (world, data), bucket_mb, reduce),
                 )
             }

@@ -5,10 +5,10 @@
 //! 1. Over the data-parallel ranks that hold the optimizer state (the shard group with hybrid
 //!    sharding, else the data ranks): a sharded rank holds a contiguous piece of a matrix
 //!    (its flat slice, `dist::flat_layout`), a replicated one (zero stage 0) the whole. The
-//!    owner is the rank holding most of the matrix, so a matrix inside one rank's slice moves
-//!    nowhere and only the matrices that straddle two slices travel; among equal holders
-//!    (replicated: all of them) the one with the least Newton–Schulz work so far, the costliest
-//!    matrices placed first, so that the work is shared. Every other holder sends the owner its
+//!    owner ([`owners`]) is the rank holding most of the matrix, so that a matrix inside one
+//!    rank's slice does not move, unless that rank already has its share of the work: then
+//!    the least loaded rank, so that the work is shared (a slice of embeddings holds no Muon
+//!    matrix; at stage 0 every rank holds every one). Every other holder sends the owner its
 //!    piece of the update; the owner sends each holder its piece of the result.
 //! 2. With tensor parallelism each data rank holds a part of a whole matrix (`model::Split`),
 //!    laid out alike on every rank of its tensor group: the ranks of the tensor group at the
@@ -17,16 +17,16 @@
 //!
 //! Each exchange is one all-to-all of bf16 values (the update is rounded to bf16 where
 //! Newton–Schulz would round it first, and its result is bf16: nothing is lost on the way), so
-//! the result is bitwise the one rank's from the same update. Per matrix that does move, ≈ 2 ×
-//! its elements × 2 bytes cross the network per step; with tensor parallelism another 2 ×
-//! (T − 1)/T of it within the tensor group. Replicated ranks receive every matrix they do not
-//! own (the all-gather of the results). Every rank of a group calls each exchange, or none
-//! does: which matrices move is known to all of them from the layout alone.
+//! the result is bitwise one rank's from the same update. A matrix that moves costs 2 × its
+//! elements × 2 bytes per step (there and back); with tensor parallelism another 2 × (T − 1)/T
+//! of it within the tensor group; at stage 0 each rank receives the results of the matrices it
+//! does not own (an all-gather's volume). Every rank of a group calls each exchange, or none
+//! does: which pieces move is known to all of them from the layout alone.
 //!
-//! The all-gather variant (every rank gathering the whole update of every matrix it holds a
-//! piece of and orthogonalizing it itself) moves a rank's share of all matrices rather than
-//! the straddling ones and repeats the work of each straddling matrix on each holder;
-//! BENCHMARKS.md §22 measures both.
+//! The all-gather variant (`debug.muon_all_gather`): every holder of a matrix gathers the
+//! whole update from the other holders and orthogonalizes it itself, so nothing comes back,
+//! but each straddling matrix is orthogonalized on each of its holders, and at stage 0 every
+//! rank orthogonalizes every matrix. BENCHMARKS.md §22 measures both.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -81,11 +81,11 @@ pub struct Orthogonalizer {
     steps: usize,
     device: Device,
     data: Level,
-    /// Each matrix's level-1 owner.
-    owner: Vec<usize>,
-    /// Tensor parallelism: the tensor group, and by matrix its owner there where this rank's
-    /// data index owns the matrix at level 1.
-    tensor: Option<(Level, Vec<Option<usize>>)>,
+    /// By matrix, the ranks of level 1 that orthogonalize it, its owner first ([`computers`]).
+    computers: Vec<Vec<usize>>,
+    /// Tensor parallelism: the tensor group, and by matrix the ranks there that orthogonalize
+    /// it, where this rank's data index does at level 1 (else none).
+    tensor: Option<(Level, Vec<Vec<usize>>)>,
 }
 
 /// What a layout builds its [`Orthogonalizer`] from: Muon's settings, by the optimizer's
@@ -98,6 +98,9 @@ pub struct Setup {
     pub data: Level,
     /// Tensor parallelism's group (level 2).
     pub tensor: Option<Level>,
+    /// `debug.muon_all_gather`: every holder orthogonalizes (the variant BENCHMARKS.md §22
+    /// measures against owners).
+    pub all_gather: bool,
 }
 
 impl Setup {
@@ -123,7 +126,7 @@ impl Setup {
     pub fn build(self, matrices: Vec<Matrix>) -> Orthogonalizer {
         Orthogonalizer::new(
             matrices,
-            self.hp.ns_steps,
+            (self.hp.ns_steps, self.all_gather),
             self.device,
             self.data,
             self.tensor,
@@ -132,34 +135,66 @@ impl Setup {
 }
 
 /// For each matrix (its Newton–Schulz cost, and by rank the elements held), the rank that
-/// assembles it: the one holding most of it; among equal holders, the one with the least work
-/// so far, the costliest matrices placed first (ties: the lower rank, the earlier matrix).
+/// assembles and orthogonalizes it. The costliest matrices are placed first (ties: the earlier
+/// matrix); each goes to the rank holding most of it (among equal holders the least loaded, then
+/// the lower rank), so that it moves nowhere, unless that would take the rank's work past 1.1 ×
+/// an equal share of the total: then to the least loaded rank. A flat slice holds about equal
+/// elements on every rank, so a large model's matrices mostly stay where they are; a slice of
+/// embeddings (AdamW's) holds none, and the matrices of the ranks that do are shared with it.
 pub fn owners(costs: &[f64], held: &[Vec<(usize, usize)>], world: usize) -> Vec<usize> {
+    let share = 1.1 * costs.iter().sum::<f64>() / world as f64;
     let mut order: Vec<usize> = (0..costs.len()).collect();
     order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
     let mut load = vec![0.0f64; world];
     let mut owner = vec![0; costs.len()];
+    let least = |load: &[f64], among: &mut dyn Iterator<Item = usize>| {
+        among
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .expect("internal: no rank to orthogonalize a Muon matrix")
+    };
     for i in order {
         let most = held[i].iter().map(|&(_, n)| n).max().unwrap_or(0);
-        let pick = held[i]
-            .iter()
-            .filter(|&&(_, n)| n == most)
-            .map(|&(r, _)| r)
-            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
-            .expect("internal: a Muon matrix that no rank holds");
+        let mut holders = held[i].iter().filter(|&&(_, n)| n == most).map(|&(r, _)| r);
+        let local = least(&load, &mut holders);
+        let pick = match load[local] + costs[i] <= share {
+            true => local,
+            false => least(&load, &mut (0..world)),
+        };
         load[pick] += costs[i];
         owner[i] = pick;
     }
     owner
 }
 
+/// Which ranks orthogonalize each matrix: its owner ([`owners`]; the other holders receive
+/// their pieces of the result from it), or with the all-gather variant every holder (each
+/// gathers the whole update from the other holders and orthogonalizes it itself: no result
+/// travels).
+fn computers(
+    costs: &[f64],
+    held: &[Vec<(usize, usize)>],
+    world: usize,
+    all_gather: bool,
+) -> Vec<Vec<usize>> {
+    match all_gather {
+        true => held
+            .iter()
+            .map(|h| h.iter().map(|&(r, _)| r).collect())
+            .collect(),
+        false => owners(costs, held, world)
+            .into_iter()
+            .map(|o| vec![o])
+            .collect(),
+    }
+}
+
 impl Orthogonalizer {
     /// `matrices` (in the same order on every rank of `data`) orthogonalized in `steps`
     /// Newton–Schulz iterations on `device`, over `data` and, with tensor parallelism, over
-    /// `tensor`.
+    /// `tensor`; by owners, or by every holder with `all_gather`.
     pub fn new(
         matrices: Vec<Matrix>,
-        steps: usize,
+        (steps, all_gather): (usize, bool),
         device: Device,
         data: Level,
         tensor: Option<Level>,
@@ -169,18 +204,19 @@ impl Orthogonalizer {
             .iter()
             .map(|m| m.holders.iter().map(|(r, e)| (*r, e.len())).collect())
             .collect();
-        let owner = owners(&costs, &held, data.size);
+        let first = computers(&costs, &held, data.size, all_gather);
         let tensor = tensor.filter(|t| t.size > 1).map(|t| {
-            // The matrices this data index owns, the same list on every rank of the group.
+            // The matrices this data index orthogonalizes: the same list on every rank of the
+            // tensor group (whose ranks hold parts alike), each part held by every rank there.
             let mine: Vec<usize> = (0..matrices.len())
-                .filter(|&i| owner[i] == data.rank)
+                .filter(|&i| first[i].contains(&data.rank))
                 .collect();
             let every: Vec<(usize, usize)> = (0..t.size).map(|r| (r, 1)).collect();
             let cost: Vec<f64> = mine.iter().map(|&i| costs[i]).collect();
-            let second = owners(&cost, &vec![every; mine.len()], t.size);
-            let mut by_matrix = vec![None; matrices.len()];
-            for (&i, o) in mine.iter().zip(second) {
-                by_matrix[i] = Some(o);
+            let second = computers(&cost, &vec![every; mine.len()], t.size, all_gather);
+            let mut by_matrix = vec![Vec::new(); matrices.len()];
+            for (&i, c) in mine.iter().zip(second) {
+                by_matrix[i] = c;
             }
             (t, by_matrix)
         });
@@ -189,7 +225,7 @@ impl Orthogonalizer {
             steps,
             device,
             data,
-            owner,
+            computers: first,
             tensor,
         }
     }
@@ -198,15 +234,10 @@ impl Orthogonalizer {
         &self.matrices
     }
 
-    /// The elements of each matrix's part this rank holds (empty where none).
-    pub fn held(&self, i: usize) -> Range<usize> {
-        self.matrices[i].held_by(self.data.rank)
-    }
-
     /// The Newton–Schulz results of this rank's pieces: `mine[i]` is its piece of matrix i's
-    /// update (bf16, 1-D, the elements [`Orthogonalizer::held`]) where it holds one; the
-    /// result the same piece of the orthogonalized matrix. A collective of the level-1 group
-    /// (and the tensor group).
+    /// update (bf16, 1-D, the elements the matrix's `holders` give this rank) where it holds
+    /// one; the result the same pieces of the orthogonalized matrices, in order. A collective
+    /// of the level-1 group (and the tensor group).
     pub fn run(&self, pg: &mut dyn ProcessGroup, mine: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
         anyhow::ensure!(
             mine.len() == self.matrices.len(),
@@ -225,13 +256,13 @@ impl Orthogonalizer {
         self.scatter_parts(pg, done)
     }
 
-    /// Whether matrix i's level-1 owner holds all of it (replicated: nothing to gather).
-    fn owner_holds_all(&self, i: usize) -> bool {
-        self.matrices[i].held_by(self.owner[i]).len() == self.matrices[i].numel()
+    /// Whether rank `r` holds all of matrix i.
+    fn holds_all(&self, i: usize, r: usize) -> bool {
+        self.matrices[i].held_by(r).len() == self.matrices[i].numel()
     }
 
-    /// Level 1, inward: each matrix this rank owns, assembled from its holders' pieces, as its
-    /// part's [rows, columns] (None for the others).
+    /// Level 1, inward: each matrix this rank orthogonalizes, assembled from its holders'
+    /// pieces, as its part's [rows, columns] (None for the others).
     fn gather_parts(
         &self,
         pg: &mut dyn ProcessGroup,
@@ -242,17 +273,15 @@ impl Orthogonalizer {
         let mut sizes: Vec<Vec<usize>> = vec![Vec::new(); self.data.size];
         let mut moves = false;
         for (i, m) in self.matrices.iter().enumerate() {
-            let o = self.owner[i];
-            if self.owner_holds_all(i) {
-                continue;
-            }
-            for (q, r) in m.holders.iter().filter(|(q, _)| *q != o) {
-                moves = true;
-                if *q == me {
-                    out[o].push(piece(mine, i)?);
-                }
-                if o == me {
-                    sizes[*q].push(r.len());
+            for &c in self.computers[i].iter().filter(|&&c| !self.holds_all(i, c)) {
+                for (q, r) in m.holders.iter().filter(|(q, _)| *q != c) {
+                    moves = true;
+                    if *q == me {
+                        out[c].push(piece(mine, i)?);
+                    }
+                    if c == me {
+                        sizes[*q].push(r.len());
+                    }
                 }
             }
         }
@@ -262,11 +291,11 @@ impl Orthogonalizer {
         };
         let mut parts = Vec::with_capacity(self.matrices.len());
         for (i, m) in self.matrices.iter().enumerate() {
-            if self.owner[i] != me {
+            if !self.computers[i].contains(&me) {
                 parts.push(None);
                 continue;
             }
-            let part = if self.owner_holds_all(i) {
+            let part = if self.holds_all(i, me) {
                 piece(mine, i)?
             } else {
                 let buffer = Tensor::zeros([m.numel() as i64], (Kind::BFloat16, self.device));
@@ -288,86 +317,87 @@ impl Orthogonalizer {
         Ok(parts)
     }
 
-    /// Level 2: the parts this data index owns, made whole on their owner in the tensor group,
-    /// orthogonalized there, and each rank's part of the result back (flattened).
+    /// Level 2: the parts this data index orthogonalizes, made whole on the ranks of the tensor
+    /// group that orthogonalize them (`second`), and each rank's part of the result (flattened).
     fn across_tensor(
         &self,
         tensor: &Level,
-        second: &[Option<usize>],
+        second: &[Vec<usize>],
         parts: Vec<Option<Tensor>>,
     ) -> Result<Vec<Option<Tensor>>> {
         let (me, size) = (tensor.rank, tensor.size);
         let mut unused = SingleProcess;
-        let owned: Vec<usize> = (0..second.len()).filter(|&i| second[i].is_some()).collect();
+        let owned: Vec<usize> = (0..second.len())
+            .filter(|&i| !second[i].is_empty())
+            .collect();
         let part_of = |i: usize| -> Result<Tensor> {
             parts[i]
                 .as_ref()
                 .map(|p| p.reshape(-1))
                 .ok_or_else(|| anyhow::anyhow!("internal: no part of Muon matrix {i}"))
         };
-        // Inward: every part to the matrix's owner in the tensor group.
+        // Inward: every part to each rank that orthogonalizes the matrix.
         let mut out = lists(size);
         let mut sizes: Vec<Vec<usize>> = vec![Vec::new(); size];
         for &i in &owned {
-            let o = second[i].expect("owned");
-            if o == me {
-                for (q, s) in sizes.iter_mut().enumerate() {
-                    if q != me {
-                        s.push(self.matrices[i].numel());
+            for &c in &second[i] {
+                for q in (0..size).filter(|&q| q != c) {
+                    if q == me {
+                        out[c].push(part_of(i)?);
+                    }
+                    if c == me {
+                        sizes[q].push(self.matrices[i].numel());
                     }
                 }
-            } else {
-                out[o].push(part_of(i)?);
             }
         }
         let mut received = match owned.is_empty() {
             true => queues(size),
             false => exchange(tensor, &mut unused, out, &sizes, self.device)?,
         };
-        // Orthogonalize the matrices owned here, and send each rank its part of the result.
+        // Orthogonalize; the owner sends each rank that did not its part of the result.
         let mut out = lists(size);
         let mut sizes: Vec<Vec<usize>> = vec![Vec::new(); size];
         let mut done: Vec<Option<Tensor>> = (0..second.len()).map(|_| None).collect();
         for &i in &owned {
             let m = &self.matrices[i];
-            let o = second[i].expect("owned");
-            if o != me {
-                sizes[o].push(m.numel());
+            let owner = second[i][0];
+            if !second[i].contains(&me) {
+                sizes[owner].push(m.numel());
                 continue;
             }
             let mut all = Vec::with_capacity(size);
-            for q in 0..size {
+            for (q, from) in received.iter_mut().enumerate() {
                 let flat = match q == me {
                     true => part_of(i)?,
-                    false => next(&mut received[q])?,
+                    false => next(from)?,
                 };
                 all.push(flat.view(m.part));
             }
-            let whole = m.split.unshard(&all, &m.whole);
-            let result = newton_schulz(&whole, self.steps)?;
-            for (q, to) in out.iter_mut().enumerate() {
-                let part = m.split.shard(&result, q, size).reshape(-1);
-                match q == me {
-                    true => done[i] = Some(part),
-                    false => to.push(part),
+            let result = newton_schulz(&m.split.unshard(&all, &m.whole), self.steps)?;
+            done[i] = Some(m.split.shard(&result, me, size).reshape(-1));
+            if owner == me {
+                for q in (0..size).filter(|q| !second[i].contains(q)) {
+                    out[q].push(m.split.shard(&result, q, size).reshape(-1));
                 }
             }
         }
-        let mut received = match owned.is_empty() {
-            true => queues(size),
-            false => exchange(tensor, &mut unused, out, &sizes, self.device)?,
+        let moves = owned.iter().any(|&i| second[i].len() < size);
+        let mut received = match moves {
+            true => exchange(tensor, &mut unused, out, &sizes, self.device)?,
+            false => queues(size),
         };
         for &i in &owned {
             if done[i].is_none() {
-                let o = second[i].expect("owned");
-                done[i] = Some(next(&mut received[o])?);
+                done[i] = Some(next(&mut received[second[i][0]])?);
             }
         }
         Ok(done)
     }
 
-    /// Level 1, outward: each holder's piece of the results of the matrices this rank owns
-    /// (`done`: [rows, columns] or flattened), and this rank's pieces of every matrix it holds.
+    /// Level 1, outward: the pieces of the results of the matrices this rank owns (`done`:
+    /// [rows, columns] or flattened) to their holders that did not orthogonalize them, and
+    /// this rank's pieces of every matrix it holds.
     fn scatter_parts(
         &self,
         pg: &mut dyn ProcessGroup,
@@ -375,19 +405,22 @@ impl Orthogonalizer {
     ) -> Result<Vec<Tensor>> {
         let me = self.data.rank;
         let done: Vec<Option<Tensor>> = done.into_iter().map(|d| d.map(flat)).collect();
+        let result = |i: usize| done[i].as_ref().expect("orthogonalized here");
         let mut out = lists(self.data.size);
         let mut sizes: Vec<Vec<usize>> = vec![Vec::new(); self.data.size];
         let mut moves = false;
         for (i, m) in self.matrices.iter().enumerate() {
-            let o = self.owner[i];
-            for (q, r) in m.holders.iter().filter(|(q, _)| *q != o) {
+            let owner = self.computers[i][0];
+            for (q, r) in &m.holders {
+                if self.computers[i].contains(q) {
+                    continue;
+                }
                 moves = true;
-                if o == me {
-                    let result = done[i].as_ref().expect("orthogonalized by its owner");
-                    out[*q].push(result.narrow(0, r.start as i64, r.len() as i64));
+                if owner == me {
+                    out[*q].push(result(i).narrow(0, r.start as i64, r.len() as i64));
                 }
                 if *q == me {
-                    sizes[o].push(r.len());
+                    sizes[owner].push(r.len());
                 }
             }
         }
@@ -401,13 +434,9 @@ impl Orthogonalizer {
             if r.is_empty() {
                 continue;
             }
-            let o = self.owner[i];
-            mine.push(match o == me {
-                true => done[i]
-                    .as_ref()
-                    .expect("orthogonalized by its owner")
-                    .narrow(0, r.start as i64, r.len() as i64),
-                false => next(&mut received[o])?,
+            mine.push(match self.computers[i].contains(&me) {
+                true => result(i).narrow(0, r.start as i64, r.len() as i64),
+                false => next(&mut received[self.computers[i][0]])?,
             });
         }
         Ok(mine)
@@ -488,12 +517,21 @@ mod tests {
     use super::*;
 
     /// A matrix inside one rank's slice stays there; a straddling one goes to the larger
-    /// holder; replicated matrices are shared out by cost, the costliest first.
+    /// holder; replicated matrices are shared out by cost, the costliest first; a rank that
+    /// holds more than its share keeps about its share, the rest going to the least loaded.
     #[test]
     fn owners_keep_matrices_local_and_share_the_work() {
         let held = vec![vec![(0, 10)], vec![(0, 3), (1, 7)], vec![(1, 5), (2, 5)]];
         assert_eq!(owners(&[1.0, 1.0, 1.0], &held, 3), [0, 1, 2]);
         let everywhere = vec![vec![(0, 4), (1, 4)]; 4];
         assert_eq!(owners(&[1.0, 8.0, 2.0, 3.0], &everywhere, 2), [1, 0, 1, 1]);
+        // Rank 0 holds all of 12: it keeps 4 + 2 (≤ 1.1 × 6), rank 1 takes 3 + 3.
+        let one = vec![vec![(0, 9)]; 4];
+        assert_eq!(owners(&[4.0, 3.0, 3.0, 2.0], &one, 2), [0, 1, 1, 0]);
+        assert_eq!(
+            computers(&[1.0, 1.0], &held[1..], 3, true),
+            [vec![0, 1], vec![1, 2]],
+            "all-gather: every holder"
+        );
     }
 }
