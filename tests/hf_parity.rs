@@ -251,8 +251,9 @@ fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
 ///   update it first rounds to bf16, so gradients that differ in their last fp32 bits (lockstep's
 ///   forward and backward are not transformers') cross a few bf16 rounding boundaries, and the
 ///   bf16 iteration spreads each crossing over its matrix. torch against itself with its
-///   gradients scaled by 1 + 1e-7·N(0, 1) differs by as much: 0.5–0.9% in a matrix's 3-step
-///   change, 3% in the square o_proj (BENCHMARKS.md §22), as lockstep's 0.5–0.9% and 3–4%.
+///   gradients scaled by 1 + 1e-6·N(0, 1) differs by as much (`benches/muon_spread.py`,
+///   BENCHMARKS.md §22): 0.55–0.6% in a matrix's 3-step change, 2.7–3.2% in the square
+///   o_proj, against lockstep's 0.57–0.87% and 2.9–3.9%.
 fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
     tch::set_num_threads(1);
     let tmp = tempfile::tempdir().unwrap();

@@ -698,3 +698,95 @@ fn bad_muon_settings_exit_2_naming_the_key_and_the_valid_values() {
         );
     }
 }
+
+/// `memory line`'s value in GB after `what` (`moments `).
+fn gb_after(line: &str, what: &str) -> f64 {
+    let at = line.find(what).unwrap() + what.len();
+    line[at..].split(' ').next().unwrap().parse().unwrap()
+}
+
+/// Muon keeps one fp32 momentum buffer per element of the decoder layers' matrices where AdamW
+/// keeps two moments: on one rank the trainer's memory line (its optimizer's buffers, 3
+/// decimals of GB) says AdamW's moments × (8·A + 4·M) / (8·P) for M matrix elements of P (A =
+/// P − M), `lockstep plan` estimates the same, and the checkpoint's optimizer file shrinks
+/// likewise (its header aside).
+#[test]
+fn muon_keeps_one_momentum_buffer_per_matrix_element_as_plan_counts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // Matrices most of the model: hidden 512, FFN 1376, the tests' 512 ids.
+    let base = with(
+        &small(&write_corpus(dir)),
+        &[],
+        &[
+            "--max-steps",
+            "2",
+            "--set",
+            "model.hidden_size=512",
+            "--set",
+            "model.intermediate_size=1376",
+            "--set",
+            "logging.memory_interval=1",
+        ],
+    );
+    let memory = |name: &str, extra: &[&str]| -> f64 {
+        let n = format!("logging.run_name={name}");
+        let out = ok(
+            dir,
+            &with(
+                &base,
+                &["train"],
+                &[&["--set", n.as_str()][..], extra].concat(),
+            ),
+        );
+        let line = out
+            .lines()
+            .rev()
+            .find(|l| l.contains("Memory |"))
+            .unwrap_or_else(|| panic!("no memory line:\n{out}"))
+            .to_string();
+        gb_after(&line, "moments ")
+    };
+    let muon = ["--set", "training.optimizer=muon"];
+    let (adamw_gb, muon_gb) = (memory("adamw", &[]), memory("muon", &muon));
+    let weights = common::checkpoint_weights(&dir.join("runs/muon/checkpoints/step_2"));
+    let p: f64 = weights.values().map(|t| t.numel() as f64).sum();
+    let m: f64 = weights
+        .iter()
+        .filter(|(n, t)| n.starts_with("model.layers.") && t.dim() == 2)
+        .map(|(_, t)| t.numel() as f64)
+        .sum();
+    assert!(m > 0.9 * p, "{m} of {p}");
+    let want = adamw_gb * (8.0 * (p - m) + 4.0 * m) / (8.0 * p);
+    assert!(
+        (muon_gb - want).abs() <= 0.0015,
+        "{muon_gb} GB vs {want} GB"
+    );
+    let plan: serde_json::Value = serde_json::from_str(&ok(
+        dir,
+        &with(&base, &["plan", "--json", "--device", "cpu"], &muon),
+    ))
+    .unwrap();
+    let planned = plan["configured"]["memory"]["moments"].as_f64().unwrap() / 1e9;
+    assert!(
+        (planned - muon_gb).abs() <= 0.0006,
+        "plan {planned} GB, run {muon_gb} GB"
+    );
+    assert!(
+        plan["muon"]["total_flops"].as_f64().unwrap() > 0.0,
+        "{plan}"
+    );
+    let file = |run: &str| {
+        let f = dir
+            .join("runs")
+            .join(run)
+            .join("checkpoints/step_2/optimizer.safetensors");
+        std::fs::metadata(f).unwrap().len() as f64
+    };
+    let ratio = file("muon") / file("adamw");
+    let want = (8.0 * (p - m) + 4.0 * m) / (8.0 * p);
+    assert!(
+        (ratio - want).abs() < 0.01,
+        "optimizer files {ratio} vs {want}"
+    );
+}

@@ -736,7 +736,7 @@ fn moe_stage_3_trains_like_stage_0_and_resumes_on_one_rank() {
 
 /// Expert parallelism through `lockstep run` (Qwen3-MoE, 4 experts of width 32, top 2, the
 /// load-balancing loss on; 6 clipped AdamW steps): EP 2 on 2 ranks at stages 0 and 2 trains
-/// like data parallelism on 2 ranks (with bf16 compute within 2e-5), EP 4 on 4 ranks at stage
+/// like data parallelism on 2 ranks (with bf16 compute within 5e-5), EP 4 on 4 ranks at stage
 /// 1 like data parallelism on 4; the EP 2 checkpoint (every expert from the rank that holds
 /// it, whole HF tensors) resumes on 1 rank with the uninterrupted losses and at EP 4 stage 3
 /// like data parallelism resumed from it. Bad degrees exit 2 naming the key.
@@ -804,7 +804,9 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
         &["--set", "system.expert_parallel=2", "--stop-at-step", "3"],
     );
     close_losses(&ep2_stage2, &dp2[..3], 1e-5);
-    // bf16 compute (the rows travel in bf16): within bf16's rounding of data parallelism's.
+    // bf16 compute (the rows travel in bf16): within bf16's rounding of data parallelism's
+    // (the experts' outputs are added up in another order; 3.0e-5 apart at step 3 on an Intel
+    // Xeon VM, where the bound of 2e-5 set on an AMD EPYC one failed at the commit that set it).
     let bf16 = ["--set", "training.dtype=bf16"];
     let (_, dp2_bf16) = run(2, 0, "dp2bf16", &bf16);
     let (_, ep2_bf16) = run(
@@ -818,7 +820,7 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_anywhere() {
             "system.expert_parallel=2",
         ],
     );
-    close_losses(&ep2_bf16, &dp2_bf16, 2e-5);
+    close_losses(&ep2_bf16, &dp2_bf16, 5e-5);
     let (_, dp4) = run(4, 0, "dp4", &[]);
     let (_, ep4) = run(4, 1, "ep4", &["--set", "system.expert_parallel=4"]);
     assert_eq!((ep2.len(), ep4.len()), (6, 6), "{ep2:?} {ep4:?}");

@@ -8,8 +8,8 @@
 # usage: bash benches/gpu/accept.sh [--dry-run] [GROUP|STEP]...   (default: lease)
 #   lease        what one 15-minute GPU session runs in one device call, most needed first:
 #                c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed
-#                c7-phases c6-default c5-compile c9-wheel c4-tasks c7-kernels (budget 420 s;
-#                c5 at micro-batches 8 and 16)
+#                c7-phases c6-default c5-compile c9-wheel c4-tasks c4-muon c7-kernels (budget
+#                420 s; c5 at micro-batches 8 and 16)
 #   rest         every step lease leaves out: c1-all c3-auto-free c6-variants c8
 #   correctness  c1 unit tests on CUDA: c1-nccl (the NCCL group of one rank), c1-model (the
 #                   model on CUDA against the CPU), c1-all (the whole unit suite)
@@ -19,7 +19,8 @@
 #                c4 c4-nan (the NaN guard on CUDA), c4-docmask (packed documents: variable-
 #                   length flash attention), c4-eval (eval and generate on CUDA against the CPU),
 #                   c4-tasks (downstream evaluation in training and by eval --task on CUDA
-#                   against the CPU)
+#                   against the CPU), c4-muon (training.optimizer = muon on the device: bf16
+#                   trains, fp32 against the CPU, Newton-Schulz's share of the step)
 #                c9 c9-wheel: the pip wheel (scripts/wheel.sh's manylinux binary and launcher)
 #                   installed beside this machine's torch, then env, train and generate on the
 #                   GPU from a clean environment
@@ -31,7 +32,8 @@
 #                   memory: c6-default, c6-variants (activation checkpointing / loss chunking /
 #                   zero stage)
 #   multi        c8 two ranks (NCCL on 2+ GPUs; SKIP with one) against one rank: the same losses
-#                (data parallelism at every zero stage, tensor and context parallelism)
+#                (data parallelism at every zero stage, tensor and context parallelism, expert
+#                parallelism, Muon at stage 2: its bf16 all-to-alls on NCCL)
 #                   for zero stages 0, 1, 2, 3, 3 with hybrid sharding (fp32) and bf16; tensor
 #                   parallelism: TP 2, and TP 2 x data 2 at stage 3 (4+ GPUs; SKIP with fewer)
 #   all          correctness perf scale multi (more than one device command's 10 minutes)
@@ -55,11 +57,11 @@ DRY=0
 LEASE=0
 # Every step, grouped by check, in the order `all` runs them.
 C1=(c1-nccl c1-model c1-all) C2=(c2) C3=(c3-run c3-resume c3-auto-free)
-C4=(c4-nan c4-docmask c4-eval c4-tasks) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7-phases c7-kernels) C8=(c8) C9=(c9-wheel)
+C4=(c4-nan c4-docmask c4-muon c4-eval c4-tasks) C5=(c5-speed c5-compile) C6=(c6-default c6-variants) C7=(c7-phases c7-kernels) C8=(c8) C9=(c9-wheel)
 ALL_STEPS=("${C1[@]}" "${C2[@]}" "${C3[@]}" "${C4[@]}" "${C9[@]}" "${C5[@]}" "${C7[@]}" "${C6[@]}" "${C8[@]}")
 # A GPU session's one call (15 minutes of device time, the machine's start included): every
 # figure the CUDA issue requires, cheapest first within what matters most.
-LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7-phases c6-default c5-compile c9-wheel c4-tasks c7-kernels)
+LEASE_STEPS=(c1-nccl c1-model c2 c3-run c3-resume c4-nan c4-docmask c4-eval c5-speed c7-phases c6-default c5-compile c9-wheel c4-tasks c4-muon c7-kernels)
 STEPS=()
 among() { [[ " ${*:2} " == *" $1 "* ]]; } # among WORD LIST...: whether WORD is in LIST
 add() {                                   # add STEP...: appended once each, in order
@@ -342,7 +344,7 @@ for k in model.num_layers model.hidden_size model.num_attention_heads model.num_
   system.memory_check logging.interval logging.memory_interval logging.tensorboard logging.verbose \
   logging.dir logging.run_name checkpoint.interval data.tokenizer debug.inject_nan_at_step \
   debug.inject_nan_param data.document_masking data.reset_position_ids training.eval_interval \
-  training.eval_tasks; do
+  training.eval_tasks training.optimizer; do
   grep -q "^$k " "$LOGS/config-keys.log" || absent="$absent $k"
 done
 if [ -z "$absent" ]; then result PASS config-keys "every key the checks set exists (lockstep config --keys)"; else result FAIL config-keys "unknown in this build:$absent"; fi
@@ -627,6 +629,39 @@ check_c4_eval() {
       result FAIL c4-generate "cpu fp32 [$cpu] | $DEV fp32 [$dev] | $DEV no cache [$nocache] | $DEV bf16 [$bf]"
     fi
   fi
+}
+
+# c4-muon: Muon (docs/optimizers.md) on the device: the small model 6 steps with
+# training.optimizer = muon in bf16 (its loss falls; the verbose timing line's optimizer part,
+# Newton-Schulz included, against forward+backward), and in fp32 on the device against the CPU
+# (4 steps at lr 1e-4: Newton-Schulz is bf16 on both, with other kernels, so the losses agree to
+# the bf16 spread, not bitwise). Its time (~30 s) is a guess: it has not run on a GPU yet.
+check_c4_muon() {
+  section "c4 Muon on $DEV"
+  time_for 30 c4-muon || return 0
+  local m=(--debug "${SMALL[@]}" --set training.optimizer=muon --set logging.interval=1 --set logging.verbose=true
+    --set logging.tensorboard=false --set "logging.dir=$RUNS" --set checkpoint.interval=0)
+  run_logged c4-muon-bf16 180 "$BIN" train "${m[@]}" --set system.device=$DEV --set training.dtype=bf16 \
+    --set training.learning_rate=3e-3 --max-steps 6 --set logging.run_name=muon-bf16
+  rc=$?
+  fall=$($PY -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(f"{r[0][\"loss\"]:.3f} -> {r[-1][\"loss\"]:.3f}" if len(r) == 6 and r[-1]["loss"] < r[0]["loss"] else "")' "$RUNS/muon-bf16/metrics.jsonl" 2>/dev/null)
+  opt=$(grep -a "Timing per step" "$LOGS/c4-muon-bf16.log" | tail -1 | grep -o "forward+backward [0-9.]* ms.*optimizer [0-9.]* ms")
+  if [ $rc -eq 0 ] && [ -n "$fall" ]; then
+    result PASS c4-muon-bf16 "6 bf16 Muon steps on $DEV, loss $fall; last step: $opt"
+  else
+    result FAIL c4-muon-bf16 "exit $rc; loss ${fall:-did not fall}; $(why c4-muon-bf16)"
+  fi
+  for d in cpu $DEV; do
+    run_logged "c4-muon-$d" 300 "$BIN" train "${m[@]}" --set system.device=$d --set training.dtype=fp32 \
+      --set training.learning_rate=1e-4 --set training.min_lr=1e-5 --max-steps 4 --set logging.run_name="muon-$d"
+  done
+  eval "$($PY "$HERE/accept_lib.py" losses "$RUNS/muon-cpu/metrics.jsonl" "$RUNS/muon-$DEV/metrics.jsonl" 1 4 2>/dev/null || echo 'MISSING=all BITWISE=0 MAXREL=')"
+  if [ -z "$MISSING" ] && awk -v x="${MAXREL:-1}" 'BEGIN { exit !(x <= 1e-3) }'; then
+    result PASS c4-muon-fp32 "4 fp32 Muon steps, $DEV against the CPU: losses $([ "$BITWISE" = 1 ] && echo bitwise || echo "within $MAXREL (tol 1e-3: Newton-Schulz in bf16 on both)")"
+  else
+    result FAIL c4-muon-fp32 "missing steps: ${MISSING:-none}; max rel ${MAXREL:-?} (tol 1e-3); $(why c4-muon-$DEV)"
+  fi
+  rm -rf "$RUNS/muon-bf16" "$RUNS/muon-cpu" "$RUNS/muon-$DEV"
 }
 
 # c4-tasks: downstream evaluation (docs/evaluation.md) on the device. A small model trains 4
@@ -953,6 +988,17 @@ check_c8() {
           --set training.batch_size=1 --set system.expert_parallel=2 --set logging.run_name="ep2-$dt"
         c8_verdict "ep2-$dt" $? $dt "2 ranks x 1 at expert_parallel=2 vs 1 rank x 2 (Qwen3-MoE)" "w1-moe-$dt"
         rm -rf "$RUNS/w1-moe-$dt"
+      fi
+      # Muon at zero stage 2 (docs/optimizers.md): the matrices straddling the two slices, and
+      # those that share the work, assembled by bf16 all-to-alls on NCCL, against Muon on 1
+      # rank x 2. Newton-Schulz rounds to bf16, so the losses agree to its spread, not bitwise.
+      if [ "$dt" = fp32 ] && time_for 40 "c8-muon-z2-$dt"; then
+        run_logged "c8-w1-muon-$dt" 180 "$BIN" run "${W1[@]}" -- "${M[@]}" --set training.optimizer=muon \
+          --set training.dtype=$dt --set training.batch_size=2 --set logging.run_name="w1-muon-$dt"
+        run_logged "c8-muon-z2-$dt" 180 "$BIN" run "${W2[@]}" -- "${M[@]}" --set training.optimizer=muon \
+          --set training.dtype=$dt --set training.batch_size=1 --set system.zero_stage=2 --set logging.run_name="muon-z2-$dt"
+        c8_verdict "muon-z2-$dt" $? $dt "Muon, 2 ranks x 1 at zero stage 2 vs 1 rank x 2" "w1-muon-$dt"
+        rm -rf "$RUNS/w1-muon-$dt"
       fi
       rm -rf "$RUNS/w1-$dt"
     done

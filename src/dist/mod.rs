@@ -37,6 +37,7 @@ pub mod group;
 pub mod mesh;
 pub mod nccl;
 pub mod overlap;
+pub mod owners;
 pub mod place;
 pub mod ring;
 pub mod single_rank;

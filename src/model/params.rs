@@ -37,6 +37,12 @@ impl Parameter {
     pub fn numel(&self) -> usize {
         self.shape.iter().product::<i64>() as usize
     }
+
+    /// A 2-D weight inside a decoder layer (attention and MLP projections, a mixture's router,
+    /// each expert's matrices): what Muon updates with `training.optimizer = muon`.
+    pub fn is_layer_matrix(&self) -> bool {
+        self.shape.len() == 2 && matches!(self.unit, GradUnit::Layer(_))
+    }
 }
 
 /// A model's parameters in creation order, by name.

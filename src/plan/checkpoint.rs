@@ -108,9 +108,14 @@ pub fn writing_ranks(s: &Setting) -> usize {
     }
 }
 
-/// Bytes of one save: the fp32 weights and the two moments.
+/// Bytes of one save: the fp32 weights and the two moments (with Muon one momentum buffer for
+/// each element of the decoder layers' matrices).
 pub fn bytes_per_save(s: &Setting) -> f64 {
-    BYTES_PER_PARAM * s.parameters.count() as f64
+    let muon = match s.muon {
+        Some(_) => 4.0 * super::muon::matrix_elements(s, 1),
+        None => 0.0,
+    };
+    BYTES_PER_PARAM * s.parameters.count() as f64 - muon
 }
 
 /// Bytes one writing rank writes per save (the mean share).

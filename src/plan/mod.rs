@@ -68,6 +68,7 @@ pub mod downstream;
 mod estimate;
 pub mod expert;
 pub mod memory;
+pub mod muon;
 pub mod report;
 mod setting;
 pub mod start;

@@ -111,6 +111,9 @@ pub struct Report {
     /// What downstream evaluation costs each time it runs (`plan/downstream.rs`; None without
     /// `training.eval_tasks`).
     pub downstream: Option<super::downstream::Downstream>,
+    /// `training.optimizer = muon`: what Muon costs the busiest rank at the configured layout
+    /// (`plan/muon.rs`); None with AdamW.
+    pub muon: Option<super::muon::MuonCost>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -254,6 +257,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         tensor_parallel_advice,
         context_parallel_advice,
         expert_parallel_advice,
+        muon: super::muon::cost(s, l.zero_stage, s.world),
     }
 }
 
@@ -474,8 +478,15 @@ fn checkpoint_text(o: &mut String, r: &Report, s: &Setting) {
     let plural = |n: usize| if n == 1 { "" } else { "s" };
     let _ = writeln!(
         o,
-        "Checkpoint: {} per save (fp32 weights and AdamW moments, 12 B/param): {} from each of {} writing rank{}{}; storage {:.1} GB/s per node (--storage-gbps)",
+        "Checkpoint: {} per save ({}): {} from each of {} writing rank{}{}; storage {:.1} GB/s per node (--storage-gbps)",
         gb(c.bytes_per_save),
+        match r.muon {
+            None => "fp32 weights and AdamW moments, 12 B/param".to_string(),
+            Some(_) => format!(
+                "fp32 weights, AdamW's two moments and Muon's momentum buffer: {:.1} B/param",
+                c.bytes_per_save / r.model.parameters as f64
+            ),
+        },
         gb(c.bytes_per_rank),
         c.writing_ranks,
         plural(c.writing_ranks),
@@ -837,6 +848,7 @@ fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
 fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
     step_text(o, r);
     communication_text(o, r);
+    muon_text(o, r);
     scaling_text(o, r);
 }
 
@@ -866,6 +878,7 @@ fn step_text(o: &mut String, r: &Report) {
             r.expert_parallel > 1,
             time.expert_parallel_seconds,
         ),
+        ("Muon", r.muon.is_some(), time.muon_seconds),
     ]
     .into_iter()
     .filter(|(_, on, _)| *on)
@@ -989,6 +1002,27 @@ fn communication_text(o: &mut String, r: &Report) {
             );
         }
     }
+}
+
+/// Muon's line: its state, its Newton–Schulz work and its exchanges (`plan/muon.rs`).
+fn muon_text(o: &mut String, r: &Report) {
+    let Some(m) = &r.muon else {
+        return;
+    };
+    let tensor = match r.tensor_parallel {
+        1 => String::new(),
+        t => format!(" + {} within each tensor group of {t}", gb(m.tensor_bytes)),
+    };
+    let _ = writeln!(
+        o,
+        "Muon: the decoder layers' matrices ({:.0}% of the parameters) keep one fp32 momentum buffer, the rest AdamW's two moments ({} on the busiest rank); Newton–Schulz {:.2} TFLOP per step in all, {:.2} TFLOP on the busiest rank (each matrix orthogonalized by one owner); its bf16 exchanges {}{tensor} per step per rank; {:.3} s per step after the reductions, not overlapped",
+        100.0 * m.matrices / r.model.parameters as f64,
+        gb(m.moments),
+        m.total_flops / 1e12,
+        m.flops / 1e12,
+        gb(m.bytes),
+        m.seconds
+    );
 }
 
 /// The scaling table: communication time and efficiency from one node to many.

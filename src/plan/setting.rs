@@ -64,6 +64,8 @@ pub struct Setting {
     pub max_steps: usize,
     /// Bytes/s one node writes to the checkpoint storage, shared by its ranks.
     pub storage_bw: f64,
+    /// `training.optimizer = muon`: its Newton–Schulz steps (`plan/muon.rs`); None with AdamW.
+    pub muon: Option<usize>,
 }
 
 /// What the plan is asked about beyond the config: the device, the ranks and the memory each
@@ -159,6 +161,8 @@ impl Setting {
             ckpt_interval: cfg.checkpoint.interval,
             max_steps: cfg.training.max_steps,
             storage_bw: t.storage_bw,
+            muon: (cfg.training.optimizer == crate::config::OptimizerChoice::Muon)
+                .then_some(cfg.training.muon_ns_steps),
         }
     }
 

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::setting::{Layout, Setting};
-use super::{comm, context, expert, tensor};
+use super::{comm, context, expert, muon, tensor};
 use crate::model::ActivationCheckpointing;
 
 /// The FLOPs of one token of training: the model's (forward + backward, as MFU counts them)
@@ -60,6 +60,9 @@ pub struct StepTime {
     /// The expert-parallel group's all-to-alls of the tokens (`expert.rs`), on the critical
     /// path.
     pub expert_parallel_seconds: f64,
+    /// Muon's Newton–Schulz iterations and their exchanges (`muon.rs`), after the reductions:
+    /// on the critical path; 0 with AdamW.
+    pub muon_seconds: f64,
 }
 
 impl StepTime {
@@ -71,6 +74,7 @@ impl StepTime {
             tensor_parallel_seconds: tensor::seconds_per_step(s, l),
             context_parallel_seconds: context::seconds_per_step(s, l),
             expert_parallel_seconds: expert::seconds_per_step(s, l),
+            muon_seconds: muon::cost(s, l.zero_stage, world).map_or(0.0, |m| m.seconds),
         }
     }
 
@@ -79,9 +83,12 @@ impl StepTime {
         self.compute_seconds + self.data_parallel_seconds + self.exposed_seconds()
     }
 
-    /// The TP, CP and EP groups' collectives: on the critical path.
+    /// The TP, CP and EP groups' collectives and Muon's step: on the critical path.
     fn exposed_seconds(&self) -> f64 {
-        self.tensor_parallel_seconds + self.context_parallel_seconds + self.expert_parallel_seconds
+        self.tensor_parallel_seconds
+            + self.context_parallel_seconds
+            + self.expert_parallel_seconds
+            + self.muon_seconds
     }
 
     /// Scaling efficiency: the computation's share of the step.

@@ -789,7 +789,7 @@ fn print_summary(
         shape.vocab_size
     );
     println!(
-        "{tag} Batch: {} × {} tokens × {} accumulation × {data} {}rank{} = {} tokens per step | {} steps, LR {} (warmup {}, cosine to {})",
+        "{tag} Batch: {} × {} tokens × {} accumulation × {data} {}rank{} = {} tokens per step | {} steps, LR {} (warmup {}, cosine to {}) | {}",
         t.batch_size,
         t.context_length,
         t.grad_accum_nums,
@@ -804,6 +804,13 @@ fn print_summary(
         crate::telemetry::sci(t.learning_rate),
         t.warmup_steps,
         crate::telemetry::sci(t.min_lr),
+        match t.optimizer {
+            crate::config::OptimizerChoice::AdamW => "AdamW".to_string(),
+            crate::config::OptimizerChoice::Muon => format!(
+                "Muon on the decoder layers' matrices ({}, {} Newton-Schulz steps), AdamW on the rest",
+                t.muon_adjust_lr, t.muon_ns_steps
+            ),
+        },
     );
     let every = match cfg.checkpoint.interval {
         0 => "at the end".to_string(),

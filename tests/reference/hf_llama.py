@@ -19,8 +19,11 @@ fused in 3-D tensors, so each expert's matrices get torch.optim.Muon's own updat
 buffers after them are saved too (before.safetensors, momentum.safetensors), and each step's
 clipped gradients (gradsK.safetensors, K = 0, 1, 2).
 
+With --grad-noise X each clipped gradient is scaled by 1 + X·N(0, 1) (a seeded draw) before the
+update: torch against itself with gradients that differ in their last bits (BENCHMARKS.md §22).
+
 usage: hf_llama.py OUT_DIR [--tied] [--llama3-rope] [--qwen3 | --qwen3-moe | --mixtral]
-                   [--muon ADJUST]
+                   [--muon ADJUST] [--grad-noise X]
 """
 import json
 import sys
@@ -181,6 +184,8 @@ def step_experts():
                  adjust_lr_fn=muon_adjust, has_complex=False)
 
 
+grad_noise = float(sys.argv[sys.argv.index("--grad-noise") + 1]) if "--grad-noise" in sys.argv else 0.0
+noise = torch.Generator().manual_seed(2)
 step_losses, step_norms = [], []
 for step in range(3):
     model.zero_grad(set_to_none=True)
@@ -192,6 +197,8 @@ for step in range(3):
     coef = torch.clamp(1.0 / (norm.float() + 1e-6), max=1.0)
     for p in model.parameters():
         p.grad.mul_(coef)
+        if grad_noise:
+            p.grad.mul_(1 + grad_noise * torch.randn(p.grad.shape, generator=noise))
     if muon_adjust:
         grads = checkpoint_named((n, p.grad) for n, p in model.named_parameters())
         save_file({n: g.contiguous() for n, g in grads}, f"{out}/grads{step}.safetensors")

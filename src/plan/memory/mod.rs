@@ -99,7 +99,8 @@ pub struct Memory {
     /// fp32 master weights: this rank's shard at stages 1 and 2 with bf16 compute, and at
     /// stage 3 with any compute dtype (there the parameters' only persistent copy).
     pub master_weights: f64,
-    /// AdamW's two fp32 moments (this rank's shard at stages 1 to 3).
+    /// AdamW's two fp32 moments (this rank's shard at stages 1 to 3); with Muon one fp32
+    /// momentum buffer per element of the decoder layers' matrices (`plan/muon.rs`).
     pub moments: f64,
     /// Gradients alive at the peak (they are dropped after each update and build up during
     /// backward; at stages 2 and 3 this rank's fp32 slice, one unit's and their send buffer; at
@@ -469,7 +470,12 @@ impl StepState {
         } else {
             0.0
         };
-        let moments = shard(8.0);
+        // AdamW's two fp32 moments per element; with Muon one momentum buffer per element of
+        // the decoder layers' matrices (`plan/muon.rs`: the busiest rank's).
+        let moments = match super::muon::cost(s, stage, s.world) {
+            Some(muon) => muon.moments,
+            None => shard(8.0),
+        };
         // Gradients are dropped after every update (set to none), so during a step's backward they
         // build up unit by unit: at the LM head only the head's own exists (none when it is the
         // tied embedding, whose gradient comes last). Stages 0 and 1 then keep every full gradient

@@ -99,6 +99,40 @@ impl Experts {
     }
 }
 
+/// What the layouts need of each parameter, in the caller's order: its shape on this rank,
+/// unit, update rule, and whole shape and split.
+struct Described {
+    shapes: Vec<Vec<i64>>,
+    units: Vec<GradUnit>,
+    rules: Vec<Rule>,
+    whole: Vec<(Vec<i64>, crate::model::Split)>,
+}
+
+impl Described {
+    /// `params` of `table` on a rank of a tensor group of `parts`, `muon` or AdamW alone.
+    fn of(
+        params: &[(String, Tensor)],
+        table: &Parameters,
+        parts: usize,
+        muon: bool,
+    ) -> Result<Self> {
+        let mut d = Described {
+            shapes: Vec::with_capacity(params.len()),
+            units: Vec::with_capacity(params.len()),
+            rules: Vec::with_capacity(params.len()),
+            whole: Vec::with_capacity(params.len()),
+        };
+        for (name, _) in params {
+            let p = table.get(name)?;
+            d.shapes.push(p.split.local_shape(&p.shape, parts));
+            d.units.push(p.unit);
+            d.rules.push(Rule::of(p, muon));
+            d.whole.push((p.shape.clone(), p.split));
+        }
+        Ok(d)
+    }
+}
+
 /// One of the two layouts.
 enum Layout {
     Replicated(Box<Replicated>),
@@ -181,17 +215,12 @@ impl Optimizer {
             Some(t) => t.place()?.1,
             None => 1,
         };
-        let mut shapes = Vec::with_capacity(params.len());
-        let mut units = Vec::with_capacity(params.len());
-        let mut rules = Vec::with_capacity(params.len());
-        let mut whole = Vec::with_capacity(params.len());
-        for (name, _) in params {
-            let p = table.get(name)?;
-            shapes.push(p.split.local_shape(&p.shape, parts));
-            units.push(p.unit);
-            rules.push(Rule::of(p, hp.muon.is_some()));
-            whole.push((p.shape.clone(), p.split));
-        }
+        let Described {
+            shapes,
+            units,
+            rules,
+            whole,
+        } = Described::of(params, table, parts, hp.muon.is_some())?;
         let Sharding {
             stage,
             hybrid,
@@ -214,17 +243,7 @@ impl Optimizer {
         let shard = hybrid.as_ref().map(|h| h.shard.clone()).or(data.clone());
         // Muon's settings and groups, where it has matrices here: level 1 is the layout's
         // (`orthogonal.rs`), level 2 the tensor group.
-        let tensor_level = match &tensor {
-            Some(t) => {
-                let (rank, size) = t.place()?;
-                Some(Level {
-                    group: Some(t.tensor.clone()),
-                    rank,
-                    size,
-                })
-            }
-            None => None,
-        };
+        let tensor_level = tensor.as_ref().map(TensorGroups::level).transpose()?;
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let muon = |data: Level| {
             let hp = hp.muon.filter(|_| rules.contains(&Rule::Muon))?;
@@ -256,21 +275,7 @@ impl Optimizer {
                 )
             }
             _ => {
-                let ranks = match &shard {
-                    Some(g) => {
-                        let group = g.lock().map_err(|_| anyhow::anyhow!("poisoned subgroup"))?;
-                        ShardRanks {
-                            rank: group.rank(),
-                            world: group.world_size(),
-                            group: Some(g.clone()),
-                        }
-                    }
-                    None => ShardRanks {
-                        rank,
-                        world,
-                        group: None,
-                    },
-                };
+                let ranks = ShardRanks::of(shard, (rank, world))?;
                 let level = Level {
                     group: ranks.group.clone(),
                     rank: ranks.rank,

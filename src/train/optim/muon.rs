@@ -29,7 +29,7 @@ use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
 
 use crate::config::{Config, MuonAdjust};
-use crate::model::{GradUnit, Parameter};
+use crate::model::Parameter;
 
 extern "C" {
     /// csrc/muon.cpp: torch.optim.Muon's `_zeropower_via_newtonschulz` of the 2-D `update`
@@ -109,7 +109,7 @@ pub enum Rule {
 impl Rule {
     /// `p`'s rule in a run with Muon (`muon`) or AdamW alone.
     pub fn of(p: &Parameter, muon: bool) -> Rule {
-        if muon && p.shape.len() == 2 && matches!(p.unit, GradUnit::Layer(_)) {
+        if muon && p.is_layer_matrix() {
             Rule::Muon
         } else {
             Rule::adamw(&p.shape)
@@ -194,15 +194,6 @@ pub fn apply(
         )
     })
     .map_err(|e| anyhow::anyhow!("Muon's update failed: {e}"))
-}
-
-/// FLOPs of one Newton–Schulz orthogonalization of an `a` × `b` matrix in `steps` iterations
-/// (n = min(a, b), m = max(a, b)): per iteration the Gram matrix X·Xᵀ (2·n²·m), its square
-/// (2·n³) and the product with X (2·n²·m). The owners' balance (`orthogonal.rs`) and `lockstep
-/// plan` count it.
-pub fn ns_flops([a, b]: [i64; 2], steps: usize) -> f64 {
-    let (n, m) = (a.min(b) as f64, a.max(b) as f64);
-    steps as f64 * (4.0 * n * n * m + 2.0 * n * n * n)
 }
 
 #[cfg(test)]

@@ -59,6 +59,28 @@ pub struct ShardRanks {
     pub world: usize,
 }
 
+impl ShardRanks {
+    /// The ranks of `shard` where given, else those of the caller's group: `(rank, world)`.
+    pub fn of(shard: Option<SharedGroup>, (rank, world): (usize, usize)) -> Result<ShardRanks> {
+        let Some(g) = shard else {
+            return Ok(ShardRanks {
+                rank,
+                world,
+                group: None,
+            });
+        };
+        let (rank, world) = {
+            let group = g.lock().map_err(|_| anyhow::anyhow!("poisoned subgroup"))?;
+            (group.rank(), group.world_size())
+        };
+        Ok(ShardRanks {
+            rank,
+            world,
+            group: Some(g),
+        })
+    }
+}
+
 /// A buffer over part of this rank's slice: flat elements `start..start + len`.
 struct Region {
     start: usize,
@@ -90,6 +112,30 @@ impl Region {
 struct ShardedMuon {
     hp: MuonParams,
     orthogonal: Orthogonalizer,
+}
+
+impl ShardedMuon {
+    /// Muon's matrices of `layout` (the first group: parameters of `shapes`), each held by the
+    /// ranks whose slices it meets, in flat order.
+    fn of(setup: Setup, layout: &FlatLayout, shapes: &[Vec<i64>]) -> ShardedMuon {
+        let end = layout.group_range(Rule::Muon.group()).end;
+        let matrices = layout.params[..layout.params.partition_point(|p| p.start < end)]
+            .iter()
+            .map(|p| {
+                setup.matrix(p.index, &shapes[p.index], |_| {
+                    (0..layout.world)
+                        .map(|r| (r, intersect(&p.range(), &layout.owned(r))))
+                        .filter(|(_, r)| !r.is_empty())
+                        .map(|(q, r)| (q, r.start - p.start..r.end - p.start))
+                        .collect()
+                })
+            })
+            .collect();
+        ShardedMuon {
+            hp: setup.hp,
+            orthogonal: setup.build(matrices),
+        }
+    }
 }
 
 pub struct Sharded {
@@ -185,25 +231,7 @@ impl Sharded {
         // The slice's Muon part (the space's first group), then its AdamW part.
         let muon_end = layout.group_range(Rule::Muon.group()).end;
         let split = muon_end.clamp(owned.start, owned.end);
-        let muon = muon.map(|setup| {
-            let hp = setup.hp;
-            let matrices = layout.params[..layout.params.partition_point(|p| p.start < muon_end)]
-                .iter()
-                .map(|p| {
-                    setup.matrix(p.index, &shapes[p.index], |_| {
-                        (0..world)
-                            .map(|r| (r, intersect(&p.range(), &layout.owned(r))))
-                            .filter(|(_, r)| !r.is_empty())
-                            .map(|(q, r)| (q, r.start - p.start..r.end - p.start))
-                            .collect()
-                    })
-                })
-                .collect();
-            ShardedMuon {
-                hp,
-                orthogonal: setup.build(matrices),
-            }
-        });
+        let muon = muon.map(|setup| ShardedMuon::of(setup, &layout, &shapes));
         let units = if stage.shards_gradients() {
             let position = layout.positions();
             GradUnit::group_in_backward_order(param_units)

@@ -32,6 +32,16 @@ impl TensorGroups {
         Ok((g.rank(), g.world_size()))
     }
 
+    /// The tensor group as Muon's second level (`orthogonal.rs`).
+    pub fn level(&self) -> Result<super::orthogonal::Level> {
+        let (rank, size) = self.place()?;
+        Ok(super::orthogonal::Level {
+            group: Some(self.tensor.clone()),
+            rank,
+            size,
+        })
+    }
+
     fn whole_shape(&self, name: &str) -> Result<&[i64]> {
         Ok(&self.parameters.get(name)?.shape)
     }
