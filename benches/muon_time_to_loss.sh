@@ -51,4 +51,5 @@ for k, e in runs.items():
     hit = next(((s, c) for s, v, c in e if v <= target), None)
     reach = f"step {hit[0]}, {hit[1]:.0f} s of training" if hit else "not reached"
     print(f"{k}: last validation loss {e[-1][1]:.4f} at step {e[-1][0]} ({e[-1][2]:.0f} s); target: {reach}")
+    print("  curve: " + ", ".join(f"{s} {v:.3f}" for s, v, _ in e))
 PY

@@ -776,6 +776,12 @@ fn muon_keeps_one_momentum_buffer_per_matrix_element_as_plan_counts() {
         plan["muon"]["total_flops"].as_f64().unwrap() > 0.0,
         "{plan}"
     );
+    let text = ok(dir, &with(&base, &["plan", "--device", "cpu"], &muon));
+    assert!(
+        text.contains("\nMuon: the decoder layers' matrices (")
+            && text.contains("Muon's momentum buffer: "),
+        "{text}"
+    );
     let file = |run: &str| {
         let f = dir
             .join("runs")

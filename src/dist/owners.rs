@@ -6,7 +6,8 @@
 /// assembles and orthogonalizes it. The costliest matrices are placed first (ties: the earlier
 /// matrix); each goes to the rank holding most of it (among equal holders the least loaded, then
 /// the lower rank), so that it moves nowhere, unless that would take the rank's work past 1.1 ×
-/// an equal share of the total: then to the least loaded rank. A flat slice holds about equal
+/// an equal share of the total while a rank with less work exists: then to the least loaded
+/// rank. A flat slice holds about equal
 /// elements on every rank, so a large model's matrices mostly stay where they are; a slice of
 /// embeddings (AdamW's) holds none, and the matrices of the ranks that do are shared with it.
 pub fn owners(costs: &[f64], held: &[Vec<(usize, usize)>], world: usize) -> Vec<usize> {
@@ -24,9 +25,10 @@ pub fn owners(costs: &[f64], held: &[Vec<(usize, usize)>], world: usize) -> Vec<
         let most = held[i].iter().map(|&(_, n)| n).max().unwrap_or(0);
         let mut holders = held[i].iter().filter(|&&(_, n)| n == most).map(|&(r, _)| r);
         let local = least(&load, &mut holders);
-        let pick = match load[local] + costs[i] <= share {
+        let elsewhere = least(&load, &mut (0..world));
+        let pick = match load[local] + costs[i] <= share || load[local] <= load[elsewhere] {
             true => local,
-            false => least(&load, &mut (0..world)),
+            false => elsewhere,
         };
         load[pick] += costs[i];
         owner[i] = pick;

@@ -227,10 +227,14 @@ mod tests {
         s.muon = Some(5);
         let p = s.parameters.count() as f64;
         let m = matrix_elements(&s, 1);
-        assert!(m > 0.7 * p && m < p, "{m} of {p}");
+        assert!(m > 0.6 * p && m < p, "{m} of {p}");
         let zero = cost(&s, ZeroStage::Replicated, 8).unwrap();
         assert!((zero.moments - (8.0 * (p - m) + 4.0 * m)).abs() < 1.0);
-        assert!(zero.flops > zero.total_flops / 8.0 && zero.flops < 1.2 * zero.total_flops / 8.0);
+        let eighth = zero.total_flops / 8.0;
+        assert!(
+            zero.flops >= 0.999 * eighth && zero.flops < 1.2 * eighth,
+            "{zero:?}"
+        );
         // Each rank receives the results it did not compute: 7/8 of the matrices, once.
         assert!(
             (zero.bytes / (2.0 * m) - 7.0 / 8.0).abs() < 0.15,

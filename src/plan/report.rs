@@ -290,6 +290,13 @@ fn what(part: Part, s: &Setting, l: &Layout, peak: PeakPhase) -> String {
             "fp32 shard of this rank".into()
         }
         Part::MasterWeights => "none separate".into(),
+        Part::Moments if s.muon.is_some() && stage.shards_optimizer() => {
+            "Muon's momentum (matrices), AdamW m and v (the rest), fp32, the busiest rank's shard"
+                .into()
+        }
+        Part::Moments if s.muon.is_some() => {
+            "Muon's momentum (matrices), AdamW m and v (the rest), fp32".into()
+        }
         Part::Moments if stage.shards_optimizer() => {
             "AdamW m and v, fp32, this rank's shard".into()
         }

@@ -27,7 +27,8 @@
 //!
 //! Then Muon updates the slice's pieces of its matrices: the momentum and the Nesterov update
 //! on the pieces, Newton–Schulz on each matrix made whole on its owner (`orthogonal.rs`: only
-//! the matrices that straddle two slices move). Fused AdamW updates the rest of the slice, one
+//! the matrices that straddle two slices, or that share out the work, move). Fused AdamW
+//! updates the rest of the slice, one
 //! tensor per parameter piece in it (decayed pieces in one call, the others in a second). At
 //! stages 1 and 2 the updated slices are all-gathered,
 //! bucket by bucket in the working dtype, into every rank's parameters; at stage 3 the next
