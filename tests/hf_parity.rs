@@ -23,7 +23,7 @@ use lockstep::model::{
 use lockstep::tensor_io::{self, SafeFile};
 use lockstep::train::guard::Guard;
 use lockstep::train::optim::{AdamWParams, Hyper, MuonParams, Optimizer, Rule};
-use lockstep::train::{train_step, Batch, StepConfig, StepPlan};
+use lockstep::train::{train_step, Batch, StepConfig, StepOutcome, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -163,34 +163,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
     .unwrap();
     opt.zero_grad();
     // The trainer's own step: forward/backward, norm, guard, clip(1.0), fused AdamW.
-    let mut guard = Guard::new(
-        &config::resolve(&Sources::default())
-            .unwrap()
-            .config
-            .training,
-    );
-    let step_cfg = StepConfig {
-        grad_accum: 1,
-        max_grad_norm: 1.0,
-        overlap: false,
-    };
-    let plan = StepPlan {
-        save_failed: false,
-        lr: 1e-3,
-        ..Default::default()
-    };
-    for step in 0..3 {
-        let batch = std::iter::once(Batch::new(x.shallow_clone(), y.shallow_clone()));
-        let out = train_step(
-            &model,
-            &mut opt,
-            &mut SingleProcess,
-            &mut guard,
-            &step_cfg,
-            &plan,
-            batch,
-        )
-        .unwrap();
+    three_steps(&model, &mut opt, (&x, &y), |step, out| {
         assert!(out.event.is_none(), "the guard lets a finite step through");
         if family.is_moe() {
             // The training pass's load-balancing loss, logged: the first step's weights are
@@ -210,7 +183,7 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
             "step {step} grad norm {} vs {want_n}",
             out.grad_norm
         );
-    }
+    });
     let after: HashMap<String, Tensor> = tensor_io::load_all(&dir.join("after.safetensors"))
         .unwrap()
         .into_iter()
@@ -230,6 +203,45 @@ fn check_against_reference(tied: bool, llama3_rope: bool, family: Family) {
             moved > 1e-3,
             "{name}: 3 AdamW steps at lr 1e-3 should move the tensor, moved {moved:e}"
         );
+    }
+}
+
+/// The trainer's own step 3 times on the batch `(x, y)` at lr 1e-3, clipping at 1.0 (forward
+/// and backward, the norm, the guard, the clip, the update), `each(step, outcome)` after each.
+fn three_steps(
+    model: &Llama,
+    opt: &mut Optimizer,
+    (x, y): (&Tensor, &Tensor),
+    mut each: impl FnMut(usize, &StepOutcome),
+) {
+    let mut guard = Guard::new(
+        &config::resolve(&Sources::default())
+            .unwrap()
+            .config
+            .training,
+    );
+    let step_cfg = StepConfig {
+        grad_accum: 1,
+        max_grad_norm: 1.0,
+        overlap: false,
+    };
+    let plan = StepPlan {
+        lr: 1e-3,
+        ..Default::default()
+    };
+    for step in 0..3 {
+        let batch = std::iter::once(Batch::new(x.shallow_clone(), y.shallow_clone()));
+        let out = train_step(
+            model,
+            opt,
+            &mut SingleProcess,
+            &mut guard,
+            &step_cfg,
+            &plan,
+            batch,
+        )
+        .unwrap();
+        each(step, &out);
     }
 }
 
@@ -367,33 +379,7 @@ fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
     let params = Llama::named_parameters(&vs);
     let mut opt = optimizer(&model, &params);
     let (x, y) = batch(dir);
-    let mut guard = Guard::new(
-        &config::resolve(&Sources::default())
-            .unwrap()
-            .config
-            .training,
-    );
-    let step_cfg = StepConfig {
-        grad_accum: 1,
-        max_grad_norm: 1.0,
-        overlap: false,
-    };
-    let plan = StepPlan {
-        lr: 1e-3,
-        ..Default::default()
-    };
-    for step in 0..3 {
-        let batch = std::iter::once(Batch::new(x.shallow_clone(), y.shallow_clone()));
-        let out = train_step(
-            &model,
-            &mut opt,
-            &mut SingleProcess,
-            &mut guard,
-            &step_cfg,
-            &plan,
-            batch,
-        )
-        .unwrap();
+    three_steps(&model, &mut opt, (&x, &y), |step, out| {
         let want_l = reference["step_losses"][step].as_f64().unwrap();
         let want_n = reference["step_grad_norms"][step].as_f64().unwrap();
         assert!(
@@ -407,7 +393,7 @@ fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
             "step {step} grad norm {} vs {want_n}",
             out.grad_norm
         );
-    }
+    });
 }
 
 /// Muon's arithmetic (`train::optim::muon`: the momentum, Nesterov, Newton–Schulz through
