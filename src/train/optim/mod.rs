@@ -253,7 +253,6 @@ impl Optimizer {
                 whole: whole.clone(),
                 data,
                 tensor: tensor_level.clone(),
-                all_gather: hp.all_gather,
             })
         };
         let (layout, reducer) = match stage {

@@ -100,9 +100,6 @@ pub struct Setup {
     pub data: Level,
     /// Tensor parallelism's group (level 2).
     pub tensor: Option<Level>,
-    /// `debug.muon_all_gather`: every holder orthogonalizes (the variant BENCHMARKS.md §22
-    /// measures against owners).
-    pub all_gather: bool,
 }
 
 impl Setup {
@@ -128,7 +125,7 @@ impl Setup {
     pub fn build(self, matrices: Vec<Matrix>) -> Orthogonalizer {
         Orthogonalizer::new(
             matrices,
-            (self.hp.ns_steps, self.all_gather),
+            (self.hp.ns_steps, self.hp.all_gather),
             self.device,
             self.data,
             self.tensor,

@@ -14,7 +14,7 @@ use tch::{Kind, Tensor};
 use super::kernel::{drop_grads, fused_adamw, AdamWParams, FusedGroup};
 use super::muon::{self, MuonParams, Rule};
 use super::orthogonal::{Orthogonalizer, Setup};
-use super::state::{moment_keys, EXP_AVG, EXP_AVG_SQ, MOMENTUM};
+use super::state::{EXP_AVG, EXP_AVG_SQ, MOMENTUM};
 use super::{MomentPiece, RankState, StateBytes, StateSource};
 use crate::dist::ProcessGroup;
 
@@ -219,10 +219,6 @@ impl Replicated {
                 tch::no_grad(|| t.view(-1).copy_(&m.to_device(dev)));
             }
         }
-        debug_assert!(self
-            .params
-            .iter()
-            .all(|p| moment_keys(p.rule).len() == p.moments().len()));
         self.step = if weights_only { 0 } else { adam_step };
         Ok(())
     }

@@ -38,14 +38,6 @@ pub struct MomentPiece {
     pub moments: Vec<(&'static str, Tensor)>,
 }
 
-/// The moments a parameter updated by `rule` keeps.
-pub fn moment_keys(rule: super::muon::Rule) -> &'static [&'static str] {
-    match rule {
-        super::muon::Rule::Muon => &[MOMENTUM],
-        _ => &[EXP_AVG, EXP_AVG_SQ],
-    }
-}
-
 /// What one rank contributes to a checkpoint.
 pub struct RankState {
     /// Full fp32 parameters this rank writes into the model files.
