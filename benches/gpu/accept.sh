@@ -644,7 +644,10 @@ check_c4_muon() {
   run_logged c4-muon-bf16 180 "$BIN" train "${m[@]}" --set system.device=$DEV --set training.dtype=bf16 \
     --set training.learning_rate=3e-3 --max-steps 6 --set logging.run_name=muon-bf16
   rc=$?
-  fall=$($PY -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(f"{r[0][\"loss\"]:.3f} -> {r[-1][\"loss\"]:.3f}" if len(r) == 6 and r[-1]["loss"] < r[0]["loss"] else "")' "$RUNS/muon-bf16/metrics.jsonl" 2>/dev/null)
+  fall=$($PY -c 'import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+a, b = r[0]["loss"], r[-1]["loss"]
+print(f"{a:.3f} -> {b:.3f}" if len(r) == 6 and b < a else "")' "$RUNS/muon-bf16/metrics.jsonl" 2>/dev/null)
   opt=$(grep -a "Timing per step" "$LOGS/c4-muon-bf16.log" | tail -1 | grep -o "forward+backward [0-9.]* ms.*optimizer [0-9.]* ms")
   if [ $rc -eq 0 ] && [ -n "$fall" ]; then
     result PASS c4-muon-bf16 "6 bf16 Muon steps on $DEV, loss $fall; last step: $opt"
