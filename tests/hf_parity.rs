@@ -22,7 +22,7 @@ use lockstep::model::{
 };
 use lockstep::tensor_io::{self, SafeFile};
 use lockstep::train::guard::Guard;
-use lockstep::train::optim::{AdamWParams, Hyper, MuonParams, Optimizer, Rule};
+use lockstep::train::optim::{AdamWParams, Optimizer, Rule};
 use lockstep::train::{train_step, Batch, StepConfig, StepOutcome, StepPlan};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -289,21 +289,7 @@ fn check_muon_against_reference(family: Family, adjust: MuonAdjust) {
     };
     let (after, momentum) = (load("after.safetensors"), load("momentum.safetensors"));
     let layers = if family == Family::Qwen3Moe { 3 } else { 2 };
-    let hp = Hyper {
-        adamw: AdamWParams {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        muon: Some(MuonParams {
-            momentum: 0.95,
-            ns_steps: 5,
-            adjust,
-            weight_decay: 0.1,
-            all_gather: false,
-        }),
-    };
+    let hp = common::muon_hyper(adjust, false);
     let optimizer = |model: &Llama, params: &[(String, Tensor)]| {
         Optimizer::new(
             params,
@@ -415,13 +401,7 @@ fn muon_is_bitwise_torch_from_the_same_update() {
             .unwrap()
             .into_iter()
             .collect();
-        let hp = MuonParams {
-            momentum: 0.95,
-            ns_steps: 5,
-            adjust,
-            weight_decay: 0.1,
-            all_gather: false,
-        };
+        let hp = common::muon_hyper(adjust, false).muon.unwrap();
         for name in ["tall", "wide"] {
             let p = t[&format!("{name}.before")].copy();
             let buffer = p.zeros_like();

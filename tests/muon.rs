@@ -15,9 +15,7 @@ use lockstep::config::{MuonAdjust, ZeroStage};
 use lockstep::dist::{self, ProcessGroup, SingleProcess};
 use lockstep::model::{AttentionBackend, GradUnit, Llama, LlamaShape, TensorParallel};
 use lockstep::train::checkpoint::MomentFiles;
-use lockstep::train::optim::{
-    AdamWParams, Hybrid, Hyper, MuonParams, Optimizer, Rule, Sharding, TensorGroups,
-};
+use lockstep::train::optim::{Hybrid, Hyper, Optimizer, Rule, Sharding, TensorGroups};
 use lockstep::train::tensor_parallel::GroupComm;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -317,21 +315,7 @@ fn model_shape() -> LlamaShape {
 }
 
 fn hyper(all_gather: bool) -> Hyper {
-    Hyper {
-        adamw: AdamWParams {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        muon: Some(MuonParams {
-            momentum: 0.95,
-            ns_steps: 5,
-            adjust: MuonAdjust::MatchRmsAdamw,
-            weight_decay: 0.1,
-            all_gather,
-        }),
-    }
+    common::muon_hyper(MuonAdjust::MatchRmsAdamw, all_gather)
 }
 
 /// Each parameter's gradient `g` (its part of it): d/dp Σ p·g = g exactly.

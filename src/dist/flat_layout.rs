@@ -143,6 +143,21 @@ impl FlatLayout {
         super::buckets::ranges(self.padded(), cap)
     }
 
+    /// The ranks whose slices hold part of `p`, ascending, each with the elements of `p`
+    /// (flattened) it holds.
+    pub fn holders(&self, p: &FlatParam) -> Vec<(usize, Range<usize>)> {
+        if p.numel == 0 {
+            return Vec::new();
+        }
+        let shard = self.shard.max(1);
+        (p.start / shard..=(p.start + p.numel - 1) / shard)
+            .map(|r| {
+                let flat = intersect(&p.range(), &self.owned(r));
+                (r, flat.start - p.start..flat.end - p.start)
+            })
+            .collect()
+    }
+
     /// The rank whose slice holds a parameter's first element: the one that writes the
     /// parameter into a checkpoint.
     pub fn writer(&self, p: &FlatParam) -> usize {
@@ -327,6 +342,9 @@ mod tests {
     fn a_parameter_is_written_by_the_owner_of_its_first_element() {
         let l = layout(2);
         assert_eq!(l.writer(&l.params[1]), 0, "w starts at 12 < 13");
+        // w is 12..18 of slices of 13: 1 element on rank 0, 5 on rank 1.
+        assert_eq!(l.holders(&l.params[1]), [(0, 0..1), (1, 1..6)]);
+        assert_eq!(l.holders(&l.params[0]), [(0, 0..12)]);
         assert_eq!(l.writer(&l.params[2]), 1, "norm1 starts at 18");
     }
 

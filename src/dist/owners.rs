@@ -2,7 +2,8 @@
 //! matrices, each orthogonalized by one owner (`train/optim/orthogonal.rs`); `lockstep plan`
 //! runs the same rule to count each rank's share (`plan/muon.rs`). Pure arithmetic.
 
-/// For each item (a matrix: its Newton–Schulz cost, and by rank the elements held), the rank that
+/// For each item (a matrix: its Newton–Schulz cost, and by rank the elements held; an empty
+/// list where every rank holds all of it), the rank that
 /// assembles and orthogonalizes it. The costliest matrices are placed first (ties: the earlier
 /// matrix); each goes to the rank holding most of it (among equal holders the least loaded, then
 /// the lower rank), so that it moves nowhere, unless that would take the rank's work past 1.1 ×
@@ -24,11 +25,19 @@ pub fn owners(costs: &[f64], held: &[Vec<(usize, usize)>], world: usize) -> Vec<
     for i in order {
         let most = held[i].iter().map(|&(_, n)| n).max().unwrap_or(0);
         let mut holders = held[i].iter().filter(|&&(_, n)| n == most).map(|&(r, _)| r);
-        let local = least(&load, &mut holders);
-        let elsewhere = least(&load, &mut (0..world));
-        let pick = match load[local] + costs[i] <= share || load[local] <= load[elsewhere] {
-            true => local,
-            false => elsewhere,
+        let local = match held[i].is_empty() {
+            true => least(&load, &mut (0..world)),
+            false => least(&load, &mut holders),
+        };
+        let pick = if load[local] + costs[i] <= share {
+            local
+        } else {
+            let elsewhere = least(&load, &mut (0..world));
+            if load[local] <= load[elsewhere] {
+                local
+            } else {
+                elsewhere
+            }
         };
         load[pick] += costs[i];
         owner[i] = pick;
@@ -49,6 +58,8 @@ mod tests {
         assert_eq!(owners(&[1.0, 1.0, 1.0], &held, 3), [0, 1, 2]);
         let everywhere = vec![vec![(0, 4), (1, 4)]; 4];
         assert_eq!(owners(&[1.0, 8.0, 2.0, 3.0], &everywhere, 2), [1, 0, 1, 1]);
+        let unlisted = vec![Vec::new(); 4];
+        assert_eq!(owners(&[1.0, 8.0, 2.0, 3.0], &unlisted, 2), [1, 0, 1, 1]);
         // Rank 0 holds all of 12: it keeps 4 + 2 (≤ 1.1 × 6), rank 1 takes 3 + 3.
         let one = vec![vec![(0, 9)]; 4];
         assert_eq!(owners(&[4.0, 3.0, 3.0, 2.0], &one, 2), [0, 1, 1, 0]);

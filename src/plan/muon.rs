@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use super::setting::Setting;
 use crate::config::ZeroStage;
-use crate::dist::flat_layout::{intersect, FlatLayout};
+use crate::dist::flat_layout::FlatLayout;
 use crate::dist::owners::owners;
 use crate::model::Parameter;
 
@@ -142,7 +142,8 @@ fn busiest(
     let t = s.tensor_parallel;
     let moment_bytes = |p: &Parameter| if p.is_layer_matrix() { 4.0 } else { 8.0 };
     let mut ranks = vec![RankCost::default(); group];
-    // The matrices (in the order the optimizer lists them) and who holds what of their parts.
+    // The matrices (in the order the optimizer lists them) and who holds what of their parts:
+    // by rank (sharded), or none listed where every rank holds all of each (replicated).
     let mut matrices: Vec<(&Parameter, Vec<(usize, usize)>)> = Vec::new();
     if stage.shards_optimizer() {
         let layout = FlatLayout::new(
@@ -163,9 +164,10 @@ fn busiest(
             }
         }
         for f in layout.params.iter().filter(|f| f.group == 0) {
-            let held = (0..group)
-                .map(|r| (r, intersect(&f.range(), &layout.owned(r)).len()))
-                .filter(|&(_, n)| n > 0)
+            let held = layout
+                .holders(f)
+                .into_iter()
+                .map(|(r, e)| (r, e.len()))
                 .collect();
             matrices.push((params[f.index], held));
         }
@@ -178,7 +180,7 @@ fn busiest(
             rank.moments = state;
         }
         for p in params.iter().filter(|p| p.is_layer_matrix()) {
-            matrices.push((p, (0..group).map(|r| (r, local(p, t))).collect()));
+            matrices.push((p, Vec::new()));
         }
     }
     let costs: Vec<f64> = matrices
@@ -193,6 +195,10 @@ fn busiest(
         // of the part to the matrix's owner there and back.
         ranks[o].flops += costs[i] / t as f64;
         ranks[o].tensor_bytes += 2.0 * 2.0 * part * (t - 1) as f64 / t as f64;
+        // Replicated: the owner sends the result to every other rank.
+        if holders.is_empty() {
+            ranks[o].bytes += 2.0 * part * (group - 1) as f64;
+        }
         let owner_holds = holders.iter().any(|&(r, n)| r == o && n as f64 == part);
         for &(q, n) in holders.iter().filter(|&&(q, _)| q != o) {
             let piece = 2.0 * n as f64;

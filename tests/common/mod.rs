@@ -620,3 +620,25 @@ pub fn tiny_moe(aux_loss_coef: f64) -> lockstep::model::MoeShape {
         aux_loss_coef,
     }
 }
+
+/// The optimizer settings of the default config with Muon (`training.optimizer=muon`,
+/// `training.muon_adjust_lr=adjust`, `debug.muon_all_gather=all_gather`): torch.optim.Muon's
+/// and torch.optim.AdamW's settings in the parity tests (momentum 0.95, 5 Newton–Schulz steps,
+/// betas 0.9 / 0.95, eps 1e-8, weight decay 0.1).
+pub fn muon_hyper(
+    adjust: lockstep::config::MuonAdjust,
+    all_gather: bool,
+) -> lockstep::train::optim::Hyper {
+    let sets = [
+        "training.optimizer=muon".to_string(),
+        format!("training.muon_adjust_lr={adjust}"),
+        format!("debug.muon_all_gather={all_gather}"),
+    ];
+    let cfg = lockstep::config::resolve(&lockstep::config::Sources {
+        sets: sets.to_vec(),
+        ..Default::default()
+    })
+    .unwrap()
+    .config;
+    lockstep::train::optim::Hyper::from_config(&cfg)
+}

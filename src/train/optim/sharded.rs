@@ -122,15 +122,7 @@ impl ShardedMuon {
         let end = layout.group_range(Rule::Muon.group()).end;
         let matrices = layout.params[..layout.params.partition_point(|p| p.start < end)]
             .iter()
-            .map(|p| {
-                setup.matrix(p.index, &shapes[p.index], |_| {
-                    (0..layout.world)
-                        .map(|r| (r, intersect(&p.range(), &layout.owned(r))))
-                        .filter(|(_, r)| !r.is_empty())
-                        .map(|(q, r)| (q, r.start - p.start..r.end - p.start))
-                        .collect()
-                })
-            })
+            .map(|p| setup.matrix(p.index, &shapes[p.index], |_| layout.holders(p)))
             .collect();
         ShardedMuon {
             hp: setup.hp,
