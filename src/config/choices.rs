@@ -132,6 +132,23 @@ choice! {
 }
 
 choice! {
+    /// `system.pipeline_schedule`: the order in which a pipeline rank runs the forward and
+    /// backward passes of its stages' micro-batches (`dist/pipeline/schedule.rs`).
+    PipelineSchedule {
+        /// One stage per rank; after P − 1 − r warm-up forwards, rank r alternates one
+        /// forward and one backward (PipeDream-flush / Megatron's 1F1B).
+        OneFOneB = "1f1b",
+        /// `system.virtual_stages` = V stages per rank, stage v·P + r on rank r (Megatron's
+        /// interleaved 1F1B): the bubble shrinks V times for V times the point-to-point
+        /// messages.
+        Interleaved = "interleaved",
+        /// Two stages per rank in a V (stages r and 2P − 1 − r on rank r) with backward split
+        /// into input and weight gradients, the weight gradients filling the bubble (ZB-V).
+        Zbv = "zbv",
+    }
+}
+
+choice! {
     /// `model.attention_backend`. The aliases are transformers' `attn_implementation` names.
     AttentionBackend {
         /// libtorch's scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).

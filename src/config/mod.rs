@@ -21,9 +21,9 @@ pub use mesh::MeshShape;
 pub use secrets::{Credentials, Secrets};
 pub use types::*;
 pub use validate::{
-    check_backend_device, check_expert_parallel_model, check_ranks, check_tensor_parallel,
-    check_world, prefetch_units, tensor_parallel_splits, world_notes, MIN_SOURCE_SHARE,
-    MLFLOW_EXPERIMENT_MAX, MLFLOW_RUN_NAME_MAX,
+    check_backend_device, check_expert_parallel_model, check_pipeline_layers, check_ranks,
+    check_tensor_parallel, check_trains, check_world, prefetch_units, tensor_parallel_splits,
+    world_notes, MIN_SOURCE_SHARE, MLFLOW_EXPERIMENT_MAX, MLFLOW_RUN_NAME_MAX,
 };
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {

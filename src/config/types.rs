@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::choices::{
     ActivationCheckpointing, Architecture, AttentionBackend, DeviceChoice, DistBackendChoice,
     DtypeChoice, FaultChoice, GuardPolicy, MemoryCheck, MuonAdjust, OomPhase, OptimizerChoice,
-    ReduceDtype, ZeroStage,
+    PipelineSchedule, ReduceDtype, ZeroStage,
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -132,6 +132,9 @@ pub struct SystemConfig {
     pub sequence_parallel: bool,
     pub context_parallel: usize,
     pub expert_parallel: usize,
+    pub pipeline_parallel: usize,
+    pub pipeline_schedule: PipelineSchedule,
+    pub virtual_stages: usize,
     pub reduce_dtype: ReduceDtype,
     pub prefetch_units: usize,
     pub overlap_comm: bool,

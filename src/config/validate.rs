@@ -10,6 +10,7 @@ pub fn check(c: &Config) -> Result<(), ConfigError> {
     check_shape(c, &mut bad);
     check_tensor_parallel_static(c, &mut bad);
     check_expert_parallel_static(c, &mut bad);
+    check_pipeline_static(c, &mut bad);
     check_ranges(c, &mut bad);
     check_system(c, &mut bad);
     check_sources(c, &mut bad);
@@ -472,6 +473,40 @@ fn nearest_divisor(n: usize, want: usize) -> usize {
 /// ranks, and sharding below all of them needs a stage that shards. Returns the shard degree
 /// (the ranks that shard one copy of the state; 0 = all).
 pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
+    let pp = c.system.pipeline_parallel.max(1);
+    if !world.is_multiple_of(pp) {
+        let valid: Vec<String> = (1..=world)
+            .filter(|p| world.is_multiple_of(*p))
+            .map(|p| p.to_string())
+            .collect();
+        return Err(ConfigError(format!(
+            "system.pipeline_parallel = {pp}: must divide the number of ranks, {world}; valid \
+             here: {}",
+            valid.join(", ")
+        )));
+    }
+    // Everything else is the mesh of one pipeline stage: the ranks over P.
+    check_stage_world(c, world / pp).map_err(|e| match pp {
+        1 => e,
+        _ => ConfigError(format!(
+            "{} (per pipeline stage: the {world} ranks over system.pipeline_parallel = {pp} \
+             are {} ranks)",
+            e.0,
+            world / pp
+        )),
+    })
+}
+
+/// The mesh of one pipeline stage of `world` ranks.
+fn stage_mesh(c: &Config, world: usize) -> super::MeshShape {
+    super::MeshShape {
+        pipeline: 1,
+        ..super::MeshShape::of(c, world)
+    }
+}
+
+/// [`check_world`] of the `world` ranks of one pipeline stage.
+fn check_stage_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
     let tp = c.system.tensor_parallel.max(1);
     if !world.is_multiple_of(tp) {
         let valid: Vec<String> = (1..=world)
@@ -487,7 +522,7 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
     check_expert_parallel(c, world)?;
     // The replicas: the ranks that hold the same parameters (data × context), which the state
     // is sharded over.
-    let mesh = super::MeshShape::of(c, world);
+    let mesh = stage_mesh(c, world);
     let replicas = mesh.replicas();
     let degree = match c.system.shard_degree {
         0 => replicas,
@@ -527,11 +562,93 @@ pub fn check_world(c: &Config, world: usize) -> Result<usize, ConfigError> {
     Ok(degree)
 }
 
+/// The pipeline's keys together: `system.virtual_stages` only with the interleaved schedule
+/// (and at least 2 there), the interleaved schedule's micro-batches in groups of P, and no more
+/// stages than `model.num_layers` (a `model.model_path` model's layers are checked with its
+/// config.json, [`check_pipeline_layers`]).
+fn check_pipeline_static(c: &Config, bad: &mut impl FnMut(String)) {
+    use super::PipelineSchedule;
+    let s = &c.system;
+    let (pp, v) = (s.pipeline_parallel.max(1), s.virtual_stages.max(1));
+    match s.pipeline_schedule {
+        PipelineSchedule::Interleaved if v < 2 => bad(format!(
+            "system.pipeline_schedule = interleaved puts system.virtual_stages stages on every \
+             pipeline rank, and system.virtual_stages = {v}; set it to 2 or more (e.g. 2), or \
+             system.pipeline_schedule = \"1f1b\""
+        )),
+        PipelineSchedule::Interleaved => {
+            let m = c.training.grad_accum_nums;
+            if !m.is_multiple_of(pp) {
+                bad(format!(
+                    "system.pipeline_schedule = interleaved takes a step's micro-batches in \
+                     groups of system.pipeline_parallel = {pp}, and training.grad_accum_nums = \
+                     {m} is not a multiple of {pp}; use {} (or {}), or system.pipeline_schedule \
+                     = \"1f1b\"",
+                    m.next_multiple_of(pp),
+                    (m / pp * pp).max(pp),
+                ))
+            }
+        }
+        other if v > 1 => bad(format!(
+            "system.virtual_stages = {v} is for system.pipeline_schedule = interleaved, and the \
+             schedule is {other}{}; set system.virtual_stages = 1, or system.pipeline_schedule \
+             = \"interleaved\"",
+            if other == PipelineSchedule::Zbv {
+                " (which always puts two stages on every rank, in a V)"
+            } else {
+                ""
+            }
+        )),
+        _ => {}
+    }
+    if c.model.model_path.is_none() {
+        if let Err(e) = check_pipeline_layers(c, c.model.num_layers, "model.num_layers") {
+            bad(e.0);
+        }
+    }
+}
+
+/// The pipeline's stages against a model of `layers` decoder layers (`source` names where that
+/// number comes from): every stage needs one.
+pub fn check_pipeline_layers(c: &Config, layers: usize, source: &str) -> Result<(), ConfigError> {
+    let pipe = crate::dist::pipeline::Pipeline::of(c);
+    let (pp, stages) = (pipe.ranks, pipe.stages());
+    if stages <= layers || pp == 1 {
+        return Ok(());
+    }
+    let per_rank = match c.system.pipeline_schedule {
+        super::PipelineSchedule::OneFOneB => String::new(),
+        super::PipelineSchedule::Interleaved => {
+            format!(" × system.virtual_stages = {}", pipe.per_rank)
+        }
+        super::PipelineSchedule::Zbv => " × 2 (zbv puts two on every rank)".to_string(),
+    };
+    Err(ConfigError(format!(
+        "system.pipeline_parallel = {pp}{per_rank} = {stages} pipeline stages, and the model has \
+         {layers} decoder layers ({source}): every stage needs at least one; use at most {} \
+         pipeline ranks here, or fewer stages per rank",
+        (layers / pipe.per_rank).max(1)
+    )))
+}
+
+/// `train` with a setting only `lockstep plan` models yet: pipeline stages.
+pub fn check_trains(c: &Config) -> Result<(), ConfigError> {
+    let pp = c.system.pipeline_parallel;
+    if pp > 1 {
+        return Err(ConfigError(format!(
+            "system.pipeline_parallel = {pp}: `lockstep plan` models pipeline stages, and \
+             training with them is not built yet; set system.pipeline_parallel = 1 (tensor, \
+             context and data parallelism with zero_stage 3 cover what fits without it)"
+        )));
+    }
+    Ok(())
+}
+
 /// `system.expert_parallel` = E against the ranks: E divides the replicas (the data × context
 /// ranks that hold the same parameters), which it is carved out of.
 fn check_expert_parallel(c: &Config, world: usize) -> Result<(), ConfigError> {
     let ep = c.system.expert_parallel.max(1);
-    let replicas = super::MeshShape::of(c, world).replicas();
+    let replicas = stage_mesh(c, world).replicas();
     let degree = c.system.shard_degree;
     // Hybrid sharding: each expert-parallel group inside one shard group, so that the
     // experts' holders shard their state there as the other parameters are sharded.
@@ -771,6 +888,23 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
             }
         ));
     }
+    let (pp, m) = (s.pipeline_parallel, c.training.grad_accum_nums);
+    if pp > 1 && m < pp {
+        let pipe = crate::dist::pipeline::Pipeline::of(c);
+        notes.push(format!(
+            "training.grad_accum_nums = {m} micro-batches for system.pipeline_parallel = {pp} \
+             stages: each rank idles {:.0}% of the step (the pipeline's bubble); {} or more \
+             micro-batches bring it under {:.0}%",
+            100.0 * bubble_of(&pipe),
+            2 * pp,
+            100.0
+                * bubble_of(&crate::dist::pipeline::Pipeline {
+                    micro_batches: 2 * pp,
+                    ..pipe
+                })
+                + 0.5
+        ));
+    }
     let prefetch = prefetch_units(c, layers);
     if s.zero_stage.shards_parameters() && prefetch < s.prefetch_units {
         notes.push(format!(
@@ -780,6 +914,14 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
         ));
     }
     notes
+}
+
+/// The largest idle share of a rank in `pipe`'s schedule, in the textbook costs.
+fn bubble_of(pipe: &crate::dist::pipeline::Pipeline) -> f64 {
+    use crate::dist::pipeline::{schedule, timeline, Costs};
+    schedule::actions(pipe, &schedule::Durations::UNITS)
+        .and_then(|lists| timeline::run(pipe, &lists, &Costs::units()))
+        .map_or(0.0, |t| t.worst_bubble())
 }
 
 /// Every rule a layout on `world` ranks must pass, on CUDA ranks or not (`runs_on` says which,

@@ -147,6 +147,8 @@ impl Mesh {
     pub fn shape(&self) -> MeshShape {
         MeshShape {
             world: self.world,
+            // Training refuses pipeline stages yet (`config::check_trains`).
+            pipeline: 1,
             tensor: self.tensor,
             context: self.context,
             shard_degree: self.shard,

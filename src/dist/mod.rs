@@ -38,6 +38,7 @@ pub mod mesh;
 pub mod nccl;
 pub mod overlap;
 pub mod owners;
+pub mod pipeline;
 pub mod place;
 pub mod ring;
 pub mod single_rank;

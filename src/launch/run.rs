@@ -97,6 +97,7 @@ pub fn run(la: &LaunchArgs, resolved: &Resolved, opts: &RunOptions) -> Result<i3
         matches!(plan.devices, Devices::Gpus(_)),
         "lockstep run starts CPU workers (--cpu, or no GPU found)",
     )?;
+    crate::config::check_trains(&resolved.config)?;
     let rendezvous = preflight(&plan)?;
     let master_port = rendezvous.port();
     if plan.node.node_rank == 0 {

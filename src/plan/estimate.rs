@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::memory::{self, Memory};
+use super::pipeline::PipelinePlan;
 use super::setting::{Layout, Setting};
 use super::step::StepTime;
 
@@ -19,12 +20,19 @@ pub struct Estimate {
     pub time: StepTime,
     /// Scaling efficiency among the setting's ranks: computation over the step.
     pub efficiency: f64,
+    /// With pipeline stages: each rank's memory, the bubble and the sends (`pipeline.rs`;
+    /// `memory` is then the rank with the most).
+    pub pipeline: Option<PipelinePlan>,
 }
 
 pub fn estimate(s: &Setting, l: &Layout) -> Estimate {
-    let memory = memory::estimate(s, l);
+    let (memory, time, pipeline) = if s.pipeline_parallel > 1 {
+        let run = super::pipeline::run(s, l, s.world);
+        (run.memory, run.time, Some(run.plan))
+    } else {
+        (memory::estimate(s, l), StepTime::of(s, l, s.world), None)
+    };
     let total = memory.total();
-    let time = StepTime::of(s, l, s.world);
     Estimate {
         layout: *l,
         memory,
@@ -33,5 +41,6 @@ pub fn estimate(s: &Setting, l: &Layout) -> Estimate {
         step_seconds: time.total(),
         time,
         efficiency: time.efficiency(),
+        pipeline,
     }
 }

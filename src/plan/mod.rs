@@ -69,6 +69,7 @@ mod estimate;
 pub mod expert;
 pub mod memory;
 pub mod muon;
+pub mod pipeline;
 pub mod report;
 mod setting;
 pub mod start;
@@ -82,7 +83,7 @@ pub use advice::Change;
 pub use device::{bf16_compute, Device};
 pub use estimate::{estimate, Estimate};
 pub use memory::{gb, Memory};
-pub use setting::{Layout, Setting, Target};
+pub use setting::{Holds, Layout, Setting, Target};
 pub use step::{compute_seconds, flops_per_token, Flops, StepTime};
 
 /// The model's shape without preparing data: from `model.model_path`'s config.json, else from

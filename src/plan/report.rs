@@ -13,6 +13,7 @@ use super::context;
 use super::estimate::{estimate, Estimate};
 use super::expert;
 use super::memory::{self, gb, Part, PeakPhase};
+use super::pipeline;
 use super::setting::{Layout, Setting};
 use super::step::{flops_per_token, scaling, Flops, Scaling};
 use super::tensor::{self, Link};
@@ -27,8 +28,12 @@ pub struct Report {
     pub model: ModelSummary,
     pub device: super::Device,
     pub compute_dtype: &'static str,
-    /// Ranks in all: `data_parallel_ranks` × `context_parallel` × `tensor_parallel`.
+    /// Ranks in all: `pipeline_parallel` × `data_parallel_ranks` × `context_parallel` ×
+    /// `tensor_parallel`.
     pub ranks: usize,
+    /// `system.pipeline_parallel` (P; the configured layout's pipeline is
+    /// `configured.pipeline`).
+    pub pipeline_parallel: usize,
     /// The mesh: ranks per TP group (`system.tensor_parallel`), per CP group
     /// (`system.context_parallel`), data-parallel ranks (each with its own samples), and whether
     /// sequence parallelism is in effect.
@@ -204,6 +209,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         device: s.device,
         compute_dtype: if s.bf16 { "bf16" } else { "fp32" },
         ranks: s.world,
+        pipeline_parallel: s.pipeline_parallel,
         tensor_parallel: s.tensor_parallel,
         context_parallel: s.context_parallel,
         data_parallel_ranks: s.data_ranks(s.world),
@@ -219,9 +225,13 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         mfu: s.mfu,
         step_seconds: configured.step_seconds,
         tokens_per_second: tokens
-            / ((s.tensor_parallel * s.context_parallel) as f64 * configured.step_seconds),
+            / ((s.pipeline_parallel * s.tensor_parallel * s.context_parallel) as f64
+                * configured.step_seconds),
         tokens_per_second_total: tokens * s.data_ranks(s.world) as f64 / configured.step_seconds,
-        comm_bytes_per_step: ZeroStage::ALL.map(|z| comm::bytes_per_step(s, l, z, s.world)),
+        comm_bytes_per_step: ZeroStage::ALL.map(|zero_stage| match s.pipeline_parallel {
+            1 => comm::bytes_per_step(s, l, zero_stage, s.world),
+            _ => pipeline::run(s, &Layout { zero_stage, ..*l }, s.world).data_parallel_bytes,
+        }),
         tensor_parallel_bytes_per_step: tensor::bytes_per_step(s, l),
         tensor_parallel_link: tensor::link(s),
         tensor_parallel_bandwidth: tensor::bandwidth(s),
@@ -241,10 +251,15 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         scaling: SCALING_RANKS
             .iter()
             .filter(|&&n| {
-                n.is_multiple_of(s.tensor_parallel * s.context_parallel)
-                    && (n / s.tensor_parallel).is_multiple_of(s.expert_parallel)
+                let stage = n / s.pipeline_parallel;
+                n.is_multiple_of(s.pipeline_parallel)
+                    && stage.is_multiple_of(s.tensor_parallel * s.context_parallel)
+                    && (stage / s.tensor_parallel).is_multiple_of(s.expert_parallel)
             })
-            .map(|&n| scaling(s, l, n))
+            .map(|&n| match s.pipeline_parallel {
+                1 => scaling(s, l, n),
+                _ => pipeline::scaling(s, l, n),
+            })
             .collect(),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
         downstream: None,
@@ -421,14 +436,20 @@ fn activations_text(s: &Setting, l: &Layout) -> String {
     let t = s.tensor_parallel;
     let c = s.context_parallel;
     format!(
-        "{}, {} layers × {} tokens{}{}",
+        "{}, {} × {} tokens{}{}",
         match l.activation_checkpointing {
             ActivationCheckpointing::None => "no checkpointing: every saved tensor",
             ActivationCheckpointing::Full => "full: layer inputs + one layer recomputed",
             ActivationCheckpointing::Selective =>
                 "selective: attention halves + one MLP recomputed",
         },
-        s.shape.num_layers,
+        match s.holds.kept_layers {
+            None => format!("{} layers", s.shape.num_layers),
+            Some(k) => format!(
+                "{k:.0} layer-micro-batches (the schedule's in flight on the rank's {} layers)",
+                s.shape.num_layers
+            ),
+        },
         l.batch * s.tokens_per_sequence(),
         if c > 1 {
             format!(" (1/{c} of each sequence: context parallel)")
@@ -785,9 +806,22 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
 /// The configured layout's per-rank peak, row by row, against the budget.
 fn memory_text(o: &mut String, r: &Report, s: &Setting) {
     let l = &r.configured.layout;
+    // With pipeline stages the breakdown is the rank with the most, described as its setting.
+    let peak_rank = r
+        .configured
+        .pipeline
+        .as_ref()
+        .map(|p| pipeline::peak_rank(s, l, p));
+    let (whose, s) = match &peak_rank {
+        Some((rank, one)) => (
+            format!(" of pipeline rank {rank}, the one with the most"),
+            one,
+        ),
+        None => (String::new(), s),
+    };
     let _ = writeln!(
         o,
-        "\nPer-rank peak memory ({}):",
+        "\nPer-rank peak memory{whose} ({}):",
         match r.configured.memory.peak_during {
             PeakPhase::LmHead => "during a micro-batch's backward, at an LM-head chunk".to_string(),
             PeakPhase::DecoderBackward => {
@@ -854,6 +888,7 @@ fn layouts_text(o: &mut String, r: &Report, _s: &Setting) {
 /// FLOPs and step time, communication per step, and scaling.
 fn compute_text(o: &mut String, r: &Report, _s: &Setting) {
     step_text(o, r);
+    pipeline_text(o, r);
     communication_text(o, r);
     muon_text(o, r);
     scaling_text(o, r);
@@ -886,6 +921,16 @@ fn step_text(o: &mut String, r: &Report) {
             time.expert_parallel_seconds,
         ),
         ("Muon", r.muon.is_some(), time.muon_seconds),
+        (
+            "pipeline bubble",
+            r.pipeline_parallel > 1,
+            time.pipeline_bubble_seconds,
+        ),
+        (
+            "point-to-point",
+            r.pipeline_parallel > 1,
+            time.pipeline_p2p_seconds,
+        ),
     ]
     .into_iter()
     .filter(|(_, on, _)| *on)
@@ -920,6 +965,46 @@ fn step_text(o: &mut String, r: &Report) {
         r.tokens_per_second,
         r.tokens_per_second_total
     );
+}
+
+/// The pipeline's line: its stages, each rank's memory, the bubble and the sends.
+fn pipeline_text(o: &mut String, r: &Report) {
+    let Some(p) = &r.configured.pipeline else {
+        return;
+    };
+    let per_rank = match p.stages_per_rank {
+        1 => String::new(),
+        v => format!(", {v} stages per rank"),
+    };
+    let layers: Vec<String> = p.stage_layers.iter().map(|n| n.to_string()).collect();
+    let memory: Vec<String> = (0..p.ranks)
+        .map(|i| format!("{:.2} ({})", p.rank_bytes[i] / 1e9, p.rank_in_flight[i]))
+        .collect();
+    let time = &r.configured.time;
+    let _ = writeln!(
+        o,
+        "Pipeline: {} ranks, {}{per_rank}, {} micro-batches per step; decoder layers per stage: {}; \
+         GB per rank (micro-batch-stages of activations at its peak): {}; bubble {:.1}% of a \
+         rank's step ({:.3} s); {} per activation between stages, {} sent per step by the \
+         busiest rank over {} at {:.0} GB/s ({:.3} s on the critical path)",
+        p.ranks,
+        p.schedule,
+        p.micro_batches,
+        layers.join(" "),
+        memory.join(", "),
+        p.bubble * 100.0,
+        time.pipeline_bubble_seconds,
+        mb(p.message_bytes),
+        gb(p.bytes_per_step),
+        p.link.describe(),
+        p.bandwidth / 1e9,
+        time.pipeline_p2p_seconds
+    );
+}
+
+/// Bytes as MB with one decimal.
+fn mb(bytes: f64) -> String {
+    format!("{:.1} MB", bytes / 1e6)
 }
 
 /// The data-parallel traffic per zero stage, and the tensor- and context-parallel traffic.

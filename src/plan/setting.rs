@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use super::budget;
 use super::device::{bf16_compute, Device};
-use crate::config::{Config, ZeroStage};
+use crate::config::{Config, PipelineSchedule, ZeroStage};
 use crate::model::{ActivationCheckpointing, LlamaShape, Parameters};
 
 /// The fixed facts of a run: model, context, precision, device and ranks.
@@ -18,8 +18,8 @@ pub struct Setting {
     /// bf16 matmuls (master weights and moments stay fp32).
     pub bf16: bool,
     pub device: Device,
-    /// Ranks in all (GPUs, or CPU processes): the data-parallel ranks × `context_parallel` ×
-    /// `tensor_parallel`.
+    /// Ranks in all (GPUs, or CPU processes): `pipeline_parallel` × the data-parallel ranks ×
+    /// `context_parallel` × `tensor_parallel`.
     pub world: usize,
     /// `system.tensor_parallel`: ranks that split every layer between them (T, innermost in the
     /// mesh).
@@ -66,6 +66,36 @@ pub struct Setting {
     pub storage_bw: f64,
     /// `training.optimizer = muon`: its Newton–Schulz steps (`plan/muon.rs`); None with AdamW.
     pub muon: Option<usize>,
+    /// `system.pipeline_parallel` (P, the outermost dimension of the mesh), its schedule and
+    /// `system.virtual_stages` (`plan/pipeline.rs`).
+    pub pipeline_parallel: usize,
+    pub pipeline_schedule: PipelineSchedule,
+    pub virtual_stages: usize,
+    /// What each rank holds of the model: all of it, or one pipeline rank's stages.
+    pub holds: Holds,
+}
+
+/// What a rank holds of the model beyond its decoder layers (`shape.num_layers` of them), and
+/// the activations it keeps at its peak. The whole model for a setting without pipeline
+/// stages; one pipeline rank's share in the settings `plan/pipeline.rs` makes of its ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Holds {
+    /// The embedding (the first stage's).
+    pub embedding: bool,
+    /// The final norm, the LM head and the loss (the last stage's).
+    pub head: bool,
+    /// Decoder-layer activations kept at the peak, in layers × micro-batches: one micro-batch
+    /// of every layer without a pipeline (None), the schedule's in-flight micro-batches of the
+    /// rank's stages with one.
+    pub kept_layers: Option<f64>,
+}
+
+impl Holds {
+    pub const ALL: Holds = Holds {
+        embedding: true,
+        head: true,
+        kept_layers: None,
+    };
 }
 
 /// What the plan is asked about beyond the config: the device, the ranks and the memory each
@@ -113,10 +143,21 @@ impl Setting {
     fn mesh(&self, world: usize) -> crate::config::MeshShape {
         crate::config::MeshShape {
             world,
+            pipeline: self.pipeline_parallel,
             tensor: self.tensor_parallel,
             context: self.context_parallel,
             shard_degree: self.shard_degree,
         }
+    }
+
+    /// The pipeline of layout `l`: P ranks, the schedule, a step's micro-batches.
+    pub fn pipeline(&self, l: &Layout) -> crate::dist::pipeline::Pipeline {
+        crate::dist::pipeline::Pipeline::new(
+            self.pipeline_parallel,
+            self.pipeline_schedule,
+            self.virtual_stages,
+            l.grad_accum,
+        )
     }
 
     /// Tokens of each sequence on one rank: the context over C.
@@ -163,6 +204,10 @@ impl Setting {
             storage_bw: t.storage_bw,
             muon: (cfg.training.optimizer == crate::config::OptimizerChoice::Muon)
                 .then_some(cfg.training.muon_ns_steps),
+            pipeline_parallel: cfg.system.pipeline_parallel.max(1),
+            pipeline_schedule: cfg.system.pipeline_schedule,
+            virtual_stages: cfg.system.virtual_stages.max(1),
+            holds: Holds::ALL,
         }
     }
 

@@ -17,7 +17,12 @@ pub struct Flops {
 
 pub fn flops_per_token(s: &Setting, l: &Layout) -> Flops {
     let sh = &s.shape;
-    let model = sh.flops_per_token(s.context);
+    // A pipeline rank without the LM head (`Holds`) does none of its 6·V·d per token.
+    let head = match s.holds.head {
+        true => 0.0,
+        false => 6.0 * (sh.vocab_size * sh.hidden_size) as f64,
+    };
+    let model = sh.flops_per_token(s.context) - head;
     // Attention's scores and values span the query heads' width (hidden_size unless head_dim
     // is set apart, as Qwen3's is).
     let d = sh.query_width() as f64;
@@ -45,7 +50,7 @@ pub fn compute_seconds(s: &Setting, l: &Layout) -> f64 {
 }
 
 /// One rank's step among `world` ranks, by what takes the time.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct StepTime {
     /// The rank's FLOPs at the assumed utilisation (`compute_seconds`).
     pub compute_seconds: f64,
@@ -63,11 +68,20 @@ pub struct StepTime {
     /// Muon's Newton–Schulz iterations and their exchanges (`muon.rs`), after the reductions:
     /// on the critical path; 0 with AdamW.
     pub muon_seconds: f64,
+    /// With pipeline stages (`pipeline.rs`): the time a rank of average work waits in the
+    /// schedule's bubble (and for stages with more work than it), and the point-to-point
+    /// sends of activations and their gradients on the critical path. 0 without.
+    pub pipeline_bubble_seconds: f64,
+    pub pipeline_p2p_seconds: f64,
 }
 
 impl StepTime {
     /// The step of layout `l` on one of `world` ranks.
     pub fn of(s: &Setting, l: &Layout, world: usize) -> StepTime {
+        debug_assert_eq!(
+            s.pipeline_parallel, 1,
+            "a pipeline's step is pipeline::run's"
+        );
         StepTime {
             compute_seconds: compute_seconds(s, l),
             data_parallel_seconds: comm::seconds_per_step(s, l, world),
@@ -75,6 +89,8 @@ impl StepTime {
             context_parallel_seconds: context::seconds_per_step(s, l),
             expert_parallel_seconds: expert::seconds_per_step(s, l),
             muon_seconds: muon::cost(s, l.zero_stage, world).map_or(0.0, |m| m.seconds),
+            pipeline_bubble_seconds: 0.0,
+            pipeline_p2p_seconds: 0.0,
         }
     }
 
@@ -83,12 +99,15 @@ impl StepTime {
         self.compute_seconds + self.data_parallel_seconds + self.exposed_seconds()
     }
 
-    /// The TP, CP and EP groups' collectives and Muon's step: on the critical path.
+    /// The TP, CP and EP groups' collectives, Muon's step and the pipeline's bubble and
+    /// sends: on the critical path.
     fn exposed_seconds(&self) -> f64 {
         self.tensor_parallel_seconds
             + self.context_parallel_seconds
             + self.expert_parallel_seconds
             + self.muon_seconds
+            + self.pipeline_bubble_seconds
+            + self.pipeline_p2p_seconds
     }
 
     /// Scaling efficiency: the computation's share of the step.

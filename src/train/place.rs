@@ -29,6 +29,7 @@ impl Rank {
             cfg.system.device
         );
         let degree = check_ranks(cfg, place.world, device.is_cuda(), &runs_on)?;
+        crate::config::check_trains(cfg)?;
         let mesh = Mesh::new(
             place.rank,
             place.world,

@@ -234,6 +234,14 @@ struct Dims {
     /// 1/E is divided among their N/E holders, the same share per rank.
     sharded: f64,
     layers: f64,
+    /// Layers × micro-batches of decoder activations kept at the peak: `layers` without a
+    /// pipeline, the schedule's in-flight micro-batches of the rank's stages with one
+    /// (`Holds::kept_layers`).
+    kept_layers: f64,
+    /// Whether the rank holds the LM head (and its loss) and the embedding: every rank
+    /// without a pipeline, the last and the first stage's with one.
+    head: bool,
+    embedding: bool,
     /// The hidden size (whole on every rank).
     d: f64,
     /// The rank's FFN columns, query width (its heads × head_dim), KV width and heads.
@@ -270,6 +278,9 @@ impl Dims {
             params: share.held(ep),
             sharded: share.parameters,
             layers: sh.num_layers as f64,
+            kept_layers: s.holds.kept_layers.unwrap_or(sh.num_layers as f64),
+            head: s.holds.head,
+            embedding: s.holds.embedding,
             d,
             f: sh.mlp_activation_width() as f64 / t,
             q: sh.num_heads as f64 * hd / t,
@@ -290,6 +301,10 @@ impl Dims {
 
 /// The estimate of one layout: the larger of a step's peak and a checkpoint save's.
 pub fn estimate(s: &Setting, l: &Layout) -> Memory {
+    debug_assert_eq!(
+        s.pipeline_parallel, 1,
+        "a pipeline's memory is pipeline::run's"
+    );
     let step = during_step(s, l);
     let save = at_save(s, l, &step);
     if save.total() > step.total() {
@@ -369,8 +384,8 @@ pub fn during_step(s: &Setting, l: &Layout) -> Memory {
     let p = Phases::of(s, l, &m);
     // The kept activations (and at stage 3 the buffers their graphs hold) live through both
     // the head and the layers' backward; the peak is the larger of the two phases' own buffers.
-    let head_peak =
-        p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.context + p.gathered.layer;
+    let head_peak = m.head
+        && p.head_logits + p.head_temp + p.gathered.head >= p.layer + p.context + p.gathered.layer;
     let activations = p.kept + if head_peak { 0.0 } else { p.layer };
     let gathered_units = p.gathered.held
         + if head_peak {
@@ -489,12 +504,17 @@ impl StepState {
         } else {
             4.0
         };
-        let head_gradient = if s.shape.tie_word_embeddings {
+        let head_gradient = if s.shape.tie_word_embeddings || !m.head {
             0.0
         } else {
             grad_bytes * m.vocab * m.d
         };
-        let largest_unit = (m.attn_params + m.mlp_params).max(m.vocab * m.d);
+        let vocab_unit = if m.head || m.embedding {
+            m.vocab * m.d
+        } else {
+            0.0
+        };
+        let largest_unit = (m.attn_params + m.mlp_params).max(vocab_unit);
         // Gradient accumulation (train/optim/reduce.rs): with several micro-batches a step's
         // earlier ones outlive their backward: in the full fp32 gradients at stages 0 and 1 (and 2
         // with fp32 parameters), which add each micro-batch in place, or in fp32 sums of bf16
@@ -569,9 +589,9 @@ impl Phases {
         // Kept from the forward until the layer's backward (all layers), and what one layer adds
         // while its backward runs (recomputed tensors; the layer input is already kept).
         let (kept, working) = match l.activation_checkpointing {
-            ActivationCheckpointing::None => (m.layers * whole_layer, 0.0),
-            ActivationCheckpointing::Full => (m.layers * input, whole_layer - input),
-            ActivationCheckpointing::Selective => (m.layers * (input + attention), mlp),
+            ActivationCheckpointing::None => (m.kept_layers * whole_layer, 0.0),
+            ActivationCheckpointing::Full => (m.kept_layers * input, whole_layer - input),
+            ActivationCheckpointing::Selective => (m.kept_layers * (input + attention), mlp),
         };
         // bf16 casts of the fp32 weights that autograd keeps until the layer's backward (at
         // stages 1 to 3 the working weights are bf16 already): kept for every layer whose graph
@@ -579,9 +599,9 @@ impl Phases {
         let (casts_kept, casts_working) = if bf16 && stage == ZeroStage::Replicated {
             let (a, f) = (2.0 * m.attn_params, 2.0 * m.mlp_params);
             match l.activation_checkpointing {
-                ActivationCheckpointing::None => (m.layers * (a + f), 0.0),
+                ActivationCheckpointing::None => (m.kept_layers * (a + f), 0.0),
                 ActivationCheckpointing::Full => (0.0, a + f),
-                ActivationCheckpointing::Selective => (m.layers * a, f),
+                ActivationCheckpointing::Selective => (m.kept_layers * a, f),
             }
         } else {
             (0.0, 0.0)
@@ -594,11 +614,15 @@ impl Phases {
         };
         // The final hidden states and their gradient, and one fp32 buffer per chunk (the logits,
         // then their gradient in place), with bf16 also the chunk's bf16 logits and gradient.
-        let head_logits = n * 2.0 * 4.0 * m.d + chunk * m.vocab * if bf16 { 6.0 } else { 4.0 };
+        let head_logits = match m.head {
+            true => n * 2.0 * 4.0 * m.d + chunk * m.vocab * if bf16 { 6.0 } else { 4.0 },
+            false => 0.0,
+        };
         // With bf16: the head weight's bf16 copy (stage 0) and a chunk's bf16 weight gradient
         // before it is added into the fp32 one (fp32 adds it in place). The embedding's dense
         // gradient comes after the head and the layers have freed theirs: not part of the peak.
         let head_temp = match (bf16, stage) {
+            _ if !m.head => 0.0,
             (false, _) => 0.0,
             (true, ZeroStage::Replicated) => 4.0 * m.vocab * m.d,
             (true, _) => 2.0 * m.vocab * m.d,
@@ -681,7 +705,7 @@ fn layer_bytes(s: &Setting, m: &Dims) -> LayerBytes {
             + whole_per_block,
         mlp: norm(2.0) + 4.0 * c * m.f + m.moe + whole_per_block,
         in_flight: 2.0 * 4.0 * m.d / m.seq + (4.0 + c) * m.f + split_gradients,
-        embedded: if split { 4.0 * m.d } else { 0.0 },
+        embedded: if split && m.embedding { 4.0 * m.d } else { 0.0 },
     }
 }
 
@@ -709,9 +733,9 @@ struct Gathered {
 fn gathered_at_stage_3(s: &Setting, l: &Layout, m: &Dims) -> Gathered {
     let c = s.compute_bytes();
     let layer = m.attn_params + m.mlp_params + 2.0 * m.d;
-    let embedding = m.vocab * m.d;
-    let head = m.vocab * m.d;
-    let final_norm = m.d;
+    let embedding = if m.embedding { m.vocab * m.d } else { 0.0 };
+    let head = if m.head { m.vocab * m.d } else { 0.0 };
+    let final_norm = if m.head { m.d } else { 0.0 };
     // The gathers in flight while a unit is in use, with `layers` decoder layers and then the
     // embedding still to come in the backward.
     let ahead = |layers: f64| {
