@@ -540,3 +540,108 @@ fn expert_parallel_degrees_are_checked_with_a_fix() {
         "{e}"
     );
 }
+
+/// The pipeline's keys: each refusal names the key, the value and what is valid, and the
+/// other dimensions are checked on one stage's ranks.
+#[test]
+fn pipeline_keys_are_checked_with_a_fix() {
+    let cfg = |sets: &[&str]| {
+        let mut s = vec!["model.num_layers=8".to_string()];
+        s.extend(sets.iter().map(|x| x.to_string()));
+        resolve(&Sources {
+            sets: s,
+            ..Default::default()
+        })
+    };
+    let err = |sets: &[&str]| cfg(sets).unwrap_err().to_string();
+    let ok = cfg(&["system.pipeline_parallel=4"]).unwrap().config;
+    assert!(check_world(&ok, 8).is_ok());
+    let e = check_world(&ok, 6).unwrap_err().0;
+    assert!(
+        e.contains("system.pipeline_parallel = 4: must divide the number of ranks, 6")
+            && e.contains("valid here: 1, 2, 3, 6"),
+        "{e}"
+    );
+    // The other dimensions on one stage's ranks: 8 ranks over 4 stages are 2.
+    let tp = cfg(&["system.pipeline_parallel=4", "system.tensor_parallel=4"])
+        .unwrap()
+        .config;
+    let e = check_world(&tp, 8).unwrap_err().0;
+    assert!(
+        e.contains("system.tensor_parallel = 4: must divide the number of ranks, 2")
+            && e.contains(
+                "per pipeline stage: the 8 ranks over system.pipeline_parallel = 4 are 2"
+            ),
+        "{e}"
+    );
+    let e = err(&["system.pipeline_parallel=16"]);
+    assert!(
+        e.contains("system.pipeline_parallel = 16 = 16 pipeline stages, and the model has 8")
+            && e.contains("use at most 8 pipeline ranks"),
+        "{e}"
+    );
+    let e = err(&[
+        "system.pipeline_parallel=4",
+        "system.pipeline_schedule=interleaved",
+        "system.virtual_stages=4",
+        "training.grad_accum_nums=4",
+    ]);
+    assert!(
+        e.contains("× system.virtual_stages = 4 = 16 pipeline stages")
+            && e.contains("use at most 2 pipeline ranks here"),
+        "{e}"
+    );
+    let e = err(&["system.pipeline_parallel=2", "system.virtual_stages=2"]);
+    assert!(
+        e.contains("system.virtual_stages = 2 is for system.pipeline_schedule = interleaved, and the schedule is 1f1b"),
+        "{e}"
+    );
+    let e = err(&[
+        "system.pipeline_parallel=2",
+        "system.pipeline_schedule=zbv",
+        "system.virtual_stages=2",
+    ]);
+    assert!(
+        e.contains("(which always puts two stages on every rank, in a V)"),
+        "{e}"
+    );
+    let e = err(&[
+        "system.pipeline_parallel=2",
+        "system.pipeline_schedule=interleaved",
+    ]);
+    assert!(
+        e.contains("system.virtual_stages = 1; set it to 2 or more"),
+        "{e}"
+    );
+    let e = err(&[
+        "system.pipeline_parallel=4",
+        "system.pipeline_schedule=interleaved",
+        "system.virtual_stages=2",
+        "training.grad_accum_nums=6",
+    ]);
+    assert!(
+        e.contains("training.grad_accum_nums = 6 is not a multiple of 4; use 8 (or 4)"),
+        "{e}"
+    );
+    let e = err(&["system.pipeline_schedule=bogus"]);
+    assert!(e.contains("1f1b") && e.contains("zbv"), "{e}");
+    // Fewer micro-batches than stages trains, with the bubble said.
+    let few = cfg(&["system.pipeline_parallel=4", "training.grad_accum_nums=2"])
+        .unwrap()
+        .config;
+    let notes = world_notes(&few, 4, true, 8);
+    assert!(
+        notes.iter().any(|n| n.contains(
+            "training.grad_accum_nums = 2 micro-batches for system.pipeline_parallel = 4 \
+             stages: each rank idles 60% of the step"
+        )),
+        "{notes:?}"
+    );
+    // `train` refuses pipelines until their runtime lands; `plan` takes them.
+    let e = check_trains(&ok).unwrap_err().0;
+    assert!(
+        e.contains("system.pipeline_parallel = 4: `lockstep plan` models"),
+        "{e}"
+    );
+    assert!(check_trains(&cfg(&[]).unwrap().config).is_ok());
+}

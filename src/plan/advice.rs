@@ -31,7 +31,7 @@ use super::device::Device;
 use super::estimate::{estimate, Estimate};
 use super::setting::{Layout, Setting};
 use super::tensor::Link;
-use crate::config::ZeroStage;
+use crate::config::{PipelineSchedule, ZeroStage};
 use crate::model::ActivationCheckpointing;
 
 /// A layout to switch to, and what it would cost.
@@ -301,9 +301,9 @@ fn tensor_degrees(s: &Setting, c: usize) -> Vec<usize> {
                     (sh.num_heads, sh.num_kv_heads, &sh.mlp_widths()),
                 )
                 && s.node_size.is_multiple_of(t)
-                && (s.world / c).is_multiple_of(t)
+                && (s.world / (s.pipeline_parallel * c)).is_multiple_of(t)
                 && (!s.sequence_parallel || (s.context / c).is_multiple_of(t))
-                && (s.world / t).is_multiple_of(s.expert_parallel)
+                && (s.world / (s.pipeline_parallel * t)).is_multiple_of(s.expert_parallel)
         }))
         .collect()
 }
@@ -451,6 +451,140 @@ fn at_expert_degree(
         all_to_all_seconds: super::expert::seconds_per_step(&mesh, &est.layout),
         change,
     })
+}
+
+/// A pipeline layout (`system.pipeline_parallel`, its schedule and virtual stages) with the
+/// cheapest layout of the other knobs that fits with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PipelineOption {
+    pub pipeline_parallel: usize,
+    pub schedule: PipelineSchedule,
+    pub virtual_stages: usize,
+    /// The data-parallel ranks left, and the idle share of the busiest-idle rank.
+    pub data_parallel_ranks: usize,
+    pub bubble: f64,
+    /// The pipeline's `--set`s and the layout's; `slowdown` is against the current layout's
+    /// step (the same tokens in all).
+    pub change: Change,
+}
+
+/// The schedules the pipeline advice tries: 1F1B, interleaved with 2 and 4 stages per rank,
+/// ZB-V.
+const PIPELINE_SCHEDULES: [(PipelineSchedule, usize); 4] = [
+    (PipelineSchedule::OneFOneB, 1),
+    (PipelineSchedule::Interleaved, 2),
+    (PipelineSchedule::Interleaved, 4),
+    (PipelineSchedule::Zbv, 1),
+];
+
+/// Every pipeline layout on GPUs that fits (None elsewhere): each P dividing the ranks over
+/// C·T (powers of two, up to the layers) with each schedule the config checks accept, at the
+/// world's tokens per step (each of the P/P₀ times fewer data-parallel ranks trains P/P₀ times
+/// as many micro-batches), each with its cheapest fitting layout of the other knobs; in the
+/// order of P, then the schedules' order.
+pub fn pipeline_options(s: &Setting, current: &Layout) -> Vec<PipelineOption> {
+    if s.device != Device::Cuda {
+        return Vec::new();
+    }
+    let base = estimate(s, current).step_seconds;
+    // P × D: the ranks over C·T.
+    let ranks = s.world / (s.context_parallel * s.tensor_parallel);
+    let layers = s.shape.num_layers;
+    let mut out = Vec::new();
+    for p in (0..)
+        .map(|k| 1usize << k)
+        .take_while(|&p| p <= ranks.min(layers))
+    {
+        let data = ranks / p;
+        if !ranks.is_multiple_of(p)
+            || !(data * s.context_parallel).is_multiple_of(s.expert_parallel)
+        {
+            continue;
+        }
+        let tokens = current.grad_accum * p;
+        if !tokens.is_multiple_of(s.pipeline_parallel) {
+            continue;
+        }
+        let micro = tokens / s.pipeline_parallel;
+        for (schedule, v) in PIPELINE_SCHEDULES {
+            let per_rank = if schedule == PipelineSchedule::Zbv {
+                2
+            } else {
+                v
+            };
+            let valid = match schedule {
+                _ if p == 1 => schedule == PipelineSchedule::OneFOneB,
+                PipelineSchedule::Interleaved => micro.is_multiple_of(p),
+                _ => true,
+            };
+            if !valid || p * per_rank > layers {
+                continue;
+            }
+            let mesh = Setting {
+                pipeline_parallel: p,
+                pipeline_schedule: schedule,
+                virtual_stages: v,
+                ..s.clone()
+            };
+            let replicas = mesh.replica_ranks(mesh.world);
+            if mesh.shard_degree > 0 && !replicas.is_multiple_of(mesh.shard_degree) {
+                continue;
+            }
+            let from = Layout {
+                zero_stage: ZeroStage::Replicated,
+                activation_checkpointing: ActivationCheckpointing::None,
+                grad_accum: micro,
+                ..*current
+            };
+            let Some((e, cost)) = cheapest(&mesh, &from, current, s.budget) else {
+                continue;
+            };
+            let mut change = Change::to(current, &e, cost, base);
+            let mut keys = vec![format!("system.pipeline_parallel={p}")];
+            if p > 1 {
+                keys.push(format!("system.pipeline_schedule={schedule}"));
+                keys.push(format!("system.virtual_stages={v}"));
+            }
+            change.sets.splice(0..0, keys);
+            out.push(PipelineOption {
+                pipeline_parallel: p,
+                schedule,
+                virtual_stages: v,
+                data_parallel_ranks: data,
+                bubble: e.pipeline.as_ref().map_or(0.0, |pp| pp.bubble),
+                change,
+            });
+        }
+    }
+    out
+}
+
+/// The pipeline layout to propose (see [`pipeline_options`]; None when there is none): when the
+/// configured layout does not fit, or its step is below [`EFFICIENCY_TARGET`], the most
+/// efficient option, if it beats the configured mesh's best fitting layout.
+pub fn pipeline(
+    s: &Setting,
+    current: &Layout,
+    options: &[PipelineOption],
+) -> Option<PipelineOption> {
+    let now = estimate(s, current);
+    if now.fits && now.efficiency >= EFFICIENCY_TARGET {
+        return None;
+    }
+    let here = if now.fits {
+        Some(now.efficiency)
+    } else {
+        cheapest_within(s, current, s.budget).map(|c| c.efficiency)
+    };
+    options
+        .iter()
+        .filter(|o| {
+            (o.pipeline_parallel, o.schedule, o.virtual_stages)
+                != (s.pipeline_parallel, s.pipeline_schedule, s.virtual_stages)
+        })
+        .max_by(|a, b| a.change.efficiency.total_cmp(&b.change.efficiency))
+        .filter(|best| here.is_none_or(|e| best.change.efficiency > e))
+        .cloned()
 }
 
 /// The layout with the least memory of all candidates (what "even the most frugal layout

@@ -137,14 +137,24 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     let m = pipe.micro_batches as f64;
     let stage_world = world / pipe.ranks;
     // Each stage's work for the step: its FLOPs and its groups' collectives.
+    // Stages alike (layers, MoE layers, the embedding, the head) cost alike: each kind once.
+    let cut = pipe.layers(s.shape.num_layers);
+    let last = pipe.stages() - 1;
+    let mut kinds: Vec<((usize, usize, bool, bool), (f64, StepTime))> = Vec::new();
     let stages: Vec<(f64, StepTime)> = (0..pipe.stages())
         .map(|st| {
+            let sparse = cut[st].clone().filter(|&i| s.shape.is_sparse(i)).count();
+            let kind = (cut[st].len(), sparse, st == 0, st == last);
+            if let Some((_, cost)) = kinds.iter().find(|(k, _)| *k == kind) {
+                return *cost;
+            }
             let one = rank_setting(s, &pipe, &[st], world, None);
             let t = StepTime::of(&one, l, stage_world);
             let work = t.compute_seconds
                 + t.tensor_parallel_seconds
                 + t.context_parallel_seconds
                 + t.expert_parallel_seconds;
+            kinds.push((kind, (work, t)));
             (work, t)
         })
         .collect();
@@ -154,7 +164,6 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     // A micro-batch's share of a stage's work, split as the actions' durations are.
     let whole = durations.forward + durations.input + durations.weight;
     let seconds = |a: Action| stages[a.stage].0 / m * durations.of(a.op) / whole;
-    let cut = pipe.layers(s.shape.num_layers);
     let kept = |st: usize| cut[st].len() as f64;
     let lists = schedule::actions(&pipe, &durations).expect("a schedule the config checks accept");
     let time_with = |link_seconds: f64| -> Timeline {
@@ -270,4 +279,167 @@ fn sends_to_another_rank(pipe: &Pipeline, a: &Action) -> bool {
         _ => return false,
     };
     pipe.rank_of(to) != pipe.rank_of(a.stage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::estimate::{estimate, Estimate};
+    use crate::plan::test_setting;
+
+    /// Llama-3.1-8B's dimensions with 8 layers, bf16, on `world` ranks, plus `extra`.
+    fn eight_layers(world: usize, extra: &[&str]) -> (Setting, Layout) {
+        let mut sets = vec!["model.num_layers=8", "model.vocab_size=128256"];
+        sets.extend(extra);
+        test_setting(&sets, world)
+    }
+
+    /// Each pipeline rank holds its stages' layers, the first the embedding and the last the
+    /// final norm and the LM head; tied embeddings put the embedding on both.
+    #[test]
+    fn a_rank_holds_its_stages_and_the_ends_their_extras() {
+        let (s, l) = eight_layers(4, &["system.pipeline_parallel=4"]);
+        let pipe = s.pipeline(&l);
+        let ranks: Vec<Setting> = (0..4)
+            .map(|r| rank_setting(&s, &pipe, &pipe.stages_of(r), 4, None))
+            .collect();
+        let held: usize = ranks.iter().map(|r| r.parameters.count()).sum();
+        assert_eq!(held, s.parameters.count(), "every parameter on one rank");
+        assert!(ranks[0].parameters.contains("model.embed_tokens.weight"));
+        assert!(ranks[0]
+            .parameters
+            .contains("model.layers.1.mlp.up_proj.weight"));
+        assert!(!ranks[0]
+            .parameters
+            .contains("model.layers.2.mlp.up_proj.weight"));
+        assert!(ranks[3].parameters.contains("lm_head.weight"));
+        assert!(ranks[3].parameters.contains("model.norm.weight"));
+        assert!((ranks[0].holds.embedding, ranks[0].holds.head) == (true, false));
+        assert!((ranks[3].holds.embedding, ranks[3].holds.head) == (false, true));
+        assert_eq!((ranks[1].shape.num_layers, ranks[1].world), (2, 1));
+
+        let (tied, l) = eight_layers(
+            4,
+            &[
+                "system.pipeline_parallel=4",
+                "model.tie_word_embeddings=true",
+            ],
+        );
+        let pipe = tied.pipeline(&l);
+        let last = rank_setting(&tied, &pipe, &[3], 4, None);
+        assert!(last.parameters.contains("model.embed_tokens.weight"));
+        // Interleaved: rank 1 of 2 holds stages 1 and 3 of four.
+        let (v, l) = eight_layers(
+            2,
+            &[
+                "system.pipeline_parallel=2",
+                "system.pipeline_schedule=interleaved",
+                "system.virtual_stages=2",
+                "training.grad_accum_nums=2",
+            ],
+        );
+        let pipe = v.pipeline(&l);
+        let one = rank_setting(&v, &pipe, &pipe.stages_of(1), 2, None);
+        assert!(one
+            .parameters
+            .contains("model.layers.2.self_attn.q_proj.weight"));
+        assert!(one
+            .parameters
+            .contains("model.layers.7.self_attn.q_proj.weight"));
+        assert!(!one
+            .parameters
+            .contains("model.layers.4.self_attn.q_proj.weight"));
+        assert!(one.holds.head && !one.holds.embedding);
+    }
+
+    /// 1F1B's first rank keeps P micro-batches of its L/P layers: the layer inputs of one
+    /// micro-batch through the whole model, as one rank without a pipeline keeps; the last
+    /// rank keeps one micro-batch of its layers.
+    #[test]
+    fn one_f_one_b_s_first_rank_keeps_what_the_whole_model_keeps_per_micro_batch() {
+        let full = "training.activation_checkpointing=full";
+        let (one, l1) = eight_layers(1, &[full, "training.grad_accum_nums=8"]);
+        let whole = memory::estimate(&one, &l1);
+        let (s, l) = eight_layers(
+            4,
+            &[
+                full,
+                "training.grad_accum_nums=8",
+                "system.pipeline_parallel=4",
+            ],
+        );
+        let run = run(&s, &l, 4);
+        assert_eq!(run.plan.rank_in_flight, [4, 3, 2, 1]);
+        assert_eq!(run.plan.rank_kept_layers, [8.0, 6.0, 4.0, 2.0]);
+        assert_eq!(run.plan.stage_layers, [2, 2, 2, 2]);
+        let pipe = s.pipeline(&l);
+        let first = rank_setting(&s, &pipe, &[0], 4, Some(8.0));
+        let m = memory::estimate(&first, &l);
+        // The same layer inputs and one layer recomputed; the LM head is the last rank's.
+        assert!((m.activations - whole.activations).abs() < 1e-6 * whole.activations);
+        assert_eq!(m.logits, 0.0);
+        assert!(m.weights < whole.weights / 2.0);
+    }
+
+    /// The plan's bubble falls with the schedules as their definitions say: interleaved and
+    /// ZB-V idle less than 1F1B at the same micro-batches, more micro-batches idle less.
+    #[test]
+    fn interleaving_and_zbv_shorten_the_step_and_more_micro_batches_too() {
+        let step = |extra: &[&str]| {
+            let mut sets = vec!["system.pipeline_parallel=4", "training.grad_accum_nums=8"];
+            sets.extend(extra);
+            let (s, l) = eight_layers(4, &sets);
+            estimate(&s, &l)
+        };
+        let one = step(&[]);
+        let inter = step(&[
+            "system.pipeline_schedule=interleaved",
+            "system.virtual_stages=2",
+        ]);
+        let zbv = step(&["system.pipeline_schedule=zbv"]);
+        let more = step(&["training.grad_accum_nums=32"]);
+        let bubble = |e: &Estimate| e.pipeline.as_ref().unwrap().bubble;
+        assert!(bubble(&inter) < bubble(&one) && bubble(&zbv) < bubble(&one));
+        assert!(bubble(&more) < bubble(&one));
+        for e in [&one, &inter, &zbv] {
+            assert!(e.time.pipeline_bubble_seconds > 0.0, "{:?}", e.time);
+            assert!(e.time.pipeline_p2p_seconds > 0.0);
+            assert!((e.step_seconds - e.time.total()).abs() < 1e-9);
+        }
+        assert!(inter.step_seconds < one.step_seconds && zbv.step_seconds < one.step_seconds);
+    }
+
+    /// The goal, in the plan: Llama-3.1-405B on 512 × 80 GB with 8 pipeline × 8
+    /// tensor-parallel ranks, interleaved, 32 micro-batches of one sequence per data rank,
+    /// zero stage 2, full checkpointing: it fits and reaches 80% (BENCHMARKS.md section 23).
+    #[test]
+    fn llama_405b_fits_512_gpus_at_80_percent_with_8_stages_and_tp_8() {
+        let (s, l) = test_setting(
+            &[
+                "model.num_layers=126",
+                "model.hidden_size=16384",
+                "model.num_attention_heads=128",
+                "model.num_key_value_heads=8",
+                "model.intermediate_size=53248",
+                "model.vocab_size=128256",
+                "training.context_length=8192",
+                "training.batch_size=1",
+                "training.dtype=bf16",
+                "training.activation_checkpointing=full",
+                "training.grad_accum_nums=32",
+                "system.zero_stage=2",
+                "system.tensor_parallel=8",
+                "system.pipeline_parallel=8",
+                "system.pipeline_schedule=interleaved",
+                "system.virtual_stages=4",
+            ],
+            512,
+        );
+        let e = estimate(&s, &l);
+        assert!(e.fits, "{}", e.total_bytes);
+        assert!(e.efficiency >= 0.8, "{}", e.efficiency);
+        let p = e.pipeline.unwrap();
+        assert_eq!(p.stage_layers.len(), 32);
+        assert_eq!(p.stage_layers.iter().sum::<usize>(), 126);
+    }
 }

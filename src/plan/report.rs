@@ -5,7 +5,7 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use super::advice::{
-    self, Change, ContextParallelChange, ExpertParallelChange, TensorParallelChange,
+    self, Change, ContextParallelChange, ExpertParallelChange, PipelineOption, TensorParallelChange,
 };
 use super::checkpoint::{self, Checkpoint};
 use super::comm;
@@ -119,6 +119,10 @@ pub struct Report {
     /// `training.optimizer = muon`: what Muon costs the busiest rank at the configured layout
     /// (`plan/muon.rs`); None with AdamW.
     pub muon: Option<super::muon::MuonCost>,
+    /// On GPUs with a pipeline configured or more ranks than a node: every pipeline layout
+    /// that fits (`advice::pipeline_options`), and the one proposed (`advice::pipeline`).
+    pub pipeline_options: Vec<PipelineOption>,
+    pub pipeline_advice: Option<PipelineOption>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -175,6 +179,12 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     let tensor_parallel_advice = advice::tensor_parallel(s, l);
     let context_parallel_advice = advice::context_parallel(s, l);
     let expert_parallel_advice = advice::expert_parallel(s, l);
+    let pipeline_options = if s.pipeline_parallel > 1 || s.world > s.node_size {
+        advice::pipeline_options(s, l)
+    } else {
+        Vec::new()
+    };
+    let pipeline_advice = advice::pipeline(s, l, &pipeline_options);
     let fits_without_staging = (!fits && configured.memory.staging > 0.0)
         .then(|| {
             let sync = Setting {
@@ -273,6 +283,8 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         context_parallel_advice,
         expert_parallel_advice,
         muon: super::muon::cost(s, l.zero_stage, s.world),
+        pipeline_options,
+        pipeline_advice,
     }
 }
 
@@ -615,6 +627,7 @@ pub fn text(r: &Report, s: &Setting) -> String {
     compute_text(&mut o, r, s);
     checkpoint_text(&mut o, r, s);
     downstream_text(&mut o, r);
+    pipeline_options_text(&mut o, r);
     let _ = writeln!(o);
     if r.fits {
         let _ = writeln!(
@@ -622,11 +635,15 @@ pub fn text(r: &Report, s: &Setting) -> String {
             "Fits: {} of {} per rank.{}",
             gb(r.configured.total_bytes),
             gb(r.budget_bytes),
-            [tensor_parallel_text(r), expert_parallel_text(r)]
-                .into_iter()
-                .flatten()
-                .map(|t| format!(" {t}"))
-                .collect::<String>()
+            [
+                tensor_parallel_text(r),
+                expert_parallel_text(r),
+                pipeline_advice_text(r)
+            ]
+            .into_iter()
+            .flatten()
+            .map(|t| format!(" {t}"))
+            .collect::<String>()
         );
     } else {
         let _ = writeln!(
@@ -735,7 +752,19 @@ fn model_text(o: &mut String, r: &Report, _s: &Setting) {
         (super::Device::Cuda, _) => "GPU",
     };
     let sequence = if r.sequence_parallel { "on" } else { "off" };
+    let p = r.pipeline_parallel;
     let mesh = match (r.context_parallel, r.tensor_parallel) {
+        _ if p > 1 => format!(
+            " = mesh {p} pipeline × {} data-parallel × {} context-parallel × {} tensor-parallel{}",
+            r.data_parallel_ranks,
+            r.context_parallel,
+            r.tensor_parallel,
+            if r.tensor_parallel > 1 {
+                format!(", sequence parallel {sequence}")
+            } else {
+                String::new()
+            }
+        ),
         (1, 1) => String::new(),
         (1, t) => format!(
             " = mesh {t} tensor-parallel × {} data-parallel, sequence parallel {sequence}",
@@ -1002,6 +1031,59 @@ fn pipeline_text(o: &mut String, r: &Report) {
     );
 }
 
+/// Every pipeline layout that fits, one line each.
+fn pipeline_options_text(o: &mut String, r: &Report) {
+    if r.pipeline_options.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "Pipeline layouts that fit (the same tokens per step; each with its cheapest layout of the other knobs):"
+    );
+    let _ = writeln!(
+        o,
+        "  {:>3} {:<12} {:>3} {:>5} {:>10} {:>10} {:>8} {:>11}   layout",
+        "P", "schedule", "V", "data", "GB/rank", "step", "bubble", "efficiency"
+    );
+    for p in &r.pipeline_options {
+        let c = &p.change;
+        let l = &c.layout;
+        let _ = writeln!(
+            o,
+            "  {:>3} {:<12} {:>3} {:>5} {:>10.2} {:>8.2} s {:>7.1}% {:>10.1}%   stage {}, {}, {} × {}",
+            p.pipeline_parallel,
+            p.schedule.name(),
+            p.virtual_stages,
+            p.data_parallel_ranks,
+            c.total_bytes / 1e9,
+            c.step_seconds,
+            p.bubble * 100.0,
+            c.efficiency * 100.0,
+            l.zero_stage,
+            l.activation_checkpointing,
+            l.batch,
+            l.grad_accum
+        );
+    }
+}
+
+/// The pipeline layout proposed, as one sentence.
+fn pipeline_advice_text(r: &Report) -> Option<String> {
+    let p = r.pipeline_advice.as_ref()?;
+    Some(format!(
+        "With pipeline parallelism: {} (mesh {} pipeline × {} data-parallel × {} context-parallel × {} tensor-parallel, the same tokens per step; needs {}, step {} ({:+.0}%), scaling efficiency {:.0}%).",
+        p.change.flags(),
+        p.pipeline_parallel,
+        p.data_parallel_ranks,
+        r.context_parallel,
+        r.tensor_parallel,
+        gb(p.change.total_bytes),
+        secs(p.change.step_seconds),
+        p.change.slowdown * 100.0,
+        p.change.efficiency * 100.0
+    ))
+}
+
 /// Bytes as MB with one decimal.
 fn mb(bytes: f64) -> String {
     format!("{:.1} MB", bytes / 1e6)
@@ -1227,6 +1309,7 @@ pub fn advice_text(r: &Report) -> String {
         tensor_parallel_text(r),
         context_parallel_text(r),
         expert_parallel_text(r),
+        pipeline_advice_text(r),
     ]
     .into_iter()
     .flatten()

@@ -71,9 +71,11 @@ impl Pipeline {
 
     /// The stages `rank` holds, in ascending order.
     pub fn stages_of(&self, rank: usize) -> Vec<usize> {
-        (0..self.stages())
-            .filter(|&s| self.rank_of(s) == rank)
-            .collect()
+        let p = self.ranks;
+        match self.schedule {
+            PipelineSchedule::Zbv => vec![rank, 2 * p - 1 - rank],
+            _ => (0..self.per_rank).map(|v| v * p + rank).collect(),
+        }
     }
 
     /// The decoder layers of each stage, for a model of `layers` (at least one per stage: the
