@@ -1376,3 +1376,84 @@ fn qwen3_30b_a3b_fits_on_8_gpus_at_expert_parallelism_8_and_stage_3() {
         sent(&without)
     );
 }
+
+/// Pipeline parallelism in the plan: Llama-3.1-405B on 512 GPUs at the tensor-parallel
+/// advice's layout lists every pipeline layout that fits and proposes the most efficient;
+/// applied, the plan shows the pipeline rank by rank and fits with what was advertised.
+/// Training with stages is refused (exit 2, before any worker starts) until it runs.
+#[test]
+fn a_pipeline_is_planned_rank_by_rank_and_its_advice_fits_when_applied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = LLAMA_405B.to_vec();
+    args.extend(["--gpus", "512", "--device", "cuda", "--gpu-memory-gb", "80"]);
+    let tp = [
+        "--set",
+        "system.tensor_parallel=8",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.grad_accum_nums=2",
+        "--set",
+        "system.zero_stage=3",
+    ];
+    args.extend(tp);
+    let p = plan_json(tmp.path(), &args);
+    let options = p["pipeline_options"].as_array().unwrap();
+    assert!(options.len() > 8, "{options:?}");
+    let advice = &p["pipeline_advice"];
+    let sets = advised_sets(&advice["change"]);
+    assert!(
+        sets.contains(&"system.pipeline_parallel=8".to_string()),
+        "{sets:?}"
+    );
+    assert!(advice["change"]["efficiency"].as_f64().unwrap() >= 0.8);
+    let q = plan_json(tmp.path(), &with_sets(&args, &sets));
+    assert!(q["fits"].as_bool().unwrap(), "{}", q["configured"]);
+    assert_eq!(
+        q["configured"]["total_bytes"],
+        advice["change"]["total_bytes"]
+    );
+    let pipe = &q["configured"]["pipeline"];
+    assert_eq!(pipe["ranks"], 8);
+    assert_eq!(pipe["rank_bytes"].as_array().unwrap().len(), 8);
+    assert_eq!(
+        pipe["stage_layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .sum::<u64>(),
+        126
+    );
+    let text = plan_text(tmp.path(), &with_sets(&args, &sets));
+    says(
+        &text,
+        &[
+            "= mesh 8 pipeline × 8 data-parallel × 1 context-parallel × 8 tensor-parallel",
+            "Per-rank peak memory of pipeline rank ",
+            "+ pipeline bubble ",
+            "Pipeline: 8 ranks, ",
+            "Pipeline layouts that fit",
+        ],
+    );
+
+    let out = run(
+        tmp.path(),
+        &[
+            "run",
+            "--cpu",
+            "--nproc",
+            "2",
+            "--set",
+            "system.pipeline_parallel=2",
+        ]
+        .map(String::from),
+    );
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    says(
+        &text,
+        &["system.pipeline_parallel = 2: `lockstep plan` models pipeline stages"],
+    );
+    assert!(!text.contains("[CPU0]"), "no worker starts: {text}");
+}

@@ -919,7 +919,7 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
 /// The largest idle share of a rank in `pipe`'s schedule, in the textbook costs.
 fn bubble_of(pipe: &crate::dist::pipeline::Pipeline) -> f64 {
     use crate::dist::pipeline::{schedule, timeline, Costs};
-    schedule::actions(pipe, &schedule::Durations::UNITS)
+    schedule::actions(pipe)
         .and_then(|lists| timeline::run(pipe, &lists, &Costs::units()))
         .map_or(0.0, |t| t.worst_bubble())
 }

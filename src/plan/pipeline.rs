@@ -15,8 +15,8 @@
 //! The step: each stage's work for the step (its FLOPs at the assumed utilisation and its TP,
 //! CP and EP groups' collectives, from the stage's own setting) is cut into micro-batches and
 //! each into a forward, an input gradient and a weight gradient of a third of the model FLOPs
-//! each, the input gradient's with what activation checkpointing recomputes ([`durations`]:
-//! the same figures ZB-V's order is built from); a 1F1B backward is the two together. The
+//! each, the input gradient's with what activation checkpointing recomputes ([`durations`]);
+//! a 1F1B backward is the two together. The
 //! schedule's action lists run on the timeline with the activation's point-to-point time on every edge between ranks.
 //! The step is the timeline's length plus the data-parallel reductions and Muon's step of the
 //! slowest rank (after its last backward, not overlapped). In [`StepTime`], `compute_seconds`
@@ -58,7 +58,8 @@ pub struct PipelinePlan {
     /// Each rank's kept activations at its peak, in decoder layers × micro-batches
     /// (`Holds::kept_layers`).
     pub rank_kept_layers: Vec<f64>,
-    /// The largest idle share of a rank in the schedule (without the sends' time).
+    /// The share of the pipeline's time (without the sends) a rank of average work waits:
+    /// the schedule's bubble and the stages with more work than the average.
     pub bubble: f64,
     /// One activation (or its gradient) between stages, in bytes; the bytes the busiest rank
     /// sends per step; the link and its bandwidth.
@@ -67,6 +68,10 @@ pub struct PipelinePlan {
     pub link: Link,
     pub bandwidth: f64,
 }
+
+/// What makes two stages cost alike: decoder layers, MoE layers among them, the embedding,
+/// the LM head.
+type StageKind = (usize, usize, bool, bool);
 
 /// One layout's pipeline: the plan's figures, the step's time and the peak rank's memory.
 pub struct Run {
@@ -140,7 +145,7 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     // Stages alike (layers, MoE layers, the embedding, the head) cost alike: each kind once.
     let cut = pipe.layers(s.shape.num_layers);
     let last = pipe.stages() - 1;
-    let mut kinds: Vec<((usize, usize, bool, bool), (f64, StepTime))> = Vec::new();
+    let mut kinds: Vec<(StageKind, (f64, StepTime))> = Vec::new();
     let stages: Vec<(f64, StepTime)> = (0..pipe.stages())
         .map(|st| {
             let sparse = cut[st].clone().filter(|&i| s.shape.is_sparse(i)).count();
@@ -165,7 +170,7 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     let whole = durations.forward + durations.input + durations.weight;
     let seconds = |a: Action| stages[a.stage].0 / m * durations.of(a.op) / whole;
     let kept = |st: usize| cut[st].len() as f64;
-    let lists = schedule::actions(&pipe, &durations).expect("a schedule the config checks accept");
+    let lists = schedule::actions(&pipe).expect("a schedule the config checks accept");
     let time_with = |link_seconds: f64| -> Timeline {
         let costs = Costs {
             seconds: &seconds,
@@ -232,7 +237,7 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
             rank_bytes,
             rank_in_flight: sent.peak_in_flight.clone(),
             rank_kept_layers: sent.peak_kept.clone(),
-            bubble: idle.worst_bubble(),
+            bubble: time.pipeline_bubble_seconds / idle.makespan,
             message_bytes: bytes,
             bytes_per_step: sends as f64 * bytes,
             link,

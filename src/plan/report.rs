@@ -1013,8 +1013,8 @@ fn pipeline_text(o: &mut String, r: &Report) {
     let _ = writeln!(
         o,
         "Pipeline: {} ranks, {}{per_rank}, {} micro-batches per step; decoder layers per stage: {}; \
-         GB per rank (micro-batch-stages of activations at its peak): {}; bubble {:.1}% of a \
-         rank's step ({:.3} s); {} per activation between stages, {} sent per step by the \
+         GB per rank (micro-batch-stages of activations at its peak): {}; an average rank idles \
+         {:.1}% of the pipeline's time ({:.3} s: the bubble, and stages with more work); {} per activation between stages, {} sent per step by the \
          busiest rank over {} at {:.0} GB/s ({:.3} s on the critical path)",
         p.ranks,
         p.schedule,
