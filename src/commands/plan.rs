@@ -102,6 +102,11 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
         (shape.num_heads, shape.num_kv_heads, &shape.mlp_widths()),
         "the model (model.model_path's config.json)",
     )?;
+    crate::config::check_pipeline_layers(
+        cfg,
+        shape.num_layers,
+        "the model (model.model_path's config.json)",
+    )?;
     let setting = Setting::new(
         cfg,
         shape,
@@ -117,12 +122,13 @@ pub fn run(resolved: &Resolved, args: &PlanArgs) -> Result<()> {
     let layout = Layout::from_config(cfg);
     let mut r = report::build(&setting, &layout);
     r.downstream = downstream(cfg, &setting, r.step_seconds)?;
-    let notes = crate::config::world_notes(
+    let mut notes = crate::config::world_notes(
         cfg,
         world,
         device == plan::Device::Cuda,
         setting.shape.num_layers,
     );
+    notes.extend(plan::pipeline::micro_batch_note(&setting, &layout));
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {

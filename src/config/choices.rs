@@ -148,6 +148,18 @@ choice! {
     }
 }
 
+impl PipelineSchedule {
+    /// Stages each pipeline rank holds: 1 with `1f1b`, `virtual_stages` with `interleaved`, 2
+    /// with `zbv`.
+    pub fn stages_per_rank(self, virtual_stages: usize) -> usize {
+        match self {
+            PipelineSchedule::OneFOneB => 1,
+            PipelineSchedule::Interleaved => virtual_stages.max(1),
+            PipelineSchedule::Zbv => 2,
+        }
+    }
+}
+
 choice! {
     /// `model.attention_backend`. The aliases are transformers' `attn_implementation` names.
     AttentionBackend {

@@ -625,18 +625,6 @@ fn pipeline_keys_are_checked_with_a_fix() {
     );
     let e = err(&["system.pipeline_schedule=bogus"]);
     assert!(e.contains("1f1b") && e.contains("zbv"), "{e}");
-    // Fewer micro-batches than stages trains, with the bubble said.
-    let few = cfg(&["system.pipeline_parallel=4", "training.grad_accum_nums=2"])
-        .unwrap()
-        .config;
-    let notes = world_notes(&few, 4, true, 8);
-    assert!(
-        notes.iter().any(|n| n.contains(
-            "training.grad_accum_nums = 2 micro-batches for system.pipeline_parallel = 4 \
-             stages: each rank idles 60% of the step"
-        )),
-        "{notes:?}"
-    );
     // `train` refuses pipelines until their runtime lands; `plan` takes them.
     let e = check_trains(&ok).unwrap_err().0;
     assert!(

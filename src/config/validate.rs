@@ -611,23 +611,23 @@ fn check_pipeline_static(c: &Config, bad: &mut impl FnMut(String)) {
 /// The pipeline's stages against a model of `layers` decoder layers (`source` names where that
 /// number comes from): every stage needs one.
 pub fn check_pipeline_layers(c: &Config, layers: usize, source: &str) -> Result<(), ConfigError> {
-    let pipe = crate::dist::pipeline::Pipeline::of(c);
-    let (pp, stages) = (pipe.ranks, pipe.stages());
+    let s = &c.system;
+    let pp = s.pipeline_parallel.max(1);
+    let each = s.pipeline_schedule.stages_per_rank(s.virtual_stages);
+    let stages = pp * each;
     if stages <= layers || pp == 1 {
         return Ok(());
     }
-    let per_rank = match c.system.pipeline_schedule {
+    let per_rank = match s.pipeline_schedule {
         super::PipelineSchedule::OneFOneB => String::new(),
-        super::PipelineSchedule::Interleaved => {
-            format!(" × system.virtual_stages = {}", pipe.per_rank)
-        }
+        super::PipelineSchedule::Interleaved => format!(" × system.virtual_stages = {each}"),
         super::PipelineSchedule::Zbv => " × 2 (zbv puts two on every rank)".to_string(),
     };
     Err(ConfigError(format!(
         "system.pipeline_parallel = {pp}{per_rank} = {stages} pipeline stages, and the model has \
          {layers} decoder layers ({source}): every stage needs at least one; use at most {} \
          pipeline ranks here, or fewer stages per rank",
-        (layers / pipe.per_rank).max(1)
+        (layers / each).max(1)
     )))
 }
 
@@ -888,23 +888,6 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
             }
         ));
     }
-    let (pp, m) = (s.pipeline_parallel, c.training.grad_accum_nums);
-    if pp > 1 && m < pp {
-        let pipe = crate::dist::pipeline::Pipeline::of(c);
-        notes.push(format!(
-            "training.grad_accum_nums = {m} micro-batches for system.pipeline_parallel = {pp} \
-             stages: each rank idles {:.0}% of the step (the pipeline's bubble); {} or more \
-             micro-batches bring it under {:.0}%",
-            100.0 * bubble_of(&pipe),
-            2 * pp,
-            100.0
-                * bubble_of(&crate::dist::pipeline::Pipeline {
-                    micro_batches: 2 * pp,
-                    ..pipe
-                })
-                + 0.5
-        ));
-    }
     let prefetch = prefetch_units(c, layers);
     if s.zero_stage.shards_parameters() && prefetch < s.prefetch_units {
         notes.push(format!(
@@ -914,14 +897,6 @@ pub fn world_notes(c: &Config, world: usize, cuda: bool, layers: usize) -> Vec<S
         ));
     }
     notes
-}
-
-/// The largest idle share of a rank in `pipe`'s schedule, in the textbook costs.
-fn bubble_of(pipe: &crate::dist::pipeline::Pipeline) -> f64 {
-    use crate::dist::pipeline::{schedule, timeline, Costs};
-    schedule::actions(pipe)
-        .and_then(|lists| timeline::run(pipe, &lists, &Costs::units()))
-        .map_or(0.0, |t| t.worst_bubble())
 }
 
 /// Every rule a layout on `world` ranks must pass, on CUDA ranks or not (`runs_on` says which,

@@ -16,17 +16,17 @@
 //! CP and EP groups' collectives, from the stage's own setting) is cut into micro-batches and
 //! each into a forward, an input gradient and a weight gradient of a third of the model FLOPs
 //! each, the input gradient's with what activation checkpointing recomputes ([`durations`]);
-//! a 1F1B backward is the two together. The
-//! schedule's action lists run on the timeline with the activation's point-to-point time on every edge between ranks.
-//! The step is the timeline's length plus the data-parallel reductions and Muon's step of the
+//! a 1F1B backward is the two together. The schedule's action lists run on the timeline with
+//! the activation's point-to-point time on every edge between ranks. The step is the timeline's length plus the data-parallel reductions and Muon's step of the
 //! slowest rank (after its last backward, not overlapped). In [`StepTime`], `compute_seconds`
 //! and the groups' collectives are an average rank's; what the timeline adds beyond that work
 //! is `pipeline_bubble_seconds` (the schedule's idle time, and the wait for stages with more
 //! work than the average) and `pipeline_p2p_seconds` (the length the sends add).
 //!
 //! The point-to-point message is one micro-batch's activation (or its gradient) at a stage
-//! boundary: [b, s/C, d] in the compute dtype, divided by T with sequence parallelism (each TP
-//! rank sends its part). A pipeline that spans nodes pays every send at the network's
+//! boundary: the residual stream, [b, s/C, d] in fp32 (its dtype with any compute dtype, so
+//! that a pipeline computes what one rank does), divided by T with sequence parallelism (each
+//! TP rank sends its part). A pipeline that spans nodes pays every send at the network's
 //! bandwidth (a conservative simplification: boundaries inside a node are faster); only the
 //! bandwidth term is counted, as for the collectives.
 
@@ -82,9 +82,9 @@ pub struct Run {
     pub data_parallel_bytes: f64,
 }
 
-/// The setting of pipeline rank `rank` when each rank holds `stages` of `pipe`'s stages
-/// (`layers`: each stage's decoder layers), among `world` ranks in all: its share of the model
-/// on the ranks of one stage, keeping `kept_layers` layers × micro-batches of activations.
+/// The setting of the pipeline rank that holds `stages` of `pipe`'s, among `world` ranks in
+/// all: its share of the model on the ranks of one stage, keeping `kept_layers` layers ×
+/// micro-batches of activations (None: one micro-batch of its layers).
 pub fn rank_setting(
     s: &Setting,
     pipe: &Pipeline,
@@ -126,14 +126,15 @@ pub fn durations(s: &Setting, l: &Layout) -> Durations {
     Durations::recomputing(f.recomputed / (f.model / 3.0))
 }
 
-/// The bytes of one micro-batch's activation at a stage boundary, as one rank sends it.
+/// The bytes of one micro-batch's activation at a stage boundary, as one rank sends it (the
+/// residual stream: fp32).
 fn message_bytes(s: &Setting, l: &Layout) -> f64 {
     let split = if s.splits_sequence() {
         s.tensor_parallel as f64
     } else {
         1.0
     };
-    (l.batch * s.tokens_per_sequence() * s.shape.hidden_size) as f64 * s.compute_bytes() / split
+    (l.batch * s.tokens_per_sequence() * s.shape.hidden_size) as f64 * 4.0 / split
 }
 
 /// The pipeline of layout `l` on `world` ranks.
@@ -247,6 +248,34 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
         memory: peak.expect("a pipeline has a rank"),
         data_parallel_bytes: dp_bytes,
     }
+}
+
+/// A pipeline with fewer micro-batches than stages trains, and most of it waits: the warning
+/// `plan` prints (and `train` will), with the idle share of the schedule's least busy rank in
+/// the textbook costs and what 2P micro-batches would bring it to. None otherwise.
+pub fn micro_batch_note(s: &Setting, l: &Layout) -> Option<String> {
+    let pipe = s.pipeline(l);
+    let (p, m) = (pipe.ranks, pipe.micro_batches);
+    if p == 1 || m >= p {
+        return None;
+    }
+    let bubble = |pipe: &Pipeline| {
+        let lists = schedule::actions(pipe).ok()?;
+        let t = timeline::run(pipe, &lists, &Costs::units()).ok()?;
+        Some(t.worst_bubble())
+    };
+    let more = Pipeline {
+        micro_batches: 2 * p,
+        ..pipe
+    };
+    Some(format!(
+        "training.grad_accum_nums = {m} micro-batches for system.pipeline_parallel = {p} \
+         stages: each rank idles {:.0}% of the step (the pipeline's bubble); {} or more \
+         micro-batches bring it under {:.0}%",
+        100.0 * bubble(&pipe)?,
+        2 * p,
+        100.0 * bubble(&more)? + 0.5
+    ))
 }
 
 /// Weak scaling of a pipeline layout at `world` ranks (`step::scaling`'s figures).
@@ -412,6 +441,29 @@ mod tests {
             assert!((e.step_seconds - e.time.total()).abs() < 1e-9);
         }
         assert!(inter.step_seconds < one.step_seconds && zbv.step_seconds < one.step_seconds);
+    }
+
+    /// Fewer micro-batches than stages trains, with the bubble said.
+    #[test]
+    fn fewer_micro_batches_than_stages_are_warned_of_with_the_bubble() {
+        let (s, l) = eight_layers(
+            4,
+            &["system.pipeline_parallel=4", "training.grad_accum_nums=2"],
+        );
+        let note = micro_batch_note(&s, &l).unwrap();
+        assert!(
+            note.contains(
+                "training.grad_accum_nums = 2 micro-batches for system.pipeline_parallel = 4 \
+                 stages: each rank idles 60% of the step (the pipeline's bubble); 8 or more \
+                 micro-batches bring it under 28%"
+            ),
+            "{note}"
+        );
+        let (s, l) = eight_layers(
+            4,
+            &["system.pipeline_parallel=4", "training.grad_accum_nums=4"],
+        );
+        assert!(micro_batch_note(&s, &l).is_none());
     }
 
     /// The issue's goal, in the plan: Llama-3.1-405B on 512 × 80 GB with 8 pipeline × 8

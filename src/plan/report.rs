@@ -179,12 +179,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
     let tensor_parallel_advice = advice::tensor_parallel(s, l);
     let context_parallel_advice = advice::context_parallel(s, l);
     let expert_parallel_advice = advice::expert_parallel(s, l);
-    let pipeline_options = if s.pipeline_parallel > 1 || s.world > s.node_size {
-        advice::pipeline_options(s, l)
-    } else {
-        Vec::new()
-    };
-    let pipeline_advice = advice::pipeline(s, l, &pipeline_options);
+    let (pipeline_options, pipeline_advice) = pipeline_advice(s, l);
     let fits_without_staging = (!fits && configured.memory.staging > 0.0)
         .then(|| {
             let sync = Setting {
@@ -238,10 +233,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
             / ((s.pipeline_parallel * s.tensor_parallel * s.context_parallel) as f64
                 * configured.step_seconds),
         tokens_per_second_total: tokens * s.data_ranks(s.world) as f64 / configured.step_seconds,
-        comm_bytes_per_step: ZeroStage::ALL.map(|zero_stage| match s.pipeline_parallel {
-            1 => comm::bytes_per_step(s, l, zero_stage, s.world),
-            _ => pipeline::run(s, &Layout { zero_stage, ..*l }, s.world).data_parallel_bytes,
-        }),
+        comm_bytes_per_step: ZeroStage::ALL.map(|zero_stage| data_parallel_bytes(s, l, zero_stage)),
         tensor_parallel_bytes_per_step: tensor::bytes_per_step(s, l),
         tensor_parallel_link: tensor::link(s),
         tensor_parallel_bandwidth: tensor::bandwidth(s),
@@ -258,19 +250,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         intra_node_bandwidth: s.intra_bw,
         inter_node_bandwidth: s.inter_bw,
         node_size: s.node_size,
-        scaling: SCALING_RANKS
-            .iter()
-            .filter(|&&n| {
-                let stage = n / s.pipeline_parallel;
-                n.is_multiple_of(s.pipeline_parallel)
-                    && stage.is_multiple_of(s.tensor_parallel * s.context_parallel)
-                    && (stage / s.tensor_parallel).is_multiple_of(s.expert_parallel)
-            })
-            .map(|&n| match s.pipeline_parallel {
-                1 => scaling(s, l, n),
-                _ => pipeline::scaling(s, l, n),
-            })
-            .collect(),
+        scaling: scaling_rows(s, l),
         checkpoint: checkpoint::build(s, l, configured.step_seconds),
         downstream: None,
         fits_without_staging,
@@ -619,6 +599,43 @@ fn checkpoint_text(o: &mut String, r: &Report, s: &Setting) {
 }
 
 /// The plan as text.
+/// Every pipeline layout that fits and the one proposed (`advice::pipeline_options`): on GPUs
+/// with a pipeline configured or more ranks than a node; none otherwise.
+fn pipeline_advice(s: &Setting, l: &Layout) -> (Vec<PipelineOption>, Option<PipelineOption>) {
+    let options = if s.pipeline_parallel > 1 || s.world > s.node_size {
+        advice::pipeline_options(s, l)
+    } else {
+        Vec::new()
+    };
+    let proposed = advice::pipeline(s, l, &options);
+    (options, proposed)
+}
+
+/// The scaling table's rows: the world sizes of [`SCALING_RANKS`] the mesh divides.
+fn scaling_rows(s: &Setting, l: &Layout) -> Vec<Scaling> {
+    SCALING_RANKS
+        .iter()
+        .filter(|&&n| {
+            let stage = n / s.pipeline_parallel;
+            n.is_multiple_of(s.pipeline_parallel)
+                && stage.is_multiple_of(s.tensor_parallel * s.context_parallel)
+                && (stage / s.tensor_parallel).is_multiple_of(s.expert_parallel)
+        })
+        .map(|&n| match s.pipeline_parallel {
+            1 => scaling(s, l, n),
+            _ => pipeline::scaling(s, l, n),
+        })
+        .collect()
+}
+
+/// Data-parallel bytes one rank sends per step at `zero_stage` (the busiest pipeline rank's).
+fn data_parallel_bytes(s: &Setting, l: &Layout, zero_stage: ZeroStage) -> f64 {
+    match s.pipeline_parallel {
+        1 => comm::bytes_per_step(s, l, zero_stage, s.world),
+        _ => pipeline::run(s, &Layout { zero_stage, ..*l }, s.world).data_parallel_bytes,
+    }
+}
+
 pub fn text(r: &Report, s: &Setting) -> String {
     let mut o = String::new();
     model_text(&mut o, r, s);

@@ -25,14 +25,9 @@ impl Pipeline {
         virtual_stages: usize,
         micro_batches: usize,
     ) -> Pipeline {
-        let per_rank = match schedule {
-            PipelineSchedule::OneFOneB => 1,
-            PipelineSchedule::Interleaved => virtual_stages.max(1),
-            PipelineSchedule::Zbv => 2,
-        };
         Pipeline {
             ranks: ranks.max(1),
-            per_rank,
+            per_rank: schedule.stages_per_rank(virtual_stages),
             schedule,
             micro_batches: micro_batches.max(1),
         }
