@@ -99,12 +99,14 @@ pub struct Checkpoint {
     pub time_lost: Option<f64>,
 }
 
-/// Ranks that write a share of each save: the first shard group of every TP position.
+/// Ranks that write a share of each save: the first shard group of every TP position, in every
+/// pipeline stage.
 pub fn writing_ranks(s: &Setting) -> usize {
     if s.world <= 1 {
         1
     } else {
-        s.shard_ranks(s.world).max(1) * s.tensor_parallel
+        // Each pipeline stage's ranks write its own layers.
+        s.pipeline_parallel * s.shard_ranks(s.world).max(1) * s.tensor_parallel
     }
 }
 
@@ -152,7 +154,9 @@ pub fn gather_seconds(s: &Setting, stage: ZeroStage) -> f64 {
         return 0.0;
     }
     let ring = (shard as f64 - 1.0) / shard as f64;
-    ring * 4.0 * super::tensor::share(s).parameters / comm::data_parallel_bandwidth(s, shard)
+    // A pipeline rank's TP share is about 1/P of the model's.
+    let share = super::tensor::share(s).parameters / s.pipeline_parallel as f64;
+    ring * 4.0 * share / comm::data_parallel_bandwidth(s, shard)
 }
 
 /// Bytes/s a rank copies into its staging buffer.
