@@ -37,8 +37,7 @@ use super::setting::{Holds, Layout, Setting};
 use super::step::{flops_per_token, Scaling, StepTime};
 use super::tensor::Link;
 use super::{comm, muon};
-use crate::dist::pipeline::schedule::Durations;
-use crate::dist::pipeline::{schedule, timeline, Action, Costs, Op, Pipeline, Timeline};
+use crate::dist::pipeline::{schedule, timeline, Action, Costs, Durations, Op, Pipeline, Timeline};
 use crate::model::{GradUnit, Parameters};
 
 /// What the pipeline of one layout does, as the plan reports it.

@@ -1,5 +1,5 @@
-//! Pipeline parallelism's arithmetic, written once for `train` and `plan`: which decoder layers
-//! each stage holds, which rank of the pipeline holds each stage, and the schedules — each
+//! Pipeline parallelism's arithmetic, written once for `plan` and (when the stages' runtime
+//! lands) `train`: which decoder layers each stage holds, which rank of the pipeline holds each stage, and the schedules — each
 //! rank's forward and backward actions as a list ([`schedule`]) that a test prints and checks
 //! and a timeline ([`timeline`]) runs against their dependencies, for the bubble and the
 //! activations each rank keeps.
@@ -26,4 +26,4 @@ pub mod timeline;
 pub use crate::config::PipelineSchedule;
 pub use schedule::{Action, Op};
 pub use stages::Pipeline;
-pub use timeline::{Costs, Timeline};
+pub use timeline::{Costs, Durations, Timeline};

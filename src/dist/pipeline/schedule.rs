@@ -87,44 +87,6 @@ pub fn line(actions: &[Action]) -> String {
     words.join(" ")
 }
 
-/// How long each kind of action takes, relative to one another (what a timeline charges).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Durations {
-    pub forward: f64,
-    /// The input gradient, with whatever is recomputed before it.
-    pub input: f64,
-    pub weight: f64,
-}
-
-impl Durations {
-    /// The textbook model: a forward, an input gradient and a weight gradient alike.
-    pub const UNITS: Durations = Durations {
-        forward: 1.0,
-        input: 1.0,
-        weight: 1.0,
-    };
-
-    /// A forward and each of the two halves of a backward alike, plus `recomputed` forwards
-    /// redone before the input gradient (activation checkpointing: 1 for full, the recomputed
-    /// share of a forward for selective).
-    pub fn recomputing(recomputed: f64) -> Durations {
-        Durations {
-            input: 1.0 + recomputed,
-            ..Durations::UNITS
-        }
-    }
-
-    /// The duration of `op`.
-    pub fn of(&self, op: Op) -> f64 {
-        match op {
-            Op::Forward => self.forward,
-            Op::Backward => self.input + self.weight,
-            Op::BackwardInput => self.input,
-            Op::BackwardWeight => self.weight,
-        }
-    }
-}
-
 /// Every rank's actions for one step of `p`, rank by rank.
 pub fn actions(p: &Pipeline) -> Result<Vec<Vec<Action>>> {
     Ok(match p.schedule {
