@@ -33,11 +33,10 @@
 use serde::Serialize;
 
 use super::memory::{self, Memory};
-use super::muon::{self, MuonCost};
 use super::setting::{Holds, Layout, Setting};
 use super::step::{flops_per_token, Scaling, StepTime};
 use super::tensor::Link;
-use super::{comm, context, expert, tensor};
+use super::{comm, muon};
 use crate::dist::pipeline::{schedule, timeline, Action, Costs, Durations, Op, Pipeline, Timeline};
 use crate::model::{GradUnit, Parameters};
 
@@ -67,28 +66,11 @@ pub struct PipelinePlan {
     pub bytes_per_step: f64,
     pub link: Link,
     pub bandwidth: f64,
-    /// Bytes an average rank sends to its TP, CP and EP groups per step (its stages' share of
-    /// `tensor::bytes_per_step`, `context::…`, `expert::…`), as its seconds in the step are an
-    /// average rank's.
-    pub tensor_parallel_bytes: f64,
-    pub context_parallel_bytes: f64,
-    pub expert_parallel_bytes: f64,
-    /// Muon's costs on the pipeline rank whose step it lengthens most (None with AdamW).
-    pub muon: Option<MuonCost>,
 }
 
 /// What makes two stages cost alike: decoder layers, MoE layers among them, the embedding,
 /// the LM head.
 type StageKind = (usize, usize, bool, bool);
-
-/// One stage's step on its own: its work (FLOPs and its groups' collectives, seconds), what
-/// those take, and the bytes it sends to its TP, CP and EP groups.
-#[derive(Clone, Copy)]
-struct StageCost {
-    work: f64,
-    time: StepTime,
-    group_bytes: [f64; 3],
-}
 
 /// One layout's pipeline: the plan's figures, the step's time and the peak rank's memory.
 pub struct Run {
@@ -163,8 +145,8 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     // Stages alike (layers, MoE layers, the embedding, the head) cost alike: each kind once.
     let cut = pipe.layers(s.shape.num_layers);
     let last = pipe.stages() - 1;
-    let mut kinds: Vec<(StageKind, StageCost)> = Vec::new();
-    let stages: Vec<StageCost> = (0..pipe.stages())
+    let mut kinds: Vec<(StageKind, (f64, StepTime))> = Vec::new();
+    let stages: Vec<(f64, StepTime)> = (0..pipe.stages())
         .map(|st| {
             let sparse = cut[st].clone().filter(|&i| s.shape.is_sparse(i)).count();
             let kind = (cut[st].len(), sparse, st == 0, st == last);
@@ -173,20 +155,12 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
             }
             let one = rank_setting(s, &pipe, &[st], world, None);
             let t = StepTime::of(&one, l, stage_world);
-            let cost = StageCost {
-                work: t.compute_seconds
-                    + t.tensor_parallel_seconds
-                    + t.context_parallel_seconds
-                    + t.expert_parallel_seconds,
-                time: t,
-                group_bytes: [
-                    tensor::bytes_per_step(&one, l),
-                    context::bytes_per_step(&one, l),
-                    expert::bytes_per_step(&one, l),
-                ],
-            };
-            kinds.push((kind, cost));
-            cost
+            let work = t.compute_seconds
+                + t.tensor_parallel_seconds
+                + t.context_parallel_seconds
+                + t.expert_parallel_seconds;
+            kinds.push((kind, (work, t)));
+            (work, t)
         })
         .collect();
     let durations = durations(s, l);
@@ -194,7 +168,7 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     let bytes = message_bytes(s, l);
     // A micro-batch's share of a stage's work, split as the actions' durations are.
     let whole = durations.forward + durations.input + durations.weight;
-    let seconds = |a: Action| stages[a.stage].work / m * durations.of(a.op) / whole;
+    let seconds = |a: Action| stages[a.stage].0 / m * durations.of(a.op) / whole;
     let kept = |st: usize| cut[st].len() as f64;
     let lists = schedule::actions(&pipe).expect("a schedule the config checks accept");
     let time_with = |link_seconds: f64| -> Timeline {
@@ -210,12 +184,8 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
     // The ranks: memory at their peaks, and the reductions after their last backward.
     let mut rank_bytes = Vec::new();
     let mut peak: Option<Memory> = None;
-    let (mut data_parallel, mut dp_bytes) = (0.0f64, 0.0f64);
-    let mut busiest_muon: Option<MuonCost> = None;
-    // Muon's matrices and their FLOPs over all ranks: each holds its stages' (no matrix twice).
-    let (mut matrices, mut total_flops) = (0.0, 0.0);
+    let (mut data_parallel, mut muon_seconds, mut dp_bytes) = (0.0f64, 0.0f64, 0.0f64);
     let mut mean = StepTime::default();
-    let mut group_bytes = [0.0; 3];
     for r in 0..pipe.ranks {
         let mine = pipe.stages_of(r);
         let rank = rank_setting(s, &pipe, &mine, world, Some(sent.peak_kept[r]));
@@ -226,19 +196,11 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
         }
         data_parallel = data_parallel.max(comm::seconds_per_step(&rank, l, stage_world));
         dp_bytes = dp_bytes.max(comm::bytes_per_step(&rank, l, l.zero_stage, stage_world));
-        if let Some(c) = muon::cost(&rank, l.zero_stage, stage_world) {
-            matrices += c.matrices;
-            total_flops += c.total_flops;
-            if busiest_muon.is_none_or(|b| c.seconds > b.seconds) {
-                busiest_muon = Some(c);
-            }
-        }
-        let share = 1.0 / pipe.ranks as f64;
+        muon_seconds = muon_seconds
+            .max(muon::cost(&rank, l.zero_stage, stage_world).map_or(0.0, |c| c.seconds));
         for &st in &mine {
-            let t = &stages[st].time;
-            for (sum, b) in group_bytes.iter_mut().zip(stages[st].group_bytes) {
-                *sum += b * share;
-            }
+            let t = &stages[st].1;
+            let share = 1.0 / pipe.ranks as f64;
             mean.compute_seconds += t.compute_seconds * share;
             mean.tensor_parallel_seconds += t.tensor_parallel_seconds * share;
             mean.context_parallel_seconds += t.context_parallel_seconds * share;
@@ -251,7 +213,7 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
         + mean.expert_parallel_seconds;
     let time = StepTime {
         data_parallel_seconds: data_parallel,
-        muon_seconds: busiest_muon.map_or(0.0, |c| c.seconds),
+        muon_seconds,
         pipeline_bubble_seconds: (idle.makespan - work).max(0.0),
         pipeline_p2p_seconds: (sent.makespan - idle.makespan).max(0.0),
         ..mean
@@ -280,16 +242,6 @@ pub fn run(s: &Setting, l: &Layout, world: usize) -> Run {
             bytes_per_step: sends as f64 * bytes,
             link,
             bandwidth: link.bandwidth(s),
-            tensor_parallel_bytes: group_bytes[0],
-            context_parallel_bytes: group_bytes[1],
-            expert_parallel_bytes: group_bytes[2],
-            // The matrices and their FLOPs are the whole model's, as `muon::cost` counts them;
-            // the rest is the busiest rank's.
-            muon: busiest_muon.map(|b| MuonCost {
-                matrices,
-                total_flops,
-                ..b
-            }),
         },
         time,
         memory: peak.expect("a pipeline has a rank"),
@@ -488,32 +440,6 @@ mod tests {
             assert!((e.step_seconds - e.time.total()).abs() < 1e-9);
         }
         assert!(inter.step_seconds < one.step_seconds && zbv.step_seconds < one.step_seconds);
-    }
-
-    /// The report's group traffic and Muon's line are a pipeline rank's, as the step's seconds
-    /// are: the TP bytes over the link are the TP seconds, Muon's matrices are the whole
-    /// model's once and its seconds the busiest rank's.
-    #[test]
-    fn a_ranks_group_bytes_and_muon_are_its_stages_share() {
-        let (s, l) = eight_layers(
-            8,
-            &[
-                "system.pipeline_parallel=4",
-                "system.tensor_parallel=2",
-                "training.grad_accum_nums=8",
-                "training.optimizer=muon",
-            ],
-        );
-        let run = run(&s, &l, 8);
-        let p = &run.plan;
-        let tp = p.tensor_parallel_bytes / tensor::bandwidth(&s);
-        assert!(
-            (tp - run.time.tensor_parallel_seconds).abs() < 1e-9 * tp,
-            "{tp}"
-        );
-        let m = p.muon.unwrap();
-        assert_eq!(m.matrices, muon::matrix_elements(&s, 1));
-        assert_eq!(m.seconds, run.time.muon_seconds);
     }
 
     /// Fewer micro-batches than stages trains, with the bubble said.

@@ -190,9 +190,6 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         })
         .filter(|total| *total <= s.budget);
     let tokens = l.tokens_per_step(s.context) as f64;
-    // With pipeline stages a rank's group traffic and Muon's costs are its stages' share.
-    let pipeline = configured.pipeline.clone();
-    let pipe = pipeline.as_ref();
     let sh = &s.shape;
     Report {
         model: ModelSummary {
@@ -237,17 +234,14 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
                 * configured.step_seconds),
         tokens_per_second_total: tokens * s.data_ranks(s.world) as f64 / configured.step_seconds,
         comm_bytes_per_step: ZeroStage::ALL.map(|zero_stage| data_parallel_bytes(s, l, zero_stage)),
-        tensor_parallel_bytes_per_step: pipe
-            .map_or(tensor::bytes_per_step(s, l), |p| p.tensor_parallel_bytes),
+        tensor_parallel_bytes_per_step: tensor::bytes_per_step(s, l),
         tensor_parallel_link: tensor::link(s),
         tensor_parallel_bandwidth: tensor::bandwidth(s),
-        context_parallel_bytes_per_step: pipe
-            .map_or(context::bytes_per_step(s, l), |p| p.context_parallel_bytes),
+        context_parallel_bytes_per_step: context::bytes_per_step(s, l),
         context_parallel_link: context::link(s),
         context_parallel_bandwidth: context::bandwidth(s),
         expert_parallel: s.expert_parallel,
-        expert_parallel_bytes_per_step: pipe
-            .map_or(expert::bytes_per_step(s, l), |p| p.expert_parallel_bytes),
+        expert_parallel_bytes_per_step: expert::bytes_per_step(s, l),
         expert_parallel_link: expert::link(s),
         expert_parallel_bandwidth: expert::bandwidth(s),
         prefetch_units: s.prefetch_units,
@@ -268,10 +262,7 @@ pub fn build(s: &Setting, l: &Layout) -> Report {
         tensor_parallel_advice,
         context_parallel_advice,
         expert_parallel_advice,
-        muon: match pipe {
-            Some(p) => p.muon,
-            None => super::muon::cost(s, l.zero_stage, s.world),
-        },
+        muon: super::muon::cost(s, l.zero_stage, s.world),
         pipeline_options,
         pipeline_advice,
     }
